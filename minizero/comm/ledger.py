@@ -1,0 +1,46 @@
+"""The byte ledger: what each rank sent, per collective kind.
+
+It is an observer attached to a :class:`~minizero.comm.base.Comm` from the
+outside -- no stage contains a line of accounting.  With the ring backend it
+counts the bytes of every ``isend``/``send`` that actually happened; with the
+native backend, the bytes the ring algorithm would send for the same call.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from contextlib import contextmanager
+
+
+class Ledger:
+    def __init__(self):
+        self.sent: Counter[str] = Counter()  # kind -> bytes
+        self.messages: Counter[str] = Counter()  # kind -> number of sends
+        self._lock = threading.Lock()  # the comm thread and the main thread may both report
+
+    def __call__(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self.sent[kind] += nbytes
+            self.messages[kind] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+    def reset(self) -> None:
+        with self._lock:
+            self.sent.clear()
+            self.messages.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.sent)
+
+    @contextmanager
+    def attached(self, comm):
+        """Count what ``comm`` sends inside the ``with`` block."""
+        comm.add_observer(self)
+        try:
+            yield self
+        finally:
+            comm.remove_observer(self)

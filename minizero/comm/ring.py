@@ -1,0 +1,163 @@
+"""Collectives built from nothing but point-to-point ``isend``/``recv``.
+
+Picture the ranks on a ring: rank ``r`` sends only to its right neighbour
+``r+1`` and receives only from its left neighbour ``r-1``.  Cut the tensor
+into ``N`` chunks.  Then
+
+* **reduce-scatter** takes ``N-1`` steps: at each step a rank passes one
+  partially reduced chunk to the right and adds its own contribution to the
+  chunk arriving from the left.  After ``N-1`` steps rank ``r`` holds chunk
+  ``r`` summed over all ranks.  Each rank sent ``(N-1)/N`` of the tensor.
+* **all-gather** takes ``N-1`` more steps: each rank forwards the finished
+  chunk it last received.  Another ``(N-1)/N`` of the tensor.
+* **all-reduce** is reduce-scatter followed by all-gather:
+  ``2(N-1)/N * S`` bytes per rank, independent of ``N`` as ``N`` grows --
+  which is why ring all-reduce scales and the root all-reduce does not.
+
+Every rank sends and receives at once (``isend`` then ``recv``), so each link
+of the ring is busy in both steps of the pipeline and no rank waits for a
+rank that waits for it (a deadlock with blocking ``send`` on both sides).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .base import Comm, ReduceOp, check_tensor, chunk_bounds, collective
+
+
+class RingComm(Comm):
+    name = "ring"
+
+    # ---------------------------------------------------------------- p2p
+    def _send_right_recv_left(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
+        """One ring step.  Empty chunks (fewer elements than ranks) are skipped
+        on both ends: the chunk a rank sends is the chunk its right neighbour
+        expects, so both sides agree on the skip."""
+        right = self.peer((self.rank + 1) % self.world_size)
+        left = self.peer((self.rank - 1) % self.world_size)
+        request = None
+        if send is not None and send.numel() > 0:
+            request = dist.isend(send, right, group=self.group)
+        if recv is not None and recv.numel() > 0:
+            dist.recv(recv, left, group=self.group)
+        if request is not None:
+            request.wait()
+            self._report_sent(send.numel() * send.element_size())
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        if tensor.numel() > 0:
+            dist.send(tensor, self.peer(dst), group=self.group)
+            self._report_sent(tensor.numel() * tensor.element_size())
+
+    def _recv(self, tensor: torch.Tensor, src: int) -> None:
+        if tensor.numel() > 0:
+            dist.recv(tensor, self.peer(src), group=self.group)
+
+    def _chunks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        flat = tensor.view(-1)
+        return [flat[a:b] for a, b in chunk_bounds(flat.numel(), self.world_size)]
+
+    # ------------------------------------------------------ the two phases
+    def _ring_reduce_scatter(self, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Leave in ``out`` the sum over ranks of ``chunks[self.rank]``.
+
+        ``chunks`` are this rank's contributions and are only read, except
+        when ``out`` *is* ``chunks[rank]`` (all-reduce works in place).  The
+        partial sums travelling round the ring live in two scratch buffers of
+        one chunk each.
+        Step ``s`` sends chunk ``r-s-1`` and receives chunk ``r-s-2``, so the
+        last chunk to arrive, at step ``N-2``, is chunk ``r`` itself.
+        """
+        n, r = self.world_size, self.rank
+        if n == 1:
+            if out is not chunks[r]:
+                out.copy_(chunks[r])
+            return
+        largest = max(c.numel() for c in chunks)
+        buffers = [torch.empty(largest, dtype=out.dtype, device=out.device) for _ in range(2)]
+        send = chunks[(r - 1) % n]
+        for step in range(n - 1):
+            index = (r - step - 2) % n
+            # Receive into the buffer that is *not* in flight: two buffers alternate.
+            incoming = buffers[step % 2][: chunks[index].numel()]
+            self._send_right_recv_left(send, incoming)
+            if index == r:
+                torch.add(incoming, chunks[index], out=out)
+            else:
+                send = incoming.add_(chunks[index])
+
+    def _ring_all_gather(self, chunks: list[torch.Tensor]) -> None:
+        """``chunks[rank]`` is complete on every rank; fill in the others.
+        Step ``s`` forwards chunk ``r-s`` and receives chunk ``r-s-1``."""
+        n, r = self.world_size, self.rank
+        for step in range(n - 1):
+            self._send_right_recv_left(chunks[(r - step) % n], chunks[(r - step - 1) % n])
+
+    # -------------------------------------------------------- collectives
+    @collective("all_reduce")
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        check_tensor(tensor, "all_reduce")
+        chunks = self._chunks(tensor)
+        mine = chunks[self.rank]
+        self._ring_reduce_scatter(chunks, mine)
+        if op is ReduceOp.AVG:
+            mine.div_(self.world_size)  # on 1/N of the data, before it is copied N-1 times
+        self._ring_all_gather(chunks)
+
+    @collective("reduce_scatter")
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        self._check_shards(output, input, input, output, "reduce_scatter")
+        self._ring_reduce_scatter(self._chunks(input), output.view(-1))
+        if op is ReduceOp.AVG:
+            output.div_(self.world_size)
+
+    @collective("all_gather")
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._check_shards(output, input, output, input, "all_gather")
+        chunks = self._chunks(output)
+        chunks[self.rank].copy_(input.view(-1))
+        self._ring_all_gather(chunks)
+
+    @collective("broadcast")
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """A pipelined chain ``src -> src+1 -> ... -> src-1``: pieces are
+        forwarded as soon as they arrive, so the chain costs about one tensor
+        transfer, not ``N-1``.  Every rank but the last in the chain sends the
+        tensor once."""
+        check_tensor(tensor, "broadcast")
+        n = self.world_size
+        if n == 1:
+            return
+        position = (self.rank - src) % n
+        pieces = tensor.view(-1).split(max(1, (1 << 20) // tensor.element_size()))
+        requests = []
+        right = self.peer((self.rank + 1) % n)
+        for piece in pieces:
+            if position > 0:
+                self._recv(piece, (self.rank - 1) % n)
+            if position < n - 1 and piece.numel() > 0:
+                requests.append((dist.isend(piece, right, group=self.group), piece))
+        for request, piece in requests:
+            request.wait()
+            self._report_sent(piece.numel() * piece.element_size())
+
+    @collective("root_all_reduce")
+    def root_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        """The naive all-reduce, for contrast: everyone sends to rank 0, rank 0
+        adds, then sends the result back to everyone.  The root sends
+        ``(N-1) * S`` bytes and receives as many: its link is the bottleneck
+        and grows with ``N`` -- the parameter-server problem."""
+        check_tensor(tensor, "root_all_reduce")
+        if self.rank == 0:
+            incoming = torch.empty_like(tensor)
+            for src in range(1, self.world_size):
+                self._recv(incoming, src)
+                tensor.add_(incoming)
+            if op is ReduceOp.AVG:
+                tensor.div_(self.world_size)
+            for dst in range(1, self.world_size):
+                self._send(tensor, dst)
+        else:
+            self._send(tensor, 0)
+            self._recv(tensor, 0)

@@ -1,0 +1,209 @@
+"""Run a function on N ranks: locally (a pool of processes) or under torchrun.
+
+The function receives a :class:`Rank` first, then its arguments, and may
+return a (picklable) result; the caller gets the list of results in rank
+order.  The same function runs unchanged under ``torchrun``: there
+:func:`init_from_env` builds the ``Rank`` from the environment.
+
+Three promises, because a distributed run that hangs teaches nothing:
+
+* an exception on any rank reaches the caller as :class:`RankError`, naming the
+  rank and carrying its traceback, and the other ranks are stopped;
+* a rank that dies (killed, segfault, ``os._exit``) ends the run at once;
+* a rank that stalls (a collective its peers never join) ends the run after
+  ``timeout`` seconds -- never a hang.
+
+Starting processes and a gloo group costs seconds, so :class:`RankPool`
+keeps its ranks alive: the property suite runs hundreds of examples on one
+pool per world size.  The start method is ``fork`` on Linux CPU, which -- unlike
+``spawn`` -- can start a function defined in a notebook.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Who this process is.  ``device`` is where its tensors live."""
+
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    backend: str = "gloo"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or stalled.  ``rank`` is None when none could be blamed."""
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def check_world_size(world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+
+
+# --------------------------------------------------------------------- torchrun
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> Rank:
+    """Join the process group torchrun describes (``env://`` rendezvous).
+
+    With NCCL, ``LOCAL_RANK`` picks the CUDA device, one GPU per process.
+    """
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return Rank(rank, world_size, local_rank, backend)
+
+
+# ------------------------------------------------------------------ local pool
+def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s):
+    """Body of each pool process: join the group, then run tasks until None."""
+    torch.set_num_threads(threads)  # N ranks share the cores; oversubscribing them is slower
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    me = Rank(rank, world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        try:
+            fn, args, kwargs = pickle.loads(task)
+            reply = (True, fn(me, *args, **kwargs))
+        except BaseException:  # noqa: BLE001 -- every failure must reach the caller
+            reply = (False, traceback.format_exc())
+        try:
+            payload = pickle.dumps(reply)  # by value: no shared-memory handles outlive the pool
+        except Exception:  # noqa: BLE001
+            payload = pickle.dumps((False, f"rank {rank}: result is not picklable:\n{traceback.format_exc()}"))
+        results.put((rank, payload))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` ranks on this machine, kept alive between :meth:`run` calls."""
+
+    def __init__(self, world_size: int, *, timeout_s: float = 300.0, threads_per_rank: int = 1,
+                 start_method: str | None = None):
+        check_world_size(world_size)
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        if start_method is None:
+            start_method = "fork" if sys.platform.startswith("linux") else "spawn"
+        context = mp.get_context(start_method)
+        # The parent hosts the rendezvous store on a free port (port 0): no fixed
+        # port, and no race between picking a port and binding it.
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
+                                    wait_for_workers=False)
+        self._results = context.Queue()
+        self._tasks = [context.Queue() for _ in range(world_size)]
+        self._processes = [
+            context.Process(target=_rank_main, name=f"minizero-rank{r}", daemon=True,
+                            args=(r, world_size, self._store.port, self._tasks[r], self._results,
+                                  threads_per_rank, timeout_s))
+            for r in range(world_size)
+        ]
+        for process in self._processes:
+            process.start()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
+        """Run ``fn(rank, *args, **kwargs)`` on every rank; results in rank order.
+
+        On any failure the pool is shut down (its ranks may be stuck in a
+        collective with the failed one) and :class:`RankError` is raised.
+        """
+        if self.broken:
+            raise RankError("this RankPool was shut down after an earlier failure; create a new one")
+        task = pickle.dumps((fn, args, kwargs))
+        for q in self._tasks:
+            q.put(task)
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while len(results) < self.world_size:
+            try:
+                rank, payload = self._results.get(timeout=0.05)
+            except queue.Empty:
+                self._check_alive(deadline, results)
+                continue
+            ok, value = pickle.loads(payload)
+            if not ok:
+                time.sleep(0.2)  # if a peer died, that death -- not this symptom -- is the news
+                self._check_alive(deadline=float("inf"), done=results)
+                self.close(kill=True)
+                raise RankError(f"rank {rank} raised:\n{value}", rank=rank, remote_traceback=value)
+            results[rank] = value
+        return [results[r] for r in range(self.world_size)]
+
+    def _check_alive(self, deadline: float, done: dict[int, Any]) -> None:
+        for rank, process in enumerate(self._processes):
+            if process.exitcode is not None:
+                self.close(kill=True)
+                raise RankError(f"rank {rank} died with exit code {process.exitcode} "
+                                f"(negative: killed by that signal); the other ranks were stopped", rank=rank)
+        if time.monotonic() > deadline:
+            waiting = [r for r in range(self.world_size) if r not in done]
+            self.close(kill=True)
+            raise RankError(f"ranks {waiting} did not finish within the timeout; a rank is stalled "
+                            f"(a collective its peers never joined?) -- the run was stopped",
+                            rank=waiting[0] if len(waiting) == 1 else None)
+
+    def close(self, kill: bool = False) -> None:
+        if self.broken:
+            return
+        self.broken = True
+        if not kill:
+            for q in self._tasks:
+                q.put(None)
+            for process in self._processes:
+                process.join(timeout=10)
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(kill=exc[0] is not None)
+
+
+def run(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 300.0, **kwargs) -> list[Any]:
+    """Start ``world_size`` ranks, run ``fn(rank, *args, **kwargs)`` on each, stop them.
+
+    Under torchrun this process *is* one rank: ``fn`` runs here and the list
+    holds just this rank's result.
+    """
+    if under_torchrun():
+        return [fn(init_from_env(), *args, **kwargs)]
+    with RankPool(world_size, timeout_s=timeout_s) as pool:
+        return pool.run(fn, *args, **kwargs)
