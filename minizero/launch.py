@@ -84,10 +84,29 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> Rank:
 
 
 # ------------------------------------------------------------------ local pool
+def _rendezvous(rank: int, port, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 hosts the store on a free port (port 0: the OS picks, so there
+    is no race between choosing a port and binding it) and publishes it in
+    shared memory; the others wait for it and connect.  The parent hosts
+    nothing: a server thread in a process that forks is a deadlock waiting
+    to happen."""
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
+        port.value = store.port
+        return store
+    deadline = time.monotonic() + timeout_s
+    while port.value == 0:
+        if time.monotonic() > deadline:
+            raise RankError(f"rank {rank}: rank 0 never published its rendezvous port")
+        time.sleep(0.005)
+    return dist.TCPStore("127.0.0.1", port.value, None, False, timeout=timeout)
+
+
 def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s):
     """Body of each pool process: join the group, then run tasks until None."""
     torch.set_num_threads(threads)  # N ranks share the cores; oversubscribing them is slower
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=timeout_s))
+    store = _rendezvous(rank, port, timeout_s)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     me = Rank(rank, world_size)
@@ -119,15 +138,12 @@ class RankPool:
         if start_method is None:
             start_method = "fork" if sys.platform.startswith("linux") else "spawn"
         context = mp.get_context(start_method)
-        # The parent hosts the rendezvous store on a free port (port 0): no fixed
-        # port, and no race between picking a port and binding it.
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
-                                    wait_for_workers=False)
+        port = context.Value("i", 0)  # filled in by rank 0, see _rendezvous
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(world_size)]
         self._processes = [
             context.Process(target=_rank_main, name=f"minizero-rank{r}", daemon=True,
-                            args=(r, world_size, self._store.port, self._tasks[r], self._results,
+                            args=(r, world_size, port, self._tasks[r], self._results,
                                   threads_per_rank, timeout_s))
             for r in range(world_size)
         ]

@@ -1,0 +1,105 @@
+"""One experiment: a task, an optimizer and a stage, trained for a few steps.
+
+The same :func:`run_experiment` runs on every rank of a stage and, with
+``stage="reference"``, in a single process on the global batch.  The caller
+(``compare``, the property suite, the lessons) then holds both sets of
+results and can check equivalence step by step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .comm import Ledger, make_comm
+from .data import TASKS
+from .launch import Rank
+from .models import count_params
+from .stages import check_stage_names, make_stage
+from .train import make_optimizer, shard_step, train_step
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+#: Relative tolerance (infinity-norm, per tensor) for "numerically equivalent".
+RTOL = {"float64": 1e-9, "float32": 1e-5}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    stage: str = "ddp"
+    task: str = "gpt"
+    model: dict = field(default_factory=dict)  # keyword arguments of the task's model
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    steps: int = 3
+    micro_batch: int = 4  # samples per rank per micro-batch
+    accum: int = 1  # K micro-batches per optimizer step
+    dtype: str = "float64"
+    seed: int = 0
+    backend: str = "ring"  # ring (send/recv) or native (torch collectives)
+    rank_sizes: tuple | None = None  # samples per rank per step, if not micro_batch * accum each
+    options: dict = field(default_factory=dict)  # stage options
+
+    def global_batch(self, world_size: int) -> int:
+        return sum(self.rank_sizes) if self.rank_sizes else self.micro_batch * self.accum * world_size
+
+
+def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = None) -> dict:
+    """Train; return per-step parameters, losses, bytes sent and step times of this rank.
+
+    ``me`` is None for the single-process reference, which then needs the
+    ``world_size`` of the run it stands for (to draw the same global batch).
+    Ranks initialise from *different* seeds so that the wrap-time broadcast
+    is exercised; the reference uses rank 0's.
+    """
+    rank, n = (me.rank, me.world_size) if me else (0, world_size or 1)
+    task, dtype = TASKS[exp.task], DTYPES[exp.dtype]
+    check_stage_names([exp.stage])
+    model = task.make_model(exp.seed + 1000 * rank, dtype, **exp.model)
+    optimizer = make_optimizer(exp.optimizer, model.parameters(), exp.lr)
+    comm = make_comm(exp.backend) if me else None
+    stage = make_stage(exp.stage, model, optimizer, comm, **exp.options)
+    ledger = Ledger()
+    if comm:
+        comm.add_observer(ledger)  # after wrapping: count training traffic only
+    params, losses, times = [], [], []
+    for s in range(exp.steps):
+        x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
+        step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
+            else shard_step(x, y, 0, 1, 1)
+        start = time.perf_counter()
+        losses.append(train_step(stage, step))
+        times.append(time.perf_counter() - start)
+        params.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    if comm:
+        comm.close()
+    return {"params": params, "losses": losses, "global_count": step.global_count, "step_s": times,
+            "sent_bytes": ledger.total, "sent_by_kind": ledger.snapshot(), "psi": count_params(model),
+            "grad_bytes": torch.empty(0, dtype=dtype).element_size()}
+
+
+def reference_of(exp: Experiment, world_size: int) -> dict:
+    return run_experiment(None, replace(exp, stage="reference"), world_size)
+
+
+def max_diff(results: list[dict], reference: dict) -> tuple[float, float]:
+    """(max |param - reference|, max relative error per tensor) over all ranks and steps."""
+    worst_abs, worst_rel = 0.0, 0.0
+    for result in results:
+        for mine, ref in zip(result["params"], reference["params"]):
+            for name, r in ref.items():
+                if r.numel() == 0:
+                    continue
+                diff = (mine[name] - r).abs().max().item()
+                worst_abs = max(worst_abs, diff)
+                worst_rel = max(worst_rel, diff / max(r.abs().max().item(), 1e-300))
+    return worst_abs, worst_rel
+
+
+def loss_error(results: list[dict], reference: dict) -> float:
+    """Max relative error of the global mean loss over steps."""
+    worst = 0.0
+    for s, ref in enumerate(reference["losses"]):
+        total = sum(r["losses"][s] for r in results)
+        worst = max(worst, abs(total - ref) / max(abs(ref), 1e-300))
+    return worst

@@ -1,0 +1,151 @@
+"""Small deterministic models: the same weights for the same seed, everywhere.
+
+* :class:`MLP` -- the smallest thing with several layers of gradients.
+* :class:`TinyGPT` -- a GPT-style transformer (pre-LayerNorm blocks, causal
+  self-attention, no dropout) whose input embedding is *tied* to the output
+  head: one ``Parameter`` used twice, the classic trap for sharding.
+* :class:`EdgeModel` -- every awkward parameter at once: frozen, created with
+  ``requires_grad=False``, unused in forward, tied, and zero-size.
+
+No dropout and no BatchNorm anywhere: per-rank RNG and per-rank batch
+statistics make data-parallel training differ from single-device training
+on purpose, which would hide real bugs in the equivalence suite.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _init(module: nn.Module, seed: int, dtype: torch.dtype) -> nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.numel() == 0:
+                continue
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:  # LayerNorm weight
+                p.fill_(1.0)
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(fan_in))
+    return module.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes=(8, 16, 4), seed: int = 0, dtype=torch.float32):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        _init(self, seed, dtype)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        # No bias: the key bias shifts every score of a row equally, softmax ignores
+        # it, so its true gradient is 0 and Adam would turn rounding noise in it
+        # into full-size +-lr steps -- a parameter no two summation orders agree on.
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.n_head)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        y = scores.softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """One transformer block: the natural ZeRO-3 / FSDP unit."""
+
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab_size: int = 48, d_model: int = 32, n_head: int = 4, n_layer: int = 2,
+                 block_size: int = 32, seed: int = 0, dtype=torch.float32):
+        super().__init__()
+        self.block_size = block_size
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.position_embedding = nn.Embedding(block_size, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.token_embedding.weight  # tied: one Parameter, two uses
+        _init(self, seed, dtype)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.token_embedding(idx) + self.position_embedding(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class EdgeModel(nn.Module):
+    """An MLP carrying every kind of parameter a data-parallel wrapper can get wrong."""
+
+    def __init__(self, d_in: int = 6, d_hidden: int = 8, d_out: int = 3, seed: int = 0, dtype=torch.float32):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d_hidden)
+        self.frozen = nn.Linear(d_hidden, d_hidden)  # frozen after creation, like a fine-tuning base
+        self.mid = nn.Linear(d_hidden, d_hidden)
+        self.scale = nn.Parameter(torch.ones(d_hidden), requires_grad=False)  # born without gradient
+        self.unused = nn.Parameter(torch.ones(5))  # never touched by forward: its .grad stays None
+        self.empty = nn.Parameter(torch.ones(0))  # zero-size, and used
+        self.out = nn.Linear(d_hidden, d_out)
+        self.out_again = self.out  # the same module under two names
+        self.tied = nn.Linear(d_hidden, d_hidden, bias=False)
+        self.tied.weight = self.mid.weight  # the same Parameter in two layers
+        _init(self, seed, dtype)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.frozen(h)) * self.scale
+        h = torch.tanh(self.mid(h)) + self.empty.sum()
+        h = torch.tanh(self.tied(h))
+        return self.out_again(h)
+
+
+def sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Loss *summed* over the batch: cross-entropy for integer targets, squared error otherwise.
+
+    The training loop divides by the global number of loss terms, so the
+    gradient is that of the mean over the *global* batch whatever the per-rank
+    split -- even when ranks hold different numbers of samples.
+    """
+    if target.dtype in (torch.int64, torch.int32):
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction="sum")
+    return F.mse_loss(output, target, reduction="sum")
+
+
+def count_params(model: nn.Module) -> int:
+    """Ψ: distinct trainable parameter elements (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,29 @@
+"""The stages, by name.  ``reference`` is single-device training: the truth."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from .base import Stage, broadcast_module, check_same_model
+from .ddp import DDP
+
+STAGES: dict[str, type[Stage]] = {"reference": Stage, "ddp": DDP}
+
+
+def check_stage_names(names: list[str]) -> None:
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; valid stages: {', '.join(STAGES)}")
+
+
+def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm | None = None,
+               **options) -> Stage:
+    """Wrap ``module`` and ``optimizer`` as stage ``name``."""
+    check_stage_names([name])
+    if name != "reference" and comm is None:
+        raise ValueError(f"stage {name!r} communicates: pass a Comm (minizero.comm.make_comm)")
+    return STAGES[name](module, optimizer, comm, **options) if name != "reference" else Stage(module, optimizer)
+
+
+__all__ = ["DDP", "STAGES", "Stage", "broadcast_module", "check_same_model", "check_stage_names", "make_stage"]

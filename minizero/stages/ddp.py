@@ -1,0 +1,71 @@
+"""Stage ``ddp``: the simplest correct data parallelism.
+
+Every rank holds the whole model and a different slice of the global batch.
+If all replicas start equal and apply the same update, they stay equal, and
+the update equals single-device training on the global batch when it uses
+the *average* of the ranks' gradients (the gradient of a mean is the mean of
+the gradients).  So:
+
+1. at wrap time, broadcast rank 0's parameters (ranks may have initialised
+   differently);
+2. when backward finishes, all-reduce (average) every gradient;
+3. step the ordinary optimizer, identically on every rank.
+
+The all-reduce runs once per backward, over one flat buffer per dtype, so
+its cost is the ring all-reduce of the gradients: 2(N-1)/N * Psi * b bytes per
+rank.  Inside ``no_sync()`` nothing is sent and gradients accumulate locally;
+the first backward after it averages the accumulated sums (torch's idiom).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import Comm, ReduceOp
+from ..flat import group_by_dtype, pack, unpack
+from .base import Stage, broadcast_module, check_same_model
+
+
+class DDP(Stage):
+    name = "ddp"
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm):
+        super().__init__(module, optimizer, comm)
+        check_same_model(module, comm)
+        broadcast_module(module, comm)
+
+    def forward(self, *args, **kwargs):
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._sync_after_backward(output)
+        return output
+
+    def _sync_after_backward(self, output) -> None:
+        """Arrange for :meth:`sync_gradients` to run once backward has finished.
+
+        The output's gradient is the first thing backward computes; from its
+        hook we queue a callback that autograd runs after the *whole* pass,
+        when every ``.grad`` holds its final (accumulated) value.  This is how
+        torch's DDP reducer finalises, too.
+        """
+        def queue_sync(grad):
+            torch.autograd.Variable._execution_engine.queue_callback(self.sync_gradients)
+
+        tensors = output if isinstance(output, (tuple, list)) else [output]
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(queue_sync)
+                return
+
+    def sync_gradients(self) -> None:
+        """Average every gradient across ranks: one flat all-reduce per dtype.
+
+        A parameter whose ``.grad`` is None (unused in forward) is left out;
+        that set must be the same on every rank, as it is for a model without
+        data-dependent control flow.
+        """
+        grads = [p.grad for _, p in self.trainable() if p.grad is not None]
+        for group in group_by_dtype(grads).values():
+            flat = pack(group)
+            self.comm.all_reduce(flat, ReduceOp.AVG)
+            unpack(flat, group)

@@ -1,0 +1,80 @@
+"""The one training loop.  It drives the reference and every stage alike.
+
+The *global batch* of a step is the concatenation, in rank order, of every
+rank's micro-batches over all ``K`` accumulation steps.  Each rank sums its
+loss and scales it by ``world_size / global_count``; the stage then averages
+gradients over ranks.  Result: the gradient of the mean loss over the global
+batch -- exactly what the reference computes on the whole batch at once,
+even when ranks hold different numbers of samples (a plain per-rank mean
+would silently over-weight the small ranks).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .models import sum_loss
+
+
+@dataclass
+class Step:
+    """One optimizer step's data on one rank: ``K`` micro-batches (x, y)."""
+
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    global_count: int  # loss terms in the *global* batch (all ranks, all micro-batches)
+
+
+def shard_step(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, accum_steps: int = 1,
+               rank_sizes: list[int] | None = None) -> Step:
+    """This rank's part of a global batch: a contiguous slice, cut into ``accum_steps`` micro-batches.
+
+    ``rank_sizes`` (samples per rank) may be unequal; by default the batch
+    splits evenly and must divide by ``world_size``.
+    """
+    if rank_sizes is None:
+        if x.shape[0] % world_size:
+            raise ValueError(f"global batch of {x.shape[0]} samples does not split evenly over {world_size} "
+                             f"ranks; pass rank_sizes=[...] to split it unevenly (weighted correctly)")
+        rank_sizes = [x.shape[0] // world_size] * world_size
+    if len(rank_sizes) != world_size or sum(rank_sizes) != x.shape[0] or min(rank_sizes) < 0:
+        raise ValueError(f"rank_sizes {rank_sizes} must be {world_size} non-negative counts summing to "
+                         f"the global batch of {x.shape[0]} samples")
+    start = sum(rank_sizes[:rank])
+    mine = slice(start, start + rank_sizes[rank])
+    micro = list(zip(x[mine].tensor_split(accum_steps), y[mine].tensor_split(accum_steps)))
+    return Step(micro, global_count=y.numel())
+
+
+def train_step(stage, step: Step, loss_fn: Callable = sum_loss) -> float:
+    """One optimizer step; returns this rank's *summed* loss (add over ranks, divide by global_count)."""
+    stage.zero_grad()
+    scale = stage.world_size / step.global_count
+    total = 0.0
+    last = len(step.micro_batches) - 1
+    for k, (x, y) in enumerate(step.micro_batches):
+        # Only the last micro-batch's backward synchronises (torch's no_sync idiom).
+        with stage.no_sync() if k < last else contextlib.nullcontext():
+            loss = loss_fn(stage(x), y)
+            (loss * scale).backward()
+        total += loss.item()
+    stage.step()
+    return total
+
+
+OPTIMIZERS = {
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
+    "momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+    "nesterov": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True),
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
+}
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    try:
+        return OPTIMIZERS[name](params, lr)
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}") from None
