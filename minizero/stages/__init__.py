@@ -11,10 +11,14 @@ from .ddp import DDP
 STAGES: dict[str, type[Stage]] = {"reference": Stage, "ddp": DDP}
 
 
-def check_stage_names(names: list[str]) -> None:
-    unknown = [n for n in names if n not in STAGES]
+def check_stage_names(names: list[str], distributed_only: bool = False) -> None:
+    valid = [n for n in STAGES if not (distributed_only and n == "reference")]
+    unknown = [n for n in names if n not in valid]
     if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}; valid stages: {', '.join(STAGES)}")
+        raise ValueError(f"unknown stage(s) {unknown}; valid stages: {', '.join(valid)}"
+                         + (" (the reference is what every stage is compared with)" if distributed_only else ""))
+    if not names:
+        raise ValueError(f"no stage given; valid stages: {', '.join(valid)}")
 
 
 def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm | None = None,

@@ -1,0 +1,38 @@
+# Two commands on a fresh machine:  make demo  and  make test.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# CPU-only machines get torch's CPU build first, so pip never pulls CUDA wheels.
+TORCH  ?= torch==2.13.0
+WORLD  ?= 3
+
+.PHONY: demo test test-deep install bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch already installed"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
+	else $(PY) -m pip install --quiet $(TORCH); fi
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m minizero compare --world-size $(WORLD) --stages ddp
+	$(PY) -m minizero compare --world-size $(WORLD) --stages ddp --dtype float64 --backend native
+
+test: install
+	$(PY) -m pytest -q tests lessons --nbmake --nbmake-timeout=300
+
+# Hunting: many more random examples, fresh seeds each run.
+test-deep: install
+	MINIZERO_DEEP=1 $(PY) -m pytest -q tests -x
+
+bench: install
+	$(PY) -m minizero bench collectives --world-size 2
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,94 @@
+"""``python -m minizero compare``: every stage against the reference, one table.
+
+For each stage: the largest parameter difference from single-device
+training over every step and rank, the bytes each rank sent per step as the
+ledger counted them beside the formula's value, and the step time.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from . import formulas
+from .experiment import RTOL, Experiment, loss_error, max_diff, reference_of, run_experiment
+from .launch import RankPool, check_world_size, init_from_env, under_torchrun
+from .stages import check_stage_names
+
+
+def summarise(stage: str, results: list[dict], reference: dict, exp: Experiment, world_size: int) -> dict:
+    abs_diff, rel_diff = max_diff(results, reference)
+    loss_rel = loss_error(results, reference)
+    first = results[0]
+    times = first["step_s"][1:] or first["step_s"]  # the first step warms up
+    sent = sum(r["sent_bytes"] for r in results) / (len(results) * exp.steps)
+    return {
+        "stage": stage,
+        "world_size": world_size,
+        "dtype": exp.dtype,
+        "backend": exp.backend,
+        "max_abs_diff": abs_diff,
+        "max_rel_diff": rel_diff,
+        "loss_rel_diff": loss_rel,
+        "within_tolerance": rel_diff <= RTOL[exp.dtype] and loss_rel <= RTOL[exp.dtype],
+        "sent_bytes_per_step": sent,
+        "sent_bytes_formula": formulas.sent_bytes_per_step(stage, first["psi"], world_size, first["grad_bytes"]),
+        "step_ms": 1000 * statistics.median(times),
+    }
+
+
+def compare(world_size: int, stages: list[str], exp: Experiment) -> list[dict]:
+    """Run the reference and each stage on identical data; one summary per stage."""
+    check_world_size(world_size)
+    check_stage_names(stages, distributed_only=True)
+    if under_torchrun():
+        return _compare_under_torchrun(stages, exp)
+    reference = reference_of(exp, world_size)
+    rows = []
+    with RankPool(world_size) as pool:
+        for stage in stages:
+            results = pool.run(run_experiment, replace(exp, stage=stage))
+            rows.append(summarise(stage, results, reference, exp, world_size))
+    return rows
+
+
+def _compare_under_torchrun(stages: list[str], exp: Experiment) -> list[dict]:
+    """Each rank checks itself against its own reference run; rank 0 collects."""
+    me = init_from_env()
+    reference = reference_of(exp, me.world_size)
+    rows = []
+    for stage in stages:
+        mine = run_experiment(me, replace(exp, stage=stage))
+        mine = {**mine, "params": [{k: v.cpu() for k, v in p.items()} for p in mine["params"]]}
+        gathered = [None] * me.world_size
+        dist.all_gather_object(gathered, mine)
+        rows.append(summarise(stage, gathered, reference, exp, me.world_size))
+    return rows if me.rank == 0 else []
+
+
+def format_table(rows: list[dict]) -> str:
+    header = f"{'stage':<14}{'max|Δparam|':>13}{'rel':>10}{'ok':>4}{'sent B/step/rank':>18}{'formula':>12}{'step ms':>9}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['stage']:<14}{r['max_abs_diff']:>13.3e}{r['max_rel_diff']:>10.1e}"
+                     f"{'yes' if r['within_tolerance'] else 'NO':>4}{r['sent_bytes_per_step']:>18,.0f}"
+                     f"{r['sent_bytes_formula']:>12,.0f}{r['step_ms']:>9.2f}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    stages = [s for s in args.stages.split(",") if s]
+    exp = Experiment(task=args.task, dtype=args.dtype, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                     micro_batch=args.micro_batch, backend=args.backend, seed=args.seed)
+    rows = compare(args.world_size, stages, exp)
+    if not rows:  # a torchrun rank other than 0
+        return 0
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{args.task} model, {args.dtype}, {args.optimizer}, N={args.world_size}, {args.steps} steps, "
+              f"{args.backend} collectives; tolerance: relative {RTOL[args.dtype]:g}")
+        print(format_table(rows))
+    return 0 if all(r["within_tolerance"] for r in rows) else 1
