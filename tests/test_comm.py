@@ -1,0 +1,157 @@
+"""Collectives built from send/recv: right values, and exactly the right bytes.
+
+Values are small integers, exact in every dtype down to float16, so any
+summation order gives the same bits and results are compared for equality.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minizero.comm import Ledger, ReduceOp, chunk_bounds, make_comm, ring_bytes_sent
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def contribution(rank: int, numel: int, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 101 + rank)
+    return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+
+
+def _collective_on_rank(me, case):
+    kind, numel, dtype, op, backend, seed, src = case
+    comm = make_comm(backend)
+    ledger = Ledger()
+    n = me.world_size
+    with ledger.attached(comm):
+        if kind == "all_reduce":
+            out = contribution(me.rank, numel, dtype, seed)
+            comm.all_reduce(out, op)
+        elif kind == "root_all_reduce":
+            out = contribution(me.rank, numel, dtype, seed)
+            comm.root_all_reduce(out, op)
+        elif kind == "reduce_scatter":
+            full = contribution(me.rank, numel * n, dtype, seed)
+            before = full.clone()
+            out = torch.full((numel,), 99, dtype=dtype)
+            comm.reduce_scatter(out, full, op)
+            assert torch.equal(full, before), "reduce_scatter must not modify its input"
+        elif kind == "all_gather":
+            out = torch.full((numel * n,), 99, dtype=dtype)
+            comm.all_gather(out, contribution(me.rank, numel, dtype, seed))
+        elif kind == "broadcast":
+            out = contribution(me.rank, numel, dtype, seed)
+            comm.broadcast(out, src)
+    comm.close()
+    return out, ledger.snapshot()
+
+
+def expected(kind, rank, n, numel, dtype, op, seed, src):
+    parts = [contribution(r, numel * (n if kind == "reduce_scatter" else 1), dtype, seed).double() for r in range(n)]
+    if kind in ("all_reduce", "root_all_reduce", "reduce_scatter"):
+        total = sum(parts)
+        if op is ReduceOp.AVG:
+            total = total / n
+        return (total.view(n, numel)[rank] if kind == "reduce_scatter" else total).to(dtype)
+    if kind == "all_gather":
+        return torch.cat(parts).to(dtype)
+    return parts[src].to(dtype)
+
+
+cases = st.tuples(
+    st.sampled_from(["all_reduce", "reduce_scatter", "all_gather", "broadcast", "root_all_reduce"]),
+    st.integers(0, 37),  # numel (per shard for reduce_scatter/all_gather); 0 and < world_size included
+    st.sampled_from(DTYPES),
+    st.sampled_from([ReduceOp.SUM, ReduceOp.AVG]),
+    st.sampled_from(["ring", "native"]),
+    st.integers(0, 10_000),
+    st.integers(0, 3),
+)
+
+
+@settings(max_examples=120)
+@given(world_size=st.integers(1, 4), case=cases)
+def test_collectives_match_math_and_ledger(pools, world_size, case):
+    kind, numel, dtype, op, backend, seed, src = case
+    src = src % world_size
+    case = (kind, numel, dtype, op, backend, seed, src)
+    if op is ReduceOp.AVG and dtype in (torch.float16, torch.bfloat16):
+        op = ReduceOp.SUM  # x/3 rounds differently depending on where the division happens
+        case = (kind, numel, dtype, op, backend, seed, src)
+    results = pools.run(world_size, _collective_on_rank, case)
+    full_numel = numel * world_size if kind in ("reduce_scatter", "all_gather") else numel
+    for rank, (out, sent) in enumerate(results):
+        want = expected(kind, rank, world_size, numel, dtype, op, seed, src)
+        if op is ReduceOp.AVG:
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(out, want), f"rank {rank}: {out} != {want}"
+        modelled = ring_bytes_sent(kind, full_numel, out.element_size(), world_size, rank, src)
+        assert sum(sent.values()) == modelled, f"rank {rank} sent {sent}, model says {modelled}"
+        assert set(sent) <= {kind}, f"bytes booked under {set(sent)}, expected only {kind}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_all_reduce_sends_2_n_minus_1_over_n(pools, world_size):
+    """The paper's number, exactly: 2(N-1)/N * S bytes per rank when N divides the tensor."""
+    numel = 12 * 1024
+    results = pools.run(world_size, _collective_on_rank, ("all_reduce", numel, torch.float32, ReduceOp.SUM, "ring", 1, 0))
+    for _, sent in results:
+        assert sent["all_reduce"] == 2 * (world_size - 1) * numel * 4 // world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_root_all_reduce_root_sends_n_minus_1_times(pools, world_size):
+    numel = 1000
+    results = pools.run(world_size, _collective_on_rank,
+                        ("root_all_reduce", numel, torch.float32, ReduceOp.SUM, "ring", 1, 0))
+    assert results[0][1]["root_all_reduce"] == (world_size - 1) * numel * 4
+    for _, sent in results[1:]:
+        assert sent["root_all_reduce"] == numel * 4
+
+
+def test_chunk_bounds_padding_rule():
+    assert chunk_bounds(0, 3) == [(0, 0), (0, 0), (0, 0)]
+    assert chunk_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+    assert chunk_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert [b - a for a, b in chunk_bounds(10, 4)] == [3, 3, 2, 2]
+
+
+def _async_on_rank(me):
+    comm = make_comm("ring")
+    tensors = [torch.full((1000,), float(me.rank + i)) for i in range(4)]
+    works = [comm.all_reduce(t, ReduceOp.SUM, async_op=True) for t in tensors]
+    for w in works:
+        w.wait()
+    comm.close()
+    return tensors
+
+
+def test_async_collectives_complete_in_order(pools):
+    n = 3
+    for rank_result in pools.run(n, _async_on_rank):
+        for i, t in enumerate(rank_result):
+            assert torch.equal(t, torch.full((1000,), float(sum(range(n)) + n * i)))
+
+
+def _bad_shard_on_rank(me):
+    comm = make_comm("ring")
+    comm.reduce_scatter(torch.empty(3), torch.empty(7))
+
+
+def test_reduce_scatter_rejects_unpadded_input(pools):
+    from minizero.launch import RankError
+    with pytest.raises(RankError, match="pad the full tensor"):
+        pools.run(2, _bad_shard_on_rank)
+
+
+def _int_tensor_on_rank(me):
+    make_comm("ring").all_reduce(torch.ones(3, dtype=torch.int64))
+
+
+def test_unsupported_dtype_is_refused(pools):
+    from minizero.launch import RankError
+    with pytest.raises(RankError, match="not supported"):
+        pools.run(2, _int_tensor_on_rank)
