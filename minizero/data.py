@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -20,7 +20,7 @@ from .models import MLP, EdgeModel, TinyGPT
 @lru_cache(maxsize=1)
 def sonnets() -> str:
     """Ten of Shakespeare's sonnets (public domain), shipped in ``minizero/data``."""
-    return resources.files("minizero").joinpath("data/sonnets.txt").read_text(encoding="utf-8")
+    return (Path(__file__).parent / "data" / "sonnets.txt").read_text(encoding="utf-8")
 
 
 @lru_cache(maxsize=1)

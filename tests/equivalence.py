@@ -1,0 +1,73 @@
+"""Helpers of the equivalence suite: draw an experiment, run it, check it."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from minizero.experiment import RTOL, Experiment, reference_of, run_experiment
+from minizero.train import OPTIMIZERS
+
+
+@st.composite
+def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: int = 3):
+    """An experiment and its world size: model shape, batch split, optimizer, dtype..."""
+    world_size = draw(st.sampled_from(world_sizes))
+    task = draw(st.sampled_from(["mlp", "mlp", "edge", "gpt"]))
+    model = {}
+    if task == "mlp":
+        model = {"sizes": tuple(draw(st.lists(st.integers(1, 9), min_size=2, max_size=4)))}
+    elif task == "gpt":
+        model = {"d_model": draw(st.sampled_from([8, 16])), "n_layer": draw(st.integers(1, 2)),
+                 "n_head": 2, "block_size": draw(st.sampled_from([4, 8]))}
+    accum = draw(st.integers(1, max_accum))
+    rank_sizes = None
+    if draw(st.booleans()):  # unequal samples per rank, some possibly empty
+        rank_sizes = tuple(draw(st.lists(st.integers(0, 5), min_size=world_size, max_size=world_size)
+                                .filter(lambda sizes: sum(sizes) > 0)))
+    exp = Experiment(
+        stage=stage, task=task, model=model,
+        optimizer=draw(st.sampled_from(sorted(OPTIMIZERS))),
+        lr=draw(st.sampled_from([1e-3, 1e-2, 1e-1])),
+        steps=draw(st.integers(1, 3)),
+        micro_batch=draw(st.integers(1, 3)),
+        accum=accum,
+        dtype=draw(st.sampled_from(["float64", "float32"])),
+        seed=draw(st.integers(0, 2**16)),
+        backend=draw(st.sampled_from(["ring", "native"])),
+        rank_sizes=rank_sizes,
+    )
+    return exp, world_size
+
+
+def assert_equivalent(results: list[dict], reference: dict, exp: Experiment, rtol: float | None = None) -> None:
+    """After every step, every parameter on every rank matches the reference, and so does the loss."""
+    rtol = RTOL[exp.dtype] if rtol is None else rtol
+    for step, ref_params in enumerate(reference["params"]):
+        for rank, result in enumerate(results):
+            for name, ref in ref_params.items():
+                if ref.numel() == 0:
+                    continue
+                got = result["params"][step][name]
+                err = (got - ref).abs().max().item()
+                scale = max(ref.abs().max().item(), 1e-300)
+                assert err <= rtol * scale, (f"step {step}, rank {rank}, {name}: |Δ|={err:.3g} > "
+                                             f"{rtol:g} x {scale:.3g}  ({exp})")
+        total = sum(r["losses"][step] for r in results)
+        ref_loss = reference["losses"][step]
+        assert abs(total - ref_loss) <= rtol * max(abs(ref_loss), 1e-300), f"step {step}: loss {total} != {ref_loss}"
+
+
+def run_and_check(pools, exp: Experiment, world_size: int, rtol: float | None = None) -> list[dict]:
+    results = pools.run(world_size, run_experiment, exp)
+    assert_equivalent(results, reference_of(exp, world_size), exp, rtol)
+    return results
+
+
+def bit_identical(results: list[dict], reference: dict) -> bool:
+    import torch
+    return all(torch.equal(r["params"][s][n], p) for r in results
+               for s, params in enumerate(reference["params"]) for n, p in params.items())
+
+
+__all__ = ["experiments", "assert_equivalent", "run_and_check", "bit_identical", "replace"]
