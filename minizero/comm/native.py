@@ -33,6 +33,9 @@ def ring_bytes_sent(kind: str, numel: int, element_size: int, world_size: int, r
 
 
 _TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG}
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class NativeComm(Comm):
@@ -52,13 +55,13 @@ class NativeComm(Comm):
     @collective("reduce_scatter")
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         self._check_shards(output, input, input, output, "reduce_scatter")
-        dist.reduce_scatter_tensor(output, input, op=_TORCH_OP[op], group=self.group)
+        _reduce_scatter_flat(output, input, op=_TORCH_OP[op], group=self.group)
         self._report_modelled("reduce_scatter", input)
 
     @collective("all_gather")
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self._check_shards(output, input, output, input, "all_gather")
-        dist.all_gather_into_tensor(output, input, group=self.group)
+        _all_gather_flat(output, input, group=self.group)
         self._report_modelled("all_gather", output)
 
     @collective("broadcast")
