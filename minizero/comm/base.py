@@ -156,6 +156,12 @@ class Comm:
     def _on_comm_thread(self) -> bool:
         return threading.get_ident() == getattr(self, "_thread_ident", None)
 
+    def submit(self, fn: Callable[[], None]) -> Work:
+        """Run ``fn`` on the communication thread, after every collective issued
+        before it; collectives it calls run inline.  Bucketed DDP uses this to
+        cast, reduce and unpack a bucket while backward goes on computing."""
+        return Work(self._background().submit(fn))
+
     def synchronize(self) -> None:
         """Wait until every collective issued so far has finished."""
         if self._executor is not None:

@@ -7,8 +7,9 @@ from torch import nn
 from ..comm import Comm
 from .base import Stage, broadcast_module, check_same_model
 from .ddp import DDP
+from .ddp_bucketed import BucketedDDP
 
-STAGES: dict[str, type[Stage]] = {"reference": Stage, "ddp": DDP}
+STAGES: dict[str, type[Stage]] = {"reference": Stage, "ddp": DDP, "ddp-bucketed": BucketedDDP}
 
 
 def check_stage_names(names: list[str], distributed_only: bool = False) -> None:
@@ -30,4 +31,4 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer, c
     return STAGES[name](module, optimizer, comm, **options) if name != "reference" else Stage(module, optimizer)
 
 
-__all__ = ["DDP", "STAGES", "Stage", "broadcast_module", "check_same_model", "check_stage_names", "make_stage"]
+__all__ = ["BucketedDDP", "DDP", "STAGES", "Stage", "broadcast_module", "check_same_model", "check_stage_names", "make_stage"]

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm, ReduceOp
+from ..comm import Comm
+from ..compress import GradientAverager
 from ..flat import group_by_dtype, pack, unpack
 from .base import Stage, broadcast_module, check_same_model
 
@@ -29,8 +30,12 @@ from .base import Stage, broadcast_module, check_same_model
 class DDP(Stage):
     name = "ddp"
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
+                 compress: str | None = None, error_feedback: bool = False):
         super().__init__(module, optimizer, comm)
+        self.averager = GradientAverager(comm, compress, error_feedback)
+        for name, p in self.trainable():
+            self.averager.check_gradient_dtype(name, p.dtype)
         check_same_model(module, comm)
         broadcast_module(module, comm)
 
@@ -65,7 +70,7 @@ class DDP(Stage):
         data-dependent control flow.
         """
         grads = [p.grad for _, p in self.trainable() if p.grad is not None]
-        for group in group_by_dtype(grads).values():
+        for key, group in group_by_dtype(grads).items():
             flat = pack(group)
-            self.comm.all_reduce(flat, ReduceOp.AVG)
+            self.averager(flat, key)
             unpack(flat, group)

@@ -1,0 +1,60 @@
+"""Gradient buckets: flat buffers that gradients are written into directly.
+
+Parameters go into buckets in *reverse registration order* -- roughly the
+order backward produces their gradients -- so the first bucket fills first
+and its all-reduce can start while backward is still computing the rest.
+Each parameter's ``.grad`` is a view into its bucket: autograd accumulates
+into the bucket in place, and the bucket is sent without a copy.
+(torch DDP: ``bucket_cap_mb=25``, ``gradient_as_bucket_view=True``.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+MiB = 1 << 20
+
+
+@dataclass
+class Bucket:
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # all gradients of the bucket, end to end
+    views: list[torch.Tensor] = field(default_factory=list)  # views[i] is params[i]'s gradient
+    ready: set[int] = field(default_factory=set)  # indices of params whose gradient is final this backward
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+def assign_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_mb: float) -> list[Bucket]:
+    """Pack parameters, last registered first, into buckets of at most ``bucket_mb`` MiB.
+
+    A bucket holds one dtype; a parameter larger than the cap gets a bucket
+    of its own.  Every rank builds the same buckets (same model, same cap).
+    """
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r} (torch DDP's default is 25)")
+    cap = bucket_mb * MiB
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    for name, p in reversed(named_params):
+        current = groups[-1] if groups else None
+        if (current is None or current[0][1].dtype != p.dtype
+                or sum(q.numel() * q.element_size() for _, q in current) + p.numel() * p.element_size() > cap):
+            groups.append([])
+        groups[-1].append((name, p))
+    buckets = []
+    for index, group in enumerate(groups):
+        params = [p for _, p in group]
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        bucket = Bucket(index, [n for n, _ in group], params, buffer)
+        offset = 0
+        for p in params:
+            bucket.views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        buckets.append(bucket)
+    return buckets

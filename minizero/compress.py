@@ -1,0 +1,82 @@
+"""Averaging gradients across ranks, optionally over a 16-bit wire.
+
+Every stage that reduces gradients calls :class:`GradientAverager`; with
+``compress="fp16"`` or ``"bf16"`` the bytes on the wire halve (the ledger
+shows it) and the result lands back in the gradient's own precision.
+
+Where to divide by N.  The sum of N fp16 gradients can overflow (fp16 tops
+out at 65504), so part of the division must happen *before* the reduction;
+dividing all of it before (torch's ``fp16_compress_hook``) pushes small
+gradients into fp16's subnormals, where they lose bits or vanish.  Like
+FSDP2 we divide by ``pre`` = the largest power of two <= sqrt(N) before and by
+``post = N / pre`` after.  A power of two has a second virtue: dividing by it
+is exact in binary, so the cast to 16 bits stays the only rounding before
+the sum -- which is what makes compressed runs reproducible bit for bit by a
+reference that applies the same casts.
+
+An inf or NaN after the reduction raises, naming the gradients; it is never
+written into the weights (dynamic loss scaling, later, will skip the step
+instead).  With ``error_feedback`` the rounding error of the cast is kept per
+buffer and added back next time, so no gradient is lost for good.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .comm import Comm, ReduceOp
+
+WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_compress(compress: str | None) -> torch.dtype | None:
+    if compress in (None, "none"):
+        return None
+    if compress not in WIRE_DTYPES:
+        raise ValueError(f"compress must be one of none, {', '.join(WIRE_DTYPES)}; got {compress!r}")
+    return WIRE_DTYPES[compress]
+
+
+def split_division(world_size: int) -> tuple[int, float]:
+    """(pre, post): divide by ``pre`` before the 16-bit sum and by ``post`` after; pre * post = N."""
+    pre = 1 << int(math.log2(math.isqrt(world_size))) if world_size > 1 else 1
+    return pre, world_size / pre
+
+
+class GradientAverager:
+    """``averager(flat, key, names)`` replaces ``flat`` by its mean over ranks, in place."""
+
+    def __init__(self, comm: Comm, compress: str | None = None, error_feedback: bool = False):
+        self.comm = comm
+        self.wire_dtype = check_compress(compress)
+        self.error_feedback = error_feedback and self.wire_dtype is not None
+        self.pre, self.post = split_division(comm.world_size)
+        self.residuals: dict = {}  # key -> rounding error carried to the next step
+
+    def check_gradient_dtype(self, name: str, dtype: torch.dtype) -> None:
+        if self.wire_dtype is not None and dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"rank {self.comm.rank}: compression sends gradients in {self.wire_dtype}, which only "
+                            f"makes sense for float32/float64 gradients; parameter {name!r} is {dtype}. "
+                            f"Turn compression off or keep this parameter in float32.")
+
+    def __call__(self, flat: torch.Tensor, key=None, names: list[str] | None = None) -> None:
+        if self.wire_dtype is None:
+            self.comm.all_reduce(flat, ReduceOp.AVG)
+            return
+        scaled = flat / self.pre
+        if self.error_feedback:
+            residual = self.residuals.get(key)
+            if residual is not None:
+                scaled += residual
+        wire = scaled.to(self.wire_dtype)
+        if self.error_feedback:
+            self.residuals[key] = scaled - wire.to(flat.dtype)
+        self.comm.all_reduce(wire, ReduceOp.SUM)
+        if not bool(torch.isfinite(wire).all()):
+            raise FloatingPointError(
+                f"rank {self.comm.rank}: gradients overflowed {self.wire_dtype} in the reduction "
+                f"(inf/NaN in {', '.join(names or ['a gradient buffer'])}); the weights were not touched. "
+                f"Lower the loss scale or learning rate, or use compress='bf16' (fp32's range).")
+        flat.copy_(wire)
+        flat.div_(self.post)

@@ -1,0 +1,114 @@
+"""Stage ``ddp-bucketed``: all-reduce gradients in buckets, overlapped with backward.
+
+Plain ``ddp`` waits for the whole backward, then sends everything: the
+network idles while the CPU/GPU computes, and vice versa.  But backward
+produces gradients layer by layer, last layer first.  So:
+
+1. gradients live in flat **buckets** (``bucket_mb``, 25 MiB as in torch),
+   filled in reverse registration order; each ``.grad`` is a view into its
+   bucket, so autograd accumulates straight into what will be sent;
+2. a **post-accumulate-grad hook** marks a parameter ready once its ``.grad``
+   holds this backward's final value.  (A tensor hook, ``p.register_hook``,
+   fires *before* accumulation -- syncing there averages only the last
+   micro-batch.  And the post-accumulate hook receives the *parameter*:
+   all-reduce ``p.grad``, not ``p``.)
+3. when a bucket is complete, its all-reduce starts on the communication
+   thread while backward goes on; buckets start in index order on every rank;
+4. when backward ends, wait for all buckets.  ``.grad`` is then averaged,
+   as after torch DDP's backward.
+
+Parameters that get no gradient in a step: with ``find_unused_parameters``
+their bucket is completed at the end of backward and a bitmap of which
+parameters were used anywhere is all-reduced, so a parameter unused on every
+rank keeps ``.grad = None`` (the optimizer skips it, as single-device training
+would).  Without it, the run stops naming the parameter -- a bucket that
+never completes would otherwise hang the other ranks.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..buckets import Bucket, assign_buckets
+from ..comm import Comm, ReduceOp
+from .ddp import DDP
+
+
+class BucketedDDP(DDP):
+    name = "ddp-bucketed"
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, bucket_mb: float = 25.0,
+                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
+        super().__init__(module, optimizer, comm, compress, error_feedback)
+        self.find_unused_parameters = find_unused_parameters
+        self.buckets: list[Bucket] = assign_buckets(self.trainable(), bucket_mb)
+        self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._next_bucket = 0  # buckets are launched in index order, the same on every rank
+        self._used: set[int] = set()  # parameters that got a gradient since the last synchronisation
+        self._unused_everywhere: list[nn.Parameter] = []
+        self._syncing = False
+        self.zero_grad()
+        for _, p in self.trainable():
+            p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+
+    # -------------------------------------------------------------- backward
+    def forward(self, *args, **kwargs):
+        self._syncing = torch.is_grad_enabled() and self.require_backward_grad_sync  # decided at forward, as torch
+        return super().forward(*args, **kwargs)
+
+    def _on_gradient_ready(self, param: nn.Parameter) -> None:
+        bucket, i = self._slot[id(param)]
+        view = bucket.views[i]
+        if param.grad.data_ptr() != view.data_ptr():  # someone set .grad to None: take the new tensor in
+            view.copy_(param.grad)
+            param.grad = view
+        self._used.add(id(param))
+        if self._syncing:
+            bucket.ready.add(i)
+            self._launch_complete_buckets()
+
+    def _launch_complete_buckets(self) -> None:
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
+            bucket = self.buckets[self._next_bucket]
+            bucket.work = self.comm.submit(lambda b=bucket: self.averager(b.buffer, b.index, b.names))
+            self._next_bucket += 1
+
+    def sync_gradients(self) -> None:
+        """Runs when backward has finished: complete what is missing, wait for every bucket."""
+        missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if i not in b.ready]
+        if missing and not self.find_unused_parameters:
+            names = [b.names[i] for b, i in missing]
+            raise RuntimeError(
+                f"rank {self.rank}: parameter(s) {names} got no gradient in this backward, so their bucket "
+                f"can never be reduced. If parameters may go unused, wrap with find_unused_parameters=True; "
+                f"if they are never trained, freeze them with requires_grad_(False).")
+        for bucket, i in missing:
+            bucket.ready.add(i)  # their slots hold zeros (or earlier micro-batches' sums): still correct
+        self._launch_complete_buckets()
+        if self.find_unused_parameters:
+            self._find_unused_everywhere()
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.ready.clear()
+        self._next_bucket = 0
+        self._used.clear()
+
+    def _find_unused_everywhere(self) -> None:
+        params = [p for b in self.buckets for p in b.params]
+        used = torch.tensor([1.0 if id(p) in self._used else 0.0 for p in params])
+        self.comm.all_reduce(used, ReduceOp.SUM)  # queued behind the buckets, on the comm thread
+        self._unused_everywhere = [p for p, u in zip(params, used.tolist()) if u == 0]
+
+    # ------------------------------------------------------------- optimizer
+    def step(self) -> None:
+        for p in self._unused_everywhere:
+            p.grad = None  # as on a single device: no gradient, no update (no weight decay, no momentum)
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        """Zero the buckets and point every ``.grad`` back into them."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+        self._unused_everywhere = []
