@@ -20,6 +20,11 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--optimizer", choices=["sgd", "momentum", "nesterov", "adam", "adamw"], default="adamw")
     compare.add_argument("--lr", type=float, default=1e-3)
     compare.add_argument("--micro-batch", type=int, default=4, help="samples per rank per micro-batch")
+    compare.add_argument("--accum", type=int, default=1, help="K micro-batches per optimizer step")
+    compare.add_argument("--compress", choices=["none", "fp16", "bf16"], default="none",
+                         help="send gradients in 16 bits")
+    compare.add_argument("--error-feedback", action="store_true", help="carry the compression error to the next step")
+    compare.add_argument("--bucket-mb", type=float, default=None, help="bucket size of ddp-bucketed (default 25)")
     compare.add_argument("--backend", choices=["ring", "native"], default="ring")
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--json", action="store_true")

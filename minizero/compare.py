@@ -13,12 +13,15 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from . import formulas
-from .experiment import RTOL, Experiment, loss_error, max_diff, reference_of, run_experiment
+from .experiment import RTOL, Experiment, exact_reference_of, loss_error, max_diff, reference_of, run_experiment
 from .launch import RankPool, check_world_size, init_from_env, under_torchrun
 from .stages import check_stage_names
 
 
-def summarise(stage: str, results: list[dict], reference: dict, exp: Experiment, world_size: int) -> dict:
+def summarise(stage: str, results: list[dict], reference: dict, exp: Experiment, world_size: int,
+              exact: dict | None = None) -> dict:
+    """``reference`` is the truth to match (with compression: the same-casts reference);
+    ``exact``, if given, the uncompressed one, to report how much compression changed."""
     abs_diff, rel_diff = max_diff(results, reference)
     loss_rel = loss_error(results, reference)
     first = results[0]
@@ -36,59 +39,81 @@ def summarise(stage: str, results: list[dict], reference: dict, exp: Experiment,
         "sent_bytes_per_step": sent,
         "sent_bytes_formula": formulas.sent_bytes_per_step(stage, first["psi"], world_size, first["grad_bytes"]),
         "step_ms": 1000 * statistics.median(times),
+        "accum": exp.accum,
+        "compress": exp.options.get("compress") or "none",
+        "max_abs_diff_exact": max_diff(results, exact)[0] if exact else abs_diff,
     }
 
 
-def compare(world_size: int, stages: list[str], exp: Experiment) -> list[dict]:
+def stage_options(stage: str, compress: str | None = None, bucket_mb: float | None = None,
+                  error_feedback: bool = False) -> dict:
+    """Command-line options, as the keyword arguments of ``stage``."""
+    options = {}
+    if compress and compress != "none":
+        options.update(compress=compress, error_feedback=error_feedback)
+    if bucket_mb is not None and stage == "ddp-bucketed":
+        options["bucket_mb"] = bucket_mb
+    return options
+
+
+def compare(world_size: int, stages: list[str], exp: Experiment, **options) -> list[dict]:
     """Run the reference and each stage on identical data; one summary per stage."""
     check_world_size(world_size)
     check_stage_names(stages, distributed_only=True)
+    experiments = [replace(exp, stage=stage, options=stage_options(stage, **options)) for stage in stages]
     if under_torchrun():
-        return _compare_under_torchrun(stages, exp)
-    reference = reference_of(exp, world_size)
+        return _compare_under_torchrun(experiments)
+    exact = exact_reference_of(exp, world_size)
     rows = []
     with RankPool(world_size) as pool:
-        for stage in stages:
-            results = pool.run(run_experiment, replace(exp, stage=stage))
-            rows.append(summarise(stage, results, reference, exp, world_size))
+        for e in experiments:
+            results = pool.run(run_experiment, e)
+            reference = reference_of(e, world_size) if e.options.get("compress") else exact
+            rows.append(summarise(e.stage, results, reference, e, world_size, exact))
     return rows
 
 
-def _compare_under_torchrun(stages: list[str], exp: Experiment) -> list[dict]:
-    """Each rank checks itself against its own reference run; rank 0 collects."""
+def _compare_under_torchrun(experiments: list[Experiment]) -> list[dict]:
+    """Each rank runs the references itself; rank 0 collects every rank's parameters."""
     me = init_from_env()
-    reference = reference_of(exp, me.world_size)
     rows = []
-    for stage in stages:
-        mine = run_experiment(me, replace(exp, stage=stage))
+    for exp in experiments:
+        reference, exact = reference_of(exp, me.world_size), exact_reference_of(exp, me.world_size)
+        mine = run_experiment(me, exp)
         mine = {**mine, "params": [{k: v.cpu() for k, v in p.items()} for p in mine["params"]]}
         gathered = [None] * me.world_size
         dist.all_gather_object(gathered, mine)
-        rows.append(summarise(stage, gathered, reference, exp, me.world_size))
+        rows.append(summarise(exp.stage, gathered, reference, exp, me.world_size, exact))
     return rows if me.rank == 0 else []
 
 
 def format_table(rows: list[dict]) -> str:
-    header = f"{'stage':<14}{'max|Δparam|':>13}{'rel':>10}{'ok':>4}{'sent B/step/rank':>18}{'formula':>12}{'step ms':>9}"
+    header = (f"{'stage':<14}{'max|Δparam|':>13}{'rel':>10}{'ok':>4}{'sent B/step/rank':>18}{'formula':>12}"
+              f"{'step ms':>9}{'vs exact':>11}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r['stage']:<14}{r['max_abs_diff']:>13.3e}{r['max_rel_diff']:>10.1e}"
                      f"{'yes' if r['within_tolerance'] else 'NO':>4}{r['sent_bytes_per_step']:>18,.0f}"
-                     f"{r['sent_bytes_formula']:>12,.0f}{r['step_ms']:>9.2f}")
+                     f"{r['sent_bytes_formula']:>12,.0f}{r['step_ms']:>9.2f}{r['max_abs_diff_exact']:>11.1e}")
     return "\n".join(lines)
 
 
 def main(args) -> int:
     stages = [s for s in args.stages.split(",") if s]
     exp = Experiment(task=args.task, dtype=args.dtype, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                     micro_batch=args.micro_batch, backend=args.backend, seed=args.seed)
-    rows = compare(args.world_size, stages, exp)
+                     micro_batch=args.micro_batch, accum=args.accum, backend=args.backend, seed=args.seed)
+    rows = compare(args.world_size, stages, exp, compress=args.compress, bucket_mb=args.bucket_mb,
+                   error_feedback=args.error_feedback)
     if not rows:  # a torchrun rank other than 0
         return 0
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{args.task} model, {args.dtype}, {args.optimizer}, N={args.world_size}, {args.steps} steps, "
-              f"{args.backend} collectives; tolerance: relative {RTOL[args.dtype]:g}")
+        print(f"{args.task} model, {args.dtype}, {args.optimizer}, N={args.world_size}, {args.steps} steps of "
+              f"K={args.accum} micro-batches, {args.backend} collectives, compression {args.compress}; "
+              f"tolerance: relative {RTOL[args.dtype]:g}")
+        if args.compress != "none":
+            print("(compressed stages are compared with a reference applying the same casts; "
+                  "'vs exact' is the change compression made)")
         print(format_table(rows))
     return 0 if all(r["within_tolerance"] for r in rows) else 1

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .casts_reference import run_casts_reference
 from .comm import Ledger, make_comm
+from .compress import check_compress
 from .data import TASKS
 from .launch import Rank
 from .models import count_params
@@ -73,13 +75,22 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         params.append({name: p.detach().clone() for name, p in model.named_parameters()})
     if comm:
         comm.close()
+    wire = check_compress(exp.options.get("compress"))
     return {"params": params, "losses": losses, "global_count": step.global_count, "step_s": times,
             "sent_bytes": ledger.total, "sent_by_kind": ledger.snapshot(), "psi": count_params(model),
-            "grad_bytes": torch.empty(0, dtype=dtype).element_size()}
+            "grad_bytes": torch.empty(0, dtype=wire or dtype).element_size()}
 
 
 def reference_of(exp: Experiment, world_size: int) -> dict:
-    return run_experiment(None, replace(exp, stage="reference"), world_size)
+    """Single-device training on the global batch -- or, for a compressed run, the
+    reference that applies the same casts (:mod:`minizero.casts_reference`)."""
+    if check_compress(exp.options.get("compress")) is not None:
+        return run_casts_reference(exp, world_size)
+    return run_experiment(None, replace(exp, stage="reference", options={}), world_size)
+
+
+def exact_reference_of(exp: Experiment, world_size: int) -> dict:
+    return run_experiment(None, replace(exp, stage="reference", options={}), world_size)
 
 
 def max_diff(results: list[dict], reference: dict) -> tuple[float, float]:

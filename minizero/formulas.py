@@ -13,8 +13,8 @@ def sent_bytes_per_step(stage: str, psi: int, world_size: int, element_size: int
     ring = (n - 1) / n * psi * element_size
     if stage == "reference":
         return 0.0
-    if stage == "ddp":
-        return 2 * ring  # one all-reduce of the gradients
+    if stage in ("ddp", "ddp-bucketed"):
+        return 2 * ring  # one all-reduce of the gradients per optimizer step, however many micro-batches
     raise ValueError(f"no byte formula for stage {stage!r}")
 
 

@@ -1,0 +1,102 @@
+"""The reference for compressed runs: single-device training that applies the same casts.
+
+Comparing a compressed run with exact training only bounds the error.  To
+keep the tolerance *tight*, this reference reproduces the rounding itself:
+one process computes each simulated rank's gradient on that rank's
+micro-batches, lays the gradients out in the stage's buffers (dtype groups
+for ``ddp``, buckets for ``ddp-bucketed``), divides by ``pre``, casts to the
+wire dtype, sums in exactly the order the send/recv ring does (chunk ``c``
+starts at rank ``c+1`` and travels right, rounded to 16 bits at every hop),
+and divides by ``post``.  Any mistake in the stage's casts, divisions,
+buffers or error feedback then shows as a difference far above float
+round-off.
+"""
+from __future__ import annotations
+
+import torch
+
+from .buckets import assign_buckets
+from .comm import chunk_bounds
+from .compress import check_compress, split_division
+from .data import TASKS
+from .flat import pack, unpack
+from .models import sum_loss
+from .train import make_optimizer, shard_step
+
+
+def ring_sum(wires: list[torch.Tensor]) -> torch.Tensor:
+    """What the ring all-reduce leaves on every rank, bit for bit, in the wires' dtype."""
+    n = len(wires)
+    out = torch.empty_like(wires[0])
+    for c, (a, b) in enumerate(chunk_bounds(out.numel(), n)):
+        partial = wires[(c + 1) % n][a:b].clone()
+        for k in range(2, n + 1):
+            partial = partial + wires[(c + k) % n][a:b]
+        out[a:b] = partial
+    return out
+
+
+def _layout(stage: str, model, options: dict) -> list[list[str]]:
+    """Names of the parameters in each reduction buffer, as the stage builds them."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if stage == "ddp-bucketed":
+        return [b.names for b in assign_buckets(trainable, options.get("bucket_mb", 25.0))]
+    groups: dict = {}
+    for n, p in trainable:
+        groups.setdefault(p.dtype, []).append(n)
+    return list(groups.values())
+
+
+def run_casts_reference(exp, world_size: int) -> dict:
+    """Like :func:`minizero.experiment.reference_of`, with the stage's compression emulated."""
+    from .experiment import DTYPES
+
+    task, dtype, n = TASKS[exp.task], DTYPES[exp.dtype], world_size
+    wire = check_compress(exp.options.get("compress"))
+    error_feedback = exp.options.get("error_feedback", False)
+    pre, post = split_division(n)
+    model = task.make_model(exp.seed, dtype, **exp.model)
+    optimizer = make_optimizer(exp.optimizer, model.parameters(), exp.lr)
+    params_by_name = dict(model.named_parameters())
+    layout = _layout(exp.stage, model, exp.options)
+    keep_empty_slots = exp.stage == "ddp-bucketed"
+    residuals: dict = {}
+    record = {"params": [], "losses": []}
+    for s in range(exp.steps):
+        x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
+        per_rank, loss_total = [], 0.0
+        for r in range(n):
+            step = shard_step(x, y, r, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None)
+            model.zero_grad(set_to_none=True)
+            for xb, yb in step.micro_batches:
+                loss = sum_loss(model(xb), yb)
+                (loss * (n / step.global_count)).backward()
+                loss_total += loss.item()
+            per_rank.append({name: None if p.grad is None else p.grad.clone() for name, p in params_by_name.items()})
+        optimizer.zero_grad(set_to_none=True)
+        for key, names in enumerate(layout):
+            used = [name for name in names if per_rank[0][name] is not None or keep_empty_slots]
+            if not used or all(all(g[name] is None for g in per_rank) for name in used):
+                continue  # no gradient anywhere: the parameters keep .grad = None
+            flats = [pack([g[name] if g[name] is not None else torch.zeros_like(params_by_name[name])
+                           for name in used]) for g in per_rank]
+            if wire is None:
+                averaged = ring_sum(flats) / n
+            else:
+                wires = []
+                for r, flat in enumerate(flats):
+                    scaled = flat / pre
+                    if error_feedback and (r, key) in residuals:
+                        scaled += residuals[(r, key)]
+                    wires.append(scaled.to(wire))
+                    if error_feedback:
+                        residuals[(r, key)] = scaled - wires[-1].to(dtype)
+                averaged = ring_sum(wires).to(dtype) / post
+            grads = [torch.empty_like(params_by_name[name]) for name in used]
+            unpack(averaged, grads)
+            for name, grad in zip(used, grads):
+                params_by_name[name].grad = grad
+        optimizer.step()
+        record["losses"].append(loss_total)
+        record["params"].append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return record
