@@ -9,8 +9,26 @@ from minizero.experiment import RTOL, Experiment, reference_of, run_experiment
 from minizero.train import OPTIMIZERS
 
 
+#: Bucket caps that force one parameter per bucket, a few buckets, or one bucket.
+BUCKET_MB = [1e-9, 2e-4, 1e-3, 25.0]
+
+
 @st.composite
-def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: int = 3):
+def stage_options(draw, stage: str, task: str, compress: bool = False) -> dict:
+    options = {}
+    if stage.startswith("ddp-bucketed"):
+        options["bucket_mb"] = draw(st.sampled_from(BUCKET_MB))
+        if task == "edge":
+            options["find_unused_parameters"] = True  # EdgeModel.unused never gets a gradient
+    if compress:
+        options["compress"] = draw(st.sampled_from(["fp16", "bf16"]))
+        options["error_feedback"] = draw(st.booleans())
+    return options
+
+
+@st.composite
+def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: int = 3, compress: bool = False,
+                backends=("ring", "native")):
     """An experiment and its world size: model shape, batch split, optimizer, dtype..."""
     world_size = draw(st.sampled_from(world_sizes))
     task = draw(st.sampled_from(["mlp", "mlp", "edge", "gpt"]))
@@ -34,8 +52,9 @@ def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: i
         accum=accum,
         dtype=draw(st.sampled_from(["float64", "float32"])),
         seed=draw(st.integers(0, 2**16)),
-        backend=draw(st.sampled_from(["ring", "native"])),
+        backend=draw(st.sampled_from(backends)),
         rank_sizes=rank_sizes,
+        options=draw(stage_options(stage, task, compress)),
     )
     return exp, world_size
 

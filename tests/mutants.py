@@ -25,9 +25,14 @@ class SumInsteadOfMean(DDP):
 class NoBroadcast(DDP):
     """Trusts every rank to have initialised identically."""
 
-    def __init__(self, module, optimizer, comm):
-        self.module, self.optimizer, self.comm = module, optimizer, comm
-        self.rank, self.world_size, self.require_backward_grad_sync = comm.rank, comm.world_size, True
+    def __init__(self, module, optimizer, comm, **options):
+        import minizero.stages.ddp as ddp_module
+        skip = ddp_module.broadcast_module
+        ddp_module.broadcast_module = lambda *args: None
+        try:
+            super().__init__(module, optimizer, comm, **options)
+        finally:
+            ddp_module.broadcast_module = skip
 
 
 class SyncsWeights(DDP):
@@ -63,3 +68,47 @@ class SyncsEveryMicroBatch(DDP):
 MUTANTS = {"ddp-sum-bug": SumInsteadOfMean, "ddp-no-broadcast": NoBroadcast, "ddp-syncs-weights": SyncsWeights,
            "ddp-drops-param": DropsLastParameter, "ddp-ignores-no-sync": SyncsEveryMicroBatch}
 STAGES.update(MUTANTS)
+
+
+from minizero.stages import BucketedDDP  # noqa: E402
+
+
+class TensorHookDDP(BucketedDDP):
+    """Syncs from ``p.register_hook``: it fires *before* the gradient is accumulated into .grad,
+    so what gets averaged is this micro-batch's gradient alone.  Right at K=1, wrong at K>=2."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for _, p in self.trainable():
+            p.register_hook(lambda grad, p=p: self._sync_incoming(p, grad))
+
+    def _on_gradient_ready(self, param):  # the correct hook does nothing here
+        pass
+
+    def _sync_incoming(self, p, grad):
+        if not self._syncing:
+            return grad
+        averaged = grad.clone()
+        self.comm.all_reduce(averaged, ReduceOp.AVG)
+        # Overwrite what was accumulated so far with the averaged *last* micro-batch.
+        p.grad = None
+        return averaged
+
+    def sync_gradients(self):
+        pass
+
+
+class PostHookArgumentAsGradient(BucketedDDP):
+    """Treats the post-accumulate hook's argument as the gradient: it is the parameter."""
+
+    def _on_gradient_ready(self, param):
+        if self._syncing:
+            with torch.no_grad():
+                self.comm.all_reduce(param.data, ReduceOp.AVG)
+
+    def sync_gradients(self):
+        pass
+
+
+HOOK_MUTANTS = {"ddp-tensor-hook": TensorHookDDP, "ddp-hook-arg-is-param": PostHookArgumentAsGradient}
+STAGES.update(HOOK_MUTANTS)

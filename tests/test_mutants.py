@@ -22,3 +22,26 @@ def test_property_suite_catches(pools, mutant):
 
     with pytest.raises(AssertionError):
         equivalence_property()
+
+
+def test_tensor_hook_bug_is_right_at_k1_and_caught_at_k2(pools):
+    """The classic: syncing in a tensor hook. Passes at K=1, so a suite without accumulation misses it."""
+    from minizero.experiment import Experiment
+    exp = Experiment(stage="ddp-tensor-hook", task="mlp", optimizer="sgd", steps=2, dtype="float64",
+                     options={"bucket_mb": 1e-9})
+    run_and_check(pools, exp, 2)  # K = 1: correct
+    from dataclasses import replace
+    with pytest.raises(AssertionError):
+        run_and_check(pools, replace(exp, accum=2), 2)
+
+
+@pytest.mark.parametrize("mutant", sorted(mutants.HOOK_MUTANTS))
+def test_property_suite_catches_hook_bugs(pools, mutant):
+    @settings(max_examples=40, derandomize=True, database=None, phases=[Phase.generate])
+    @given(drawn=experiments(mutant, world_sizes=(2, 3, 4), max_accum=4))
+    def equivalence_property(drawn):
+        exp, world_size = drawn
+        run_and_check(pools, exp, world_size)
+
+    with pytest.raises(AssertionError):
+        equivalence_property()

@@ -1,0 +1,115 @@
+"""Stage ``ddp-bucketed``: buckets, views, overlap, accumulation, unused parameters."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from minizero.buckets import assign_buckets
+from minizero.comm import make_comm
+from minizero.experiment import Experiment, run_experiment
+from minizero.launch import RankError
+from minizero.models import MLP, EdgeModel
+from minizero.stages import make_stage
+from minizero.train import shard_step, train_step
+
+from equivalence import experiments, run_and_check
+
+
+@settings(max_examples=100)
+@given(drawn=experiments("ddp-bucketed", max_accum=4))
+def test_bucketed_matches_reference(pools, drawn):
+    exp, world_size = drawn
+    run_and_check(pools, exp, world_size)
+
+
+def _mlp_bucket_cap(n_buckets: int, element_size: int = 4) -> float:
+    """A cap (MiB) that splits MLP((8, 16, 4)) into exactly ``n_buckets``.  In reverse registration
+    order its parameters hold 4, 64, 16 and 128 elements: 2 buckets = [4, 64, 16] [128],
+    3 buckets = [4, 64] [16] [128], 4 = one parameter each."""
+    elements = {1: 25 * 2**20 // element_size, 2: 128, 3: 68, 4: 1}[n_buckets]
+    return elements * element_size / 2**20
+
+
+@pytest.mark.parametrize("n_buckets", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_any_bucket_count_gives_the_same_parameters(pools, n_buckets, world_size):
+    cap = _mlp_bucket_cap(n_buckets, element_size=8)
+    named = list(MLP((8, 16, 4), dtype=torch.float64).named_parameters())
+    assert len(assign_buckets(named, cap)) == n_buckets
+    exp = Experiment(stage="ddp-bucketed", task="mlp", optimizer="adamw", steps=3, accum=2, dtype="float64",
+                     options={"bucket_mb": cap})
+    run_and_check(pools, exp, world_size)
+
+
+def test_buckets_follow_reverse_registration_order():
+    named = list(MLP((8, 16, 4)).named_parameters())
+    buckets = assign_buckets(named, _mlp_bucket_cap(3))
+    assert [b.names for b in buckets] == [["layers.1.bias", "layers.1.weight"], ["layers.0.bias"], ["layers.0.weight"]]
+
+
+def _inspect_views(me):
+    model = MLP((8, 16, 4), seed=me.rank)
+    stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"),
+                       bucket_mb=_mlp_bucket_cap(2))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    launched_before_backward_ended = []
+    original = stage.sync_gradients
+
+    def spy():
+        launched_before_backward_ended.append(stage._next_bucket)
+        original()
+
+    stage.sync_gradients = spy
+    for _ in range(2):  # the second step starts from zero_grad(): views must survive it
+        train_step(stage, shard_step(x, y, me.rank, me.world_size))
+    views_ok = all(
+        p.grad.data_ptr() == view.data_ptr() and bucket.buffer.data_ptr() <= p.grad.data_ptr()
+        < bucket.buffer.data_ptr() + bucket.buffer.numel() * bucket.buffer.element_size()
+        for bucket in stage.buckets for p, view in zip(bucket.params, bucket.views))
+    # After optimizer.zero_grad() (set_to_none) the stage must take the new gradient in.
+    stage.optimizer.zero_grad(set_to_none=True)
+    train_step(stage, shard_step(x, y, me.rank, me.world_size))
+    retaken = all(p.grad.data_ptr() == v.data_ptr() for b in stage.buckets for p, v in zip(b.params, b.views))
+    return views_ok, retaken, launched_before_backward_ended
+
+
+def test_grads_are_views_into_buckets_and_buckets_start_during_backward(pools):
+    for views_ok, retaken, launched in pools.run(2, _inspect_views):
+        assert views_ok and retaken
+        # The first bucket (last layer) was already sent when backward finished: overlap.
+        assert all(n >= 1 for n in launched), launched
+
+
+def _unused_without_flag(me):
+    model = EdgeModel(seed=0, dtype=torch.float64)
+    stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"))
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    train_step(stage, shard_step(x, y, me.rank, me.world_size))
+
+
+def test_unused_parameter_without_flag_is_named(pools):
+    with pytest.raises(RankError, match=r"parameter\(s\) \['unused'\] got no gradient.*find_unused_parameters=True"):
+        pools.run(2, _unused_without_flag)
+
+
+def test_unused_parameter_with_flag_completes_and_stays_put(pools):
+    exp = Experiment(stage="ddp-bucketed", task="edge", optimizer="adamw", lr=0.05, steps=3, accum=3,
+                     dtype="float64", options={"find_unused_parameters": True, "bucket_mb": 1e-9})
+    results = run_and_check(pools, exp, 3)
+    assert torch.equal(results[0]["params"][-1]["unused"], torch.ones(5))
+
+
+@pytest.mark.parametrize("bad", [0, -1.0])
+def test_bucket_mb_must_be_positive(bad):
+    with pytest.raises(ValueError, match="bucket_mb must be > 0"):
+        assign_buckets(list(MLP().named_parameters()), bad)
+
+
+@pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_accumulation_communicates_once_per_step(pools, stage, k):
+    exp = Experiment(stage=stage, task="mlp", steps=2, accum=k, dtype="float64", options={"bucket_mb": 1e-9}
+                     if stage == "ddp-bucketed" else {})
+    results = pools.run(3, run_experiment, exp)
+    assert sum(r["sent_bytes"] for r in results) == exp.steps * 2 * (3 - 1) * results[0]["psi"] * 8
