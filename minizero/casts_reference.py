@@ -75,11 +75,12 @@ def run_casts_reference(exp, world_size: int) -> dict:
             per_rank.append({name: None if p.grad is None else p.grad.clone() for name, p in params_by_name.items()})
         optimizer.zero_grad(set_to_none=True)
         for key, names in enumerate(layout):
-            used = [name for name in names if per_rank[0][name] is not None or keep_empty_slots]
-            if not used or all(all(g[name] is None for g in per_rank) for name in used):
+            # ddp packs the gradients that exist; ddp-bucketed packs every slot of the bucket.
+            packed = [name for name in names if keep_empty_slots or per_rank[0][name] is not None]
+            if not any(g[name] is not None for g in per_rank for name in packed):
                 continue  # no gradient anywhere: the parameters keep .grad = None
             flats = [pack([g[name] if g[name] is not None else torch.zeros_like(params_by_name[name])
-                           for name in used]) for g in per_rank]
+                           for name in packed]) for g in per_rank]
             if wire is None:
                 averaged = ring_sum(flats) / n
             else:
@@ -92,10 +93,11 @@ def run_casts_reference(exp, world_size: int) -> dict:
                     if error_feedback:
                         residuals[(r, key)] = scaled - wires[-1].to(dtype)
                 averaged = ring_sum(wires).to(dtype) / post
-            grads = [torch.empty_like(params_by_name[name]) for name in used]
+            grads = [torch.empty_like(params_by_name[name]) for name in packed]
             unpack(averaged, grads)
-            for name, grad in zip(used, grads):
-                params_by_name[name].grad = grad
+            for name, grad in zip(packed, grads):
+                if any(g[name] is not None for g in per_rank):  # unused everywhere: no gradient, no update
+                    params_by_name[name].grad = grad
         optimizer.step()
         record["losses"].append(loss_total)
         record["params"].append({name: p.detach().clone() for name, p in model.named_parameters()})

@@ -1,0 +1,109 @@
+"""Gradient compression: half the bytes, the same casts as the reference, errors reported."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minizero.compress import split_division
+from minizero.experiment import Experiment, exact_reference_of, max_diff, reference_of, run_experiment
+from minizero.launch import RankError
+from minizero.models import MLP
+from minizero.comm import make_comm
+from minizero.stages import make_stage
+
+from equivalence import bit_identical, experiments, run_and_check
+
+
+@settings(max_examples=60)
+@given(drawn=experiments("ddp", compress=True,
+                         backends=("ring",)))
+def test_compressed_ddp_matches_the_same_casts_reference(pools, drawn):
+    exp, world_size = drawn
+    results = run_and_check(pools, exp, world_size)
+    psi = results[0]["psi"]
+    if exp.task != "edge":  # edge's unused parameter sends nothing in plain ddp
+        assert sum(r["sent_bytes"] for r in results) == exp.steps * 2 * (world_size - 1) * psi * 2
+
+
+@settings(max_examples=60)
+@given(drawn=experiments("ddp-bucketed", compress=True, backends=("ring",), max_accum=4))
+def test_compressed_bucketed_matches_the_same_casts_reference(pools, drawn):
+    exp, world_size = drawn
+    run_and_check(pools, exp, world_size)
+
+
+@settings(max_examples=15)
+@given(drawn=experiments("ddp-bucketed", compress=True, backends=("native",)))
+def test_compressed_native_is_close_to_the_same_casts_reference(pools, drawn):
+    """gloo sums 16-bit chunks in its own order; a few 16-bit roundings apart at most."""
+    exp, world_size = drawn
+    results = pools.run(world_size, run_experiment, exp)
+    abs_diff, rel = max_diff(results, reference_of(exp, world_size))
+    assert rel <= 2e-2, rel
+
+
+@pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed"])
+@pytest.mark.parametrize("compress", ["fp16", "bf16"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_lossless_casts_give_exact_training(pools, stage, compress, world_size):
+    """Dyadic gradients with few significant bits survive 16 bits unchanged, and dividing by
+    powers of two is exact: the compressed run must equal *exact* training bit for bit."""
+    exp = Experiment(stage=stage, task="dyadic", model={"sizes": (2, 2)}, optimizer="sgd", lr=0.25, steps=1,
+                     micro_batch=1, dtype="float64", options={"compress": compress})
+    results = pools.run(world_size, run_experiment, exp)
+    assert bit_identical(results, exact_reference_of(exp, world_size))
+
+
+def test_compression_changes_results_only_slightly(pools):
+    """The measured bound against exact training, for the record (compare prints it as 'vs exact')."""
+    exp = Experiment(stage="ddp-bucketed", task="gpt", optimizer="adamw", steps=3, dtype="float32",
+                     options={"compress": "fp16"})
+    results = pools.run(3, run_experiment, exp)
+    _, rel = max_diff(results, exact_reference_of(exp, 3))
+    assert 0 < rel < 1e-2
+
+
+@pytest.mark.parametrize("n, pre, post", [(1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 2, 2), (8, 2, 4), (16, 4, 4), (64, 8, 8)])
+def test_division_split_is_a_power_of_two_near_sqrt_n(n, pre, post):
+    assert split_division(n) == (pre, post)
+
+
+def _overflow(me, compress):
+    model = MLP((4, 4), seed=0)
+    stage = make_stage("ddp", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"), compress=compress)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = (stage(torch.ones(2, 4)) * 1e5).sum()
+    try:
+        loss.backward()
+        stage.step()
+    except FloatingPointError as error:
+        return str(error), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return None, None
+
+
+def test_fp16_overflow_is_reported_and_weights_untouched(pools):
+    for message, untouched in pools.run(2, _overflow, "fp16"):
+        assert message is not None and "overflowed torch.float16" in message and "compress='bf16'" in message
+        assert untouched
+
+
+def test_bf16_has_the_range_fp16_lacks(pools):
+    assert pools.run(2, _overflow, "bf16") == [(None, None), (None, None)]
+
+
+def _compress_fp16_parameters(me):
+    model = MLP((4, 4), seed=0).half()
+    make_stage("ddp", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"), compress="fp16")
+
+
+def test_compression_on_16_bit_gradients_is_refused(pools):
+    with pytest.raises(RankError, match="only makes sense for float32/float64 gradients; parameter 'layers.0.weight'"):
+        pools.run(2, _compress_fp16_parameters)
+
+
+def test_unknown_compression_is_refused():
+    from minizero.compress import check_compress
+    with pytest.raises(ValueError, match="compress must be one of none, fp16, bf16"):
+        check_compress("int8")
