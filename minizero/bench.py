@@ -10,8 +10,14 @@ import time
 
 import torch
 
-from .comm import NativeComm, RingComm, ReduceOp
+from dataclasses import replace
+
+from .comm import NativeComm, RingComm, ReduceOp, make_comm
+from .data import TASKS
+from .experiment import Experiment, run_experiment
 from .launch import Rank, RankPool
+from .stages import make_stage
+from .train import make_optimizer, shard_step
 
 MB = 1 << 20
 
@@ -54,13 +60,98 @@ def bench_collectives(world_size: int, sizes_mb=(1, 16, 64), repeats: int = 5) -
     return rows
 
 
+#: A model big enough that a step is mostly compute and communication, small enough for 2 CPU cores.
+BENCH_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "block_size": 32}
+
+
+def bench_ddp(world_size: int, steps: int = 12) -> list[dict]:
+    """Step time of ddp and ddp-bucketed (ring and native) against torch DDP, in one pool, one run."""
+    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32")
+    variants = [("torch-ddp", replace(base, stage="torch-ddp"))] + [
+        (f"{stage}/{backend}", replace(base, stage=stage, backend=backend))
+        for stage in ("ddp", "ddp-bucketed") for backend in ("native", "ring")]
+    rows = []
+    with RankPool(world_size) as pool:
+        for name, exp in variants:
+            per_rank = pool.run(run_experiment, exp)
+            # a step takes as long as its slowest rank; skip two warm-up steps
+            rows.append((name, max(statistics.median(r["step_s"][2:]) for r in per_rank) * 1e3))
+    torch_ms = rows[0][1]
+    return [{"name": f"{name} step", "value": ms, "unit": "ms", "baseline": "torch-ddp step",
+             "baseline_value": torch_ms, "ratio": ms / torch_ms, "world_size": world_size} for name, ms in rows[1:]]
+
+
+def _overlap_on_rank(me: Rank, backend: str, bucket_mb: float, repeats: int) -> dict:
+    task = TASKS["gpt"]
+    model = task.make_model(0, torch.float32, **BENCH_GPT)
+    stage = make_stage("ddp-bucketed", model, make_optimizer("sgd", model.parameters(), 0.0), make_comm(backend),
+                       bucket_mb=bucket_mb)
+    x, y = task.make_batch(8 * me.world_size, 0, 0, torch.float32, **BENCH_GPT)
+    step = shard_step(x, y, me.rank, me.world_size)
+    (xb, yb), = step.micro_batches
+
+    def backward(sync: bool):
+        stage.zero_grad()
+        start = time.perf_counter()
+        if sync:
+            loss = torch.nn.functional.cross_entropy(stage(xb).flatten(0, 1), yb.flatten())
+            loss.backward()  # ends after every bucket's all-reduce has finished
+        else:
+            with stage.no_sync():
+                loss = torch.nn.functional.cross_entropy(stage(xb).flatten(0, 1), yb.flatten())
+                loss.backward()
+        return time.perf_counter() - start
+
+    def communicate():
+        start = time.perf_counter()
+        for bucket in stage.buckets:
+            stage.averager(bucket.buffer, bucket.index)
+        return time.perf_counter() - start
+
+    measure = lambda f, *a: statistics.median([f(*a) for _ in range(repeats)])  # noqa: E731
+    backward(True)  # warm-up
+    return {"compute": measure(backward, False), "comm": measure(communicate),
+            "overlapped": measure(backward, True), "buckets": len(stage.buckets)}
+
+
+def bench_overlap(world_size: int, bucket_mb: float = 0.5, repeats: int = 7) -> list[dict]:
+    """Forward+backward alone, the bucket all-reduces alone, and both overlapped."""
+    rows = []
+    with RankPool(world_size) as pool:
+        for backend in ("native", "ring"):
+            per_rank = pool.run(_overlap_on_rank, backend, bucket_mb, repeats)
+            t = {k: max(r[k] for r in per_rank) for k in ("compute", "comm", "overlapped")}
+            hidden = (t["compute"] + t["comm"] - t["overlapped"]) / t["comm"]
+            common = {"world_size": world_size, "buckets": per_rank[0]["buckets"]}
+            rows += [
+                {"name": f"{backend}: forward+backward alone", "value": t["compute"] * 1e3, "unit": "ms", **common},
+                {"name": f"{backend}: bucket all-reduces alone", "value": t["comm"] * 1e3, "unit": "ms", **common},
+                {"name": f"{backend}: forward+backward with overlapped all-reduces", "value": t["overlapped"] * 1e3,
+                 "unit": "ms", "baseline": f"{backend}: compute + comm in sequence",
+                 "baseline_value": (t["compute"] + t["comm"]) * 1e3,
+                 "ratio": t["overlapped"] / (t["compute"] + t["comm"]), **common},
+                {"name": f"{backend}: communication hidden", "value": max(0.0, min(1.0, hidden)), "unit": "fraction",
+                 **common},
+            ]
+    return rows
+
+
 def main(args) -> int:
     if args.what == "collectives":
         rows = bench_collectives(args.world_size, repeats=args.repeats)
+    elif args.what == "ddp":
+        rows = bench_ddp(args.world_size)
+    elif args.what == "overlap":
+        rows = bench_overlap(args.world_size, repeats=args.repeats)
     else:
-        raise SystemExit(f"unknown benchmark {args.what!r}; choose: collectives")
+        raise SystemExit(f"unknown benchmark {args.what!r}; choose: collectives, ddp, overlap")
     if args.json:
         print(json.dumps(rows, indent=2))
+    elif args.what != "collectives":
+        print(f"{args.what}, N={args.world_size} ranks, gloo on CPU")
+        for r in rows:
+            ratio = f"   {r['ratio']:.2f}x {r['baseline']}" if "ratio" in r else ""
+            print(f"  {r['name']:<58}{r['value']:>9.2f} {r['unit']}{ratio}")
     else:
         print(f"all-reduce bus bandwidth, N={args.world_size} ranks, gloo on CPU (higher is better)")
         print(f"{'size':>6}{'ring (send/recv)':>18}{'native':>10}{'ratio':>8}")
