@@ -20,9 +20,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+STAGES ?= ddp,ddp-bucketed
+
 demo: install
-	$(PY) -m minizero compare --world-size $(WORLD) --stages ddp
-	$(PY) -m minizero compare --world-size $(WORLD) --stages ddp --dtype float64 --backend native
+	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --accum 2
+	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --accum 2 --compress fp16
+	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --dtype float64 --backend native
 
 test: install
 	$(PY) -m pytest -q tests lessons --nbmake --nbmake-timeout=300
@@ -33,6 +36,8 @@ test-deep: install
 
 bench: install
 	$(PY) -m minizero bench collectives --world-size 2
+	$(PY) -m minizero bench ddp --world-size 2
+	$(PY) -m minizero bench overlap --world-size 2
 
 clean:
 	rm -rf $(VENV) *.egg-info
