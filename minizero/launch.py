@@ -163,7 +163,8 @@ class RankPool:
         for q in self._tasks:
             q.put(task)
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        # The ranks' own collective timeout fires first, so a stuck rank can still explain itself.
+        deadline = time.monotonic() + 1.25 * (timeout_s or self.timeout_s) + 2.0
         while len(results) < self.world_size:
             try:
                 rank, payload = self._results.get(timeout=0.05)

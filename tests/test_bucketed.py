@@ -113,3 +113,24 @@ def test_accumulation_communicates_once_per_step(pools, stage, k):
                      if stage == "ddp-bucketed" else {})
     results = pools.run(3, run_experiment, exp)
     assert sum(r["sent_bytes"] for r in results) == exp.steps * 2 * (3 - 1) * results[0]["psi"] * 8
+
+
+def _no_sync_on_rank_0_only(me):
+    model = MLP((4, 4), seed=0)
+    stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"))
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    if me.rank == 0:
+        with stage.no_sync():
+            stage(x).sum().backward()
+        return "skipped the synchronisation"
+    stage(x).sum().backward()  # waits for rank 0's bucket, which never comes
+
+
+def test_no_sync_on_one_rank_only_ends_with_a_clear_error():
+    """Not detectable up front without an extra message per step; the timeout catches it, never a hang."""
+    from minizero.launch import RankPool
+    with RankPool(2, timeout_s=4) as pool:
+        with pytest.raises(RankError) as info:
+            pool.run(_no_sync_on_rank_0_only)
+    assert "rank 1: the all-reduce of bucket 0" in str(info.value)
+    assert "no_sync() on some ranks only" in str(info.value)

@@ -17,7 +17,7 @@ from equivalence import bit_identical, experiments, run_and_check
 
 
 @settings(max_examples=100)
-@given(drawn=experiments("ddp"))
+@given(drawn=experiments("ddp", max_accum=4))
 def test_ddp_matches_reference(pools, drawn):
     exp, world_size = drawn
     run_and_check(pools, exp, world_size)

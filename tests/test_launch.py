@@ -55,10 +55,22 @@ def test_dead_rank_ends_the_run():
     assert time.monotonic() - start < 20
 
 
-def test_stalled_rank_ends_the_run_within_timeout():
+def _sleep_on_rank_0(me):
+    if me.rank == 0:
+        time.sleep(60)
+
+
+def test_stall_inside_a_collective_is_reported_by_the_waiting_peer():
     start = time.monotonic()
-    with pytest.raises(RankError, match="did not finish within the timeout"):
+    with pytest.raises(RankError, match="(?s)rank 1 raised.*Timed out"):
         run(_stall_on_rank_0, 2, timeout_s=3)
+    assert time.monotonic() - start < 15
+
+
+def test_stall_outside_any_collective_ends_at_the_deadline():
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"ranks \[0\] did not finish within the timeout"):
+        run(_sleep_on_rank_0, 2, timeout_s=2)
     assert time.monotonic() - start < 15
 
 

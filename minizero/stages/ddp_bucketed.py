@@ -23,6 +23,11 @@ parameters were used anywhere is all-reduced, so a parameter unused on every
 rank keeps ``.grad = None`` (the optimizer skips it, as single-device training
 would).  Without it, the run stops naming the parameter -- a bucket that
 never completes would otherwise hang the other ranks.
+
+``no_sync()`` must be entered on every rank alike (as in torch).  A rank
+that skips a synchronisation leaves its peers waiting in a bucket's
+all-reduce; the process group's timeout ends that wait, and the error says
+what most likely happened instead of just "timeout".
 """
 from __future__ import annotations
 
@@ -88,7 +93,14 @@ class BucketedDDP(DDP):
         if self.find_unused_parameters:
             self._find_unused_everywhere()
         for bucket in self.buckets:
-            bucket.work.wait()
+            try:
+                bucket.work.wait()
+            except RuntimeError as error:  # gloo/NCCL timeout, or a peer that went away
+                raise RuntimeError(
+                    f"rank {self.rank}: the all-reduce of bucket {bucket.index} ({bucket.names[0]}, ...) failed: "
+                    f"a peer did not join it. Another rank may have skipped this synchronisation -- entered "
+                    f"no_sync() on some ranks only, or run a different number of backward passes -- or stalled. "
+                    f"Cause: {error}") from error
             bucket.ready.clear()
         self._next_bucket = 0
         self._used.clear()
