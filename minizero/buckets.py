@@ -24,12 +24,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor  # all gradients of the bucket, end to end
     views: list[torch.Tensor] = field(default_factory=list)  # views[i] is params[i]'s gradient
-    ready: set[int] = field(default_factory=set)  # indices of params whose gradient is final this backward
-
-    @property
-    def complete(self) -> bool:
-        return len(self.ready) == len(self.params)
-
+    work: object = None  # the running all-reduce
 
 def assign_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_mb: float) -> list[Bucket]:
     """Pack parameters, last registered first, into buckets of at most ``bucket_mb`` MiB.
@@ -58,3 +53,43 @@ def assign_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_mb: floa
             offset += p.numel()
         buckets.append(bucket)
     return buckets
+
+
+class ReadyOrder:
+    """Which parameters of which bucket hold their final gradient; launches buckets in index order.
+
+    Every rank must start bucket collectives in the same order -- the ring pairs
+    rank r's bucket i with its neighbours' bucket i -- so a bucket that completes
+    early waits for the ones before it.  Used by ``ddp-bucketed`` and ``zero2``.
+    """
+
+    def __init__(self, buckets: list[list[nn.Parameter]], launch):
+        self._slot = {id(p): (b, i) for b, params in enumerate(buckets) for i, p in enumerate(params)}
+        self._sizes = [len(params) for params in buckets]
+        self._ready: list[set[int]] = [set() for _ in buckets]
+        self._launch = launch  # launch(bucket_index)
+        self._next = 0
+
+    def mark(self, param: nn.Parameter) -> None:
+        b, i = self._slot[id(param)]
+        self._ready[b].add(i)
+        while self._next < len(self._sizes) and len(self._ready[self._next]) == self._sizes[self._next]:
+            self._launch(self._next)
+            self._next += 1
+
+    def missing(self) -> list[tuple[int, int]]:
+        """(bucket, position) of every parameter not marked since the last reset."""
+        return [(b, i) for b, size in enumerate(self._sizes) for i in range(size) if i not in self._ready[b]]
+
+    def complete_all(self) -> None:
+        """Launch whatever has not been launched, in order (unused parameters: their slots hold zeros)."""
+        for b, i in self.missing():
+            self._ready[b].add(i)
+        while self._next < len(self._sizes):
+            self._launch(self._next)
+            self._next += 1
+
+    def reset(self) -> None:
+        for ready in self._ready:
+            ready.clear()
+        self._next = 0

@@ -31,7 +31,12 @@ import torch.distributed as dist
 
 class ReduceOp(enum.Enum):
     SUM = "sum"
-    AVG = "avg"
+    AVG = "avg"  # SUM, then divide by the world size
+    MAX = "max"  # e.g. the inf-norm of a sharded gradient
+
+    def combine(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """How two partial results meet on the way round the ring."""
+        return torch.maximum(a, b, out=out) if self is ReduceOp.MAX else torch.add(a, b, out=out)
 
 
 #: Collective kinds, the keys of the byte ledger.

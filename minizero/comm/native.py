@@ -32,7 +32,7 @@ def ring_bytes_sent(kind: str, numel: int, element_size: int, world_size: int, r
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-_TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG}
+_TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG, ReduceOp.MAX: dist.ReduceOp.MAX}
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -73,7 +73,8 @@ class NativeComm(Comm):
     @collective("root_all_reduce")
     def root_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         check_tensor(tensor, "root_all_reduce")
-        dist.reduce(tensor, self.peer(0), op=dist.ReduceOp.SUM, group=self.group)
+        dist.reduce(tensor, self.peer(0), op=dist.ReduceOp.MAX if op is ReduceOp.MAX else dist.ReduceOp.SUM,
+                    group=self.group)
         if op is ReduceOp.AVG and self.rank == 0:
             tensor.div_(self.world_size)
         dist.broadcast(tensor, self.peer(0), group=self.group)

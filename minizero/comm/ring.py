@@ -81,7 +81,7 @@ class RingComm(Comm):
         return [flat[a:b] for a, b in chunk_bounds(flat.numel(), self.world_size)]
 
     # ------------------------------------------------------ the two phases
-    def _ring_reduce_scatter(self, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
+    def _ring_reduce_scatter(self, chunks: list[torch.Tensor], out: torch.Tensor, op: ReduceOp) -> None:
         """Leave in ``out`` the sum over ranks of ``chunks[self.rank]``.
 
         ``chunks`` are this rank's contributions and are only read, except
@@ -104,9 +104,9 @@ class RingComm(Comm):
             incoming = buffers[step % 2][: chunks[index].numel()]
             self._send_right_recv_left(send, incoming)
             if index == r:
-                torch.add(incoming, chunks[index], out=out)
+                op.combine(incoming, chunks[index], out=out)
             else:
-                send = incoming.add_(chunks[index])
+                send = op.combine(incoming, chunks[index], out=incoming)
 
     def _ring_all_gather(self, chunks: list[torch.Tensor]) -> None:
         """``chunks[rank]`` is complete on every rank; fill in the others.
@@ -121,7 +121,7 @@ class RingComm(Comm):
         check_tensor(tensor, "all_reduce")
         chunks = self._chunks(tensor)
         mine = chunks[self.rank]
-        self._ring_reduce_scatter(chunks, mine)
+        self._ring_reduce_scatter(chunks, mine, op)
         if op is ReduceOp.AVG:
             mine.div_(self.world_size)  # on 1/N of the data, before it is copied N-1 times
         self._ring_all_gather(chunks)
@@ -129,7 +129,7 @@ class RingComm(Comm):
     @collective("reduce_scatter")
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         self._check_shards(output, input, input, output, "reduce_scatter")
-        self._ring_reduce_scatter(self._chunks(input), output.view(-1))
+        self._ring_reduce_scatter(self._chunks(input), output.view(-1), op)
         if op is ReduceOp.AVG:
             output.div_(self.world_size)
 
@@ -174,7 +174,7 @@ class RingComm(Comm):
             incoming = torch.empty_like(tensor)
             for src in range(1, self.world_size):
                 self._recv(incoming, src)
-                tensor.add_(incoming)
+                op.combine(tensor, incoming, out=tensor)
             if op is ReduceOp.AVG:
                 tensor.div_(self.world_size)
             for dst in range(1, self.world_size):

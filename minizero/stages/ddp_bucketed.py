@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..buckets import Bucket, assign_buckets
+from ..buckets import Bucket, ReadyOrder, assign_buckets
 from ..comm import Comm, ReduceOp
 from .ddp import DDP
 
@@ -48,7 +48,7 @@ class BucketedDDP(DDP):
         self.find_unused_parameters = find_unused_parameters
         self.buckets: list[Bucket] = assign_buckets(self.trainable(), bucket_mb)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._next_bucket = 0  # buckets are launched in index order, the same on every rank
+        self._ready = ReadyOrder([b.params for b in self.buckets], self._launch)
         self._used: set[int] = set()  # parameters that got a gradient since the last synchronisation
         self._unused_everywhere: list[nn.Parameter] = []
         self._syncing = False
@@ -69,27 +69,23 @@ class BucketedDDP(DDP):
             param.grad = view
         self._used.add(id(param))
         if self._syncing:
-            bucket.ready.add(i)
-            self._launch_complete_buckets()
+            self._ready.mark(param)
 
-    def _launch_complete_buckets(self) -> None:
-        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
-            bucket = self.buckets[self._next_bucket]
-            bucket.work = self.comm.submit(lambda b=bucket: self.averager(b.buffer, b.index, b.names))
-            self._next_bucket += 1
+    def _launch(self, index: int) -> None:
+        """Start bucket ``index``'s all-reduce on the communication thread; backward goes on."""
+        bucket = self.buckets[index]
+        bucket.work = self.comm.submit(lambda: self.averager(bucket.buffer, bucket.index, bucket.names))
 
     def sync_gradients(self) -> None:
         """Runs when backward has finished: complete what is missing, wait for every bucket."""
-        missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if i not in b.ready]
+        missing = self._ready.missing()
         if missing and not self.find_unused_parameters:
-            names = [b.names[i] for b, i in missing]
+            names = [self.buckets[b].names[i] for b, i in missing]
             raise RuntimeError(
                 f"rank {self.rank}: parameter(s) {names} got no gradient in this backward, so their bucket "
                 f"can never be reduced. If parameters may go unused, wrap with find_unused_parameters=True; "
                 f"if they are never trained, freeze them with requires_grad_(False).")
-        for bucket, i in missing:
-            bucket.ready.add(i)  # their slots hold zeros (or earlier micro-batches' sums): still correct
-        self._launch_complete_buckets()
+        self._ready.complete_all()  # unused slots hold zeros (or earlier micro-batches' sums): still correct
         if self.find_unused_parameters:
             self._find_unused_everywhere()
         for bucket in self.buckets:
@@ -101,8 +97,8 @@ class BucketedDDP(DDP):
                     f"a peer did not join it. Another rank may have skipped this synchronisation -- entered "
                     f"no_sync() on some ranks only, or run a different number of backward passes -- or stalled. "
                     f"Cause: {error}") from error
-            bucket.ready.clear()
-        self._next_bucket = 0
+            bucket.work = None
+        self._ready.reset()
         self._used.clear()
 
     def _find_unused_everywhere(self) -> None:

@@ -1,0 +1,121 @@
+"""The flat, sharded layout of ZeRO: one idea, used by ZeRO-1, -2 and -3.
+
+A :class:`FlatGroup` lays parameters of one dtype and one optimizer param
+group end to end in one buffer, padded with zeros to a multiple of N.  Rank
+``r`` *owns* the contiguous slice ``[r*S, (r+1)*S)``, ``S = padded / N``; a
+parameter may straddle two ranks (as in DeepSpeed), which is fine because
+the optimizer never sees parameters -- it sees one flat shard per group.
+
+The parameters themselves become views into the buffer (``p.data`` points
+into it), so an all-gather into the buffer updates the model in place, and
+the optimizer's in-place step on the owned shard writes into the same memory.
+
+Padding is zeros with zero gradient: it never changes a norm, and every
+torch optimizer maps a zero parameter with zero gradient and zero state to
+zero (weight decay of 0 is 0), so it stays zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .flat import unpack
+
+
+def padded_size(numel: int, world_size: int) -> int:
+    return -(-numel // world_size) * world_size
+
+
+@dataclass
+class Segment:
+    """Where one parameter lives in the flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    start: int
+    stop: int
+
+
+class FlatGroup:
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], rank: int, world_size: int,
+                 group_index: int = 0):
+        params = [p for _, p in named_params]
+        self.group_index = group_index  # which param group of the user's optimizer
+        self.rank, self.world_size = rank, world_size
+        self.numel = sum(p.numel() for p in params)
+        self.shard_size = padded_size(self.numel, world_size) // world_size
+        dtype, device = params[0].dtype, params[0].device
+        self.data = torch.zeros(self.shard_size * world_size, dtype=dtype, device=device)
+        self.segments, offset = [], 0
+        for name, p in named_params:
+            self.segments.append(Segment(name, p, offset, offset + p.numel()))
+            offset += p.numel()
+        with torch.no_grad():
+            unpack_into = [self.data[s.start:s.stop].view_as(s.param) for s in self.segments]
+            for view, s in zip(unpack_into, self.segments):
+                view.copy_(s.param)
+                s.param.data = view  # the parameter now lives in the flat buffer
+        # The owned shard as a Parameter: the optimizer's only view of this group.
+        self.shard = nn.Parameter(self.data[rank * self.shard_size:(rank + 1) * self.shard_size])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def padding(self) -> int:
+        return self.data.numel() - self.numel
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full-size flat tensor."""
+        return full[self.rank * self.shard_size:(self.rank + 1) * self.shard_size]
+
+    def pack_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameters' gradients, flat and padded (zeros where a gradient is None)."""
+        out = torch.zeros_like(self.data) if out is None else out.zero_()
+        for s in self.segments:
+            if s.param.grad is not None:
+                out[s.start:s.stop].copy_(s.param.grad.reshape(-1))
+        return out
+
+    def unpack_full(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter tensors from a full flat tensor (a consolidated state, say)."""
+        out = [torch.empty_like(s.param) for s in self.segments]
+        unpack(full[: self.numel], out)
+        return out
+
+
+def build_groups(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int, world_size: int,
+                 max_numel: int | None = None) -> list[FlatGroup]:
+    """Flat groups for the trainable parameters of ``optimizer``'s param groups, split by dtype
+    and -- for bucketed reduce-scatter -- into pieces of at most ``max_numel`` elements
+    (in reverse registration order, the order backward produces gradients)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = []
+    for index, param_group in enumerate(optimizer.param_groups):
+        params = [p for p in param_group["params"] if p.requires_grad]
+        pieces: list[list[nn.Parameter]] = []
+        for p in reversed(params) if max_numel else params:
+            if not pieces or pieces[-1][0].dtype != p.dtype or (
+                    max_numel and sum(q.numel() for q in pieces[-1]) + p.numel() > max_numel):
+                pieces.append([])
+            pieces[-1].append(p)
+        groups += [FlatGroup([(names.get(id(p), "?"), p) for p in piece], rank, world_size, index)
+                   for piece in pieces]
+    return groups
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> torch.optim.Optimizer:
+    """The same optimizer class and hyper-parameters, over the owned shards.
+
+    Works for any torch optimizer whose update is element-wise (SGD, Adam,
+    AdamW, ...): each param group keeps its lr, weight decay, betas."""
+    param_groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        shards = [g.shard for g in groups if g.group_index == index]
+        if shards:
+            param_groups.append({"params": shards, **settings})
+    return type(optimizer)(param_groups, **optimizer.defaults)
