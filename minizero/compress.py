@@ -61,9 +61,25 @@ class GradientAverager:
                             f"Turn compression off or keep this parameter in float32.")
 
     def __call__(self, flat: torch.Tensor, key=None, names: list[str] | None = None) -> None:
+        """All-reduce: every rank ends with the mean of ``flat``, in place."""
         if self.wire_dtype is None:
             self.comm.all_reduce(flat, ReduceOp.AVG)
             return
+        wire = self._to_wire(flat, key)
+        self.comm.all_reduce(wire, ReduceOp.SUM)
+        self._from_wire(wire, flat, names)
+
+    def reduce_scatter(self, full: torch.Tensor, shard: torch.Tensor, key=None, names: list[str] | None = None) -> None:
+        """Reduce-scatter: ``shard`` gets this rank's slice of the mean of ``full`` (ZeRO)."""
+        if self.wire_dtype is None:
+            self.comm.reduce_scatter(shard, full, ReduceOp.AVG)
+            return
+        wire = self._to_wire(full, key)
+        wire_shard = torch.empty(shard.numel(), dtype=self.wire_dtype, device=shard.device)
+        self.comm.reduce_scatter(wire_shard, wire, ReduceOp.SUM)
+        self._from_wire(wire_shard, shard, names)
+
+    def _to_wire(self, flat: torch.Tensor, key) -> torch.Tensor:
         scaled = flat / self.pre
         if self.error_feedback:
             residual = self.residuals.get(key)
@@ -72,11 +88,13 @@ class GradientAverager:
         wire = scaled.to(self.wire_dtype)
         if self.error_feedback:
             self.residuals[key] = scaled - wire.to(flat.dtype)
-        self.comm.all_reduce(wire, ReduceOp.SUM)
+        return wire
+
+    def _from_wire(self, wire: torch.Tensor, out: torch.Tensor, names) -> None:
         if not bool(torch.isfinite(wire).all()):
             raise FloatingPointError(
                 f"rank {self.comm.rank}: gradients overflowed {self.wire_dtype} in the reduction "
                 f"(inf/NaN in {', '.join(names or ['a gradient buffer'])}); the weights were not touched. "
                 f"Lower the loss scale or learning rate, or use compress='bf16' (fp32's range).")
-        flat.copy_(wire)
-        flat.div_(self.post)
+        out.copy_(wire)
+        out.div_(self.post)

@@ -15,6 +15,8 @@ def sent_bytes_per_step(stage: str, psi: int, world_size: int, element_size: int
         return 0.0
     if stage in ("ddp", "ddp-bucketed"):
         return 2 * ring  # one all-reduce of the gradients per optimizer step, however many micro-batches
+    if stage in ("zero1", "zero2"):
+        return 2 * ring  # reduce-scatter gradients + all-gather parameters: the same as DDP
     raise ValueError(f"no byte formula for stage {stage!r}")
 
 

@@ -16,6 +16,7 @@ zero (weight decay of 0 is 0), so it stays zero.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -118,4 +119,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -
         shards = [g.shard for g in groups if g.group_index == index]
         if shards:
             param_groups.append({"params": shards, **settings})
-    return type(optimizer)(param_groups, **optimizer.defaults)
+    # Each group carries all its settings; the constructor gets only the defaults it accepts
+    # (AdamW's defaults hold keys, like decoupled_weight_decay, that its __init__ does not take).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(param_groups, **defaults)

@@ -55,6 +55,53 @@ class Stage:
         """Named trainable parameters, tied ones once, in registration order."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients this rank holds -- all of them,
+        already averaged, for the reference and DDP.  Sharded stages override it."""
+        params = [p for _, p in self.trainable() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The model state this rank keeps between steps, by kind -- what memory accounting walks."""
+        params = [p for _, p in self.trainable()]
+        return {"params": params,
+                "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": [t for state in self.optimizer.state.values() for t in state.values()
+                              if torch.is_tensor(t)]}
+
+
+class Synchronised(Stage):
+    """A stage that reduces gradients once backward has finished (all but the reference).
+
+    The output's gradient is the first thing backward computes; from its hook
+    we queue a callback that autograd runs after the *whole* pass, when every
+    ``.grad`` holds its final (accumulated) value -- how torch's DDP reducer
+    finalises, too.  Inside ``no_sync()`` nothing is queued: gradients
+    accumulate locally and the first backward after it reduces the sums.
+    """
+
+    _syncing = False  # does the backward of the latest forward synchronise?
+
+    def forward(self, *args, **kwargs):
+        output = self.module(*args, **kwargs)
+        self._syncing = torch.is_grad_enabled() and self.require_backward_grad_sync  # decided at forward, as torch
+        if self._syncing:
+            self._sync_after_backward(output)
+        return output
+
+    def _sync_after_backward(self, output) -> None:
+        def queue_sync(grad):
+            torch.autograd.Variable._execution_engine.queue_callback(self.sync_gradients)
+
+        tensors = output if isinstance(output, (tuple, list)) else [output]
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(queue_sync)
+                return
+
+    def sync_gradients(self) -> None:
+        raise NotImplementedError
+
 
 def _digest(text: str) -> float:
     # 48 bits of a hash: exactly representable in float64, the dtype we gather in.

@@ -24,10 +24,10 @@ from torch import nn
 from ..comm import Comm
 from ..compress import GradientAverager
 from ..flat import group_by_dtype, pack, unpack
-from .base import Stage, broadcast_module, check_same_model
+from .base import Synchronised, broadcast_module, check_same_model
 
 
-class DDP(Stage):
+class DDP(Synchronised):
     name = "ddp"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
@@ -38,29 +38,6 @@ class DDP(Stage):
             self.averager.check_gradient_dtype(name, p.dtype)
         check_same_model(module, comm)
         broadcast_module(module, comm)
-
-    def forward(self, *args, **kwargs):
-        output = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self._sync_after_backward(output)
-        return output
-
-    def _sync_after_backward(self, output) -> None:
-        """Arrange for :meth:`sync_gradients` to run once backward has finished.
-
-        The output's gradient is the first thing backward computes; from its
-        hook we queue a callback that autograd runs after the *whole* pass,
-        when every ``.grad`` holds its final (accumulated) value.  This is how
-        torch's DDP reducer finalises, too.
-        """
-        def queue_sync(grad):
-            torch.autograd.Variable._execution_engine.queue_callback(self.sync_gradients)
-
-        tensors = output if isinstance(output, (tuple, list)) else [output]
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(queue_sync)
-                return
 
     def sync_gradients(self) -> None:
         """Average every gradient across ranks: one flat all-reduce per dtype.

@@ -51,16 +51,11 @@ class BucketedDDP(DDP):
         self._ready = ReadyOrder([b.params for b in self.buckets], self._launch)
         self._used: set[int] = set()  # parameters that got a gradient since the last synchronisation
         self._unused_everywhere: list[nn.Parameter] = []
-        self._syncing = False
         self.zero_grad()
         for _, p in self.trainable():
             p.register_post_accumulate_grad_hook(self._on_gradient_ready)
 
     # -------------------------------------------------------------- backward
-    def forward(self, *args, **kwargs):
-        self._syncing = torch.is_grad_enabled() and self.require_backward_grad_sync  # decided at forward, as torch
-        return super().forward(*args, **kwargs)
-
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         bucket, i = self._slot[id(param)]
         view = bucket.views[i]
