@@ -24,7 +24,8 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--compress", choices=["none", "fp16", "bf16"], default="none",
                          help="send gradients in 16 bits")
     compare.add_argument("--error-feedback", action="store_true", help="carry the compression error to the next step")
-    compare.add_argument("--bucket-mb", type=float, default=None, help="bucket size of ddp-bucketed (default 25)")
+    compare.add_argument("--bucket-mb", type=float, default=None, help="bucket size of ddp-bucketed, zero2 (default 25)")
+    compare.add_argument("--clip", type=float, default=None, help="clip the global L2 gradient norm to this")
     compare.add_argument("--backend", choices=["ring", "native"], default="ring")
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--json", action="store_true")

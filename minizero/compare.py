@@ -37,7 +37,11 @@ def summarise(stage: str, results: list[dict], reference: dict, exp: Experiment,
         "loss_rel_diff": loss_rel,
         "within_tolerance": rel_diff <= RTOL[exp.dtype] and loss_rel <= RTOL[exp.dtype],
         "sent_bytes_per_step": sent,
-        "sent_bytes_formula": formulas.sent_bytes_per_step(stage, first["psi"], world_size, first["grad_bytes"]),
+        "sent_bytes_formula": formulas.sent_bytes_per_step(stage, first["psi"], world_size, first["grad_bytes"],
+                                                           first["param_bytes"]),
+        "state_bytes": max(r["held_bytes"]["total"] for r in results),
+        "state_bytes_formula": formulas.state_bytes(stage, first["psi"], world_size, first["param_bytes"],
+                                                    formulas.STATE_TENSORS[exp.optimizer]),
         "step_ms": 1000 * statistics.median(times),
         "accum": exp.accum,
         "compress": exp.options.get("compress") or "none",
@@ -51,7 +55,7 @@ def stage_options(stage: str, compress: str | None = None, bucket_mb: float | No
     options = {}
     if compress and compress != "none":
         options.update(compress=compress, error_feedback=error_feedback)
-    if bucket_mb is not None and stage == "ddp-bucketed":
+    if bucket_mb is not None and stage in ("ddp-bucketed", "zero2"):
         options["bucket_mb"] = bucket_mb
     return options
 
@@ -89,19 +93,21 @@ def _compare_under_torchrun(experiments: list[Experiment]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     header = (f"{'stage':<14}{'max|Δparam|':>13}{'rel':>10}{'ok':>4}{'sent B/step/rank':>18}{'formula':>12}"
-              f"{'step ms':>9}{'vs exact':>11}")
+              f"{'state B/rank':>14}{'formula':>12}{'step ms':>9}{'vs exact':>10}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r['stage']:<14}{r['max_abs_diff']:>13.3e}{r['max_rel_diff']:>10.1e}"
                      f"{'yes' if r['within_tolerance'] else 'NO':>4}{r['sent_bytes_per_step']:>18,.0f}"
-                     f"{r['sent_bytes_formula']:>12,.0f}{r['step_ms']:>9.2f}{r['max_abs_diff_exact']:>11.1e}")
+                     f"{r['sent_bytes_formula']:>12,.0f}{r['state_bytes']:>14,.0f}{r['state_bytes_formula']:>12,.0f}"
+                     f"{r['step_ms']:>9.2f}{r['max_abs_diff_exact']:>10.1e}")
     return "\n".join(lines)
 
 
 def main(args) -> int:
     stages = [s for s in args.stages.split(",") if s]
     exp = Experiment(task=args.task, dtype=args.dtype, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                     micro_batch=args.micro_batch, accum=args.accum, backend=args.backend, seed=args.seed)
+                     micro_batch=args.micro_batch, accum=args.accum, backend=args.backend, seed=args.seed,
+                     clip=(args.clip, 2.0) if args.clip else None)
     rows = compare(args.world_size, stages, exp, compress=args.compress, bucket_mb=args.bucket_mb,
                    error_feedback=args.error_feedback)
     if not rows:  # a torchrun rank other than 0

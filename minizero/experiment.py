@@ -17,6 +17,7 @@ from .comm import Ledger, make_comm
 from .compress import check_compress
 from .data import TASKS
 from .launch import Rank
+from .memory import held_bytes
 from .models import count_params
 from .oracle import ORACLES
 from .stages import check_stage_names, make_stage
@@ -41,6 +42,7 @@ class Experiment:
     seed: int = 0
     backend: str = "ring"  # ring (send/recv) or native (torch collectives)
     rank_sizes: tuple | None = None  # samples per rank per step, if not micro_batch * accum each
+    clip: tuple | None = None  # (max_norm, norm_type): clip the global gradient norm
     options: dict = field(default_factory=dict)  # stage options
 
     def global_batch(self, world_size: int) -> int:
@@ -75,15 +77,22 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
             else shard_step(x, y, 0, 1, 1)
         start = time.perf_counter()
-        losses.append(train_step(stage, step))
+        losses.append(train_step(stage, step, clip=exp.clip))
         times.append(time.perf_counter() - start)
         params.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    held = held_bytes(stage.held_tensors()) if hasattr(stage, "held_tensors") else {}
+    if comm:
+        comm.remove_observer(ledger)  # what follows is inspection, not training traffic
+    consolidate = getattr(stage, "full_optimizer_state_dict", stage.optimizer.state_dict)
+    optimizer_state = consolidate()
     if comm:
         comm.close()
     wire = check_compress(exp.options.get("compress"))
     return {"params": params, "losses": losses, "global_count": step.global_count, "step_s": times,
             "sent_bytes": ledger.total, "sent_by_kind": ledger.snapshot(), "psi": count_params(model),
-            "grad_bytes": torch.empty(0, dtype=wire or dtype).element_size()}
+            "grad_bytes": torch.empty(0, dtype=wire or dtype).element_size(),
+            "param_bytes": torch.empty(0, dtype=dtype).element_size(),
+            "held_bytes": held, "optimizer_state": optimizer_state}
 
 
 def reference_of(exp: Experiment, world_size: int) -> dict:

@@ -48,8 +48,12 @@ def shard_step(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, acc
     return Step(micro, global_count=y.numel())
 
 
-def train_step(stage, step: Step, loss_fn: Callable = sum_loss) -> float:
-    """One optimizer step; returns this rank's *summed* loss (add over ranks, divide by global_count)."""
+def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[float, float] | None = None) -> float:
+    """One optimizer step; returns this rank's *summed* loss (add over ranks, divide by global_count).
+
+    ``clip=(max_norm, norm_type)`` clips the averaged gradient by its global
+    norm before the step, as ``torch.nn.utils.clip_grad_norm_`` would on one device.
+    """
     stage.zero_grad()
     scale = stage.world_size / step.global_count
     total = 0.0
@@ -60,6 +64,8 @@ def train_step(stage, step: Step, loss_fn: Callable = sum_loss) -> float:
             loss = loss_fn(stage(x), y)
             (loss * scale).backward()
         total += loss.item()
+    if clip is not None:
+        stage.clip_grad_norm_(*clip)
     stage.step()
     return total
 

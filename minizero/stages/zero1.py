@@ -146,5 +146,41 @@ class ZeRO1(Synchronised):
     # ------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()
-        held["grads"] = list(self.grad_buffers)
+        # Storage is what counts: ZeRO-1's shard views count their whole buffers, ZeRO-2's shards themselves.
+        held["grads"] = self.grad_shards()
         return held
+
+    # ------------------------------------------------------------ state dicts
+    def full_optimizer_state_dict(self) -> dict:
+        """The state_dict a plain torch optimizer over the unwrapped model would have.
+
+        Each state tensor's shards are all-gathered, the padding dropped, and
+        the flat result cut back into per-parameter tensors; every rank gets
+        it, so it loads into ``type(optimizer)(model.parameters(), ...)``.
+        """
+        order = [p for group in self._user_param_groups for p in group["params"]]
+        index = {id(p): i for i, p in enumerate(order)}
+        state: dict[int, dict] = {}
+        for group in self.groups:
+            shard_state = self.optimizer.state.get(group.shard, {})
+            per_param: list[dict] = [{} for _ in group.segments]
+            for key in sorted(shard_state):
+                value = shard_state[key]
+                if torch.is_tensor(value) and value.shape == group.shard.shape:
+                    full = torch.empty_like(group.data)
+                    self.comm.all_gather(full, value.detach().contiguous())
+                    for entry, tensor in zip(per_param, group.unpack_full(full)):
+                        entry[key] = tensor
+                else:  # a scalar such as Adam's step: the same for every parameter of the group
+                    for entry in per_param:
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
+            for s, entry in zip(group.segments, per_param):
+                if entry:
+                    state[index[id(s.param)]] = entry
+        param_groups = [{**{k: v for k, v in group.items() if k != "params"},
+                         "params": [index[id(p)] for p in group["params"]]} for group in self._user_param_groups]
+        return {"state": state, "param_groups": param_groups}
+
+    def shard_optimizer_state_dict(self) -> dict:
+        """This rank's shards only: what a sharded checkpoint stores per rank."""
+        return self.optimizer.state_dict()

@@ -82,8 +82,3 @@ class ZeRO2(ZeRO1):
         for index in sorted(self._works):
             self._works.pop(index).wait()
         self._ready.reset()
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        held = super().held_tensors()
-        held["grads"] = list(self.shards)
-        return held
