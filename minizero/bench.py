@@ -84,7 +84,7 @@ def bench_ddp(world_size: int, steps: int = 12) -> list[dict]:
 def _overlap_on_rank(me: Rank, backend: str, bucket_mb: float, repeats: int) -> dict:
     task = TASKS["gpt"]
     model = task.make_model(0, torch.float32, **BENCH_GPT)
-    stage = make_stage("ddp-bucketed", model, make_optimizer("sgd", model.parameters(), 0.0), make_comm(backend),
+    stage = make_stage("ddp-bucketed", model, make_optimizer("sgd", model, 0.0), make_comm(backend),
                        bucket_mb=bucket_mb)
     x, y = task.make_batch(8 * me.world_size, 0, 0, torch.float32, **BENCH_GPT)
     step = shard_step(x, y, me.rank, me.world_size)

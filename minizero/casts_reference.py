@@ -4,7 +4,9 @@ Comparing a compressed run with exact training only bounds the error.  To
 keep the tolerance *tight*, this reference reproduces the rounding itself:
 one process computes each simulated rank's gradient on that rank's
 micro-batches, lays the gradients out in the stage's buffers (dtype groups
-for ``ddp``, buckets for ``ddp-bucketed``), divides by ``pre``, casts to the
+for ``ddp``, buckets for ``ddp-bucketed``, padded flat groups for ZeRO --
+a reduce-scatter sums each chunk just as the all-reduce's first half does),
+divides by ``pre``, casts to the
 wire dtype, sums in exactly the order the send/recv ring does (chunk ``c``
 starts at rank ``c+1`` and travels right, rounded to 16 bits at every hop),
 and divides by ``post``.  Any mistake in the stage's casts, divisions,
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import assign_buckets
+from .buckets import MiB, assign_buckets
 from .comm import chunk_bounds
 from .compress import check_compress, split_division
 from .data import TASKS
 from .flat import pack, unpack
+from .layout import padded_size, plan_groups
 from .models import sum_loss
 from .train import make_optimizer, shard_step
 
@@ -36,11 +39,17 @@ def ring_sum(wires: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _layout(stage: str, model, options: dict) -> list[list[str]]:
+def _layout(stage: str, model, optimizer, options: dict) -> list[list[str]]:
     """Names of the parameters in each reduction buffer, as the stage builds them."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if stage == "ddp-bucketed":
         return [b.names for b in assign_buckets(trainable, options.get("bucket_mb", 25.0))]
+    if stage in ("zero1", "zero2"):
+        names = {id(p): n for n, p in model.named_parameters()}
+        element_size = trainable[0][1].element_size()
+        cap = max(1, int(options.get("bucket_mb", 25.0) * MiB // element_size)) if stage == "zero2" else None
+        return [[names[id(p)] for p in piece]
+                for _, piece in plan_groups([g["params"] for g in optimizer.param_groups], cap)]
     groups: dict = {}
     for n, p in trainable:
         groups.setdefault(p.dtype, []).append(n)
@@ -56,10 +65,11 @@ def run_casts_reference(exp, world_size: int) -> dict:
     error_feedback = exp.options.get("error_feedback", False)
     pre, post = split_division(n)
     model = task.make_model(exp.seed, dtype, **exp.model)
-    optimizer = make_optimizer(exp.optimizer, model.parameters(), exp.lr)
+    optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     params_by_name = dict(model.named_parameters())
-    layout = _layout(exp.stage, model, exp.options)
-    keep_empty_slots = exp.stage == "ddp-bucketed"
+    layout = _layout(exp.stage, model, optimizer, exp.options)
+    keep_empty_slots = exp.stage != "ddp"
+    sharded = exp.stage in ("zero1", "zero2")  # reduce-scatter of a buffer padded to a multiple of N
     residuals: dict = {}
     record = {"params": [], "losses": []}
     for s in range(exp.steps):
@@ -81,6 +91,9 @@ def run_casts_reference(exp, world_size: int) -> dict:
                 continue  # no gradient anywhere: the parameters keep .grad = None
             flats = [pack([g[name] if g[name] is not None else torch.zeros_like(params_by_name[name])
                            for name in packed]) for g in per_rank]
+            if sharded:
+                size = padded_size(flats[0].numel(), n)
+                flats = [torch.cat([f, f.new_zeros(size - f.numel())]) for f in flats]
             if wire is None:
                 averaged = ring_sum(flats) / n
             else:
@@ -94,10 +107,12 @@ def run_casts_reference(exp, world_size: int) -> dict:
                         residuals[(r, key)] = scaled - wires[-1].to(dtype)
                 averaged = ring_sum(wires).to(dtype) / post
             grads = [torch.empty_like(params_by_name[name]) for name in packed]
-            unpack(averaged, grads)
+            unpack(averaged[:sum(g.numel() for g in grads)], grads)
             for name, grad in zip(packed, grads):
                 if any(g[name] is not None for g in per_rank):  # unused everywhere: no gradient, no update
                     params_by_name[name].grad = grad
+        if exp.clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], *exp.clip)
         optimizer.step()
         record["losses"].append(loss_total)
         record["params"].append({name: p.detach().clone() for name, p in model.named_parameters()})

@@ -7,6 +7,7 @@ results and can check equivalence step by step.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, replace
 
@@ -43,6 +44,8 @@ class Experiment:
     backend: str = "ring"  # ring (send/recv) or native (torch collectives)
     rank_sizes: tuple | None = None  # samples per rank per step, if not micro_batch * accum each
     clip: tuple | None = None  # (max_norm, norm_type): clip the global gradient norm
+    param_groups: bool = False  # two optimizer param groups with different lr and weight decay
+    record_states: bool = False  # return the (consolidated) optimizer state after every step
     options: dict = field(default_factory=dict)  # stage options
 
     def global_batch(self, world_size: int) -> int:
@@ -62,7 +65,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     if exp.stage not in ORACLES:
         check_stage_names([exp.stage])
     model = task.make_model(exp.seed + 1000 * rank, dtype, **exp.model)
-    optimizer = make_optimizer(exp.optimizer, model.parameters(), exp.lr)
+    optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     comm = make_comm(exp.backend) if me else None
     if exp.stage in ORACLES:  # torch's own implementation, through the same loop
         stage = ORACLES[exp.stage](model, optimizer, **exp.options)
@@ -71,7 +74,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     ledger = Ledger()
     if comm:
         comm.add_observer(ledger)  # after wrapping: count training traffic only
-    params, losses, times = [], [], []
+    consolidate = getattr(stage, "full_optimizer_state_dict", stage.optimizer.state_dict)
+    params, losses, times, states = [], [], [], []
     for s in range(exp.steps):
         x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
         step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
@@ -80,11 +84,16 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         losses.append(train_step(stage, step, clip=exp.clip))
         times.append(time.perf_counter() - start)
         params.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        if exp.record_states:
+            if comm:
+                comm.remove_observer(ledger)  # inspection, not training traffic
+            states.append(copy.deepcopy(consolidate()))
+            if comm:
+                comm.add_observer(ledger)
     held = held_bytes(stage.held_tensors()) if hasattr(stage, "held_tensors") else {}
     if comm:
         comm.remove_observer(ledger)  # what follows is inspection, not training traffic
-    consolidate = getattr(stage, "full_optimizer_state_dict", stage.optimizer.state_dict)
-    optimizer_state = consolidate()
+    optimizer_state = copy.deepcopy(consolidate())
     if comm:
         comm.close()
     wire = check_compress(exp.options.get("compress"))
@@ -92,7 +101,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             "sent_bytes": ledger.total, "sent_by_kind": ledger.snapshot(), "psi": count_params(model),
             "grad_bytes": torch.empty(0, dtype=wire or dtype).element_size(),
             "param_bytes": torch.empty(0, dtype=dtype).element_size(),
-            "held_bytes": held, "optimizer_state": optimizer_state}
+            "held_bytes": held, "optimizer_state": optimizer_state, "optimizer_states": states}
 
 
 def reference_of(exp: Experiment, world_size: int) -> dict:

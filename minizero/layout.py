@@ -88,24 +88,32 @@ class FlatGroup:
         return out
 
 
-def build_groups(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int, world_size: int,
-                 max_numel: int | None = None) -> list[FlatGroup]:
-    """Flat groups for the trainable parameters of ``optimizer``'s param groups, split by dtype
-    and -- for bucketed reduce-scatter -- into pieces of at most ``max_numel`` elements
-    (in reverse registration order, the order backward produces gradients)."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    groups = []
-    for index, param_group in enumerate(optimizer.param_groups):
-        params = [p for p in param_group["params"] if p.requires_grad]
+def plan_groups(param_groups: list[list[nn.Parameter]], max_numel: int | None = None) -> list[tuple[int, list]]:
+    """Which parameters go into which flat group: ``(param group index, parameters)``.
+
+    One group per optimizer param group and dtype, trainable parameters only;
+    with ``max_numel`` (bucketed reduce-scatter) pieces of at most that many
+    elements, in reverse registration order -- the order backward produces
+    gradients."""
+    plan = []
+    for index, params in enumerate(param_groups):
+        params = [p for p in params if p.requires_grad]
         pieces: list[list[nn.Parameter]] = []
         for p in reversed(params) if max_numel else params:
             if not pieces or pieces[-1][0].dtype != p.dtype or (
                     max_numel and sum(q.numel() for q in pieces[-1]) + p.numel() > max_numel):
                 pieces.append([])
             pieces[-1].append(p)
-        groups += [FlatGroup([(names.get(id(p), "?"), p) for p in piece], rank, world_size, index)
-                   for piece in pieces]
-    return groups
+        plan += [(index, piece) for piece in pieces]
+    return plan
+
+
+def build_groups(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int, world_size: int,
+                 max_numel: int | None = None) -> list[FlatGroup]:
+    """The flat groups of ``optimizer``'s trainable parameters (see :func:`plan_groups`)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    plan = plan_groups([g["params"] for g in optimizer.param_groups], max_numel)
+    return [FlatGroup([(names.get(id(p), "?"), p) for p in piece], rank, world_size, index) for index, piece in plan]
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> torch.optim.Optimizer:

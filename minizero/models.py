@@ -109,15 +109,20 @@ class TinyGPT(nn.Module):
 
 
 class EdgeModel(nn.Module):
-    """An MLP carrying every kind of parameter a data-parallel wrapper can get wrong."""
+    """An MLP carrying every kind of parameter a data-parallel wrapper can get wrong.
 
-    def __init__(self, d_in: int = 6, d_hidden: int = 8, d_out: int = 3, seed: int = 0, dtype=torch.float32):
+    ``with_unused=False`` leaves out the parameter forward never touches:
+    ZeRO stages refuse it (a flat shard cannot skip one parameter)."""
+
+    def __init__(self, d_in: int = 6, d_hidden: int = 8, d_out: int = 3, seed: int = 0, dtype=torch.float32,
+                 with_unused: bool = True):
         super().__init__()
         self.inp = nn.Linear(d_in, d_hidden)
         self.frozen = nn.Linear(d_hidden, d_hidden)  # frozen after creation, like a fine-tuning base
         self.mid = nn.Linear(d_hidden, d_hidden)
         self.scale = nn.Parameter(torch.ones(d_hidden), requires_grad=False)  # born without gradient
-        self.unused = nn.Parameter(torch.ones(5))  # never touched by forward: its .grad stays None
+        if with_unused:
+            self.unused = nn.Parameter(torch.ones(5))  # never touched by forward: its .grad stays None
         self.empty = nn.Parameter(torch.ones(0))  # zero-size, and used
         self.out = nn.Linear(d_hidden, d_out)
         self.out_again = self.out  # the same module under two names
@@ -149,3 +154,15 @@ def sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def count_params(model: nn.Module) -> int:
     """Ψ: distinct trainable parameter elements (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class MixedDtypeModel(nn.Module):
+    """A float32 layer feeding a float64 layer: flat buffers must be split by dtype."""
+
+    def __init__(self, d_in: int = 5, d_hidden: int = 7, d_out: int = 3, seed: int = 0, dtype=torch.float64):
+        super().__init__()
+        self.low = _init(nn.Linear(d_in, d_hidden), seed, torch.float32)
+        self.high = _init(nn.Linear(d_hidden, d_out), seed + 1, torch.float64)
+
+    def forward(self, x):
+        return self.high(torch.tanh(self.low(x.float())).double())

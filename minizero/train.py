@@ -79,8 +79,15 @@ OPTIMIZERS = {
 }
 
 
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    try:
-        return OPTIMIZERS[name](params, lr)
-    except KeyError:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}") from None
+def make_optimizer(name: str, model: torch.nn.Module, lr: float, param_groups: bool = False) -> torch.optim.Optimizer:
+    """``name`` over ``model``'s parameters.  With ``param_groups``, two groups as in fine-tuning
+    recipes: biases and norms without weight decay at twice the rate, the rest as given."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
+    if not param_groups:
+        return OPTIMIZERS[name](model.parameters(), lr)
+    vectors = [p for p in model.parameters() if p.dim() <= 1]
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    optimizer = OPTIMIZERS[name](matrices, lr)
+    optimizer.add_param_group({"params": vectors, "lr": 2 * lr, "weight_decay": 0.0})
+    return optimizer
