@@ -112,7 +112,8 @@ def run_casts_reference(exp, world_size: int) -> dict:
                 if any(g[name] is not None for g in per_rank):  # unused everywhere: no gradient, no update
                     params_by_name[name].grad = grad
         if exp.clip is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], *exp.clip)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None and p.numel()],
+                                           *exp.clip)
         optimizer.step()
         record["losses"].append(loss_total)
         record["params"].append({name: p.detach().clone() for name, p in model.named_parameters()})

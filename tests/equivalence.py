@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from hypothesis import strategies as st
 
 from minizero.experiment import RTOL, Experiment, reference_of, run_experiment
@@ -16,10 +17,10 @@ BUCKET_MB = [1e-9, 2e-4, 1e-3, 25.0]
 @st.composite
 def stage_options(draw, stage: str, task: str, compress: bool = False) -> dict:
     options = {}
-    if stage.startswith("ddp-bucketed"):
+    if stage.startswith("ddp-bucketed") or stage.startswith("zero2"):
         options["bucket_mb"] = draw(st.sampled_from(BUCKET_MB))
-        if task == "edge":
-            options["find_unused_parameters"] = True  # EdgeModel.unused never gets a gradient
+    if stage.startswith("ddp-bucketed") and task == "edge":
+        options["find_unused_parameters"] = True  # EdgeModel.unused never gets a gradient
     if compress:
         options["compress"] = draw(st.sampled_from(["fp16", "bf16"]))
         options["error_feedback"] = draw(st.booleans())
@@ -35,6 +36,8 @@ def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: i
     model = {}
     if task == "mlp":
         model = {"sizes": tuple(draw(st.lists(st.integers(1, 9), min_size=2, max_size=4)))}
+    elif task == "edge" and stage.startswith("zero"):
+        model = {"with_unused": False}  # ZeRO refuses a parameter that never gets a gradient
     elif task == "gpt":
         model = {"d_model": draw(st.sampled_from([8, 16])), "n_layer": draw(st.integers(1, 2)),
                  "n_head": 2, "block_size": draw(st.sampled_from([4, 8]))}
@@ -55,6 +58,9 @@ def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: i
         backend=draw(st.sampled_from(backends)),
         rank_sizes=rank_sizes,
         options=draw(stage_options(stage, task, compress)),
+        clip=draw(st.sampled_from([None, None, (0.05, 2.0), (0.02, float("inf"))])),
+        param_groups=draw(st.booleans()),
+        record_states=True,
     )
     return exp, world_size
 
@@ -75,6 +81,24 @@ def assert_equivalent(results: list[dict], reference: dict, exp: Experiment, rto
         total = sum(r["losses"][step] for r in results)
         ref_loss = reference["losses"][step]
         assert abs(total - ref_loss) <= rtol * max(abs(ref_loss), 1e-300), f"step {step}: loss {total} != {ref_loss}"
+        if exp.record_states and reference.get("optimizer_states"):
+            assert_same_optimizer_state(results[0]["optimizer_states"][step], reference["optimizer_states"][step],
+                                        rtol, f"step {step}")
+
+
+def assert_same_optimizer_state(got: dict, want: dict, rtol: float, where: str) -> None:
+    """Every state tensor (Adam's exp_avg, exp_avg_sq, momentum buffers...) of every parameter;
+    for ZeRO stages ``got`` is the concatenation of all ranks' shards."""
+    assert set(got["state"]) == set(want["state"]), f"{where}: states for {set(got['state'])} != {set(want['state'])}"
+    for index, state in want["state"].items():
+        for key, ref in state.items():
+            if not torch.is_tensor(ref) or ref.numel() == 0:
+                continue
+            value = got["state"][index][key]
+            err = (value.to(ref.dtype) - ref).abs().max().item()
+            scale = max(ref.abs().max().item(), 1e-300)
+            # Adam's exp_avg_sq is a square: its relative error is twice the gradient's.
+            assert err <= 4 * rtol * scale or err < 1e-30, f"{where}: optimizer state {key} of parameter #{index}: |Δ|={err:.3g}"
 
 
 def run_and_check(pools, exp: Experiment, world_size: int, rtol: float | None = None) -> list[dict]:

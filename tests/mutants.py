@@ -56,7 +56,8 @@ class DropsLastParameter(DDP):
 
 
 class SyncsEveryMicroBatch(DDP):
-    """Ignores no_sync: averages after every micro-batch, so earlier micro-batches are divided by N twice."""
+    """Ignores no_sync: averages after every micro-batch.  The values stay right -- averaging is
+    linear and the earlier average is the same on every rank -- but it sends K times the bytes."""
 
     def forward(self, *args, **kwargs):
         output = self.module(*args, **kwargs)
@@ -66,8 +67,9 @@ class SyncsEveryMicroBatch(DDP):
 
 
 MUTANTS = {"ddp-sum-bug": SumInsteadOfMean, "ddp-no-broadcast": NoBroadcast, "ddp-syncs-weights": SyncsWeights,
-           "ddp-drops-param": DropsLastParameter, "ddp-ignores-no-sync": SyncsEveryMicroBatch}
+           "ddp-drops-param": DropsLastParameter}
 STAGES.update(MUTANTS)
+STAGES["ddp-ignores-no-sync"] = SyncsEveryMicroBatch  # caught by the ledger, not by the values
 
 
 from minizero.stages import BucketedDDP  # noqa: E402
@@ -112,3 +114,52 @@ class PostHookArgumentAsGradient(BucketedDDP):
 
 HOOK_MUTANTS = {"ddp-tensor-hook": TensorHookDDP, "ddp-hook-arg-is-param": PostHookArgumentAsGradient}
 STAGES.update(HOOK_MUTANTS)
+
+
+from minizero.stages import ZeRO1, ZeRO2  # noqa: E402
+
+
+class ShiftedShard(ZeRO1):
+    """Gives the optimizer the neighbour's slice of the averaged gradient (an off-by-one offset)."""
+
+    def grad_shards(self):
+        n = self.world_size
+        return [buffer[((self.rank + 1) % n) * g.shard_size:((self.rank + 1) % n + 1) * g.shard_size]
+                for g, buffer in zip(self.groups, self.grad_buffers)]
+
+
+class AllReduceThenAllGather(ZeRO1):
+    """Right values, wrong bytes: all-reduces the whole gradient, then all-gathers -- 3 Psi, not 2 Psi."""
+
+    def sync_gradients(self):
+        self._check_all_used()
+        for buffer in self.grad_buffers:
+            self.comm.all_reduce(buffer, ReduceOp.AVG)
+
+
+class LastMicroBatchOnly(ZeRO2):
+    """Frees gradients after every micro-batch, so under accumulation only the last one survives."""
+
+    def _on_gradient_ready(self, param):
+        if not self._syncing:
+            self._used.add(id(param))
+            param.grad = None
+            return
+        super()._on_gradient_ready(param)
+
+
+class LocalNorm(ZeRO1):
+    """Clips by the norm of this rank's shard instead of the global norm."""
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        shards = self.grad_shards()
+        total = torch.sqrt(sum(s.pow(2).sum() for s in shards))
+        for s in shards:
+            s.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+
+ZERO_MUTANTS = {"zero1-shifted-shard": ShiftedShard, "zero2-last-micro-batch": LastMicroBatchOnly,
+                "zero1-local-norm": LocalNorm}
+STAGES.update(ZERO_MUTANTS)
+STAGES["zero1-allreduce-allgather"] = AllReduceThenAllGather

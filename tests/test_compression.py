@@ -107,3 +107,17 @@ def test_unknown_compression_is_refused():
     from minizero.compress import check_compress
     with pytest.raises(ValueError, match="compress must be one of none, fp16, bf16"):
         check_compress("int8")
+
+
+@settings(max_examples=40)
+@given(drawn=experiments("zero1", compress=True, backends=("ring",), max_accum=3))
+def test_compressed_zero1_matches_the_same_casts_reference(pools, drawn):
+    exp, world_size = drawn
+    run_and_check(pools, exp, world_size)
+
+
+@settings(max_examples=40)
+@given(drawn=experiments("zero2", compress=True, backends=("ring",), max_accum=3))
+def test_compressed_zero2_matches_the_same_casts_reference(pools, drawn):
+    exp, world_size = drawn
+    run_and_check(pools, exp, world_size)

@@ -58,7 +58,8 @@ class Stage:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients this rank holds -- all of them,
         already averaged, for the reference and DDP.  Sharded stages override it."""
-        params = [p for _, p in self.trainable() if p.grad is not None]
+        # Zero-size gradients add nothing to any norm, and torch refuses their inf-norm.
+        params = [p for _, p in self.trainable() if p.grad is not None and p.grad.numel() > 0]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
