@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-STAGES ?= ddp,ddp-bucketed
+STAGES ?= ddp,ddp-bucketed,zero1,zero2
 
 demo: install
 	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --accum 2
@@ -37,6 +37,7 @@ test-deep: install
 bench: install
 	$(PY) -m minizero bench collectives --world-size 2
 	$(PY) -m minizero bench ddp --world-size 2
+	$(PY) -m minizero bench zero --world-size 2
 	$(PY) -m minizero bench overlap --world-size 2
 
 clean:

@@ -81,6 +81,35 @@ def bench_ddp(world_size: int, steps: int = 12) -> list[dict]:
              "baseline_value": torch_ms, "ratio": ms / torch_ms, "world_size": world_size} for name, ms in rows[1:]]
 
 
+def bench_zero(world_size: int, steps: int = 12) -> list[dict]:
+    """zero1 / zero2 (ring and native) against torch's ZeroRedundancyOptimizer + DDP, in one run.
+
+    Bytes: minizero's from the ledger; torch's modelled as its DDP all-reduce
+    (2(N-1)/N Psi b) plus each owner broadcasting its updated parameters
+    (about (N-1)/N Psi b per rank): the 3 Psi of an all-reduce-based ZeRO-1."""
+    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32")
+    variants = [("torch-zero", replace(base, stage="torch-zero"))] + [
+        (f"{stage}/{backend}", replace(base, stage=stage, backend=backend))
+        for stage in ("zero1", "zero2") for backend in ("native", "ring")]
+    measured = []
+    with RankPool(world_size) as pool:
+        for name, exp in variants:
+            per_rank = pool.run(run_experiment, exp)
+            ms = max(statistics.median(r["step_s"][2:]) for r in per_rank) * 1e3
+            sent = sum(r["sent_bytes"] for r in per_rank) / (world_size * steps)
+            measured.append((name, ms, sent, per_rank[0]["psi"]))
+    torch_ms, psi = measured[0][1], measured[0][3]
+    torch_bytes = 3 * (world_size - 1) / world_size * psi * 4
+    rows = []
+    for name, ms, sent, _ in measured[1:]:
+        rows.append({"name": f"{name} step", "value": ms, "unit": "ms", "baseline": "torch-zero step",
+                     "baseline_value": torch_ms, "ratio": ms / torch_ms, "world_size": world_size})
+        rows.append({"name": f"{name} bytes sent per rank per step", "value": sent, "unit": "B",
+                     "baseline": "torch-zero bytes (modelled)", "baseline_value": torch_bytes,
+                     "ratio": sent / torch_bytes, "world_size": world_size})
+    return rows
+
+
 def _overlap_on_rank(me: Rank, backend: str, bucket_mb: float, repeats: int) -> dict:
     task = TASKS["gpt"]
     model = task.make_model(0, torch.float32, **BENCH_GPT)
@@ -141,17 +170,19 @@ def main(args) -> int:
         rows = bench_collectives(args.world_size, repeats=args.repeats)
     elif args.what == "ddp":
         rows = bench_ddp(args.world_size)
+    elif args.what == "zero":
+        rows = bench_zero(args.world_size)
     elif args.what == "overlap":
         rows = bench_overlap(args.world_size, repeats=args.repeats)
     else:
-        raise SystemExit(f"unknown benchmark {args.what!r}; choose: collectives, ddp, overlap")
+        raise SystemExit(f"unknown benchmark {args.what!r}; choose: collectives, ddp, zero, overlap")
     if args.json:
         print(json.dumps(rows, indent=2))
     elif args.what != "collectives":
         print(f"{args.what}, N={args.world_size} ranks, gloo on CPU")
         for r in rows:
             ratio = f"   {r['ratio']:.2f}x {r['baseline']}" if "ratio" in r else ""
-            print(f"  {r['name']:<58}{r['value']:>9.2f} {r['unit']}{ratio}")
+            print(f"  {r['name']:<58}{r['value']:>12,.2f} {r['unit']:<8}{ratio}")
     else:
         print(f"all-reduce bus bandwidth, N={args.world_size} ranks, gloo on CPU (higher is better)")
         print(f"{'size':>6}{'ring (send/recv)':>18}{'native':>10}{'ratio':>8}")

@@ -2,12 +2,16 @@
 
 The property suite compares every stage with single-device training; these
 compare with what PyTorch ships -- ``DistributedDataParallel`` (optionally
-with ``fp16_compress_hook``) -- on the same model, data and optimizer.  Used
+with ``fp16_compress_hook``) and ``ZeroRedundancyOptimizer`` -- on the same
+model, data and optimizer.  Used
 by the tests and by ``bench``.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -41,4 +45,23 @@ class TorchDDP:
 
 
 
-ORACLES = {"torch-ddp": TorchDDP}
+class TorchZeRO(TorchDDP):
+    """torch DDP with ``ZeroRedundancyOptimizer``: whole parameters assigned to ranks (largest
+    first), gradients all-reduced by DDP, updated parameters broadcast by their owners (~3 Psi)."""
+
+    name = "torch-zero"
+
+    def __init__(self, module, optimizer, comm=None, **options):
+        super().__init__(module, optimizer, comm, **options)
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+        groups = [dict(g) for g in optimizer.param_groups]
+        self.optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer), **defaults)
+        for group in groups[1:]:
+            self.optimizer.add_param_group(group)
+
+    def full_optimizer_state_dict(self) -> dict:
+        return {}  # compared by parameters only
+
+
+ORACLES = {"torch-ddp": TorchDDP, "torch-zero": TorchZeRO}

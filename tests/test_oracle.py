@@ -37,3 +37,14 @@ def test_fp16_with_three_ranks_is_close_to_torch(pools):
     ours = pools.run(3, run_experiment, exp)
     theirs = pools.run(3, run_experiment, replace(exp, stage="torch-ddp"))
     assert max_diff(ours, theirs[0])[1] < 1e-3
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("param_groups", [False, True])
+def test_matches_torch_zero_redundancy_optimizer(pools, stage, world_size, param_groups):
+    exp = Experiment(stage=stage, task="gpt", optimizer="adamw", steps=3, accum=2, dtype="float64",
+                     param_groups=param_groups)
+    ours = pools.run(world_size, run_experiment, exp)
+    theirs = pools.run(world_size, run_experiment, replace(exp, stage="torch-zero"))
+    assert max_diff(ours, theirs[0])[1] < 1e-12
