@@ -70,15 +70,23 @@ def bench_ddp(world_size: int, steps: int = 12) -> list[dict]:
     variants = [("torch-ddp", replace(base, stage="torch-ddp"))] + [
         (f"{stage}/{backend}", replace(base, stage=stage, backend=backend))
         for stage in ("ddp", "ddp-bucketed") for backend in ("native", "ring")]
+    rows = _step_times(world_size, variants)
+    torch_ms = rows[0][1]
+    return [{"name": f"{name} step", "value": ms, "unit": "ms", "baseline": "torch-ddp step",
+             "baseline_value": torch_ms, "ratio": ms / torch_ms, "world_size": world_size}
+            for name, ms, _, _ in rows[1:]]
+
+
+def _step_times(world_size: int, variants: list[tuple[str, Experiment]]) -> list[tuple[str, float, float, int]]:
+    """(name, median step ms of the slowest rank, bytes sent per rank per step, Psi) per variant, one pool."""
     rows = []
     with RankPool(world_size) as pool:
         for name, exp in variants:
             per_rank = pool.run(run_experiment, exp)
-            # a step takes as long as its slowest rank; skip two warm-up steps
-            rows.append((name, max(statistics.median(r["step_s"][2:]) for r in per_rank) * 1e3))
-    torch_ms = rows[0][1]
-    return [{"name": f"{name} step", "value": ms, "unit": "ms", "baseline": "torch-ddp step",
-             "baseline_value": torch_ms, "ratio": ms / torch_ms, "world_size": world_size} for name, ms in rows[1:]]
+            ms = max(statistics.median(r["step_s"][2:]) for r in per_rank) * 1e3  # skip two warm-up steps
+            sent = sum(r["sent_bytes"] for r in per_rank) / (world_size * exp.steps)
+            rows.append((name, ms, sent, per_rank[0]["psi"]))
+    return rows
 
 
 def bench_zero(world_size: int, steps: int = 12) -> list[dict]:
@@ -91,13 +99,7 @@ def bench_zero(world_size: int, steps: int = 12) -> list[dict]:
     variants = [("torch-zero", replace(base, stage="torch-zero"))] + [
         (f"{stage}/{backend}", replace(base, stage=stage, backend=backend))
         for stage in ("zero1", "zero2") for backend in ("native", "ring")]
-    measured = []
-    with RankPool(world_size) as pool:
-        for name, exp in variants:
-            per_rank = pool.run(run_experiment, exp)
-            ms = max(statistics.median(r["step_s"][2:]) for r in per_rank) * 1e3
-            sent = sum(r["sent_bytes"] for r in per_rank) / (world_size * steps)
-            measured.append((name, ms, sent, per_rank[0]["psi"]))
+    measured = _step_times(world_size, variants)
     torch_ms, psi = measured[0][1], measured[0][3]
     torch_bytes = 3 * (world_size - 1) / world_size * psi * 4
     rows = []

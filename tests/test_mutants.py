@@ -12,10 +12,13 @@ import mutants
 from equivalence import experiments, run_and_check
 
 
-@pytest.mark.parametrize("mutant", sorted(mutants.MUTANTS))
+VALUE_MUTANTS = sorted({**mutants.MUTANTS, **mutants.HOOK_MUTANTS, **mutants.ZERO_MUTANTS})
+
+
+@pytest.mark.parametrize("mutant", VALUE_MUTANTS)
 def test_property_suite_catches(pools, mutant):
     @settings(max_examples=40, derandomize=True, database=None, phases=[Phase.generate])
-    @given(drawn=experiments(mutant, world_sizes=(2, 3, 4)))
+    @given(drawn=experiments(mutant, world_sizes=(2, 3, 4), max_accum=4))
     def equivalence_property(drawn):
         exp, world_size = drawn
         run_and_check(pools, exp, world_size)
@@ -33,30 +36,6 @@ def test_tensor_hook_bug_is_right_at_k1_and_caught_at_k2(pools):
     from dataclasses import replace
     with pytest.raises(AssertionError):
         run_and_check(pools, replace(exp, accum=2), 2)
-
-
-@pytest.mark.parametrize("mutant", sorted(mutants.HOOK_MUTANTS))
-def test_property_suite_catches_hook_bugs(pools, mutant):
-    @settings(max_examples=40, derandomize=True, database=None, phases=[Phase.generate])
-    @given(drawn=experiments(mutant, world_sizes=(2, 3, 4), max_accum=4))
-    def equivalence_property(drawn):
-        exp, world_size = drawn
-        run_and_check(pools, exp, world_size)
-
-    with pytest.raises(AssertionError):
-        equivalence_property()
-
-
-@pytest.mark.parametrize("mutant", sorted(mutants.ZERO_MUTANTS))
-def test_property_suite_catches_zero_bugs(pools, mutant):
-    @settings(max_examples=40, derandomize=True, database=None, phases=[Phase.generate])
-    @given(drawn=experiments(mutant, world_sizes=(2, 3, 4), max_accum=4))
-    def equivalence_property(drawn):
-        exp, world_size = drawn
-        run_and_check(pools, exp, world_size)
-
-    with pytest.raises(AssertionError):
-        equivalence_property()
 
 
 def test_ignoring_no_sync_is_right_in_value_and_caught_in_bytes(pools):
