@@ -66,6 +66,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         check_stage_names([exp.stage])
     model = task.make_model(exp.seed + 1000 * rank, dtype, **exp.model)
     optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
+    psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
     comm = make_comm(exp.backend) if me else None
     if exp.stage in ORACLES:  # torch's own implementation, through the same loop
         stage = ORACLES[exp.stage](model, optimizer, **exp.options)
@@ -83,25 +84,35 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         start = time.perf_counter()
         losses.append(train_step(stage, step, clip=exp.clip))
         times.append(time.perf_counter() - start)
-        params.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        if comm:
+            comm.remove_observer(ledger)  # what follows is inspection, not training traffic
+        params.append(snapshot_parameters(stage, model))
         if exp.record_states:
-            if comm:
-                comm.remove_observer(ledger)  # inspection, not training traffic
             states.append(copy.deepcopy(consolidate()))
-            if comm:
-                comm.add_observer(ledger)
+        if comm:
+            comm.add_observer(ledger)
     held = held_bytes(stage.held_tensors()) if hasattr(stage, "held_tensors") else {}
     if comm:
-        comm.remove_observer(ledger)  # what follows is inspection, not training traffic
+        comm.remove_observer(ledger)
     optimizer_state = copy.deepcopy(consolidate())
     if comm:
         comm.close()
     wire = check_compress(exp.options.get("compress"))
     return {"params": params, "losses": losses, "global_count": step.global_count, "step_s": times,
-            "sent_bytes": ledger.total, "sent_by_kind": ledger.snapshot(), "psi": count_params(model),
+            "sent_bytes": ledger.total, "sent_by_kind": ledger.snapshot(), "psi": psi,
+            "gathered_peak_bytes": getattr(stage, "gathered_peak_bytes", None),
             "grad_bytes": torch.empty(0, dtype=wire or dtype).element_size(),
             "param_bytes": torch.empty(0, dtype=dtype).element_size(),
             "held_bytes": held, "optimizer_state": optimizer_state, "optimizer_states": states}
+
+
+def snapshot_parameters(stage, model) -> dict:
+    """Every parameter's full value (ZeRO-3 gathers them; everyone else holds them)."""
+    names = [name for name, _ in model.named_parameters()]
+    if hasattr(stage, "full_state_dict"):
+        state = stage.full_state_dict()
+        return {name: state[name] for name in names}
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def reference_of(exp: Experiment, world_size: int) -> dict:

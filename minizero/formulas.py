@@ -21,6 +21,10 @@ def sent_bytes_per_step(stage: str, psi: int, world_size: int, grad_bytes: int, 
         return 2 * ring * grad_bytes  # one all-reduce of the gradients per step, however many micro-batches
     if stage in ("zero1", "zero2"):
         return ring * grad_bytes + ring * param_bytes  # reduce-scatter gradients + all-gather parameters
+    if stage == "zero3":  # all-gather before forward and again before backward, reduce-scatter gradients
+        return ring * grad_bytes + 2 * ring * param_bytes
+    if stage == "zero3-no-reshard":  # parameters stay gathered from forward to backward
+        return ring * grad_bytes + ring * param_bytes
     raise ValueError(f"no byte formula for stage {stage!r}")
 
 
@@ -50,4 +54,6 @@ def state_bytes(stage: str, psi: int, world_size: int, element_size: int, state_
         return params + grads + states / n  # 8 Psi + 8 Psi / N
     if stage == "zero2":
         return params + (grads + states) / n  # 4 Psi + 12 Psi / N
+    if stage == "zero3":
+        return (params + grads + states) / n  # 16 Psi / N, plus the gathered working set
     raise ValueError(f"no memory formula for stage {stage!r}")

@@ -37,6 +37,7 @@ class Segment:
     param: nn.Parameter
     start: int
     stop: int
+    shape: torch.Size  # kept: a ZeRO-3 parameter is an empty placeholder between uses
 
 
 class FlatGroup:
@@ -51,7 +52,7 @@ class FlatGroup:
         self.data = torch.zeros(self.shard_size * world_size, dtype=dtype, device=device)
         self.segments, offset = [], 0
         for name, p in named_params:
-            self.segments.append(Segment(name, p, offset, offset + p.numel()))
+            self.segments.append(Segment(name, p, offset, offset + p.numel(), p.shape))
             offset += p.numel()
         with torch.no_grad():
             unpack_into = [self.data[s.start:s.stop].view_as(s.param) for s in self.segments]
@@ -63,11 +64,11 @@ class FlatGroup:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.data.dtype
+        return self.shard.dtype
 
     @property
     def padding(self) -> int:
-        return self.data.numel() - self.numel
+        return self.shard_size * self.world_size - self.numel
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full-size flat tensor."""
@@ -75,7 +76,7 @@ class FlatGroup:
 
     def pack_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The parameters' gradients, flat and padded (zeros where a gradient is None)."""
-        out = torch.zeros_like(self.data) if out is None else out.zero_()
+        out = self.shard.new_zeros(self.shard_size * self.world_size) if out is None else out.zero_()
         for s in self.segments:
             if s.param.grad is not None:
                 out[s.start:s.stop].copy_(s.param.grad.reshape(-1))
@@ -83,7 +84,7 @@ class FlatGroup:
 
     def unpack_full(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter tensors from a full flat tensor (a consolidated state, say)."""
-        out = [torch.empty_like(s.param) for s in self.segments]
+        out = [full.new_empty(s.shape) for s in self.segments]
         unpack(full[: self.numel], out)
         return out
 
@@ -109,11 +110,12 @@ def plan_groups(param_groups: list[list[nn.Parameter]], max_numel: int | None = 
 
 
 def build_groups(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int, world_size: int,
-                 max_numel: int | None = None) -> list[FlatGroup]:
+                 max_numel: int | None = None, group_class: type = FlatGroup) -> list[FlatGroup]:
     """The flat groups of ``optimizer``'s trainable parameters (see :func:`plan_groups`)."""
     names = {id(p): n for n, p in module.named_parameters()}
     plan = plan_groups([g["params"] for g in optimizer.param_groups], max_numel)
-    return [FlatGroup([(names.get(id(p), "?"), p) for p in piece], rank, world_size, index) for index, piece in plan]
+    return [group_class([(names.get(id(p), "?"), p) for p in piece], rank, world_size, index)
+            for index, piece in plan]
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> torch.optim.Optimizer:
@@ -132,3 +134,42 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return type(optimizer)(param_groups, **defaults)
+
+
+class ShardedFlatGroup(FlatGroup):
+    """ZeRO-3's group: only the owned shard persists.
+
+    The full buffer exists only between :meth:`gather` and :meth:`reshard`;
+    in between, the parameters point at empty placeholders, so a forward
+    through an ungathered unit fails loudly instead of computing with stale
+    weights.  Autograd saves *parameters* (not their values) for backward,
+    so re-gathering before backward restores exactly what it needs.
+    """
+
+    def __init__(self, named_params, rank: int, world_size: int, group_index: int = 0):
+        super().__init__(named_params, rank, world_size, group_index)
+        self.shard = nn.Parameter(self.shard.detach().clone())  # its own storage: the only copy kept
+        self.data = None
+        self.reshard()
+
+    @property
+    def gathered(self) -> bool:
+        return self.data is not None
+
+    def all_gather_into_new_buffer(self, comm) -> torch.Tensor:
+        """Runs on the communication thread: the full buffer, not yet pointed to."""
+        full = torch.empty(self.shard_size * self.world_size, dtype=self.shard.dtype, device=self.shard.device)
+        comm.all_gather(full, self.shard.detach())
+        return full
+
+    def use(self, full: torch.Tensor) -> None:
+        """Point the parameters into a gathered buffer (main thread)."""
+        self.data = full
+        for s in self.segments:
+            s.param.data = full[s.start:s.stop].view(s.shape)
+
+    def reshard(self) -> None:
+        """Free the full buffer: the parameters keep their shapes' names but no memory."""
+        self.data = None
+        for s in self.segments:
+            s.param.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)

@@ -73,6 +73,10 @@ class Work:
     def wait(self) -> None:
         self._future.result()
 
+    def result(self):
+        """Wait, and return what the submitted function returned."""
+        return self._future.result()
+
     def is_completed(self) -> bool:
         return self._future.done()
 
@@ -161,7 +165,7 @@ class Comm:
     def _on_comm_thread(self) -> bool:
         return threading.get_ident() == getattr(self, "_thread_ident", None)
 
-    def submit(self, fn: Callable[[], None]) -> Work:
+    def submit(self, fn: Callable[[], object]) -> Work:
         """Run ``fn`` on the communication thread, after every collective issued
         before it; collectives it calls run inline.  Bucketed DDP uses this to
         cast, reduce and unpack a bucket while backward goes on computing."""

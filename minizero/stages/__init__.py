@@ -10,9 +10,10 @@ from .ddp import DDP
 from .ddp_bucketed import BucketedDDP
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
+from .zero3 import ZeRO3
 
 STAGES: dict[str, type[Stage]] = {"reference": Stage, "ddp": DDP, "ddp-bucketed": BucketedDDP,
-                                  "zero1": ZeRO1, "zero2": ZeRO2}
+                                  "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}
 
 
 def check_stage_names(names: list[str], distributed_only: bool = False) -> None:
@@ -34,4 +35,4 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer, c
     return STAGES[name](module, optimizer, comm, **options) if name != "reference" else Stage(module, optimizer)
 
 
-__all__ = ["BucketedDDP", "DDP", "ZeRO1", "ZeRO2", "STAGES", "Stage", "broadcast_module", "check_same_model", "check_stage_names", "make_stage"]
+__all__ = ["BucketedDDP", "DDP", "ZeRO1", "ZeRO2", "ZeRO3", "STAGES", "Stage", "broadcast_module", "check_same_model", "check_stage_names", "make_stage"]

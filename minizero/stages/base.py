@@ -84,8 +84,8 @@ class Synchronised(Stage):
     _syncing = False  # does the backward of the latest forward synchronise?
 
     def forward(self, *args, **kwargs):
-        output = self.module(*args, **kwargs)
         self._syncing = torch.is_grad_enabled() and self.require_backward_grad_sync  # decided at forward, as torch
+        output = self.module(*args, **kwargs)
         if self._syncing:
             self._sync_after_backward(output)
         return output

@@ -167,7 +167,7 @@ class ZeRO1(Synchronised):
             for key in sorted(shard_state):
                 value = shard_state[key]
                 if torch.is_tensor(value) and value.shape == group.shard.shape:
-                    full = torch.empty_like(group.data)
+                    full = value.new_empty(group.shard_size * group.world_size)
                     self.comm.all_gather(full, value.detach().contiguous())
                     for entry, tensor in zip(per_param, group.unpack_full(full)):
                         entry[key] = tensor

@@ -46,7 +46,7 @@ class ZeRO2(ZeRO1):
 
     def _init_gradients(self) -> None:
         """The only gradient memory kept between steps: this rank's slice of each bucket."""
-        self.shards = [torch.zeros(g.shard_size, dtype=g.dtype, device=g.data.device) for g in self.groups]
+        self.shards = [g.shard.new_zeros(g.shard_size) for g in self.groups]
         self._ready = ReadyOrder([[s.param for s in g.segments] for g in self.groups], self._launch)
         self._works: dict[int, object] = {}
         self.zero_grad()

@@ -1,0 +1,195 @@
+"""Stage ``zero3``: parameters sharded too (ZeRO paper, section 5.3, P_os+g+p; FSDP).
+
+After ZeRO-2 every rank still holds all the parameters.  ZeRO-3 keeps only
+the owned shard of each and materialises a **unit**'s full parameters (see
+:mod:`minizero.units`) only while that unit computes:
+
+1. before a unit's forward: all-gather its parameters; after it: free them
+   (``reshard_after_forward=True``, the default);
+2. before its backward (a hook on the unit's output fires just then):
+   all-gather again; autograd saved the *parameters*, which now point at the
+   freshly gathered values;
+3. when all of the unit's gradients are ready: reduce-scatter them into the
+   owned gradient shard, free the full gradients and parameters -- ZeRO-2's
+   machinery, one bucket per unit;
+4. the optimizer steps the shards; nothing is gathered until the next forward.
+
+Bytes per step: all-gather twice + reduce-scatter = 3(N-1)/N * Psi * b, 1.5x
+DDP -- ZeRO-3 buys memory with communication; without resharding after
+forward, 2(N-1)/N again, but the whole model stays gathered from forward to
+backward.  Under gradient accumulation the micro-batches inside ``no_sync()``
+keep parameters and gradients unsharded and the last one reduces: still 3Psi
+per step, for the memory of unsharded state during accumulation -- the
+trade-off ZeRO-2 makes (FSDP2 exposes the same choice).  Memory: (4 + 4 + 8)Psi/N for fp32 Adam, plus the gathered working
+set: the root, the unit computing and ``prefetch`` units whose all-gather
+already runs on the communication thread, overlapping the computation.
+
+Every all-gather is preceded by a one-number header saying which unit it is
+for: if ranks disagree -- a module called a different number of times on
+different ranks -- they stop with an error naming the units, instead of
+pairing one unit's bytes with another's or hanging.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layout import ShardedFlatGroup, plan_groups
+from ..units import assign_parameters, resolve_units
+from .zero2 import ZeRO2
+
+
+class ZeRO3(ZeRO2):
+    name = "zero3"
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm, units=None,
+                 reshard_after_forward: bool = True, prefetch: int = 1, compress: str | None = None,
+                 error_feedback: bool = False):
+        self.unit_modules = resolve_units(module, units)
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        super().__init__(module, optimizer, comm, compress=compress, error_feedback=error_feedback)
+        self._pending: dict[int, object] = {}  # unit -> running all-gather
+        self._order: list[int] = []  # units in the order the last forward called them
+        self._skipped: set[int] = set()  # groups with no gradient anywhere this step
+        self.gathered_bytes = self.gathered_peak_bytes = 0
+        for index, unit in enumerate([module] + self.unit_modules):
+            unit.register_forward_pre_hook(lambda m, args, i=index: self._before_forward(i))
+            unit.register_forward_hook(lambda m, args, out, i=index: self._after_forward(i, out))
+
+    def _build_groups(self, optimizer):
+        """One sharded group per unit, param group and dtype; the last unit first (backward's order)."""
+        in_group = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.unit_groups: list[list[int]] = []
+        groups = []
+        per_unit = assign_parameters(self.module, self.unit_modules)
+        for unit in reversed(range(len(per_unit))):
+            named = [(n, p) for n, p in per_unit[unit] if id(p) in in_group]
+            names = {id(p): n for n, p in named}
+            by_group = [[p for _, p in named if in_group[id(p)] == gi] for gi in range(len(optimizer.param_groups))]
+            mine = []
+            for gi, piece in plan_groups(by_group):
+                mine.append(len(groups))
+                groups.append(ShardedFlatGroup([(names[id(p)], p) for p in piece], self.rank, self.world_size, gi))
+            self.unit_groups.append(mine)
+        self.unit_groups.reverse()  # unit_groups[unit] -> indices into groups
+        self._group_of = {id(s.param): gi for gi, g in enumerate(groups) for s in g.segments}
+        return groups
+
+    # ------------------------------------------------------------ gathering
+    def _start_gather(self, unit: int) -> None:
+        if unit in self._pending or all(self.groups[g].gathered for g in self.unit_groups[unit]):
+            return
+        groups = [self.groups[g] for g in self.unit_groups[unit]]
+
+        def gather():
+            header = torch.tensor([float(unit)], dtype=torch.float64)
+            everyone = torch.empty(self.world_size, dtype=torch.float64)
+            self.comm.all_gather(everyone, header)
+            if bool((everyone != unit).any()):
+                raise RuntimeError(
+                    f"rank {self.rank}: ranks disagree on which unit to gather next (unit per rank: "
+                    f"{[int(u) for u in everyone.tolist()]}). A module was called a different number of times "
+                    f"on different ranks, or in a different order; ZeRO-3 needs the same sequence everywhere.")
+            return [g.all_gather_into_new_buffer(self.comm) for g in groups]
+
+        self._pending[unit] = self.comm.submit(gather)
+
+    def _ensure_gathered(self, unit: int) -> None:
+        self._start_gather(unit)
+        if unit in self._pending:
+            fulls = self._pending.pop(unit).result()
+            for g, full in zip(self.unit_groups[unit], fulls):
+                self.groups[g].use(full)
+                self.gathered_bytes += full.numel() * full.element_size()
+            self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
+
+    def _reshard_group(self, g: int) -> None:
+        group = self.groups[g]
+        if group.gathered:
+            self.gathered_bytes -= group.data.numel() * group.data.element_size()
+            group.reshard()
+
+    def _prefetch_after(self, unit: int, step: int) -> None:
+        """Start gathering the next ``prefetch`` units in (reverse, for backward) call order."""
+        order = self._order or list(range(len(self.unit_groups)))
+        if unit in order:
+            at = order.index(unit)
+            for k in range(1, self.prefetch + 1):
+                if 0 <= at + step * k < len(order):
+                    self._start_gather(order[at + step * k])
+
+    # ------------------------------------------------------------ forward and backward hooks
+    def _before_forward(self, unit: int) -> None:
+        if unit == 0:
+            self._recording, self._ready_count = [], [0] * len(self.groups)
+        if unit not in self._recording:
+            self._recording.append(unit)
+        self._ensure_gathered(unit)
+        self._prefetch_after(unit, +1)
+
+    def _after_forward(self, unit: int, output) -> None:
+        if unit == 0:
+            self._order = self._recording
+        outputs = output if isinstance(output, (tuple, list)) else [output]
+        if torch.is_grad_enabled():
+            for tensor in outputs:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad, u=unit: self._before_backward(u))
+        # Inside no_sync() the parameters stay gathered until the synchronising micro-batch: the bytes of
+        # one step for any K, the memory of unsharded parameters meanwhile (as ZeRO-2 keeps full gradients).
+        if (self.reshard_after_forward and self._syncing) or not torch.is_grad_enabled():
+            for g in self.unit_groups[unit]:
+                self._reshard_group(g)
+
+    def _before_backward(self, unit: int) -> None:
+        self._ensure_gathered(unit)
+        self._prefetch_after(unit, -1)
+
+    def _on_gradient_ready(self, param) -> None:
+        self._used.add(id(param))
+        g = self._group_of[id(param)]
+        self._ready_count[g] += 1
+        if self._syncing:
+            self._ready.mark(param)  # reduce-scatter (and reshard) in order, see _launch
+
+    def _launch(self, index: int) -> None:
+        if index not in self._skipped:
+            super()._launch(index)  # pack, free the full gradients, reduce-scatter on the comm thread
+        self._reshard_group(index)
+
+    def sync_gradients(self) -> None:
+        """A unit no rank called this step has no gradient anywhere: skip it, as torch.optim skips a None grad.
+        (The gather headers guarantee every rank called the same units.)"""
+        self._skipped = {g for g, group in enumerate(self.groups)
+                         if not any(id(s.param) in self._used for s in group.segments)}
+        self._used.update(id(s.param) for g in self._skipped for s in self.groups[g].segments)
+        super().sync_gradients()
+
+    # ------------------------------------------------------------ optimizer
+    def step(self) -> None:
+        for g, (group, shard) in enumerate(zip(self.groups, self.grad_shards())):
+            group.shard.grad = None if g in self._skipped else shard
+        self.optimizer.step()  # no all-gather: the next forward gathers what it needs
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held = super().held_tensors()
+        held["params"] = [g.shard for g in self.groups] + [g.data for g in self.groups if g.gathered]
+        return held
+
+    def full_state_dict(self) -> dict:
+        """The unwrapped model's state_dict (every rank gets it; save it on rank 0).
+        Loads into the plain model with ``load_state_dict``."""
+        peak = self.gathered_peak_bytes  # an inspection, not part of a training step's working set
+        for unit in range(len(self.unit_groups)):
+            self._ensure_gathered(unit)
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        for g in range(len(self.groups)):
+            self._reshard_group(g)
+        self.gathered_peak_bytes = peak
+        return state
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's parameter shards, by group: what a sharded checkpoint stores per rank."""
+        return {f"group{g}:" + ",".join(s.name for s in group.segments): group.shard.detach().clone()
+                for g, group in enumerate(self.groups)}

@@ -1,0 +1,62 @@
+"""ZeRO-3 units: which submodules gather their parameters together.
+
+A unit is the granularity of ZeRO-3 (FSDP's ``fully_shard``): its
+parameters are gathered just before it computes and freed just after, so the
+full weights of only a unit or two exist at any time.  The default, like
+wrapping every transformer block: each element of every ``nn.ModuleList``
+becomes a unit; everything else belongs to the root unit (index 0).
+
+A parameter used by two units -- an input embedding tied to the output head --
+belongs to the root, which is gathered around the whole forward and
+backward, so both uses see it and its gradient is complete before it is
+reduced.  (Assigning it to one of the two units is how tied weights end up
+half-updated.)
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    units: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and id(module) not in inside:
+            for child in module:
+                units.append(child)
+                inside.update(id(m) for m in child.modules())
+    return units
+
+
+def resolve_units(model: nn.Module, units) -> list[nn.Module]:
+    """Units given as modules or as submodule names ("blocks.0"); default if None."""
+    if units is None:
+        return default_units(model)
+    resolved = [model.get_submodule(u) if isinstance(u, str) else u for u in units]
+    for i, a in enumerate(resolved):
+        if a is model:
+            raise ValueError("the root module is always a unit of its own; list only submodules as units")
+        for b in resolved[i + 1:]:
+            if a is b or any(m is b for m in a.modules()) or any(m is a for m in b.modules()):
+                raise ValueError(f"units must not contain one another: {type(a).__name__} and {type(b).__name__}")
+    return resolved
+
+
+def assign_parameters(model: nn.Module, units: list[nn.Module]) -> list[list[tuple[str, nn.Parameter]]]:
+    """Trainable parameters per unit; index 0 is the root: parameters outside every unit,
+    and parameters used from more than one unit (tied weights)."""
+    unit_of_module = {}
+    for index, unit in enumerate(units, start=1):
+        for module in unit.modules():
+            unit_of_module[id(module)] = index
+    users: dict[int, set[int]] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                users.setdefault(id(p), set()).add(unit_of_module.get(id(module), 0))
+    assigned: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(units) + 1)]
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            owners = users[id(p)]
+            assigned[next(iter(owners)) if len(owners) == 1 else 0].append((name, p))
+    return assigned
