@@ -23,6 +23,7 @@ from .compress import check_compress, split_division
 from .data import TASKS
 from .flat import pack, unpack
 from .layout import padded_size, plan_groups
+from .units import plan_unit_groups, resolve_units
 from .models import sum_loss
 from .train import make_optimizer, shard_step
 
@@ -44,6 +45,10 @@ def _layout(stage: str, model, optimizer, options: dict) -> list[list[str]]:
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if stage == "ddp-bucketed":
         return [b.names for b in assign_buckets(trainable, options.get("bucket_mb", 25.0))]
+    if stage == "zero3":
+        units = resolve_units(model, options.get("units"))
+        return [[n for n, _ in named]
+                for _, _, named in plan_unit_groups(model, units, [g["params"] for g in optimizer.param_groups])]
     if stage in ("zero1", "zero2"):
         names = {id(p): n for n, p in model.named_parameters()}
         element_size = trainable[0][1].element_size()
@@ -57,7 +62,19 @@ def _layout(stage: str, model, optimizer, options: dict) -> list[list[str]]:
 
 
 def run_casts_reference(exp, world_size: int) -> dict:
-    """Like :func:`minizero.experiment.reference_of`, with the stage's compression emulated."""
+    """Like :func:`minizero.experiment.reference_of`, with the stage's compression emulated.
+
+    Runs single-threaded, as each rank does: a float32 gradient summed in another
+    order can land on the other side of a 16-bit rounding boundary."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_casts_reference(exp, world_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_casts_reference(exp, world_size: int) -> dict:
     from .experiment import DTYPES
 
     task, dtype, n = TASKS[exp.task], DTYPES[exp.dtype], world_size
@@ -69,7 +86,7 @@ def run_casts_reference(exp, world_size: int) -> dict:
     params_by_name = dict(model.named_parameters())
     layout = _layout(exp.stage, model, optimizer, exp.options)
     keep_empty_slots = exp.stage != "ddp"
-    sharded = exp.stage in ("zero1", "zero2")  # reduce-scatter of a buffer padded to a multiple of N
+    sharded = exp.stage in ("zero1", "zero2", "zero3")  # reduce-scatter of a buffer padded to a multiple of N
     residuals: dict = {}
     record = {"params": [], "losses": []}
     for s in range(exp.steps):

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .models import MLP, EdgeModel, MixedDtypeModel, TinyGPT
+from .models import MLP, EdgeModel, MixedDtypeModel, ReuseModel, TinyGPT
 
 
 @lru_cache(maxsize=1)
@@ -104,10 +104,19 @@ def _mixed_batch(samples, seed, step, dtype, d_in=5, d_out=3, **_):
     return _regression_batch(samples, seed, step, torch.float64, d_in=d_in, d_out=d_out)
 
 
+def _reuse_model(seed, dtype, **kw):
+    return ReuseModel(seed=seed, dtype=dtype, **kw)
+
+
+def _reuse_batch(samples, seed, step, dtype, d=6, **_):
+    return _regression_batch(samples, seed, step, dtype, d_in=d, d_out=d)
+
+
 TASKS = {
     "gpt": Task("gpt", _gpt_model, _gpt_batch),
     "mlp": Task("mlp", _mlp_model, _regression_batch),
     "edge": Task("edge", _edge_model, _edge_batch),
     "dyadic": Task("dyadic", _dyadic_model, _dyadic_batch),
     "mixed": Task("mixed", _mixed_model, _mixed_batch),
+    "reuse": Task("reuse", _reuse_model, _reuse_batch),
 }

@@ -166,3 +166,27 @@ class MixedDtypeModel(nn.Module):
 
     def forward(self, x):
         return self.high(torch.tanh(self.low(x.float())).double())
+
+
+class ReuseModel(nn.Module):
+    """Hard cases for ZeRO-3 units: ``layers[0]`` runs twice in one forward, and ``extra`` runs only
+    on every other forward call (``skip_every_other=True``) -- a unit not called in some steps.
+    Every rank calls forward equally often, so every rank skips the same steps."""
+
+    def __init__(self, d: int = 6, seed: int = 0, dtype=torch.float32, skip_every_other: bool = True):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)])
+        self.register_buffer("shift", torch.linspace(-0.5, 0.5, d))
+        self.skip_every_other = skip_every_other
+        self.calls = 0
+        _init(self, seed, dtype)
+        self.shift = self.shift.to(dtype)
+
+    def forward(self, x):
+        self.calls += 1
+        shared, middle, extra = self.layers
+        h = torch.tanh(shared(x) + self.shift)
+        h = torch.tanh(shared(h))  # the same unit again, in the same forward
+        if not self.skip_every_other or self.calls % 2 == 1:
+            h = torch.tanh(extra(h))
+        return middle(h)

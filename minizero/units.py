@@ -60,3 +60,19 @@ def assign_parameters(model: nn.Module, units: list[nn.Module]) -> list[list[tup
             owners = users[id(p)]
             assigned[next(iter(owners)) if len(owners) == 1 else 0].append((name, p))
     return assigned
+
+
+def plan_unit_groups(model: nn.Module, units: list[nn.Module], param_groups: list[list[nn.Parameter]]):
+    """ZeRO-3's flat groups: per unit, per optimizer param group, per dtype -- the last unit first
+    (the order backward finishes them).  Returns ``(unit, param group index, [(name, param)])``."""
+    from .layout import plan_groups
+
+    in_group = {id(p): gi for gi, params in enumerate(param_groups) for p in params}
+    per_unit = assign_parameters(model, units)
+    plan = []
+    for unit in reversed(range(len(per_unit))):
+        named = [(n, p) for n, p in per_unit[unit] if id(p) in in_group]
+        names = {id(p): n for n, p in named}
+        by_group = [[p for _, p in named if in_group[id(p)] == gi] for gi in range(len(param_groups))]
+        plan += [(unit, gi, [(names[id(p)], p) for p in piece]) for gi, piece in plan_groups(by_group)]
+    return plan

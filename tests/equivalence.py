@@ -19,6 +19,9 @@ def stage_options(draw, stage: str, task: str, compress: bool = False) -> dict:
     options = {}
     if stage.startswith("ddp-bucketed") or stage.startswith("zero2"):
         options["bucket_mb"] = draw(st.sampled_from(BUCKET_MB))
+    if stage.startswith("zero3"):
+        options["prefetch"] = draw(st.sampled_from([0, 1, 2]))
+        options["reshard_after_forward"] = draw(st.booleans())
     if stage.startswith("ddp-bucketed") and task == "edge":
         options["find_unused_parameters"] = True  # EdgeModel.unused never gets a gradient
     if compress:

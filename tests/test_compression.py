@@ -16,7 +16,7 @@ from minizero.stages import make_stage
 from equivalence import bit_identical, experiments, run_and_check
 
 
-@pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero1", "zero2"])
+@pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"])
 @settings(max_examples=40)
 @given(data=st.data())
 def test_compressed_stage_matches_the_same_casts_reference(pools, stage, data):

@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layout import ShardedFlatGroup, plan_groups
-from ..units import assign_parameters, resolve_units
+from ..layout import ShardedFlatGroup
+from ..units import plan_unit_groups, resolve_units
 from .zero2 import ZeRO2
 
 
@@ -59,21 +59,10 @@ class ZeRO3(ZeRO2):
 
     def _build_groups(self, optimizer):
         """One sharded group per unit, param group and dtype; the last unit first (backward's order)."""
-        in_group = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self.unit_groups: list[list[int]] = []
-        groups = []
-        per_unit = assign_parameters(self.module, self.unit_modules)
-        for unit in reversed(range(len(per_unit))):
-            named = [(n, p) for n, p in per_unit[unit] if id(p) in in_group]
-            names = {id(p): n for n, p in named}
-            by_group = [[p for _, p in named if in_group[id(p)] == gi] for gi in range(len(optimizer.param_groups))]
-            mine = []
-            for gi, piece in plan_groups(by_group):
-                mine.append(len(groups))
-                groups.append(ShardedFlatGroup([(names[id(p)], p) for p in piece], self.rank, self.world_size, gi))
-            self.unit_groups.append(mine)
-        self.unit_groups.reverse()  # unit_groups[unit] -> indices into groups
-        self._group_of = {id(s.param): gi for gi, g in enumerate(groups) for s in g.segments}
+        plan = plan_unit_groups(self.module, self.unit_modules, [g["params"] for g in optimizer.param_groups])
+        groups = [ShardedFlatGroup(named, self.rank, self.world_size, gi) for _, gi, named in plan]
+        self.unit_groups = [[g for g, (u, _, _) in enumerate(plan) if u == unit]
+                            for unit in range(len(self.unit_modules) + 1)]
         return groups
 
     # ------------------------------------------------------------ gathering
@@ -121,8 +110,8 @@ class ZeRO3(ZeRO2):
 
     # ------------------------------------------------------------ forward and backward hooks
     def _before_forward(self, unit: int) -> None:
-        if unit == 0:
-            self._recording, self._ready_count = [], [0] * len(self.groups)
+        if unit == 0:  # a new forward: this step's bookkeeping starts afresh
+            self._recording, self._skipped = [], set()
         if unit not in self._recording:
             self._recording.append(unit)
         self._ensure_gathered(unit)
@@ -145,13 +134,6 @@ class ZeRO3(ZeRO2):
     def _before_backward(self, unit: int) -> None:
         self._ensure_gathered(unit)
         self._prefetch_after(unit, -1)
-
-    def _on_gradient_ready(self, param) -> None:
-        self._used.add(id(param))
-        g = self._group_of[id(param)]
-        self._ready_count[g] += 1
-        if self._syncing:
-            self._ready.mark(param)  # reduce-scatter (and reshard) in order, see _launch
 
     def _launch(self, index: int) -> None:
         if index not in self._skipped:
