@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-STAGES ?= ddp,ddp-bucketed,zero1,zero2
+STAGES ?= ddp,ddp-bucketed,zero1,zero2,zero3
 
 demo: install
 	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --accum 2
@@ -38,6 +38,7 @@ bench: install
 	$(PY) -m minizero bench collectives --world-size 2
 	$(PY) -m minizero bench ddp --world-size 2
 	$(PY) -m minizero bench zero --world-size 2
+	$(PY) -m minizero bench zero3 --world-size 2
 	$(PY) -m minizero bench overlap --world-size 2
 
 clean:

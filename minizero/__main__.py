@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", action="store_true")
 
     bench = sub.add_parser("bench", help="speed against torch's own implementation, as ratios")
-    bench.add_argument("what", choices=["collectives", "ddp", "zero", "overlap"])
+    bench.add_argument("what", choices=["collectives", "ddp", "zero", "zero3", "overlap"])
     bench.add_argument("--world-size", type=int, default=2)
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--json", action="store_true")

@@ -112,6 +112,19 @@ def bench_zero(world_size: int, steps: int = 12) -> list[dict]:
     return rows
 
 
+def bench_zero3(world_size: int, steps: int = 12) -> list[dict]:
+    """zero3 (native and ring, prefetch on and off) against FSDP2's fully_shard, in one run."""
+    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32")
+    variants = [("torch-fsdp2", replace(base, stage="torch-fsdp2"))] + [
+        (f"zero3/{backend}/prefetch={depth}", replace(base, stage="zero3", backend=backend, options={"prefetch": depth}))
+        for backend in ("native", "ring") for depth in (1, 0)]
+    measured = _step_times(world_size, variants)
+    torch_ms = measured[0][1]
+    return [{"name": f"{name} step", "value": ms, "unit": "ms", "baseline": "torch-fsdp2 step",
+             "baseline_value": torch_ms, "ratio": ms / torch_ms, "world_size": world_size, "sent_bytes": sent}
+            for name, ms, sent, _ in measured[1:]]
+
+
 def _overlap_on_rank(me: Rank, backend: str, bucket_mb: float, repeats: int) -> dict:
     task = TASKS["gpt"]
     model = task.make_model(0, torch.float32, **BENCH_GPT)
@@ -174,10 +187,12 @@ def main(args) -> int:
         rows = bench_ddp(args.world_size)
     elif args.what == "zero":
         rows = bench_zero(args.world_size)
+    elif args.what == "zero3":
+        rows = bench_zero3(args.world_size)
     elif args.what == "overlap":
         rows = bench_overlap(args.world_size, repeats=args.repeats)
     else:
-        raise SystemExit(f"unknown benchmark {args.what!r}; choose: collectives, ddp, zero, overlap")
+        raise SystemExit(f"unknown benchmark {args.what!r}; choose: collectives, ddp, zero, zero3, overlap")
     if args.json:
         print(json.dumps(rows, indent=2))
     elif args.what != "collectives":

@@ -2,18 +2,23 @@
 
 The property suite compares every stage with single-device training; these
 compare with what PyTorch ships -- ``DistributedDataParallel`` (optionally
-with ``fp16_compress_hook``) and ``ZeroRedundancyOptimizer`` -- on the same
-model, data and optimizer.  Used
+with ``fp16_compress_hook``), ``ZeroRedundancyOptimizer`` and FSDP2's
+``fully_shard`` -- on the same model, data and optimizer.  Used
 by the tests and by ``bench``.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+
+from .units import resolve_units
 
 
 
@@ -64,4 +69,51 @@ class TorchZeRO(TorchDDP):
         return {}  # compared by parameters only
 
 
-ORACLES = {"torch-ddp": TorchDDP, "torch-zero": TorchZeRO}
+class TorchFSDP2:
+    """torch's FSDP2: ``fully_shard`` on each unit and on the root, over a CPU device mesh (gloo)."""
+
+    name = "torch-fsdp2"
+
+    def __init__(self, module, optimizer, comm=None, units=None, reshard_after_forward: bool = True, **_):
+        names = {id(p): n for n, p in module.named_parameters()}
+        with torch.no_grad():  # FSDP2 shards each rank's own values: start from rank 0's, as every stage does
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                torch.distributed.broadcast(tensor, 0)
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for unit in resolve_units(module, units):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        # fully_shard replaced the parameters by DTensors: rebuild the optimizer over them, group by group.
+        new = dict(module.named_parameters())
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [new[names[id(p)]] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        self.module = module
+        self.world_size = torch.distributed.get_world_size()
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self) -> dict:
+        return {n: p.full_tensor().detach().clone() for n, p in self.module.named_parameters()}
+
+    def full_optimizer_state_dict(self) -> dict:
+        return {}  # compared by parameters only
+
+
+ORACLES = {"torch-ddp": TorchDDP, "torch-zero": TorchZeRO, "torch-fsdp2": TorchFSDP2}

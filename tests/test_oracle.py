@@ -48,3 +48,15 @@ def test_matches_torch_zero_redundancy_optimizer(pools, stage, world_size, param
     ours = pools.run(world_size, run_experiment, exp)
     theirs = pools.run(world_size, run_experiment, replace(exp, stage="torch-zero"))
     assert max_diff(ours, theirs[0])[1] < 1e-12
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("task", ["gpt", "mlp"])
+def test_zero3_matches_fsdp2(pools, world_size, reshard, task):
+    """fully_shard on every block and on the root, over a CPU device mesh, against minizero's units."""
+    exp = Experiment(stage="zero3", task=task, optimizer="adamw", steps=3, accum=2, dtype="float64",
+                     param_groups=True, options={"reshard_after_forward": reshard})
+    ours = pools.run(world_size, run_experiment, exp)
+    theirs = pools.run(world_size, run_experiment, replace(exp, stage="torch-fsdp2"))
+    assert max_diff(ours, theirs[0])[1] < 1e-12
