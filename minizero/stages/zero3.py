@@ -83,15 +83,23 @@ class ZeRO3(ZeRO2):
             return [g.all_gather_into_new_buffer(self.comm) for g in groups]
 
         self._pending[unit] = self.comm.submit(gather)
+        # Counted from now: a prefetched buffer takes memory while its all-gather is still running.
+        self.gathered_bytes += sum(g.shard_size * g.world_size * g.shard.element_size() for g in groups)
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
 
     def _ensure_gathered(self, unit: int) -> None:
         self._start_gather(unit)
         if unit in self._pending:
-            fulls = self._pending.pop(unit).result()
-            for g, full in zip(self.unit_groups[unit], fulls):
+            for g, full in zip(self.unit_groups[unit], self._pending.pop(unit).result()):
                 self.groups[g].use(full)
-                self.gathered_bytes += full.numel() * full.element_size()
-            self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
+
+    def _drop_prefetches(self) -> None:
+        """Prefetches nobody used this step (the order came from the last forward): wait, then free them --
+        after the optimizer step they would hold stale weights."""
+        for unit in list(self._pending):
+            self._pending.pop(unit).wait()
+            self.gathered_bytes -= sum(self.groups[g].shard_size * self.groups[g].world_size
+                                       * self.groups[g].shard.element_size() for g in self.unit_groups[unit])
 
     def _reshard_group(self, g: int) -> None:
         group = self.groups[g]
@@ -152,6 +160,7 @@ class ZeRO3(ZeRO2):
     def step(self) -> None:
         for g, (group, shard) in enumerate(zip(self.groups, self.grad_shards())):
             group.shard.grad = None if g in self._skipped else shard
+        self._drop_prefetches()
         self.optimizer.step()  # no all-gather: the next forward gathers what it needs
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
