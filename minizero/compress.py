@@ -53,6 +53,7 @@ class GradientAverager:
         self.error_feedback = error_feedback and self.wire_dtype is not None
         self.pre, self.post = split_division(comm.world_size)
         self.residuals: dict = {}  # key -> rounding error carried to the next step
+        self._pending: dict = {}  # residuals of the reduction under way, kept only if it succeeds
 
     def check_gradient_dtype(self, name: str, dtype: torch.dtype) -> None:
         if self.wire_dtype is not None and dtype not in (torch.float32, torch.float64):
@@ -67,7 +68,7 @@ class GradientAverager:
             return
         wire = self._to_wire(flat, key)
         self.comm.all_reduce(wire, ReduceOp.SUM)
-        self._from_wire(wire, flat, names)
+        self._from_wire(wire, flat, names, key)
 
     def reduce_scatter(self, full: torch.Tensor, shard: torch.Tensor, key=None, names: list[str] | None = None) -> None:
         """Reduce-scatter: ``shard`` gets this rank's slice of the mean of ``full`` (ZeRO)."""
@@ -77,7 +78,7 @@ class GradientAverager:
         wire = self._to_wire(full, key)
         wire_shard = torch.empty(shard.numel(), dtype=self.wire_dtype, device=shard.device)
         self.comm.reduce_scatter(wire_shard, wire, ReduceOp.SUM)
-        self._from_wire(wire_shard, shard, names)
+        self._from_wire(wire_shard, shard, names, key)
 
     def _to_wire(self, flat: torch.Tensor, key) -> torch.Tensor:
         scaled = flat / self.pre
@@ -87,14 +88,17 @@ class GradientAverager:
                 scaled += residual
         wire = scaled.to(self.wire_dtype)
         if self.error_feedback:
-            self.residuals[key] = scaled - wire.to(flat.dtype)
+            self._pending[key] = scaled - wire.to(flat.dtype)
         return wire
 
-    def _from_wire(self, wire: torch.Tensor, out: torch.Tensor, names) -> None:
-        if not bool(torch.isfinite(wire).all()):
+    def _from_wire(self, wire: torch.Tensor, out: torch.Tensor, names, key) -> None:
+        pending = self._pending.pop(key, None)
+        if not bool(torch.isfinite(wire).all()):  # the step is lost; the carried error is not poisoned
             raise FloatingPointError(
                 f"rank {self.comm.rank}: gradients overflowed {self.wire_dtype} in the reduction "
                 f"(inf/NaN in {', '.join(names or ['a gradient buffer'])}); the weights were not touched. "
                 f"Lower the loss scale or learning rate, or use compress='bf16' (fp32's range).")
+        if pending is not None:
+            self.residuals[key] = pending
         out.copy_(wire)
         out.div_(self.post)

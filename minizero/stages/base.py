@@ -68,7 +68,9 @@ class Stage:
         return {"params": params,
                 "grads": [p.grad for p in params if p.grad is not None],
                 "optimizer": [t for state in self.optimizer.state.values() for t in state.values()
-                              if torch.is_tensor(t)]}
+                              if torch.is_tensor(t)],
+                # compression's error feedback: one full-size residual per buffer, on top of the formula
+                "error_feedback": list(getattr(getattr(self, "averager", None), "residuals", {}).values())}
 
 
 class Synchronised(Stage):
@@ -82,23 +84,31 @@ class Synchronised(Stage):
     """
 
     _syncing = False  # does the backward of the latest forward synchronise?
+    _sync_queued = False
 
     def forward(self, *args, **kwargs):
-        self._syncing = torch.is_grad_enabled() and self.require_backward_grad_sync  # decided at forward, as torch
+        if torch.is_grad_enabled():  # a no_grad forward (a quick eval) has no backward to plan for
+            self._syncing = self.require_backward_grad_sync  # decided at forward, as torch does
         output = self.module(*args, **kwargs)
-        if self._syncing:
+        if torch.is_grad_enabled() and self._syncing:
             self._sync_after_backward(output)
         return output
 
     def _sync_after_backward(self, output) -> None:
         def queue_sync(grad):
-            torch.autograd.Variable._execution_engine.queue_callback(self.sync_gradients)
+            if not self._sync_queued:  # two forwards, one backward: synchronise once
+                self._sync_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._run_sync)
 
         tensors = output if isinstance(output, (tuple, list)) else [output]
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(queue_sync)
                 return
+
+    def _run_sync(self) -> None:
+        self._sync_queued = False
+        self.sync_gradients()
 
     def sync_gradients(self) -> None:
         raise NotImplementedError

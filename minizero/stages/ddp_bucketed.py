@@ -72,29 +72,43 @@ class BucketedDDP(DDP):
         bucket.work = self.comm.submit(lambda: self.averager(bucket.buffer, bucket.index, bucket.names))
 
     def sync_gradients(self) -> None:
-        """Runs when backward has finished: complete what is missing, wait for every bucket."""
-        missing = self._ready.missing()
-        if missing and not self.find_unused_parameters:
-            names = [self.buckets[b].names[i] for b, i in missing]
-            raise RuntimeError(
-                f"rank {self.rank}: parameter(s) {names} got no gradient in this backward, so their bucket "
-                f"can never be reduced. If parameters may go unused, wrap with find_unused_parameters=True; "
-                f"if they are never trained, freeze them with requires_grad_(False).")
-        self._ready.complete_all()  # unused slots hold zeros (or earlier micro-batches' sums): still correct
-        if self.find_unused_parameters:
-            self._find_unused_everywhere()
-        for bucket in self.buckets:
-            try:
-                bucket.work.wait()
-            except RuntimeError as error:  # gloo/NCCL timeout, or a peer that went away
+        """Runs when backward has finished: complete what is missing, wait for every bucket.
+        Whatever happens, the step's bookkeeping is reset and no all-reduce is left running."""
+        try:
+            missing = self._ready.missing()
+            if missing and not self.find_unused_parameters:
+                names = [self.buckets[b].names[i] for b, i in missing]
                 raise RuntimeError(
-                    f"rank {self.rank}: the all-reduce of bucket {bucket.index} ({bucket.names[0]}, ...) failed: "
-                    f"a peer did not join it. Another rank may have skipped this synchronisation -- entered "
-                    f"no_sync() on some ranks only, or run a different number of backward passes -- or stalled. "
-                    f"Cause: {error}") from error
-            bucket.work = None
-        self._ready.reset()
-        self._used.clear()
+                    f"rank {self.rank}: parameter(s) {names} got no gradient in this backward, so their bucket "
+                    f"can never be reduced. If parameters may go unused, wrap with find_unused_parameters=True; "
+                    f"if they are never trained, freeze them with requires_grad_(False).")
+            for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
+                bucket, param = self.buckets[b], self.buckets[b].params[i]
+                if param.grad is None or param.grad.data_ptr() != bucket.views[i].data_ptr():
+                    bucket.views[i].zero_() if param.grad is None else bucket.views[i].copy_(param.grad)
+                    param.grad = bucket.views[i]
+            self._ready.complete_all()  # unused slots hold zeros (or earlier micro-batches' sums): still correct
+            if self.find_unused_parameters:
+                self._find_unused_everywhere()
+            for bucket in self.buckets:
+                try:
+                    bucket.work.wait()
+                except RuntimeError as error:  # gloo/NCCL timeout, or a peer that went away
+                    raise RuntimeError(
+                        f"rank {self.rank}: the all-reduce of bucket {bucket.index} ({bucket.names[0]}, ...) failed: "
+                        f"a peer did not join it. Another rank may have skipped this synchronisation -- entered "
+                        f"no_sync() on some ranks only, or run a different number of backward passes -- or stalled. "
+                        f"Cause: {error}") from error
+        finally:
+            for bucket in self.buckets:  # after an error: drain what still runs, so the next step starts clean
+                if bucket.work is not None:
+                    try:
+                        bucket.work.wait()
+                    except Exception:  # noqa: BLE001 -- the first error is already on its way up
+                        pass
+                    bucket.work = None
+            self._ready.reset()
+            self._used.clear()
 
     def _find_unused_everywhere(self) -> None:
         params = [p for b in self.buckets for p in b.params]

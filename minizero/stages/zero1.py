@@ -60,11 +60,24 @@ class ZeRO1(Synchronised):
         self._user_param_groups = [dict(g) for g in optimizer.param_groups]  # for the consolidated state_dict
         self.groups: list[FlatGroup] = self._build_groups(optimizer)
         self.optimizer = shard_optimizer(optimizer, self.groups)
+        self.user_optimizer = optimizer
+        with_shards = [g for i, g in enumerate(optimizer.param_groups) if any(f.group_index == i for f in self.groups)]
+        self._group_pairs = list(zip(with_shards, self.optimizer.param_groups))
+        self._last_seen = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
         self._used: set[int] = set()
         self._init_gradients()
         for group in self.groups:
             for s in group.segments:
                 s.param.register_post_accumulate_grad_hook(self._on_gradient_ready)
+
+    def _follow_user_optimizer(self) -> None:
+        """A learning-rate scheduler (or anything else) may change the user's optimizer's
+        hyper-parameters: carry every change over to the sharded optimizer before it steps."""
+        for user, sharded in self._group_pairs:
+            for key, value in user.items():
+                if key != "params" and self._last_seen[id(user)].get(key) is not value:
+                    sharded[key] = value
+                    self._last_seen[id(user)][key] = value
 
     def _build_groups(self, optimizer) -> list[FlatGroup]:
         return build_groups(optimizer, self.module, self.rank, self.world_size)
@@ -76,6 +89,7 @@ class ZeRO1(Synchronised):
         self.zero_grad()
 
     def zero_grad(self) -> None:
+        self._synced = False  # a new accumulation window
         for group, buffer in zip(self.groups, self.grad_buffers):
             buffer.zero_()
             for s in group.segments:
@@ -112,12 +126,25 @@ class ZeRO1(Synchronised):
 
     def sync_gradients(self) -> None:
         """Backward has finished: reduce-scatter each group's gradients into the owned slice, in place."""
+        self._check_second_sync()
+        self._synced = True
         self._check_all_used()
         for index, (group, buffer) in enumerate(zip(self.groups, self.grad_buffers)):
             self.averager.reduce_scatter(buffer, group.shard_of(buffer), index, [s.name for s in group.segments])
 
+    def _check_second_sync(self) -> None:
+        """The owned slice now holds an average and the rest local sums: one buffer cannot take a
+        second reduce-scatter.  Refuse rather than compute something else."""
+        if getattr(self, "_synced", False):
+            self._synced = False
+            raise RuntimeError(
+                f"rank {self.rank}: zero1 got a second synchronising backward before step(). Run all but the "
+                f"last micro-batch inside no_sync() (train_step does), or use zero2/zero3, which accumulate it.")
+
     # ------------------------------------------------------------ optimizer
     def step(self) -> None:
+        self._synced = False
+        self._follow_user_optimizer()
         for group, shard in zip(self.groups, self.grad_shards()):
             group.shard.grad = shard
         self.optimizer.step()

@@ -73,12 +73,31 @@ class ZeRO2(ZeRO1):
         for s in group.segments:
             s.param.grad = None  # the point of ZeRO-2: no full gradient outlives its bucket
         names = [s.name for s in group.segments]
-        self._works[index] = self.comm.submit(
-            lambda: self.averager.reduce_scatter(full, self.shards[index], index, names))
+
+        def reduce_scatter():
+            # Into a fresh shard, then added: a second synchronising backward before step()
+            # (accumulation without no_sync) adds its average to the first's, as torch DDP and FSDP2 do.
+            averaged = torch.empty_like(self.shards[index])
+            self.averager.reduce_scatter(full, averaged, index, names)
+            self.shards[index].add_(averaged)
+
+        self._works[index] = self.comm.submit(reduce_scatter)
 
     def sync_gradients(self) -> None:
-        self._check_all_used()
-        self._ready.complete_all()  # buckets whose gradients came only from earlier micro-batches
-        for index in sorted(self._works):
-            self._works.pop(index).wait()
-        self._ready.reset()
+        try:
+            self._check_all_used()
+            self._ready.complete_all()  # buckets whose gradients came only from earlier micro-batches
+            for index in sorted(self._works):
+                self._works.pop(index).wait()
+        finally:  # after an error too: nothing left running, nothing left marked
+            for work in self._works.values():
+                try:
+                    work.wait()
+                except Exception:  # noqa: BLE001 -- the first error is already on its way up
+                    pass
+            self._works.clear()
+            self._ready.reset()
+            self._used.clear()
+
+    def _check_second_sync(self) -> None:
+        pass  # zero2 accumulates a second synchronisation into the shards

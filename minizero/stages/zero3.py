@@ -161,6 +161,7 @@ class ZeRO3(ZeRO2):
         for g, (group, shard) in enumerate(zip(self.groups, self.grad_shards())):
             group.shard.grad = None if g in self._skipped else shard
         self._drop_prefetches()
+        self._follow_user_optimizer()
         self.optimizer.step()  # no all-gather: the next forward gathers what it needs
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -1,0 +1,156 @@
+"""Regressions from review: what happens around the happy path.
+
+Each test drives a stage the way a user might -- catching an error and going
+on, stepping a scheduler, evaluating between forward and backward, calling
+optimizer.zero_grad() -- and checks the ranks stay equal and right.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from minizero.comm import make_comm
+from minizero.launch import RankError
+from minizero.stages import make_stage
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 8).double(), nn.Linear(8, 2).double(), nn.Linear(8, 2).double()
+
+    def forward(self, x, use_c=True):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.c(h) if use_c else self.b(h)
+
+
+def _data(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16, 4, generator=g, dtype=torch.float64)
+
+
+def _flat(model, stage=None):
+    if hasattr(stage, "full_state_dict"):  # zero3: the model holds placeholders between uses
+        state = stage.full_state_dict()
+        return torch.cat([state[n].reshape(-1) for n, _ in model.named_parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _train(me, stage_name, options, fault=None, steps=3):
+    """``fault`` happens at step 0 and is caught; a clean run has none.  Returns the final parameters."""
+    model = Branchy()
+    stage = make_stage(stage_name, model, torch.optim.Adam(model.parameters(), lr=0.01), make_comm("ring"), **options)
+    if fault is not None:
+        stage.zero_grad()
+        try:
+            if fault == "unused":
+                stage(_data(me.rank, 99), use_c=False).pow(2).mean().backward()
+            elif fault == "overflow":
+                (stage(_data(me.rank, 99)).pow(2).mean() * 1e9).backward()
+            stage.step()
+        except (RuntimeError, FloatingPointError):
+            pass
+    for s in range(steps):
+        stage.zero_grad()
+        stage(_data(me.rank, s)).pow(2).mean().backward()
+        stage.step()
+    return _flat(model, stage)
+
+
+def _assert_same(results, clean):
+    for r in results:
+        assert torch.allclose(r, results[0], rtol=0, atol=1e-12), "ranks drifted apart"
+        assert torch.allclose(r, clean[0], rtol=0, atol=1e-12), (r - clean[0]).abs().max()
+
+
+@pytest.mark.parametrize("stage, options", [("ddp-bucketed", {"bucket_mb": 1e-9}), ("zero2", {"bucket_mb": 1e-9}),
+                                            ("zero3", {}), ("zero1", {})])
+def test_a_caught_unused_parameter_error_leaves_no_stale_state(pools, stage, options):
+    clean = pools.run(2, _train, stage, options)
+    _assert_same(pools.run(2, _train, stage, options, "unused"), clean)
+
+
+@pytest.mark.parametrize("stage, options", [("ddp", {}), ("ddp-bucketed", {"bucket_mb": 1e-9}), ("zero1", {}),
+                                            ("zero2", {"bucket_mb": 1e-9}), ("zero3", {})])
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_a_caught_fp16_overflow_skips_one_step_and_training_goes_on(pools, stage, options, error_feedback):
+    options = {**options, "compress": "fp16", "error_feedback": error_feedback}
+    clean = pools.run(2, _train, stage, options)
+    _assert_same(pools.run(2, _train, stage, options, "overflow"), clean)
+
+
+def _two_synchronising_backwards(me, stage_name):
+    model = Branchy()
+    stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"))
+    stage.zero_grad()
+    for k in range(2):  # accumulation without no_sync(): averaged twice, added
+        stage(_data(me.rank, k)).pow(2).mean().backward()
+    stage.step()
+    return _flat(model, stage)
+
+
+@pytest.mark.parametrize("stage", ["ddp-bucketed", "zero2", "zero3"])
+def test_two_synchronising_backwards_before_a_step_accumulate(pools, stage):
+    _assert_same(pools.run(2, _two_synchronising_backwards, stage), pools.run(2, _two_synchronising_backwards, "ddp"))
+
+
+def test_zero1_refuses_a_second_synchronising_backward(pools):
+    with pytest.raises(RankError, match="second synchronising backward before step"):
+        pools.run(2, _two_synchronising_backwards, "zero1")
+
+
+def _user_clears_grads(me, user_zero_grad):
+    model = Branchy()
+    stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"),
+                       find_unused_parameters=True, bucket_mb=1e-9)
+    for s in range(3):
+        stage.optimizer.zero_grad(set_to_none=True) if user_zero_grad else stage.zero_grad()
+        stage(_data(me.rank, s), use_c=me.rank == 0).pow(2).mean().backward()  # c is used on rank 0 only
+        stage.step()
+    return _flat(model, stage)
+
+
+def test_unused_on_some_ranks_with_the_users_own_zero_grad(pools):
+    _assert_same(pools.run(2, _user_clears_grads, True), pools.run(2, _user_clears_grads, False))
+
+
+def _with_scheduler(me, stage_name):
+    model = Branchy()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    stage = make_stage(stage_name, model, optimizer, make_comm("ring"))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)  # on the user's optimizer
+    for s in range(3):
+        stage.zero_grad()
+        stage(_data(me.rank, s)).pow(2).mean().backward()
+        stage.step()
+        scheduler.step()
+    return _flat(model, stage)
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_a_scheduler_on_the_users_optimizer_drives_the_sharded_one(pools, stage):
+    _assert_same(pools.run(2, _with_scheduler, stage), pools.run(2, _with_scheduler, "ddp"))
+
+
+def _eval_between(me, stage_name, twice):
+    model = Branchy()
+    stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"),
+                       **({"find_unused_parameters": True} if stage_name == "ddp-bucketed" else {}))
+    for s in range(2):
+        stage.zero_grad()
+        loss = stage(_data(me.rank, s)).pow(2).mean()
+        if twice:
+            loss = loss + stage(_data(me.rank, s + 50)).pow(2).mean()  # two forwards, one backward
+        with torch.no_grad():
+            stage(_data(me.rank, 7))  # a quick evaluation between forward and backward
+        loss.backward()
+        stage.step()
+    return _flat(model, stage)
+
+
+@pytest.mark.parametrize("stage", ["ddp-bucketed", "zero1", "zero2"])
+@pytest.mark.parametrize("twice", [False, True])
+def test_eval_forward_between_and_two_forwards_one_backward(pools, stage, twice):
+    _assert_same(pools.run(2, _eval_between, stage, twice), pools.run(2, _eval_between, "ddp", twice))
