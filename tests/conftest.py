@@ -17,7 +17,7 @@ from minizero.launch import RankPool
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("deep", derandomize=False, deadline=None, max_examples=1000, print_blob=True,
+settings.register_profile("deep", derandomize=False, deadline=None, max_examples=600, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("deep" if os.environ.get("MINIZERO_DEEP") else "ci")
 

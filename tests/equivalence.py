@@ -1,6 +1,7 @@
 """Helpers of the equivalence suite: draw an experiment, run it, check it."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -8,6 +9,14 @@ from hypothesis import strategies as st
 
 from minizero.experiment import RTOL, Experiment, reference_of, run_experiment
 from minizero.train import OPTIMIZERS
+
+
+#: ``make test-deep`` sets MINIZERO_DEEP: every property draws 20 times as many, fresh, examples.
+DEEP = bool(os.environ.get("MINIZERO_DEEP"))
+
+
+def examples(n: int) -> int:
+    return 20 * n if DEEP else n
 
 
 #: Bucket caps that force one parameter per bucket, a few buckets, or one bucket.
@@ -116,4 +125,4 @@ def bit_identical(results: list[dict], reference: dict) -> bool:
                for s, params in enumerate(reference["params"]) for n, p in params.items())
 
 
-__all__ = ["experiments", "assert_equivalent", "run_and_check", "bit_identical", "replace"]
+__all__ = ["experiments", "assert_equivalent", "run_and_check", "bit_identical", "replace", "examples"]

@@ -13,10 +13,10 @@ from minizero.models import MLP, EdgeModel
 from minizero.stages import make_stage
 from minizero.train import shard_step, train_step
 
-from equivalence import experiments, run_and_check
+from equivalence import experiments, run_and_check, examples
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(drawn=experiments("ddp-bucketed", max_accum=4))
 def test_bucketed_matches_reference(pools, drawn):
     exp, world_size = drawn

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+
+from equivalence import examples
 from hypothesis import strategies as st
 
 from minizero.comm import Ledger, ReduceOp, chunk_bounds, make_comm, ring_bytes_sent
@@ -71,7 +73,7 @@ cases = st.tuples(
 )
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(world_size=st.integers(1, 4), case=cases)
 def test_collectives_match_math_and_ledger(pools, world_size, case):
     kind, numel, dtype, op, backend, seed, src = case

@@ -13,11 +13,11 @@ from minizero.models import MLP
 from minizero.comm import make_comm
 from minizero.stages import make_stage
 
-from equivalence import bit_identical, experiments, run_and_check
+from equivalence import bit_identical, experiments, run_and_check, examples
 
 
 @pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"])
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(data=st.data())
 def test_compressed_stage_matches_the_same_casts_reference(pools, stage, data):
     """Bit for bit in practice (the same casts, the ring's summation order); and exactly half
@@ -29,7 +29,7 @@ def test_compressed_stage_matches_the_same_casts_reference(pools, stage, data):
         assert sum(r["sent_bytes"] for r in results) == exp.steps * 2 * (world_size - 1) * psi * 2
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(drawn=experiments("ddp-bucketed", compress=True, backends=("native",)))
 def test_compressed_native_is_close_to_the_same_casts_reference(pools, drawn):
     """gloo sums 16-bit chunks in its own order; a few 16-bit roundings apart at most."""

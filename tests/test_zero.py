@@ -14,17 +14,17 @@ from minizero.launch import RankError
 from minizero.models import EdgeModel, MLP
 from minizero.stages import make_stage
 
-from equivalence import assert_same_optimizer_state, experiments, run_and_check
+from equivalence import assert_same_optimizer_state, experiments, run_and_check, examples
 
 
-@settings(max_examples=70)
+@settings(max_examples=examples(70))
 @given(drawn=experiments("zero1", max_accum=4))
 def test_zero1_matches_reference(pools, drawn):
     exp, world_size = drawn
     run_and_check(pools, exp, world_size)
 
 
-@settings(max_examples=70)
+@settings(max_examples=examples(70))
 @given(drawn=experiments("zero2", max_accum=4))
 def test_zero2_matches_reference(pools, drawn):
     exp, world_size = drawn

@@ -14,10 +14,10 @@ from minizero.models import MLP, TinyGPT, ReuseModel
 from minizero.stages import make_stage
 from minizero.units import assign_parameters, default_units, resolve_units
 
-from equivalence import experiments, run_and_check
+from equivalence import experiments, run_and_check, examples
 
 
-@settings(max_examples=70)
+@settings(max_examples=examples(70))
 @given(drawn=experiments("zero3", max_accum=4))
 def test_zero3_matches_reference(pools, drawn):
     exp, world_size = drawn
