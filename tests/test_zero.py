@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minizero import formulas
 from minizero.comm import make_comm
@@ -17,17 +18,11 @@ from minizero.stages import make_stage
 from equivalence import assert_same_optimizer_state, experiments, run_and_check, examples
 
 
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
 @settings(max_examples=examples(70))
-@given(drawn=experiments("zero1", max_accum=4))
-def test_zero1_matches_reference(pools, drawn):
-    exp, world_size = drawn
-    run_and_check(pools, exp, world_size)
-
-
-@settings(max_examples=examples(70))
-@given(drawn=experiments("zero2", max_accum=4))
-def test_zero2_matches_reference(pools, drawn):
-    exp, world_size = drawn
+@given(data=st.data())
+def test_zero_matches_reference(pools, stage, data):
+    exp, world_size = data.draw(experiments(stage, max_accum=4))
     run_and_check(pools, exp, world_size)
 
 
