@@ -58,14 +58,19 @@ def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: i
     if draw(st.booleans()):  # unequal samples per rank, some possibly empty
         rank_sizes = tuple(draw(st.lists(st.integers(0, 5), min_size=world_size, max_size=world_size)
                                 .filter(lambda sizes: sum(sizes) > 0)))
+    optimizer = draw(st.sampled_from(sorted(OPTIMIZERS)))
+    dtype = draw(st.sampled_from(["float64", "float32"]))
+    # float32 Adam at lr 0.1 (worse with clipping) turns rounding noise in gradients near its eps into
+    # update differences above 1e-5 in any two summation orders -- noise, not bugs; float64 covers lr 0.1.
+    rates = [1e-3, 1e-2] if dtype == "float32" and optimizer.startswith("adam") else [1e-3, 1e-2, 1e-1]
     exp = Experiment(
         stage=stage, task=task, model=model,
-        optimizer=draw(st.sampled_from(sorted(OPTIMIZERS))),
-        lr=draw(st.sampled_from([1e-3, 1e-2, 1e-1])),
+        optimizer=optimizer,
+        lr=draw(st.sampled_from(rates)),
         steps=draw(st.integers(1, 3)),
         micro_batch=draw(st.integers(1, 3)),
         accum=accum,
-        dtype=draw(st.sampled_from(["float64", "float32"])),
+        dtype=dtype,
         seed=draw(st.integers(0, 2**16)),
         backend=draw(st.sampled_from(backends)),
         rank_sizes=rank_sizes,
