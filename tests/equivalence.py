@@ -58,15 +58,15 @@ def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: i
     if draw(st.booleans()):  # unequal samples per rank, some possibly empty
         rank_sizes = tuple(draw(st.lists(st.integers(0, 5), min_size=world_size, max_size=world_size)
                                 .filter(lambda sizes: sum(sizes) > 0)))
-    optimizer = draw(st.sampled_from(sorted(OPTIMIZERS)))
     dtype = draw(st.sampled_from(["float64", "float32"]))
-    # float32 Adam at lr 0.1 (worse with clipping) turns rounding noise in gradients near its eps into
-    # update differences above 1e-5 in any two summation orders -- noise, not bugs; float64 covers lr 0.1.
-    rates = [1e-3, 1e-2] if dtype == "float32" and optimizer.startswith("adam") else [1e-3, 1e-2, 1e-1]
+    # Adam's first steps are about lr * sign(g): a gradient element near zero flips sign under float32
+    # rounding in any two summation orders, an O(lr) difference no tolerance on parameters can absorb.
+    # So float32 draws the SGD family (1e-5 holds), and Adam/AdamW are proven in float64 (1e-9).
+    optimizers = sorted(OPTIMIZERS) if dtype == "float64" else ["momentum", "nesterov", "sgd"]
     exp = Experiment(
         stage=stage, task=task, model=model,
-        optimizer=optimizer,
-        lr=draw(st.sampled_from(rates)),
+        optimizer=draw(st.sampled_from(optimizers)),
+        lr=draw(st.sampled_from([1e-3, 1e-2, 1e-1])),
         steps=draw(st.integers(1, 3)),
         micro_batch=draw(st.integers(1, 3)),
         accum=accum,
@@ -83,21 +83,17 @@ def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: i
 
 
 def assert_equivalent(results: list[dict], reference: dict, exp: Experiment, rtol: float | None = None) -> None:
-    """After every step, every parameter on every rank matches the reference, and so does the loss.
-
-    float64: relative to each tensor.  float32: relative to the model's largest parameter (normwise):
-    Adam turns rounding noise in gradients near its eps -- common after clipping -- into differences of
-    ~1e-5 of one step in tensors that are one step from zero (biases), in any two summation orders."""
+    """After every step, every parameter on every rank matches the reference (relative to each
+    tensor's largest element), and so does the loss."""
     rtol = RTOL[exp.dtype] if rtol is None else rtol
     for step, ref_params in enumerate(reference["params"]):
-        model_scale = max((p.abs().max().item() for p in ref_params.values() if p.numel()), default=0.0)
         for rank, result in enumerate(results):
             for name, ref in ref_params.items():
                 if ref.numel() == 0:
                     continue
                 got = result["params"][step][name]
                 err = (got - ref).abs().max().item()
-                scale = max(ref.abs().max().item() if exp.dtype == "float64" else model_scale, 1e-300)
+                scale = max(ref.abs().max().item(), 1e-300)
                 assert err <= rtol * scale, (f"step {step}, rank {rank}, {name}: |Δ|={err:.3g} > "
                                              f"{rtol:g} x {scale:.3g}  ({exp})")
         total = sum(r["losses"][step] for r in results)
