@@ -32,3 +32,16 @@ def unpack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def keep_grad_in(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Make ``param.grad`` the view ``view`` (into a bucket or flat buffer) again.
+
+    If someone set ``.grad`` to None (``optimizer.zero_grad(set_to_none=True)``),
+    autograd allocated a fresh tensor, or none: take its value in, or zeros."""
+    grad = param.grad
+    if grad is None:
+        view.zero_()
+    elif grad.data_ptr() != view.data_ptr():
+        view.copy_(grad.reshape(view.shape))
+    param.grad = view

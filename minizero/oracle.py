@@ -22,31 +22,38 @@ from .units import resolve_units
 
 
 
-class TorchDDP:
-    """torch DDP behind minizero's stage interface, so the one training loop drives it."""
+class TorchStage:
+    """A torch implementation behind minizero's stage interface, so the one training loop drives it."""
 
-    name = "torch-ddp"
-
-    def __init__(self, module, optimizer, comm=None, compress: str | None = None, bucket_mb: float = 25.0):
-        self.module = DistributedDataParallel(module, bucket_cap_mb=bucket_mb)
-        if compress == "fp16":
-            self.module.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif compress == "bf16":
-            self.module.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        self.optimizer = optimizer
+    def __init__(self, module, optimizer):
+        self.module, self.optimizer = module, optimizer
         self.world_size = torch.distributed.get_world_size()
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    def no_sync(self):
-        return self.module.no_sync()
 
     def step(self):
         self.optimizer.step()
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
+
+    def full_optimizer_state_dict(self) -> dict:
+        return {}  # oracles are compared by parameters only
+
+
+class TorchDDP(TorchStage):
+    name = "torch-ddp"
+
+    def __init__(self, module, optimizer, comm=None, compress: str | None = None, bucket_mb: float = 25.0):
+        super().__init__(DistributedDataParallel(module, bucket_cap_mb=bucket_mb), optimizer)
+        if compress == "fp16":
+            self.module.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif compress == "bf16":
+            self.module.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+    def no_sync(self):
+        return self.module.no_sync()
 
 
 
@@ -65,11 +72,8 @@ class TorchZeRO(TorchDDP):
         for group in groups[1:]:
             self.optimizer.add_param_group(group)
 
-    def full_optimizer_state_dict(self) -> dict:
-        return {}  # compared by parameters only
 
-
-class TorchFSDP2:
+class TorchFSDP2(TorchStage):
     """torch's FSDP2: ``fully_shard`` on each unit and on the root, over a CPU device mesh (gloo)."""
 
     name = "torch-fsdp2"
@@ -88,12 +92,8 @@ class TorchFSDP2:
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [new[names[id(p)]] for p in g["params"]]}
                   for g in optimizer.param_groups]
         accepted = inspect.signature(type(optimizer).__init__).parameters
-        self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-        self.module = module
-        self.world_size = torch.distributed.get_world_size()
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        super().__init__(module, type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items()
+                                                            if k in accepted}))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -103,17 +103,8 @@ class TorchFSDP2:
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def step(self):
-        self.optimizer.step()
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
-
     def full_state_dict(self) -> dict:
         return {n: p.full_tensor().detach().clone() for n, p in self.module.named_parameters()}
-
-    def full_optimizer_state_dict(self) -> dict:
-        return {}  # compared by parameters only
 
 
 ORACLES = {"torch-ddp": TorchDDP, "torch-zero": TorchZeRO, "torch-fsdp2": TorchFSDP2}

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..buckets import Bucket, ReadyOrder, assign_buckets
 from ..comm import Comm, ReduceOp
+from ..flat import keep_grad_in
 from .ddp import DDP
 
 
@@ -58,10 +59,7 @@ class BucketedDDP(DDP):
     # -------------------------------------------------------------- backward
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         bucket, i = self._slot[id(param)]
-        view = bucket.views[i]
-        if param.grad.data_ptr() != view.data_ptr():  # someone set .grad to None: take the new tensor in
-            view.copy_(param.grad)
-            param.grad = view
+        keep_grad_in(param, bucket.views[i])
         self._used.add(id(param))
         if self._syncing:
             self._ready.mark(param)
@@ -83,10 +81,7 @@ class BucketedDDP(DDP):
                     f"can never be reduced. If parameters may go unused, wrap with find_unused_parameters=True; "
                     f"if they are never trained, freeze them with requires_grad_(False).")
             for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
-                bucket, param = self.buckets[b], self.buckets[b].params[i]
-                if param.grad is None or param.grad.data_ptr() != bucket.views[i].data_ptr():
-                    bucket.views[i].zero_() if param.grad is None else bucket.views[i].copy_(param.grad)
-                    param.grad = bucket.views[i]
+                keep_grad_in(self.buckets[b].params[i], self.buckets[b].views[i])
             self._ready.complete_all()  # unused slots hold zeros (or earlier micro-batches' sums): still correct
             if self.find_unused_parameters:
                 self._find_unused_everywhere()

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..comm import Comm, ReduceOp
 from ..compress import GradientAverager
+from ..flat import keep_grad_in
 from ..layout import FlatGroup, build_groups, shard_optimizer
 from .base import Synchronised, broadcast_module, check_same_model
 
@@ -65,6 +66,7 @@ class ZeRO1(Synchronised):
         self._group_pairs = list(zip(with_shards, self.optimizer.param_groups))
         self._last_seen = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
         self._used: set[int] = set()
+        self._slot = {id(s.param): (g, s) for g, group in enumerate(self.groups) for s in group.segments}
         self._init_gradients()
         for group in self.groups:
             for s in group.segments:
@@ -101,18 +103,8 @@ class ZeRO1(Synchronised):
 
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
-        group, s = self._segment(param)
-        view = self.grad_buffers[self.groups.index(group)][s.start:s.stop]
-        if param.grad.data_ptr() != view.data_ptr():  # .grad was set to None: take the new tensor in
-            view.copy_(param.grad.reshape(-1))
-            param.grad = view.view_as(param)
-
-    def _segment(self, param):
-        for group in self.groups:
-            for s in group.segments:
-                if s.param is param:
-                    return group, s
-        raise KeyError(param)
+        g, s = self._slot[id(param)]
+        keep_grad_in(param, self.grad_buffers[g][s.start:s.stop].view(s.shape))
 
     def _check_all_used(self) -> None:
         """A flat shard cannot skip one parameter the way torch.optim skips a None gradient."""

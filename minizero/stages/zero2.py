@@ -98,6 +98,3 @@ class ZeRO2(ZeRO1):
             self._works.clear()
             self._ready.reset()
             self._used.clear()
-
-    def _check_second_sync(self) -> None:
-        pass  # zero2 accumulates a second synchronisation into the shards
