@@ -154,3 +154,20 @@ def _eval_between(me, stage_name, twice):
 @pytest.mark.parametrize("twice", [False, True])
 def test_eval_forward_between_and_two_forwards_one_backward(pools, stage, twice):
     _assert_same(pools.run(2, _eval_between, stage, twice), pools.run(2, _eval_between, "ddp", twice))
+
+
+def _users_optimizer_clears(me, stage_name, user_zero_grad):
+    model = Branchy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stage = make_stage(stage_name, model, optimizer, make_comm("ring"))
+    for s in range(3):
+        optimizer.zero_grad(set_to_none=True) if user_zero_grad else stage.zero_grad()
+        stage(_data(me.rank, s)).pow(2).mean().backward()
+        stage.step()
+    return _flat(model, stage)
+
+
+@pytest.mark.parametrize("stage", ["ddp-bucketed", "zero1"])
+def test_the_users_optimizer_zero_grad_works_like_the_stages(pools, stage):
+    """autograd allocates fresh .grad tensors; the stage takes them back into its buffers."""
+    _assert_same(pools.run(2, _users_optimizer_clears, stage, True), pools.run(2, _users_optimizer_clears, stage, False))
