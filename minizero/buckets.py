@@ -9,6 +9,7 @@ into the bucket in place, and the bucket is sent without a copy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -26,14 +27,18 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)  # views[i] is params[i]'s gradient
     work: object = None  # the running all-reduce
 
+def check_bucket_mb(bucket_mb: float) -> None:
+    if not (isinstance(bucket_mb, (int, float)) and 0 < bucket_mb < math.inf):
+        raise ValueError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r} (torch DDP's default is 25)")
+
+
 def assign_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_mb: float) -> list[Bucket]:
     """Pack parameters, last registered first, into buckets of at most ``bucket_mb`` MiB.
 
     A bucket holds one dtype; a parameter larger than the cap gets a bucket
     of its own.  Every rank builds the same buckets (same model, same cap).
     """
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r} (torch DDP's default is 25)")
+    check_bucket_mb(bucket_mb)
     cap = bucket_mb * MiB
     groups: list[list[tuple[str, nn.Parameter]]] = []
     for name, p in reversed(named_params):

@@ -102,8 +102,8 @@ def _run_casts_reference(exp, world_size: int) -> dict:
             per_rank.append({name: None if p.grad is None else p.grad.clone() for name, p in params_by_name.items()})
         optimizer.zero_grad(set_to_none=True)
         for key, names in enumerate(layout):
-            # ddp packs the gradients that exist; ddp-bucketed packs every slot of the bucket.
-            packed = [name for name in names if keep_empty_slots or per_rank[0][name] is not None]
+            # ddp packs the gradients that exist on some rank; the others pack every slot of their buffer.
+            packed = [name for name in names if keep_empty_slots or any(g[name] is not None for g in per_rank)]
             if not any(g[name] is not None for g in per_rank for name in packed):
                 continue  # no gradient anywhere: the parameters keep .grad = None
             flats = [pack([g[name] if g[name] is not None else torch.zeros_like(params_by_name[name])

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from . import formulas
 from .experiment import RTOL, Experiment, exact_reference_of, loss_error, max_diff, reference_of, run_experiment
-from .launch import RankPool, check_world_size, init_from_env, under_torchrun
+from .launch import RankPool, check_world_size
+from .torchrun import init_from_env, under_torchrun
 from .stages import check_stage_names
 
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .comm import Comm, ReduceOp
+from .comm import Comm, ReduceOp, Tag
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -61,23 +61,24 @@ class GradientAverager:
                             f"makes sense for float32/float64 gradients; parameter {name!r} is {dtype}. "
                             f"Turn compression off or keep this parameter in float32.")
 
-    def __call__(self, flat: torch.Tensor, key=None, names: list[str] | None = None) -> None:
+    def __call__(self, flat: torch.Tensor, key=None, names: list[str] | None = None, tag: Tag | None = None) -> None:
         """All-reduce: every rank ends with the mean of ``flat``, in place."""
         if self.wire_dtype is None:
-            self.comm.all_reduce(flat, ReduceOp.AVG)
+            self.comm.all_reduce(flat, ReduceOp.AVG, tag=tag)
             return
         wire = self._to_wire(flat, key)
-        self.comm.all_reduce(wire, ReduceOp.SUM)
+        self.comm.all_reduce(wire, ReduceOp.SUM, tag=tag)
         self._from_wire(wire, flat, names, key)
 
-    def reduce_scatter(self, full: torch.Tensor, shard: torch.Tensor, key=None, names: list[str] | None = None) -> None:
+    def reduce_scatter(self, full: torch.Tensor, shard: torch.Tensor, key=None, names: list[str] | None = None,
+                       tag: Tag | None = None) -> None:
         """Reduce-scatter: ``shard`` gets this rank's slice of the mean of ``full`` (ZeRO)."""
         if self.wire_dtype is None:
-            self.comm.reduce_scatter(shard, full, ReduceOp.AVG)
+            self.comm.reduce_scatter(shard, full, ReduceOp.AVG, tag=tag)
             return
         wire = self._to_wire(full, key)
         wire_shard = torch.empty(shard.numel(), dtype=self.wire_dtype, device=shard.device)
-        self.comm.reduce_scatter(wire_shard, wire, ReduceOp.SUM)
+        self.comm.reduce_scatter(wire_shard, wire, ReduceOp.SUM, tag=tag)
         self._from_wire(wire_shard, shard, names, key)
 
     def _to_wire(self, flat: torch.Tensor, key) -> torch.Tensor:

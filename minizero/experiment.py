@@ -46,6 +46,7 @@ class Experiment:
     clip: tuple | None = None  # (max_norm, norm_type): clip the global gradient norm
     param_groups: bool = False  # two optimizer param groups with different lr and weight decay
     record_states: bool = False  # return the (consolidated) optimizer state after every step
+    check: bool = True  # fingerprint every collective (minizero.comm.fingerprint)
     options: dict = field(default_factory=dict)  # stage options
 
     def global_batch(self, world_size: int) -> int:
@@ -67,7 +68,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     model = task.make_model(exp.seed + 1000 * rank, dtype, **exp.model)
     optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
-    comm = make_comm(exp.backend) if me else None
+    comm = make_comm(exp.backend, check=exp.check) if me else None
     if exp.stage in ORACLES:  # torch's own implementation, through the same loop
         stage = ORACLES[exp.stage](model, optimizer, **exp.options)
     else:
@@ -98,8 +99,10 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     if comm:
         comm.close()
     wire = check_compress(exp.options.get("compress"))
+    sent = ledger.snapshot()
+    check_bytes = sent.pop("check", 0)  # fingerprints: apart from the traffic the formulas describe
     return {"params": params, "losses": losses, "global_count": step.global_count, "step_s": times,
-            "sent_bytes": ledger.total, "sent_by_kind": ledger.snapshot(), "psi": psi,
+            "sent_bytes": sum(sent.values()), "sent_by_kind": sent, "check_bytes": check_bytes, "psi": psi,
             "gathered_peak_bytes": getattr(stage, "gathered_peak_bytes", None),
             "grad_bytes": torch.empty(0, dtype=wire or dtype).element_size(),
             "param_bytes": torch.empty(0, dtype=dtype).element_size(),

@@ -3,15 +3,23 @@
 The function receives a :class:`Rank` first, then its arguments, and may
 return a (picklable) result; the caller gets the list of results in rank
 order.  The same function runs unchanged under ``torchrun``: there
-:func:`init_from_env` builds the ``Rank`` from the environment.
+:func:`minizero.torchrun.init_from_env` builds the ``Rank`` from the environment.
 
 Three promises, because a distributed run that hangs teaches nothing:
 
 * an exception on any rank reaches the caller as :class:`RankError`, naming the
   rank and carrying its traceback, and the other ranks are stopped;
 * a rank that dies (killed, segfault, ``os._exit``) ends the run at once;
-* a rank that stalls (a collective its peers never join) ends the run after
-  ``timeout`` seconds -- never a hang.
+* a **stall** -- a collective that made no progress for ``timeout_s`` -- ends
+  the run with an error naming the rank that stopped and the collective the
+  others wait in.  The clock starts at the collective's last progress, not at
+  the start of the run: a long healthy run is never stopped.
+
+The parent reads every rank's row of the progress board
+(:mod:`minizero.comm.progress`) from shared memory, so it sees both sides of a
+hang: who waits, and who does not come.  torch's own collective timeout is set
+later than ``timeout_s`` (:func:`backstop_s`), so the parent speaks first; it
+still bounds collectives the board cannot see (torch DDP's, FSDP2's).
 
 Starting processes and a gloo group costs seconds, so :class:`RankPool`
 keeps its ranks alive: the property suite runs hundreds of examples on one
@@ -21,7 +29,6 @@ pool per world size.  The start method is ``fork`` on Linux CPU, which -- unlike
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import pickle
 import queue
 import sys
@@ -33,6 +40,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from .comm import progress
+from .comm.stall import stalled
 
 
 @dataclass(frozen=True)
@@ -63,24 +73,9 @@ def check_world_size(world_size: int) -> None:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
 
 
-# --------------------------------------------------------------------- torchrun
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> Rank:
-    """Join the process group torchrun describes (``env://`` rendezvous).
-
-    With NCCL, ``LOCAL_RANK`` picks the CUDA device, one GPU per process.
-    """
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
-    return Rank(rank, world_size, local_rank, backend)
+def backstop_s(timeout_s: float) -> float:
+    """torch's own collective timeout: after the watchdog's, which can name the rank that stopped."""
+    return 2 * timeout_s + 10
 
 
 # ------------------------------------------------------------------ local pool
@@ -103,12 +98,13 @@ def _rendezvous(rank: int, port, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port.value, None, False, timeout=timeout)
 
 
-def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s):
-    """Body of each pool process: join the group, then run tasks until None."""
+def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, text):
+    """Body of each pool process: put up its board row, join the group, then run tasks until None."""
     torch.set_num_threads(threads)  # N ranks share the cores; oversubscribing them is slower
-    store = _rendezvous(rank, port, timeout_s)
+    progress.install(progress.ProgressBoard(rank, row, text))
+    store = _rendezvous(rank, port, backstop_s(timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=backstop_s(timeout_s)))
     me = Rank(rank, world_size)
     while True:
         task = tasks.get()
@@ -128,11 +124,16 @@ def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s):
 
 
 class RankPool:
-    """``world_size`` ranks on this machine, kept alive between :meth:`run` calls."""
+    """``world_size`` ranks on this machine, kept alive between :meth:`run` calls.
+
+    ``timeout_s``: how long a collective may go without progress before the
+    run is stopped as stalled."""
 
     def __init__(self, world_size: int, *, timeout_s: float = 300.0, threads_per_rank: int = 1,
                  start_method: str | None = None):
         check_world_size(world_size)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         self.world_size = world_size
         self.timeout_s = timeout_s
         if start_method is None:
@@ -141,17 +142,22 @@ class RankPool:
         port = context.Value("i", 0)  # filled in by rank 0, see _rendezvous
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(world_size)]
+        # The progress board: one row per rank in shared memory, written by the rank, read here.
+        self._rows = [context.RawArray("d", len(progress.FIELDS)) for _ in range(world_size)]
+        self._texts = [context.RawArray("c", progress.TEXT) for _ in range(world_size)]
+        for r in range(world_size):
+            progress.ProgressBoard(r, self._rows[r], self._texts[r])  # every row starts idle, now
         self._processes = [
             context.Process(target=_rank_main, name=f"minizero-rank{r}", daemon=True,
-                            args=(r, world_size, port, self._tasks[r], self._results,
-                                  threads_per_rank, timeout_s))
+                            args=(r, world_size, port, self._tasks[r], self._results, threads_per_rank, timeout_s,
+                                  self._rows[r], self._texts[r]))
             for r in range(world_size)
         ]
         for process in self._processes:
             process.start()
         self.broken = False
 
-    def run(self, fn: Callable[..., Any], *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
         """Run ``fn(rank, *args, **kwargs)`` on every rank; results in rank order.
 
         On any failure the pool is shut down (its ranks may be stuck in a
@@ -163,35 +169,40 @@ class RankPool:
         for q in self._tasks:
             q.put(task)
         results: dict[int, Any] = {}
-        # The ranks' own collective timeout fires first, so a stuck rank can still explain itself.
-        deadline = time.monotonic() + 1.25 * (timeout_s or self.timeout_s) + 2.0
         while len(results) < self.world_size:
             try:
                 rank, payload = self._results.get(timeout=0.05)
             except queue.Empty:
-                self._check_alive(deadline, results)
+                self._watch(results)
                 continue
             ok, value = pickle.loads(payload)
             if not ok:
                 time.sleep(0.2)  # if a peer died, that death -- not this symptom -- is the news
-                self._check_alive(deadline=float("inf"), done=results)
+                self._check_deaths()
                 self.close(kill=True)
                 raise RankError(f"rank {rank} raised:\n{value}", rank=rank, remote_traceback=value)
             results[rank] = value
         return [results[r] for r in range(self.world_size)]
 
-    def _check_alive(self, deadline: float, done: dict[int, Any]) -> None:
+    def records(self) -> list[dict]:
+        """Every rank's row of the progress board, as it is now."""
+        return [progress.ProgressBoard.read(r, row, text) for r, (row, text) in enumerate(zip(self._rows, self._texts))]
+
+    def _watch(self, finished: dict[int, Any]) -> None:
+        """Between results: a dead rank, or a stalled collective, ends the run."""
+        self._check_deaths()
+        verdict = stalled(self.records(), time.time(), self.timeout_s, finished=set(finished))
+        if verdict is not None:
+            message, culprits = verdict
+            self.close(kill=True)
+            raise RankError(message + "\nThe run was stopped.", rank=culprits[0] if len(culprits) == 1 else None)
+
+    def _check_deaths(self) -> None:
         for rank, process in enumerate(self._processes):
             if process.exitcode is not None:
                 self.close(kill=True)
                 raise RankError(f"rank {rank} died with exit code {process.exitcode} "
                                 f"(negative: killed by that signal); the other ranks were stopped", rank=rank)
-        if time.monotonic() > deadline:
-            waiting = [r for r in range(self.world_size) if r not in done]
-            self.close(kill=True)
-            raise RankError(f"ranks {waiting} did not finish within the timeout; a rank is stalled "
-                            f"(a collective its peers never joined?) -- the run was stopped",
-                            rank=waiting[0] if len(waiting) == 1 else None)
 
     def close(self, kill: bool = False) -> None:
         if self.broken:
@@ -216,11 +227,14 @@ class RankPool:
 
 def run(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 300.0, **kwargs) -> list[Any]:
     """Start ``world_size`` ranks, run ``fn(rank, *args, **kwargs)`` on each, stop them.
+    ``timeout_s``: how long a collective may go without progress (see :class:`RankPool`).
 
     Under torchrun this process *is* one rank: ``fn`` runs here and the list
     holds just this rank's result.
     """
+    from .torchrun import init_from_env, under_torchrun
+
     if under_torchrun():
-        return [fn(init_from_env(), *args, **kwargs)]
+        return [fn(init_from_env(timeout_s=timeout_s), *args, **kwargs)]
     with RankPool(world_size, timeout_s=timeout_s) as pool:
         return pool.run(fn, *args, **kwargs)

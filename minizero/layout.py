@@ -4,19 +4,22 @@ A :class:`FlatGroup` lays parameters of one dtype and one optimizer param
 group end to end in one buffer, padded with zeros to a multiple of N.  Rank
 ``r`` *owns* the contiguous slice ``[r*S, (r+1)*S)``, ``S = padded / N``; a
 parameter may straddle two ranks (as in DeepSpeed), which is fine because
-the optimizer never sees parameters -- it sees one flat shard per group.
+an element-wise optimizer's update of a slice does not depend on the rest.
 
 The parameters themselves become views into the buffer (``p.data`` points
 into it), so an all-gather into the buffer updates the model in place, and
 the optimizer's in-place step on the owned shard writes into the same memory.
 
-Padding is zeros with zero gradient: it never changes a norm, and every
-torch optimizer maps a zero parameter with zero gradient and zero state to
-zero (weight decay of 0 is 0), so it stays zero.
+The optimizer does not see the owned slice as one tensor: it sees one
+**piece** per parameter -- the part of that parameter this rank owns, a
+1-D view into the shard.  So a parameter without a gradient is skipped by the
+optimizer exactly as ``torch.optim`` skips a ``None`` gradient (no weight
+decay, no momentum, no step count), and Adam's per-parameter ``step`` is the
+parameter's own -- as in FSDP2, whose optimizer sees per-parameter shards.
+Padding belongs to no piece: it is never stepped and stays zero.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,18 @@ class Segment:
     shape: torch.Size  # kept: a ZeRO-3 parameter is an empty placeholder between uses
 
 
+@dataclass
+class Piece:
+    """The part ``[start, stop)`` (flat, within the parameter) of ``segment`` that this rank owns,
+    as a Parameter viewing the owned shard: what the optimizer steps."""
+
+    segment: Segment
+    start: int
+    stop: int
+    param: nn.Parameter
+    offset: int  # where it starts in the owned shard
+
+
 class FlatGroup:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], rank: int, world_size: int,
                  group_index: int = 0):
@@ -59,8 +74,21 @@ class FlatGroup:
             for view, s in zip(unpack_into, self.segments):
                 view.copy_(s.param)
                 s.param.data = view  # the parameter now lives in the flat buffer
-        # The owned shard as a Parameter: the optimizer's only view of this group.
-        self.shard = nn.Parameter(self.data[rank * self.shard_size:(rank + 1) * self.shard_size])
+        self.shard = self.data[rank * self.shard_size:(rank + 1) * self.shard_size]  # the owned slice
+        self.pieces = self._cut_pieces()
+
+    def _cut_pieces(self) -> list[Piece]:
+        """One Parameter per parameter that overlaps the owned range, viewing ``self.shard``.
+        A zero-size parameter gets an empty piece on the rank whose range holds its offset."""
+        lo, hi = self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+        pieces = []
+        for s in self.segments:
+            a, b = max(s.start, lo), min(s.stop, hi)
+            owner_of_empty = s.start == s.stop and min(s.start // max(self.shard_size, 1), self.world_size - 1) == self.rank
+            if a < b or owner_of_empty:
+                a, b = (a, b) if a < b else (s.start, s.start)
+                pieces.append(Piece(s, a - s.start, b - s.start, nn.Parameter(self.shard[a - lo:b - lo]), a - lo))
+        return pieces
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,24 +146,6 @@ def build_groups(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int,
             for index, piece in plan]
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> torch.optim.Optimizer:
-    """The same optimizer class and hyper-parameters, over the owned shards.
-
-    Works for any torch optimizer whose update is element-wise (SGD, Adam,
-    AdamW, ...): each param group keeps its lr, weight decay, betas."""
-    param_groups = []
-    for index, group in enumerate(optimizer.param_groups):
-        settings = {k: v for k, v in group.items() if k != "params"}
-        shards = [g.shard for g in groups if g.group_index == index]
-        if shards:
-            param_groups.append({"params": shards, **settings})
-    # Each group carries all its settings; the constructor gets only the defaults it accepts
-    # (AdamW's defaults hold keys, like decoupled_weight_decay, that its __init__ does not take).
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(param_groups, **defaults)
-
-
 class ShardedFlatGroup(FlatGroup):
     """ZeRO-3's group: only the owned shard persists.
 
@@ -148,7 +158,8 @@ class ShardedFlatGroup(FlatGroup):
 
     def __init__(self, named_params, rank: int, world_size: int, group_index: int = 0):
         super().__init__(named_params, rank, world_size, group_index)
-        self.shard = nn.Parameter(self.shard.detach().clone())  # its own storage: the only copy kept
+        self.shard = self.shard.detach().clone()  # its own storage: the only copy kept
+        self.pieces = self._cut_pieces()
         self.data = None
         self.reshard()
 
@@ -156,10 +167,10 @@ class ShardedFlatGroup(FlatGroup):
     def gathered(self) -> bool:
         return self.data is not None
 
-    def all_gather_into_new_buffer(self, comm) -> torch.Tensor:
+    def all_gather_into_new_buffer(self, comm, tag=None) -> torch.Tensor:
         """Runs on the communication thread: the full buffer, not yet pointed to."""
         full = torch.empty(self.shard_size * self.world_size, dtype=self.shard.dtype, device=self.shard.device)
-        comm.all_gather(full, self.shard.detach())
+        comm.all_gather(full, self.shard, tag=tag)
         return full
 
     def use(self, full: torch.Tensor) -> None:

@@ -60,9 +60,11 @@ class SyncsEveryMicroBatch(DDP):
     linear and the earlier average is the same on every rank -- but it sends K times the bytes."""
 
     def forward(self, *args, **kwargs):
+        self.forwards += 1
+        self._syncing = True
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
-            self._sync_after_backward(output)
+            self._hook_backward(output, syncing=True)
         return output
 
 
@@ -132,7 +134,8 @@ class AllReduceThenAllGather(ZeRO1):
     """Right values, wrong bytes: all-reduces the whole gradient, then all-gathers -- 3 Psi, not 2 Psi."""
 
     def sync_gradients(self):
-        self._check_all_used()
+        self._refuse_unused_here()
+        self._agree_on_use()
         for buffer in self.grad_buffers:
             self.comm.all_reduce(buffer, ReduceOp.AVG)
 

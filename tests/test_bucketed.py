@@ -1,6 +1,8 @@
 """Stage ``ddp-bucketed``: buckets, views, overlap, accumulation, unused parameters."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -100,9 +102,9 @@ def test_unused_parameter_with_flag_completes_and_stays_put(pools):
     assert torch.equal(results[0]["params"][-1]["unused"], torch.ones(5))
 
 
-@pytest.mark.parametrize("bad", [0, -1.0])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "25"])
 def test_bucket_mb_must_be_positive(bad):
-    with pytest.raises(ValueError, match="bucket_mb must be > 0"):
+    with pytest.raises(ValueError, match="bucket_mb must be a finite number > 0"):
         assign_buckets(list(MLP().named_parameters()), bad)
 
 
@@ -115,22 +117,48 @@ def test_accumulation_communicates_once_per_step(pools, stage, k):
     assert sum(r["sent_bytes"] for r in results) == exp.steps * 2 * (3 - 1) * results[0]["psi"] * 8
 
 
-def _no_sync_on_rank_0_only(me):
+def _no_sync_forgotten(me, check):
+    """K=2, two steps: rank r forgets no_sync() in step r.  Both ranks run three bucket all-reduces, so
+    nothing hangs -- but rank 1's step-0 bucket is paired with rank 0's first micro-batch."""
+    model = MLP((4, 4), seed=0)
+    stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       make_comm("ring", check=check))
+    for step in range(2):
+        stage.zero_grad()
+        for k in range(2):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + k + 100 * me.rank))
+            with stage.no_sync() if k == 0 and step != me.rank else contextlib.nullcontext():
+                stage(x).pow(2).sum().backward()
+        stage.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_no_sync_on_some_ranks_is_caught_at_the_first_bucket(pools):
+    with pytest.raises(RankError) as info:
+        pools.run(2, _no_sync_forgotten, True)
+    message = str(info.value)
+    assert "ranks disagree on the next collective" in message
+    assert "rank 0: #4 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, forward 1, synchronising" in message
+    assert "rank 1: #4 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, forward 2, synchronising" in message
+    assert "no_sync() was entered on some ranks only" in message
+
+
+def test_without_the_check_the_same_mistake_is_a_silent_wrong_answer(pools):
+    """What the check prevents: no error anywhere, and the replicas no longer agree."""
+    rank0, rank1 = pools.run(2, _no_sync_forgotten, False)
+    assert not torch.allclose(rank0, rank1)
+
+
+def _one_extra_synchronisation(me):
     model = MLP((4, 4), seed=0)
     stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"))
-    x, y = torch.randn(2, 4), torch.randn(2, 4)
-    if me.rank == 0:
-        with stage.no_sync():
-            stage(x).sum().backward()
-        return "skipped the synchronisation"
-    stage(x).sum().backward()  # waits for rank 0's bucket, which never comes
+    for k in range(2):
+        with stage.no_sync() if me.rank == 0 and k == 0 else contextlib.nullcontext():
+            stage(torch.randn(2, 4)).sum().backward()
 
 
-def test_no_sync_on_one_rank_only_ends_with_a_clear_error():
-    """Not detectable up front without an extra message per step; the timeout catches it, never a hang."""
-    from minizero.launch import RankPool
-    with RankPool(2, timeout_s=4) as pool:
-        with pytest.raises(RankError) as info:
-            pool.run(_no_sync_on_rank_0_only)
-    assert "rank 1: the all-reduce of bucket 0" in str(info.value)
-    assert "no_sync() on some ranks only" in str(info.value)
+def test_an_unmatched_synchronisation_is_named_not_hung(pools):
+    """Rank 1 synchronises twice, rank 0 once and returns: the launcher names rank 0 within seconds."""
+    with pytest.raises(RankError, match="(?s)Stopped making progress: rank 0 -- it finished its task without "
+                                        "joining this collective.*rank 1: in all_reduce"):
+        pools.run(2, _one_extra_synchronisation)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minizero.comm import Ledger, ReduceOp, chunk_bounds, make_comm, ring_bytes_sent
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64]
 
 
 def contribution(rank: int, numel: int, dtype, seed: int) -> torch.Tensor:
@@ -79,8 +79,8 @@ def test_collectives_match_math_and_ledger(pools, world_size, case):
     kind, numel, dtype, op, backend, seed, src = case
     src = src % world_size
     case = (kind, numel, dtype, op, backend, seed, src)
-    if op is ReduceOp.AVG and dtype in (torch.float16, torch.bfloat16):
-        op = ReduceOp.SUM  # x/3 rounds differently depending on where the division happens
+    if op is ReduceOp.AVG and dtype in (torch.float16, torch.bfloat16, torch.int64):
+        op = ReduceOp.SUM  # x/3 rounds differently depending on where the division happens; ints have no mean
         case = (kind, numel, dtype, op, backend, seed, src)
     results = pools.run(world_size, _collective_on_rank, case)
     full_numel = numel * world_size if kind in ("reduce_scatter", "all_gather") else numel
@@ -149,11 +149,24 @@ def test_reduce_scatter_rejects_unpadded_input(pools):
         pools.run(2, _bad_shard_on_rank)
 
 
-def _int_tensor_on_rank(me):
-    make_comm("ring").all_reduce(torch.ones(3, dtype=torch.int64))
+def _refused_on_rank(me, what):
+    comm = make_comm("ring")
+    try:
+        if what == "complex":
+            comm.all_reduce(torch.ones(3, dtype=torch.complex64))
+        elif what == "int-avg":
+            comm.all_reduce(torch.ones(3, dtype=torch.int64), ReduceOp.AVG)
+        elif what == "strided":
+            comm.broadcast(torch.ones(4, 4).t())
+    except (TypeError, ValueError) as error:
+        return str(error)
 
 
-def test_unsupported_dtype_is_refused(pools):
-    from minizero.launch import RankError
-    with pytest.raises(RankError, match="not supported"):
-        pools.run(2, _int_tensor_on_rank)
+@pytest.mark.parametrize("what, message", [("complex", "rank 0: all_reduce for (untagged): dtype torch.complex64 is not supported"),
+                                           ("int-avg", "AVG of torch.int64 is not defined"),
+                                           ("strided", "must be contiguous")])
+def test_what_a_collective_cannot_take_is_refused_naming_the_rank(pools, what, message):
+    """Checked before the fingerprint exchange and before any byte moves, on every rank alike."""
+    results = pools.run(2, _refused_on_rank, what)
+    assert message.replace("rank 0", "rank 1") in results[1] or message in results[1]
+    assert message in results[0]

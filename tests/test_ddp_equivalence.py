@@ -42,7 +42,8 @@ def test_ddp_dyadic_is_bit_identical(pools, world_size, k, mb, steps, seed, back
 @pytest.mark.parametrize("optimizer", ["momentum", "adamw"])
 def test_edge_parameters(pools, world_size, optimizer):
     """Frozen, requires_grad=False, unused, tied and zero-size parameters, with accumulation."""
-    exp = Experiment(stage="ddp", task="edge", optimizer=optimizer, lr=0.05, steps=3, accum=2, dtype="float64")
+    exp = Experiment(stage="ddp", task="edge", optimizer=optimizer, lr=0.05, steps=3, accum=2, dtype="float64",
+                     options={"find_unused_parameters": True})
     results = run_and_check(pools, exp, world_size)
     last = results[0]["params"][-1]
     assert torch.equal(last["unused"], torch.ones(5)), "a parameter without gradient must not move"

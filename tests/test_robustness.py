@@ -97,7 +97,7 @@ def test_two_synchronising_backwards_before_a_step_accumulate(pools, stage):
 
 
 def test_zero1_refuses_a_second_synchronising_backward(pools):
-    with pytest.raises(RankError, match="second synchronising backward before step"):
+    with pytest.raises(RankError, match="second synchronising backward onto gradients it already reduced"):
         pools.run(2, _two_synchronising_backwards, "zero1")
 
 

@@ -132,5 +132,5 @@ def test_unused_parameter_is_named(pools, stage):
 
 def test_zero2_bucket_mb_must_be_positive(pools):
     from minizero.stages import ZeRO2
-    with pytest.raises(ValueError, match="bucket_mb must be > 0"):
+    with pytest.raises(ValueError, match="bucket_mb must be a finite number > 0"):
         ZeRO2(MLP(), torch.optim.SGD(MLP().parameters(), lr=0.1), None, bucket_mb=0)

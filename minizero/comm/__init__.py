@@ -1,22 +1,27 @@
 """Communication: collectives from send/recv (``ring``) or torch's (``native``)."""
 import torch.distributed as dist
 
-from .base import KINDS, Comm, ReduceOp, Work, chunk_bounds
+from .base import Comm, ReduceOp, chunk_bounds
+from .fingerprint import KINDS, CollectiveMismatch, Tag
 from .ledger import Ledger
+from .thread import Work
 from .native import NativeComm, ring_bytes_sent
 from .ring import RingComm
 
 BACKENDS = {"ring": RingComm, "native": NativeComm}
 
 
-def make_comm(backend: str = "ring", group: dist.ProcessGroup | None = None) -> Comm:
-    """The communication layer for this rank; ``backend`` is ``ring`` or ``native``."""
+def make_comm(backend: str = "ring", group: dist.ProcessGroup | None = None, check: bool = False) -> Comm:
+    """The communication layer for this rank; ``backend`` is ``ring`` or ``native``.
+
+    ``check=True`` fingerprints every collective, so ranks that disagree on what
+    comes next stop with an error naming both calls (see :mod:`.fingerprint`)."""
     try:
         cls = BACKENDS[backend]
     except KeyError:
         raise ValueError(f"unknown comm backend {backend!r}; choose one of {sorted(BACKENDS)}") from None
-    return cls(group)
+    return cls(group, check)
 
 
-__all__ = ["BACKENDS", "KINDS", "Comm", "Ledger", "NativeComm", "ReduceOp", "RingComm", "Work",
+__all__ = ["BACKENDS", "KINDS", "CollectiveMismatch", "Comm", "Ledger", "Tag", "NativeComm", "ReduceOp", "RingComm", "Work",
            "chunk_bounds", "make_comm", "ring_bytes_sent"]

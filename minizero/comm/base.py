@@ -8,26 +8,34 @@ Two implementations exist and are interchangeable per run:
 * :class:`~minizero.comm.native.NativeComm` forwards to torch's built-in
   collectives (gloo on CPU, NCCL on GPU) -- the yardstick.
 
-Two cross-cutting concerns live here, once, so the algorithms stay clean:
+What every collective goes through lives here, once, so the algorithms stay clean:
 
 * **Observers** (the byte ledger, later timers) learn how many bytes each
   collective sent, without a line of accounting code in any stage.
-* **Async collectives** run on one background thread per ``Comm``.  Every
-  rank issues collectives in the same order and the single thread runs them in
-  that order, so messages of two collectives never interleave.  That is the
-  invariant that makes overlap (bucketed DDP, ZeRO prefetch) safe.
+* **Tags and fingerprints.** A caller says what a collective is for
+  (``tag=Tag("bucket 2", ...)``); with ``check=True`` every rank's fingerprint
+  of the call is compared before any data moves (:mod:`.fingerprint`).
+* **The progress board** hears when a collective starts, moves and ends, so a
+  watchdog outside it can tell a stall from slow progress (:mod:`.progress`).
+* **Async collectives** run on one daemon thread per ``Comm`` (:mod:`.thread`),
+  in the order they were issued -- the same order on every rank -- so messages of
+  two collectives never interleave: what makes overlap (bucketed DDP, ZeRO
+  prefetch) safe.
 """
 from __future__ import annotations
 
 import enum
 import functools
+import inspect
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from . import progress
+from .fingerprint import KINDS, Call, Tag, exchange
+from .thread import CommThread, Work
 
 class ReduceOp(enum.Enum):
     SUM = "sum"
@@ -39,10 +47,10 @@ class ReduceOp(enum.Enum):
         return torch.maximum(a, b, out=out) if self is ReduceOp.MAX else torch.add(a, b, out=out)
 
 
-#: Collective kinds, the keys of the byte ledger.
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "root_all_reduce", "exchange")
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Reductions need arithmetic: floating point, or integers for SUM and MAX.  Broadcast and
+#: all-gather only copy, so integer and bool buffers (BatchNorm's counter) travel too.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
+                    torch.uint8, torch.bool)
 
 
 def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -64,52 +72,34 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class Work:
-    """Handle of an asynchronous collective; ``wait()`` re-raises its error."""
-
-    def __init__(self, future: Future):
-        self._future = future
-
-    def wait(self) -> None:
-        self._future.result()
-
-    def result(self):
-        """Wait, and return what the submitted function returned."""
-        return self._future.result()
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-
 def collective(kind: str):
     """Mark a ``Comm`` method as a collective of ``kind``.
 
-    Adds ``async_op=`` (returns a :class:`Work`) and tags the bytes sent while
-    it runs with ``kind``.  A collective built from others (all-reduce =
-    reduce-scatter + all-gather) is booked under the outermost kind.
+    Adds ``async_op=`` (returns a :class:`Work`) and ``tag=`` (a :class:`Tag`:
+    what the collective is for), and runs it through :meth:`Comm._run`:
+    fingerprint check, progress board, bytes booked under ``kind``.  A
+    collective built from others (all-reduce = reduce-scatter + all-gather) is
+    checked and booked once, as the outermost kind.
     """
 
     def decorate(method):
+        signature = inspect.signature(method)
+
         @functools.wraps(method)
-        def wrapper(self: "Comm", *args, async_op: bool = False, **kwargs):
-            if async_op or self._executor is not None and not self._on_comm_thread():
-                work = Work(self._background().submit(self._tagged, kind, method, args, kwargs))
+        def wrapper(self: "Comm", *args, async_op: bool = False, tag: Tag | None = None, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            if async_op or self._thread is not None and not self._on_comm_thread():
+                work = self._background().submit(self._run, kind, method, bound.arguments, tag)
                 if async_op:
                     return work
                 work.wait()
                 return None
-            return self._tagged(kind, method, args, kwargs)
+            return self._run(kind, method, bound.arguments, tag)
 
         return wrapper
 
     return decorate
-
-
-def check_tensor(tensor: torch.Tensor, what: str) -> None:
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
 
 
 class Comm:
@@ -117,19 +107,24 @@ class Comm:
 
     Every collective is in place or writes into a caller-given ``output``,
     like ``torch.distributed``; ``output`` shards are ``1/world_size`` of the
-    full tensor.
+    full tensor.  ``check=True`` compares every rank's fingerprint of each call
+    before it runs (:mod:`.fingerprint`): on by default in the tests and in
+    ``compare``, an option elsewhere (``bench check`` measures its cost).
     """
 
     name = "abstract"
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.check = check
+        self.board = progress.installed()
         self._observers: list[Callable[[str, int], None]] = []
         self._local = threading.local()
-        self._executor: ThreadPoolExecutor | None = None
+        self._thread: CommThread | None = None
         self._lock = threading.Lock()
+        self._calls = 0  # collectives issued on this Comm: the number in every fingerprint
 
     # ----------------------------------------------------------- observers
     def add_observer(self, observer: Callable[[str, int], None]) -> None:
@@ -144,42 +139,85 @@ class Comm:
         for observer in self._observers:
             observer(kind, nbytes)
 
-    def _tagged(self, kind, method, args, kwargs):
-        outer = getattr(self._local, "kind", None)
-        if outer is None:
-            self._local.kind = kind
+    def _at(self, part: str, step: int = -1) -> None:
+        """Tell the board where this collective is (the fingerprint exchange's own steps say so)."""
+        self.board.at("fingerprint exchange" if getattr(self._local, "kind", None) == "check" else part, step)
+
+    # ----------------------------------------------------------- one collective
+    def _run(self, kind: str, method, arguments: dict, tag: Tag | None):
+        """Validate, fingerprint, run and book one collective (on whichever thread runs it)."""
+        if getattr(self._local, "kind", None) is not None:  # part of an outer collective: booked there
+            return method(**arguments)
+        call = self._describe(kind, arguments, tag or Tag())
+        self.board.enter(call)
         try:
-            return method(self, *args, **kwargs)
+            if self.check and self.world_size > 1:
+                self._local.kind = "check"
+                self._at("fingerprint exchange")
+                exchange(self, call, self._first_tensor(arguments).device)
+            self._local.kind = kind
+            return method(**arguments)
         finally:
-            if outer is None:
-                self._local.kind = None
+            self._local.kind = None
+            self.board.leave()
+
+    @staticmethod
+    def _first_tensor(arguments: dict) -> torch.Tensor:
+        return next(arguments[k] for k in ("tensor", "input", "output") if k in arguments)
+
+    def _describe(self, kind: str, arguments: dict, tag: Tag) -> Call:
+        """Check the tensors (naming this rank and the tag) and say what the call is."""
+        self._calls += 1
+        where = f"rank {self.rank}: {kind} for {tag.describe()}"
+        tensors = [arguments[k] for k in ("tensor", "input", "output") if k in arguments]
+        for t in tensors:
+            if t.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{where}: dtype {t.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+            if not t.is_contiguous():
+                raise ValueError(f"{where}: the tensor must be contiguous (call .contiguous() first)")
+        op = arguments.get("op")
+        if op is not None and not (tensors[0].is_floating_point() or op is not ReduceOp.AVG and tensors[0].dtype != torch.bool):
+            raise TypeError(f"{where}: {op.name} of {tensors[0].dtype} is not defined; reduce a floating-point tensor")
+        if "output" in arguments:
+            self._check_shards(arguments["output"], arguments["input"], kind, where)
+        return Call(self._calls, kind, max(t.numel() for t in tensors), tensors[0].dtype,
+                    op.value if op is not None else f"from rank {arguments['src']}" if "src" in arguments else "", tag)
+
+    def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str) -> None:
+        full, shard = (input, output) if kind == "reduce_scatter" else (output, input)
+        if output.dtype != input.dtype:
+            raise TypeError(f"{where}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        if full.numel() != shard.numel() * self.world_size:
+            raise ValueError(
+                f"{where}: the full tensor must hold world_size x shard elements, got {full.numel()} and "
+                f"{shard.numel()} with world_size {self.world_size}; pad the full tensor to a multiple of "
+                f"world_size (see minizero.layout)")
 
     # ---------------------------------------------------------- async thread
-    def _background(self) -> ThreadPoolExecutor:
+    def _background(self) -> CommThread:
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"comm-rank{self.rank}")
-                self._thread_ident = self._executor.submit(threading.get_ident).result()
-            return self._executor
+            if self._thread is None:
+                self._thread = CommThread(f"comm-rank{self.rank}")
+            return self._thread
 
     def _on_comm_thread(self) -> bool:
-        return threading.get_ident() == getattr(self, "_thread_ident", None)
+        return self._thread is not None and threading.get_ident() == self._thread.ident
 
     def submit(self, fn: Callable[[], object]) -> Work:
         """Run ``fn`` on the communication thread, after every collective issued
         before it; collectives it calls run inline.  Bucketed DDP uses this to
         cast, reduce and unpack a bucket while backward goes on computing."""
-        return Work(self._background().submit(fn))
+        return self._background().submit(fn)
 
     def synchronize(self) -> None:
         """Wait until every collective issued so far has finished."""
-        if self._executor is not None:
-            self._executor.submit(lambda: None).result()
+        if self._thread is not None:
+            self._thread.submit(lambda: None).wait()
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
 
     # ----------------------------------------------------------- interface
     def peer(self, group_rank: int) -> int:
@@ -200,16 +238,3 @@ class Comm:
 
     def root_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         raise NotImplementedError
-
-    # ------------------------------------------------------------- helpers
-    def _check_shards(self, output: torch.Tensor, input: torch.Tensor, full: torch.Tensor, shard: torch.Tensor, what: str):
-        check_tensor(output, f"{what} output")
-        check_tensor(input, f"{what} input")
-        if output.dtype != input.dtype:
-            raise TypeError(f"{what}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        if full.numel() != shard.numel() * self.world_size:
-            raise ValueError(
-                f"rank {self.rank}: {what} needs the full tensor to hold world_size x shard elements, "
-                f"got {full.numel()} and {shard.numel()} with world_size {self.world_size}; "
-                f"pad the full tensor to a multiple of world_size (see minizero.flat)"
-            )

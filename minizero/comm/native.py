@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Comm, ReduceOp, check_tensor, chunk_bounds, collective
+from .base import Comm, ReduceOp, chunk_bounds, collective
+from .progress import ANYONE
 
 
 def ring_bytes_sent(kind: str, numel: int, element_size: int, world_size: int, rank: int, src: int = 0) -> int:
@@ -41,6 +42,11 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 class NativeComm(Comm):
     name = "native"
 
+    def _in_torch(self):
+        """Inside torch's collective we cannot see the steps: blocked on every peer until it returns."""
+        self._at("torch collective")
+        return self.board.waiting_for(ANYONE)
+
     def _report_modelled(self, kind: str, tensor: torch.Tensor, src: int = 0) -> None:
         nbytes = ring_bytes_sent(kind, tensor.numel(), tensor.element_size(), self.world_size, self.rank, src)
         if nbytes:
@@ -48,34 +54,35 @@ class NativeComm(Comm):
 
     @collective("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        check_tensor(tensor, "all_reduce")
-        dist.all_reduce(tensor, op=_TORCH_OP[op], group=self.group)
+        with self._in_torch():
+            dist.all_reduce(tensor, op=_TORCH_OP[op], group=self.group)
         self._report_modelled("all_reduce", tensor)
 
     @collective("reduce_scatter")
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        self._check_shards(output, input, input, output, "reduce_scatter")
-        _reduce_scatter_flat(output, input, op=_TORCH_OP[op], group=self.group)
+        with self._in_torch():
+            _reduce_scatter_flat(output, input, op=_TORCH_OP[op], group=self.group)
         self._report_modelled("reduce_scatter", input)
 
     @collective("all_gather")
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._check_shards(output, input, output, input, "all_gather")
-        _all_gather_flat(output, input, group=self.group)
+        with self._in_torch():
+            _all_gather_flat(output, input, group=self.group)
         self._report_modelled("all_gather", output)
 
     @collective("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        check_tensor(tensor, "broadcast")
-        dist.broadcast(tensor, self.peer(src), group=self.group)
+        with self._in_torch():
+            dist.broadcast(tensor, self.peer(src), group=self.group)
         self._report_modelled("broadcast", tensor, src)
 
     @collective("root_all_reduce")
     def root_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        check_tensor(tensor, "root_all_reduce")
-        dist.reduce(tensor, self.peer(0), op=dist.ReduceOp.MAX if op is ReduceOp.MAX else dist.ReduceOp.SUM,
-                    group=self.group)
+        with self._in_torch():
+            dist.reduce(tensor, self.peer(0), op=dist.ReduceOp.MAX if op is ReduceOp.MAX else dist.ReduceOp.SUM,
+                        group=self.group)
         if op is ReduceOp.AVG and self.rank == 0:
             tensor.div_(self.world_size)
-        dist.broadcast(tensor, self.peer(0), group=self.group)
+        with self._in_torch():
+            dist.broadcast(tensor, self.peer(0), group=self.group)
         self._report_modelled("root_all_reduce", tensor)

@@ -23,19 +23,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Comm, ReduceOp, check_tensor, chunk_bounds, collective
+from .base import Comm, ReduceOp, chunk_bounds, collective
+from .progress import ANYONE
 
 
 class RingComm(Comm):
     name = "ring"
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        super().__init__(group)
+    def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False):
+        super().__init__(group, check)
         self._scratch_buffers: dict[tuple, torch.Tensor] = {}
 
     # ---------------------------------------------------------------- p2p
-    def _send_right_recv_left(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        """One ring step: send ``send`` to the right while receiving ``recv`` from the left.
+    def _send_right_recv_left(self, send: torch.Tensor | None, recv: torch.Tensor | None, part: str,
+                              step: int) -> None:
+        """Ring step ``step`` of ``part``: send ``send`` to the right while receiving ``recv`` from the left.
 
         Empty chunks (fewer elements than ranks) are skipped on both ends: the
         chunk a rank sends is the chunk its right neighbour expects, so both
@@ -43,15 +45,17 @@ class RingComm(Comm):
         piece overlaps receiving the next, measured slower on gloo: one large
         message per step is best.)
         """
-        right = self.peer((self.rank + 1) % self.world_size)
-        left = self.peer((self.rank - 1) % self.world_size)
+        right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        self._at(part, step)
         request = None
         if send is not None and send.numel() > 0:
-            request = dist.isend(send, right, group=self.group)
+            request = dist.isend(send, self.peer(right), group=self.group)
         if recv is not None and recv.numel() > 0:
-            dist.recv(recv, left, group=self.group)
+            with self.board.waiting_for(left):
+                dist.recv(recv, self.peer(left), group=self.group)
         if request is not None:
-            request.wait()
+            with self.board.waiting_for(right):
+                request.wait()
             self._report_sent(send.numel() * send.element_size())
 
     def _scratch(self, numel: int, like: torch.Tensor) -> list[torch.Tensor]:
@@ -69,12 +73,14 @@ class RingComm(Comm):
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         if tensor.numel() > 0:
-            dist.send(tensor, self.peer(dst), group=self.group)
+            with self.board.waiting_for(dst):
+                dist.send(tensor, self.peer(dst), group=self.group)
             self._report_sent(tensor.numel() * tensor.element_size())
 
     def _recv(self, tensor: torch.Tensor, src: int) -> None:
         if tensor.numel() > 0:
-            dist.recv(tensor, self.peer(src), group=self.group)
+            with self.board.waiting_for(src):
+                dist.recv(tensor, self.peer(src), group=self.group)
 
     def _chunks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         flat = tensor.view(-1)
@@ -102,7 +108,7 @@ class RingComm(Comm):
             index = (r - step - 2) % n
             # Receive into the buffer that is *not* in flight: two buffers alternate.
             incoming = buffers[step % 2][: chunks[index].numel()]
-            self._send_right_recv_left(send, incoming)
+            self._send_right_recv_left(send, incoming, "reduce-scatter", step)
             if index == r:
                 op.combine(incoming, chunks[index], out=out)
             else:
@@ -113,12 +119,11 @@ class RingComm(Comm):
         Step ``s`` forwards chunk ``r-s`` and receives chunk ``r-s-1``."""
         n, r = self.world_size, self.rank
         for step in range(n - 1):
-            self._send_right_recv_left(chunks[(r - step) % n], chunks[(r - step - 1) % n])
+            self._send_right_recv_left(chunks[(r - step) % n], chunks[(r - step - 1) % n], "all-gather", step)
 
     # -------------------------------------------------------- collectives
     @collective("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        check_tensor(tensor, "all_reduce")
         chunks = self._chunks(tensor)
         mine = chunks[self.rank]
         self._ring_reduce_scatter(chunks, mine, op)
@@ -128,14 +133,12 @@ class RingComm(Comm):
 
     @collective("reduce_scatter")
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        self._check_shards(output, input, input, output, "reduce_scatter")
         self._ring_reduce_scatter(self._chunks(input), output.view(-1), op)
         if op is ReduceOp.AVG:
             output.div_(self.world_size)
 
     @collective("all_gather")
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._check_shards(output, input, output, input, "all_gather")
         chunks = self._chunks(output)
         chunks[self.rank].copy_(input.view(-1))
         self._ring_all_gather(chunks)
@@ -146,7 +149,6 @@ class RingComm(Comm):
         forwarded as soon as they arrive, so the chain costs about one tensor
         transfer, not ``N-1``.  Every rank but the last in the chain sends the
         tensor once."""
-        check_tensor(tensor, "broadcast")
         n = self.world_size
         if n == 1:
             return
@@ -154,13 +156,15 @@ class RingComm(Comm):
         pieces = tensor.view(-1).split(max(1, (1 << 20) // tensor.element_size()))
         requests = []
         right = self.peer((self.rank + 1) % n)
+        self._at("broadcast")
         for piece in pieces:
             if position > 0:
                 self._recv(piece, (self.rank - 1) % n)
             if position < n - 1 and piece.numel() > 0:
                 requests.append((dist.isend(piece, right, group=self.group), piece))
         for request, piece in requests:
-            request.wait()
+            with self.board.waiting_for(ANYONE):  # whoever is downstream in the chain
+                request.wait()
             self._report_sent(piece.numel() * piece.element_size())
 
     @collective("root_all_reduce")
@@ -169,7 +173,7 @@ class RingComm(Comm):
         adds, then sends the result back to everyone.  The root sends
         ``(N-1) * S`` bytes and receives as many: its link is the bottleneck
         and grows with ``N`` -- the parameter-server problem."""
-        check_tensor(tensor, "root_all_reduce")
+        self._at("gather to root")
         if self.rank == 0:
             incoming = torch.empty_like(tensor)
             for src in range(1, self.world_size):
@@ -177,6 +181,7 @@ class RingComm(Comm):
                 op.combine(tensor, incoming, out=tensor)
             if op is ReduceOp.AVG:
                 tensor.div_(self.world_size)
+            self._at("broadcast from root")
             for dst in range(1, self.world_size):
                 self._send(tensor, dst)
         else:

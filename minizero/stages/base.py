@@ -7,13 +7,13 @@ The single-device reference is a stage too, so a learner can diff any two.
 """
 from __future__ import annotations
 
-import hashlib
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from ..comm import Comm
+from ..comm import Comm, ReduceOp, Tag
+from ..comm.fingerprint import digest
 
 
 class Stage:
@@ -48,8 +48,8 @@ class Stage:
     def step(self) -> None:
         self.optimizer.step()
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """Named trainable parameters, tied ones once, in registration order."""
@@ -81,42 +81,109 @@ class Synchronised(Stage):
     ``.grad`` holds its final (accumulated) value -- how torch's DDP reducer
     finalises, too.  Inside ``no_sync()`` nothing is queued: gradients
     accumulate locally and the first backward after it reduces the sums.
+
+    Every collective a stage issues carries a :class:`~minizero.comm.Tag`: what
+    it is for, and where in training -- optimizer steps taken, forward passes
+    since, synchronising or not.  With fingerprint checking on, ranks that
+    disagree (``no_sync()`` on some ranks only) are stopped before they pair
+    the wrong tensors.
     """
 
     _syncing = False  # does the backward of the latest forward synchronise?
     _sync_queued = False
 
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm):
+        super().__init__(module, optimizer, comm)
+        check_wrappable(module, self.rank)
+        self.steps_taken = 0  # optimizer steps so far
+        self.forwards = 0  # forward passes (with autograd) since the last step
+        self._local_grads = False  # a backward ran inside no_sync(), and no synchronising one since
+
+    def tag(self, what: str) -> Tag:
+        return Tag(what, self.steps_taken, self.forwards, int(self._syncing))
+
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # a no_grad forward (a quick eval) has no backward to plan for
+            self.forwards += 1
             self._syncing = self.require_backward_grad_sync  # decided at forward, as torch does
         output = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and self._syncing:
-            self._sync_after_backward(output)
+        if torch.is_grad_enabled():
+            self._hook_backward(output, self._syncing)
         return output
 
-    def _sync_after_backward(self, output) -> None:
-        def queue_sync(grad):
-            if not self._sync_queued:  # two forwards, one backward: synchronise once
+    def _hook_backward(self, output, syncing: bool) -> None:
+        def on_backward(grad):
+            if not syncing:
+                self._local_grads = True
+            elif not self._sync_queued:  # two forwards, one backward: synchronise once
                 self._sync_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._run_sync)
 
         tensors = output if isinstance(output, (tuple, list)) else [output]
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(queue_sync)
+                tensor.register_hook(on_backward)
                 return
 
     def _run_sync(self) -> None:
         self._sync_queued = False
         self.sync_gradients()
+        self._local_grads = False
 
     def sync_gradients(self) -> None:
         raise NotImplementedError
 
+    def step(self) -> None:
+        """Refuse to step on gradients that never left this rank; then the stage's update."""
+        if self._local_grads:
+            self._local_grads = False
+            raise RuntimeError(
+                f"rank {self.rank}: step() after backward passes inside no_sync() only: those gradients were "
+                f"never averaged across ranks, so the replicas would drift apart silently. Run the last "
+                f"micro-batch of each step outside no_sync() (train_step does), or call zero_grad() first.")
+        self._step()
+        self.steps_taken += 1
+        self.forwards = 0
 
-def _digest(text: str) -> float:
-    # 48 bits of a hash: exactly representable in float64, the dtype we gather in.
-    return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big"))
+    def _step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._local_grads = False
+        self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def agree_on_use(comm: Comm, used: list[bool], tag: Tag) -> list[bool]:
+    """Which parameters got a gradient on *any* rank: a bitmap all-reduced (MAX), as torch DDP does with
+    ``find_unused_parameters``.  A parameter used on some ranks only is averaged with zeros from the
+    others -- the gradient single-device training computes; one used nowhere keeps ``.grad = None``."""
+    bitmap = torch.tensor([1.0 if u else 0.0 for u in used])
+    comm.all_reduce(bitmap, ReduceOp.MAX, tag=tag)
+    return [bool(u) for u in bitmap.tolist()]
+
+
+def unused_error(rank: int, names: list[str], why: str) -> RuntimeError:
+    return RuntimeError(
+        f"rank {rank}: parameter(s) {names} got no gradient in this backward; {why}. If parameters may go unused "
+        f"(on some ranks or in some steps), wrap with find_unused_parameters=True: ranks then agree every step on "
+        f"which parameters got a gradient anywhere. If they are never trained, freeze them with requires_grad_(False).")
+
+
+def check_wrappable(module: nn.Module, rank: int) -> None:
+    """What no stage can work with, refused at wrap time naming the tensor and the fix."""
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if tensor.is_meta:
+            raise ValueError(
+                f"rank {rank}: {name!r} is on the meta device (a shape without storage), so there is nothing to "
+                f"broadcast or shard. Materialise the model first (model.to_empty(device=...) and initialise it).")
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            raise ValueError(
+                f"rank {rank}: module {name!r} produces sparse gradients (sparse=True); minizero's buffers hold "
+                f"dense gradients. Construct it with sparse=False.")
 
 
 def check_same_model(module: nn.Module, comm: Comm) -> None:
@@ -132,17 +199,17 @@ def check_same_model(module: nn.Module, comm: Comm) -> None:
     signature = [f"param {n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}" for n, p in module.named_parameters()]
     signature += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
     n = comm.world_size
-    mine = torch.tensor([len(signature), _digest("\n".join(signature))], dtype=torch.float64)
+    mine = torch.tensor([len(signature), digest("\n".join(signature))], dtype=torch.float64)
     everyone = torch.empty(2 * n, dtype=torch.float64)
-    comm.all_gather(everyone, mine)
+    comm.all_gather(everyone, mine, tag=Tag("model signature"))
     everyone = everyone.view(n, 2)
     if bool((everyone == everyone[0]).all()):
         return
     longest = int(everyone[:, 0].max())
     per_tensor = torch.full((longest,), -1.0, dtype=torch.float64)
-    per_tensor[: len(signature)] = torch.tensor([_digest(s) for s in signature], dtype=torch.float64)
+    per_tensor[: len(signature)] = torch.tensor([digest(s) for s in signature], dtype=torch.float64)
     table = torch.empty(n * longest, dtype=torch.float64)
-    comm.all_gather(table, per_tensor)
+    comm.all_gather(table, per_tensor, tag=Tag("model signature, tensor by tensor"))
     table = table.view(n, longest)
     first = int((table != table[0]).any(dim=0).nonzero()[0])
     differing = [r for r in range(n) if table[r, first] != table[comm.rank, first]]
@@ -155,7 +222,11 @@ def check_same_model(module: nn.Module, comm: Comm) -> None:
 
 
 def broadcast_module(module: nn.Module, comm: Comm, src: int = 0) -> None:
-    """Make every replica start from rank ``src``'s parameters and buffers (as torch DDP does)."""
+    """Make every replica start from rank ``src``'s parameters and buffers (as torch DDP does) --
+    integer buffers (BatchNorm's counter) and non-contiguous tensors included."""
     with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            comm.broadcast(tensor.data, src)
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            flat = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
+            comm.broadcast(flat, src, tag=Tag(f"broadcast {name}"))
+            if flat is not tensor.data:
+                tensor.data.copy_(flat)

@@ -24,10 +24,11 @@ rank keeps ``.grad = None`` (the optimizer skips it, as single-device training
 would).  Without it, the run stops naming the parameter -- a bucket that
 never completes would otherwise hang the other ranks.
 
-``no_sync()`` must be entered on every rank alike (as in torch).  A rank
-that skips a synchronisation leaves its peers waiting in a bucket's
-all-reduce; the process group's timeout ends that wait, and the error says
-what most likely happened instead of just "timeout".
+``no_sync()`` must be entered on every rank alike (as in torch).  With
+fingerprint checking on (``make_comm(check=True)``), a rank that synchronises
+a micro-batch the others accumulate is stopped at its first bucket, the error
+naming both ranks' calls; without it, the run stalls and the launcher names
+the rank that did not come.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ import torch
 from torch import nn
 
 from ..buckets import Bucket, ReadyOrder, assign_buckets
-from ..comm import Comm, ReduceOp
+from ..comm import Comm
 from ..flat import keep_grad_in
+from .base import agree_on_use, unused_error
 from .ddp import DDP
 
 
@@ -45,8 +47,7 @@ class BucketedDDP(DDP):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, bucket_mb: float = 25.0,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
-        super().__init__(module, optimizer, comm, compress, error_feedback)
-        self.find_unused_parameters = find_unused_parameters
+        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters)
         self.buckets: list[Bucket] = assign_buckets(self.trainable(), bucket_mb)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._ready = ReadyOrder([b.params for b in self.buckets], self._launch)
@@ -66,8 +67,8 @@ class BucketedDDP(DDP):
 
     def _launch(self, index: int) -> None:
         """Start bucket ``index``'s all-reduce on the communication thread; backward goes on."""
-        bucket = self.buckets[index]
-        bucket.work = self.comm.submit(lambda: self.averager(bucket.buffer, bucket.index, bucket.names))
+        bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
+        bucket.work = self.comm.submit(lambda: self.averager(bucket.buffer, bucket.index, bucket.names, tag))
 
     def sync_gradients(self) -> None:
         """Runs when backward has finished: complete what is missing, wait for every bucket.
@@ -75,25 +76,15 @@ class BucketedDDP(DDP):
         try:
             missing = self._ready.missing()
             if missing and not self.find_unused_parameters:
-                names = [self.buckets[b].names[i] for b, i in missing]
-                raise RuntimeError(
-                    f"rank {self.rank}: parameter(s) {names} got no gradient in this backward, so their bucket "
-                    f"can never be reduced. If parameters may go unused, wrap with find_unused_parameters=True; "
-                    f"if they are never trained, freeze them with requires_grad_(False).")
+                raise unused_error(self.rank, [self.buckets[b].names[i] for b, i in missing],
+                                   "their bucket can never be reduced")
             for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
                 keep_grad_in(self.buckets[b].params[i], self.buckets[b].views[i])
             self._ready.complete_all()  # unused slots hold zeros (or earlier micro-batches' sums): still correct
             if self.find_unused_parameters:
                 self._find_unused_everywhere()
             for bucket in self.buckets:
-                try:
-                    bucket.work.wait()
-                except RuntimeError as error:  # gloo/NCCL timeout, or a peer that went away
-                    raise RuntimeError(
-                        f"rank {self.rank}: the all-reduce of bucket {bucket.index} ({bucket.names[0]}, ...) failed: "
-                        f"a peer did not join it. Another rank may have skipped this synchronisation -- entered "
-                        f"no_sync() on some ranks only, or run a different number of backward passes -- or stalled. "
-                        f"Cause: {error}") from error
+                bucket.work.wait()
         finally:
             for bucket in self.buckets:  # after an error: drain what still runs, so the next step starts clean
                 if bucket.work is not None:
@@ -106,18 +97,18 @@ class BucketedDDP(DDP):
             self._used.clear()
 
     def _find_unused_everywhere(self) -> None:
+        """After every bucket was launched -- the bitmap queues behind them on every rank alike."""
         params = [p for b in self.buckets for p in b.params]
-        used = torch.tensor([1.0 if id(p) in self._used else 0.0 for p in params])
-        self.comm.all_reduce(used, ReduceOp.SUM)  # queued behind the buckets, on the comm thread
-        self._unused_everywhere = [p for p, u in zip(params, used.tolist()) if u == 0]
+        used = agree_on_use(self.comm, [id(p) in self._used for p in params], self.tag("used-parameter bitmap"))
+        self._unused_everywhere = [p for p, anywhere in zip(params, used) if not anywhere]
 
     # ------------------------------------------------------------- optimizer
-    def step(self) -> None:
+    def _step(self) -> None:
         for p in self._unused_everywhere:
             p.grad = None  # as on a single device: no gradient, no update (no weight decay, no momentum)
         self.optimizer.step()
 
-    def zero_grad(self) -> None:
+    def _zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the buckets and point every ``.grad`` back into them."""
         for bucket in self.buckets:
             bucket.buffer.zero_()

@@ -18,6 +18,14 @@ and as single-device training, which the property suite proves.  (An
 all-reduce followed by an all-gather, seen in public code, costs 3Psi.)
 
 Memory per rank (fp32 Adam): parameters 4Psi + gradients 4Psi + states 8Psi/N.
+
+Optimizer semantics are torch's (see :mod:`minizero.sharded_optimizer`): the
+optimizer steps one piece per owned parameter, so a parameter without a
+gradient anywhere is not stepped.  A parameter without a gradient on this rank
+is refused, named -- or, with ``find_unused_parameters=True``, the ranks agree
+on a bitmap first, as in DDP.  Your optimizer's ``zero_grad()`` is routed to
+the stage's, so whichever you call clears what the stage reduces; ``step()``
+without a backward moves nothing.
 """
 from __future__ import annotations
 
@@ -29,30 +37,20 @@ from torch import nn
 from ..comm import Comm, ReduceOp
 from ..compress import GradientAverager
 from ..flat import keep_grad_in
-from ..layout import FlatGroup, build_groups, shard_optimizer
-from .base import Synchronised, broadcast_module, check_same_model
-
-#: Optimizers whose update is element-wise, so a flat shard is as good as the parameters.
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
-               torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop)
-
-
-def check_shardable(optimizer: torch.optim.Optimizer, rank: int) -> None:
-    if type(optimizer) not in ELEMENTWISE:
-        raise TypeError(
-            f"rank {rank}: {type(optimizer).__name__} cannot run on flat shards. ZeRO hands the optimizer one "
-            f"flat 1-D slice per group, which is only the same update for element-wise optimizers; one that "
-            f"needs each parameter's shape (Adafactor, Shampoo, Muon) or a closure (LBFGS) would compute "
-            f"something else. Use one of: {', '.join(c.__name__ for c in ELEMENTWISE)}.")
+from ..layout import FlatGroup, build_groups
+from ..sharded_optimizer import attach_gradients, check_shardable, full_state_dict, shard_optimizer
+from .base import Synchronised, agree_on_use, broadcast_module, check_same_model, unused_error
 
 
 class ZeRO1(Synchronised):
     name = "zero1"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
-                 compress: str | None = None, error_feedback: bool = False):
+                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
         super().__init__(module, optimizer, comm)
         check_shardable(optimizer, self.rank)
+        check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
+        self.find_unused_parameters = find_unused_parameters
         self.averager = GradientAverager(comm, compress, error_feedback)
         for name, p in self.trainable():
             self.averager.check_gradient_dtype(name, p.dtype)
@@ -62,15 +60,19 @@ class ZeRO1(Synchronised):
         self.groups: list[FlatGroup] = self._build_groups(optimizer)
         self.optimizer = shard_optimizer(optimizer, self.groups)
         self.user_optimizer = optimizer
-        with_shards = [g for i, g in enumerate(optimizer.param_groups) if any(f.group_index == i for f in self.groups)]
-        self._group_pairs = list(zip(with_shards, self.optimizer.param_groups))
+        self._group_pairs = list(zip(optimizer.param_groups, self.optimizer.param_groups))
         self._last_seen = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
-        self._used: set[int] = set()
+        self._used: set[int] = set()  # parameters that got a gradient here in this backward
+        self._has_grad: set[int] = set()  # parameters with a gradient anywhere since the last zero_grad()
         self._slot = {id(s.param): (g, s) for g, group in enumerate(self.groups) for s in group.segments}
         self._init_gradients()
         for group in self.groups:
             for s in group.segments:
                 s.param.register_post_accumulate_grad_hook(self._on_gradient_ready)
+        # Whichever zero_grad() the user calls -- this stage's, their optimizer's, the sharded one's --
+        # clears what the stage will reduce.  (The stage's never calls theirs: no recursion.)
+        optimizer.zero_grad = self.zero_grad
+        self.optimizer.zero_grad = self.zero_grad
 
     def _follow_user_optimizer(self) -> None:
         """A learning-rate scheduler (or anything else) may change the user's optimizer's
@@ -90,8 +92,9 @@ class ZeRO1(Synchronised):
         self.grad_buffers = [torch.zeros_like(g.data) for g in self.groups]
         self.zero_grad()
 
-    def zero_grad(self) -> None:
+    def _zero_grad(self, set_to_none: bool = True) -> None:
         self._synced = False  # a new accumulation window
+        self._has_grad.clear()
         for group, buffer in zip(self.groups, self.grad_buffers):
             buffer.zero_()
             for s in group.segments:
@@ -106,42 +109,59 @@ class ZeRO1(Synchronised):
         g, s = self._slot[id(param)]
         keep_grad_in(param, self.grad_buffers[g][s.start:s.stop].view(s.shape))
 
-    def _check_all_used(self) -> None:
-        """A flat shard cannot skip one parameter the way torch.optim skips a None gradient."""
-        unused = [s.name for g in self.groups for s in g.segments if id(s.param) not in self._used]
+    # ------------------------------------------------------------ which parameters have a gradient
+    def _checked_groups(self) -> list[FlatGroup]:
+        """The groups whose parameters must each have a gradient (ZeRO-3 leaves out units nobody called)."""
+        return self.groups
+
+    def _refuse_unused_here(self) -> None:
+        """Without find_unused_parameters, every parameter must have a gradient on every rank (no communication)."""
+        if not self.find_unused_parameters:
+            missing = [s.name for g in self._checked_groups() for s in g.segments if id(s.param) not in self._used]
+            if missing:
+                self._used.clear()
+                raise unused_error(self.rank, missing, "ZeRO steps the parameters that have one on every rank")
+
+    def _agree_on_use(self) -> None:
+        """Which parameters now have a gradient anywhere -- after every collective of this backward was
+        issued, so the bitmap queues behind them in the same place on every rank."""
+        params = [s.param for g in self._checked_groups() for s in g.segments]
+        used = [id(p) in self._used for p in params]
         self._used.clear()
-        if unused:
-            raise RuntimeError(
-                f"rank {self.rank}: parameter(s) {unused} got no gradient. ZeRO updates flat shards, where "
-                f"a parameter without gradient would still be decayed and moved by the optimizer's state, "
-                f"unlike on a single device; freeze it with requires_grad_(False) or leave it out of the optimizer.")
+        if self.find_unused_parameters:
+            used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
+        self._has_grad.update(id(p) for p, anywhere in zip(params, used) if anywhere)
 
     def sync_gradients(self) -> None:
         """Backward has finished: reduce-scatter each group's gradients into the owned slice, in place."""
         self._check_second_sync()
         self._synced = True
-        self._check_all_used()
+        self._refuse_unused_here()
+        self._agree_on_use()
         for index, (group, buffer) in enumerate(zip(self.groups, self.grad_buffers)):
-            self.averager.reduce_scatter(buffer, group.shard_of(buffer), index, [s.name for s in group.segments])
+            self.averager.reduce_scatter(buffer, group.shard_of(buffer), index, [s.name for s in group.segments],
+                                         tag=self.tag(f"group {index} gradients"))
 
     def _check_second_sync(self) -> None:
         """The owned slice now holds an average and the rest local sums: one buffer cannot take a
         second reduce-scatter.  Refuse rather than compute something else."""
-        if getattr(self, "_synced", False):
+        if self._synced:
             self._synced = False
             raise RuntimeError(
-                f"rank {self.rank}: zero1 got a second synchronising backward before step(). Run all but the "
-                f"last micro-batch inside no_sync() (train_step does), or use zero2/zero3, which accumulate it.")
+                f"rank {self.rank}: zero1 got a second synchronising backward onto gradients it already reduced, "
+                f"with no zero_grad() in between (before or after step()). Call zero_grad() -- the stage's or your "
+                f"optimizer's -- before each step's first backward, run all but the last micro-batch inside "
+                f"no_sync() (train_step does), or use zero2/zero3, which add it up.")
 
     # ------------------------------------------------------------ optimizer
-    def step(self) -> None:
-        self._synced = False
+    def _step(self) -> None:
         self._follow_user_optimizer()
-        for group, shard in zip(self.groups, self.grad_shards()):
-            group.shard.grad = shard
-        self.optimizer.step()
-        for group in self.groups:  # everyone gets everyone's updated slice; parameters are views of group.data
-            self.comm.all_gather(group.data, group.shard.detach().clone())
+        attach_gradients(self.groups, self.grad_shards(), self._has_grad)
+        self.optimizer.step()  # pieces without a gradient are skipped, as torch.optim skips None
+        for g, group in enumerate(self.groups):  # everyone gets everyone's updated slice
+            if any(id(s.param) in self._has_grad for s in group.segments):
+                self.comm.all_gather(group.data, group.shard.detach().clone(),
+                                     tag=self.tag(f"group {g} parameters after step"))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global-norm clipping with sharded gradients: each rank holds 1/N of the averaged gradient,
@@ -149,13 +169,14 @@ class ZeRO1(Synchronised):
         scales its slice -- torch.nn.utils.clip_grad_norm_'s result without ever holding all of it."""
         shards = self.grad_shards()
         dtype = shards[0].dtype if shards else torch.float32
+        tag = self.tag("clip norm")
         if math.isinf(norm_type):
             local = torch.stack([s.abs().max() if s.numel() else torch.zeros((), dtype=dtype) for s in shards]).max()
             total = local.reshape(1).clone()
-            self.comm.all_reduce(total, ReduceOp.MAX)
+            self.comm.all_reduce(total, ReduceOp.MAX, tag=tag)
         else:
             total = sum((s.abs().pow(norm_type).sum() for s in shards), torch.zeros((), dtype=dtype)).reshape(1)
-            self.comm.all_reduce(total, ReduceOp.SUM)
+            self.comm.all_reduce(total, ReduceOp.SUM, tag=tag)
             total = total.pow(1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for shard in shards:
@@ -165,41 +186,29 @@ class ZeRO1(Synchronised):
     # ------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()
-        # Storage is what counts: ZeRO-1's shard views count their whole buffers, ZeRO-2's shards themselves.
-        held["grads"] = self.grad_shards()
+        # Storage is what counts: ZeRO-1's shard views count their whole buffers, ZeRO-2's shards
+        # themselves -- and any full gradient still alive on a parameter counts too.
+        held["grads"] = self.grad_shards() + [p.grad for _, p in self.trainable() if p.grad is not None]
         return held
 
     # ------------------------------------------------------------ state dicts
     def full_optimizer_state_dict(self) -> dict:
-        """The state_dict a plain torch optimizer over the unwrapped model would have.
-
-        Each state tensor's shards are all-gathered, the padding dropped, and
-        the flat result cut back into per-parameter tensors; every rank gets
-        it, so it loads into ``type(optimizer)(model.parameters(), ...)``.
-        """
-        order = [p for group in self._user_param_groups for p in group["params"]]
-        index = {id(p): i for i, p in enumerate(order)}
-        state: dict[int, dict] = {}
-        for group in self.groups:
-            shard_state = self.optimizer.state.get(group.shard, {})
-            per_param: list[dict] = [{} for _ in group.segments]
-            for key in sorted(shard_state):
-                value = shard_state[key]
-                if torch.is_tensor(value) and value.shape == group.shard.shape:
-                    full = value.new_empty(group.shard_size * group.world_size)
-                    self.comm.all_gather(full, value.detach().contiguous())
-                    for entry, tensor in zip(per_param, group.unpack_full(full)):
-                        entry[key] = tensor
-                else:  # a scalar such as Adam's step: the same for every parameter of the group
-                    for entry in per_param:
-                        entry[key] = value.clone() if torch.is_tensor(value) else value
-            for s, entry in zip(group.segments, per_param):
-                if entry:
-                    state[index[id(s.param)]] = entry
-        param_groups = [{**{k: v for k, v in group.items() if k != "params"},
-                         "params": [index[id(p)] for p in group["params"]]} for group in self._user_param_groups]
-        return {"state": state, "param_groups": param_groups}
+        """The state_dict a plain torch optimizer over the unwrapped model would have; every rank
+        gets it, so it loads into ``type(optimizer)(model.parameters(), ...)``."""
+        return full_state_dict(self.optimizer, self._user_param_groups, self.groups, self.comm)
 
     def shard_optimizer_state_dict(self) -> dict:
-        """This rank's shards only: what a sharded checkpoint stores per rank."""
+        """This rank's pieces only: what a sharded checkpoint stores per rank."""
         return self.optimizer.state_dict()
+
+
+def check_optimizer_owns_only_model_parameters(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int) -> None:
+    """A parameter the optimizer holds but the model does not gets no gradient and no name: refuse it here."""
+    in_model = {id(p) for p in module.parameters()}
+    foreign = [(gi, tuple(p.shape)) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]
+               if id(p) not in in_model]
+    if foreign:
+        raise ValueError(
+            f"rank {rank}: the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model "
+            f"(param group, shape: {foreign[:3]}); ZeRO shards the model's parameters. Build the optimizer "
+            f"over model.parameters() -- after any change to the model.")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..buckets import MiB, ReadyOrder
+from ..buckets import MiB, ReadyOrder, check_bucket_mb
 from ..layout import FlatGroup, build_groups
 from .zero1 import ZeRO1
 
@@ -33,14 +33,13 @@ class ZeRO2(ZeRO1):
     name = "zero2"
 
     def __init__(self, module, optimizer, comm, bucket_mb: float = 25.0, compress: str | None = None,
-                 error_feedback: bool = False):
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+                 error_feedback: bool = False, find_unused_parameters: bool = False):
+        check_bucket_mb(bucket_mb)
         self.bucket_mb = bucket_mb
-        super().__init__(module, optimizer, comm, compress, error_feedback)
+        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters)
 
     def _build_groups(self, optimizer) -> list[FlatGroup]:
-        element_size = next(p.element_size() for g in optimizer.param_groups for p in g["params"])
+        element_size = next((p.element_size() for g in optimizer.param_groups for p in g["params"]), 4)
         return build_groups(optimizer, self.module, self.rank, self.world_size,
                             max_numel=max(1, int(self.bucket_mb * MiB // element_size)))
 
@@ -51,7 +50,9 @@ class ZeRO2(ZeRO1):
         self._works: dict[int, object] = {}
         self.zero_grad()
 
-    def zero_grad(self) -> None:
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradient shards: the gradients this stage will step with, whoever calls it."""
+        self._has_grad.clear()
         for shard in self.shards:
             shard.zero_()
         for group in self.groups:
@@ -66,27 +67,31 @@ class ZeRO2(ZeRO1):
         if self._syncing:
             self._ready.mark(param)
 
+    def _group_label(self, index: int) -> str:
+        return f"bucket {index}"
+
     def _launch(self, index: int) -> None:
         """A bucket is complete: pack its gradients, free them, reduce-scatter on the comm thread."""
         group = self.groups[index]
         full = group.pack_grads()  # a transient flat copy, freed once the reduce-scatter is done
         for s in group.segments:
             s.param.grad = None  # the point of ZeRO-2: no full gradient outlives its bucket
-        names = [s.name for s in group.segments]
+        names, tag = [s.name for s in group.segments], self.tag(self._group_label(index))
 
         def reduce_scatter():
-            # Into a fresh shard, then added: a second synchronising backward before step()
-            # (accumulation without no_sync) adds its average to the first's, as torch DDP and FSDP2 do.
+            # Into a fresh shard, then added: gradients accumulate in the shard until zero_grad(), across
+            # synchronising backwards and steps alike -- as .grad does in torch.
             averaged = torch.empty_like(self.shards[index])
-            self.averager.reduce_scatter(full, averaged, index, names)
+            self.averager.reduce_scatter(full, averaged, index, names, tag)
             self.shards[index].add_(averaged)
 
         self._works[index] = self.comm.submit(reduce_scatter)
 
     def sync_gradients(self) -> None:
         try:
-            self._check_all_used()
+            self._refuse_unused_here()
             self._ready.complete_all()  # buckets whose gradients came only from earlier micro-batches
+            self._agree_on_use()
             for index in sorted(self._works):
                 self._works.pop(index).wait()
         finally:  # after an error too: nothing left running, nothing left marked

@@ -24,10 +24,10 @@ trade-off ZeRO-2 makes (FSDP2 exposes the same choice).  Memory: (4 + 4 + 8)Psi/
 set: the root, the unit computing and ``prefetch`` units whose all-gather
 already runs on the communication thread, overlapping the computation.
 
-Every all-gather is preceded by a one-number header saying which unit it is
-for: if ranks disagree -- a module called a different number of times on
-different ranks -- they stop with an error naming the units, instead of
-pairing one unit's bytes with another's or hanging.
+Every all-gather is tagged with its unit ("unit 2 (blocks.1) forward
+all-gather"): with fingerprint checking on, ranks that disagree -- a module
+called a different number of times on different ranks -- stop with an error
+naming the units, instead of pairing one unit's bytes with another's.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..layout import ShardedFlatGroup
+from ..sharded_optimizer import attach_gradients
 from ..units import plan_unit_groups, resolve_units
 from .zero2 import ZeRO2
 
@@ -44,11 +45,16 @@ class ZeRO3(ZeRO2):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm, units=None,
                  reshard_after_forward: bool = True, prefetch: int = 1, compress: str | None = None,
-                 error_feedback: bool = False):
+                 error_feedback: bool = False, find_unused_parameters: bool = False):
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
         self.unit_modules = resolve_units(module, units)
+        names = {id(m): n for n, m in module.named_modules()}
+        self.unit_names = ["root"] + [names[id(u)] for u in self.unit_modules]
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
-        super().__init__(module, optimizer, comm, compress=compress, error_feedback=error_feedback)
+        super().__init__(module, optimizer, comm, compress=compress, error_feedback=error_feedback,
+                         find_unused_parameters=find_unused_parameters)
         self._pending: dict[int, object] = {}  # unit -> running all-gather
         self._order: list[int] = []  # units in the order the last forward called them
         self._skipped: set[int] = set()  # groups with no gradient anywhere this step
@@ -66,29 +72,25 @@ class ZeRO3(ZeRO2):
         return groups
 
     # ------------------------------------------------------------ gathering
-    def _start_gather(self, unit: int) -> None:
+    def _unit_label(self, unit: int) -> str:
+        return f"unit {unit} ({self.unit_names[unit]})"
+
+    def _start_gather(self, unit: int, why: str) -> None:
         if unit in self._pending or all(self.groups[g].gathered for g in self.unit_groups[unit]):
             return
         groups = [self.groups[g] for g in self.unit_groups[unit]]
+        tag = self.tag(f"{self._unit_label(unit)} {why} all-gather")
 
         def gather():
-            header = torch.tensor([float(unit)], dtype=torch.float64)
-            everyone = torch.empty(self.world_size, dtype=torch.float64)
-            self.comm.all_gather(everyone, header)
-            if bool((everyone != unit).any()):
-                raise RuntimeError(
-                    f"rank {self.rank}: ranks disagree on which unit to gather next (unit per rank: "
-                    f"{[int(u) for u in everyone.tolist()]}). A module was called a different number of times "
-                    f"on different ranks, or in a different order; ZeRO-3 needs the same sequence everywhere.")
-            return [g.all_gather_into_new_buffer(self.comm) for g in groups]
+            return [g.all_gather_into_new_buffer(self.comm, tag) for g in groups]
 
         self._pending[unit] = self.comm.submit(gather)
         # Counted from now: a prefetched buffer takes memory while its all-gather is still running.
         self.gathered_bytes += sum(g.shard_size * g.world_size * g.shard.element_size() for g in groups)
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
 
-    def _ensure_gathered(self, unit: int) -> None:
-        self._start_gather(unit)
+    def _ensure_gathered(self, unit: int, why: str) -> None:
+        self._start_gather(unit, why)
         if unit in self._pending:
             for g, full in zip(self.unit_groups[unit], self._pending.pop(unit).result()):
                 self.groups[g].use(full)
@@ -114,7 +116,7 @@ class ZeRO3(ZeRO2):
             at = order.index(unit)
             for k in range(1, self.prefetch + 1):
                 if 0 <= at + step * k < len(order):
-                    self._start_gather(order[at + step * k])
+                    self._start_gather(order[at + step * k], "forward" if step > 0 else "backward")
 
     # ------------------------------------------------------------ forward and backward hooks
     def _before_forward(self, unit: int) -> None:
@@ -122,7 +124,7 @@ class ZeRO3(ZeRO2):
             self._recording, self._skipped = [], set()
         if unit not in self._recording:
             self._recording.append(unit)
-        self._ensure_gathered(unit)
+        self._ensure_gathered(unit, "forward")
         self._prefetch_after(unit, +1)
 
     def _after_forward(self, unit: int, output) -> None:
@@ -140,8 +142,12 @@ class ZeRO3(ZeRO2):
                 self._reshard_group(g)
 
     def _before_backward(self, unit: int) -> None:
-        self._ensure_gathered(unit)
+        self._ensure_gathered(unit, "backward")
         self._prefetch_after(unit, -1)
+
+    def _group_label(self, index: int) -> str:
+        unit = next(u for u, groups in enumerate(self.unit_groups) if index in groups)
+        return f"{self._unit_label(unit)} gradients (group {index})"
 
     def _launch(self, index: int) -> None:
         if index not in self._skipped:
@@ -149,19 +155,22 @@ class ZeRO3(ZeRO2):
         self._reshard_group(index)
 
     def sync_gradients(self) -> None:
-        """A unit no rank called this step has no gradient anywhere: skip it, as torch.optim skips a None grad.
-        (The gather headers guarantee every rank called the same units.)"""
-        self._skipped = {g for g, group in enumerate(self.groups)
-                         if not any(id(s.param) in self._used for s in group.segments)}
-        self._used.update(id(s.param) for g in self._skipped for s in self.groups[g].segments)
+        """A group no parameter of which got a gradient here -- a unit not called this step -- is skipped:
+        not reduced, not stepped.  Every rank called the same units (ZeRO-3 gathers each as it is called;
+        the fingerprint check names a rank that did otherwise), so every rank skips the same groups.
+        With find_unused_parameters nothing is skipped: the bitmap says what has a gradient anywhere."""
+        self._skipped = set() if self.find_unused_parameters else {
+            g for g, group in enumerate(self.groups) if not any(id(s.param) in self._used for s in group.segments)}
         super().sync_gradients()
 
+    def _checked_groups(self):
+        return [group for g, group in enumerate(self.groups) if g not in self._skipped]
+
     # ------------------------------------------------------------ optimizer
-    def step(self) -> None:
-        for g, (group, shard) in enumerate(zip(self.groups, self.grad_shards())):
-            group.shard.grad = None if g in self._skipped else shard
+    def _step(self) -> None:
         self._drop_prefetches()
         self._follow_user_optimizer()
+        attach_gradients(self.groups, self.grad_shards(), self._has_grad)
         self.optimizer.step()  # no all-gather: the next forward gathers what it needs
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -174,7 +183,7 @@ class ZeRO3(ZeRO2):
         Loads into the plain model with ``load_state_dict``."""
         peak = self.gathered_peak_bytes  # an inspection, not part of a training step's working set
         for unit in range(len(self.unit_groups)):
-            self._ensure_gathered(unit)
+            self._ensure_gathered(unit, "state_dict")
         state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         for g in range(len(self.groups)):
             self._reshard_group(g)

@@ -1,0 +1,127 @@
+"""The progress board: where each rank says which collective it is in, and whom it waits for.
+
+A hang has two sides: the rank that waits and the rank that does not come.
+Only the first is visible from inside a collective, and a timeout that fires
+there blames the messenger.  So every rank keeps one row on a board that
+someone *outside* the collective reads -- the local launcher's parent process
+(shared memory), or under torchrun each rank's watchdog thread (the rows are
+published to the rendezvous store, see :mod:`minizero.torchrun`):
+
+* which collective (its number, kind, size and the stage's tag) it is in, or
+  that it is in none and since when;
+* which part of it (fingerprint exchange, reduce-scatter step 2, ...);
+* whether it is blocked waiting for a peer, and which one;
+* when it last made progress (a message arrived or left).
+
+A stall is a collective with no progress for ``timeout_s`` -- measured from
+the last progress, never from the start of the run, so a long healthy run is
+never stopped.  :mod:`minizero.comm.stall` reads the board and names the rank
+that stopped.
+
+The board is the launcher's, one per process, like torch.distributed's default
+process group: :func:`install` puts it up, every :class:`~minizero.comm.Comm`
+created afterwards writes to it.  Without a launcher the board is a no-op.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from contextlib import contextmanager
+
+IDLE, IN_COLLECTIVE = 0.0, 1.0
+NOBODY, ANYONE = -2.0, -1.0  # values of waiting_on besides a rank number
+FIELDS = ("state", "seq", "kind", "numel", "part", "step", "waiting_on", "entered", "progress", "left",
+          "tag_step", "tag_forward", "tag_syncing", "collectives")
+TEXT = 120
+PARTS = ("fingerprint exchange", "reduce-scatter", "all-gather", "broadcast", "gather to root",
+         "broadcast from root", "torch collective", "")
+_F = {name: i for i, name in enumerate(FIELDS)}
+
+
+class ProgressBoard:
+    """One rank's row: ``values`` (float64, one per field) and ``text`` (the collective's tag, bytes)."""
+
+    def __init__(self, rank: int, values=None, text=None):
+        self.rank = rank
+        self.values = values if values is not None else (ctypes.c_double * len(FIELDS))()
+        self.text = text if text is not None else ctypes.create_string_buffer(TEXT)
+        self._set(state=IDLE, seq=-1.0, waiting_on=NOBODY, left=time.time(), part=float(len(PARTS) - 1))
+
+    def _set(self, **fields) -> None:
+        for name, value in fields.items():
+            self.values[_F[name]] = value
+
+    # ---------------------------------------------------------------- writer: the Comm
+    def enter(self, call) -> None:
+        """``call`` (a :class:`~minizero.comm.fingerprint.Call`) begins."""
+        from .fingerprint import KINDS
+
+        now = time.time()
+        self.text.value = call.tag.what.encode()[: TEXT - 1]
+        self._set(state=IN_COLLECTIVE, seq=float(call.seq), kind=float(KINDS.index(call.kind)),
+                  numel=float(call.numel), part=float(len(PARTS) - 1), step=-1.0, waiting_on=NOBODY,
+                  entered=now, progress=now, tag_step=float(call.tag.step), tag_forward=float(call.tag.forward),
+                  tag_syncing=float(call.tag.syncing))
+
+    def at(self, part: str, step: int = -1) -> None:
+        """The collective moved on to ``part`` (step ``step``): that is progress."""
+        self._set(part=float(PARTS.index(part)), step=float(step), progress=time.time())
+
+    @contextmanager
+    def waiting_for(self, peer: int | float):
+        """Blocked until ``peer`` (a rank, or ANYONE) sends or receives; its end is progress."""
+        self._set(waiting_on=float(peer))
+        try:
+            yield
+        finally:
+            self._set(waiting_on=NOBODY, progress=time.time())
+
+    def leave(self) -> None:
+        v = self.values
+        self._set(state=IDLE, waiting_on=NOBODY, left=time.time(), collectives=v[_F["collectives"]] + 1)
+
+    # ---------------------------------------------------------------- reader: the watchdog
+    def record(self) -> dict:
+        """A plain snapshot of the row (what a watchdog compares and publishes)."""
+        return self.read(self.rank, self.values, self.text)
+
+    @staticmethod
+    def read(rank: int, values, text) -> dict:
+        """The row of ``rank`` from its arrays -- without resetting them, as constructing a board would."""
+        row = {name: values[i] for i, name in enumerate(FIELDS)}
+        row["rank"] = rank
+        row["what"] = text.value.decode(errors="replace")
+        return row
+
+
+class NullBoard:
+    """No launcher, no watchdog: nothing to write."""
+
+    rank = -1
+
+    def enter(self, call) -> None:
+        pass
+
+    def at(self, part: str, step: int = -1) -> None:
+        pass
+
+    @contextmanager
+    def waiting_for(self, peer):
+        yield
+
+    def leave(self) -> None:
+        pass
+
+
+NULL_BOARD = NullBoard()
+_board: ProgressBoard | NullBoard = NULL_BOARD
+
+
+def install(board: ProgressBoard) -> None:
+    """The launcher calls this once per rank process, before any Comm exists."""
+    global _board
+    _board = board
+
+
+def installed() -> ProgressBoard | NullBoard:
+    return _board

@@ -1,0 +1,109 @@
+"""Reading the progress board: is a collective stalled, and which rank stopped?
+
+A rank blocked in a collective waits for a particular peer (the ring's left
+neighbour) or for anyone (torch's own collectives).  Follow those "waits for"
+arrows from the rank that has waited longest:
+
+* to a rank in no collective -- it is computing, stuck in its own code, or
+  finished without joining: **that** rank stopped;
+* to a rank inside the collective but not waiting for anybody -- it is busy or
+  stuck in the middle of it (a sleep, a hung callback);
+* to a rank that already left the collective -- it moved on without sending
+  the message the first one waits for: a bug inside the collective;
+* to a rank that waits in turn -- follow on; a cycle means every rank waits for
+  its neighbour, a deadlock inside the collective.
+
+Every rank's row is printed beneath, so the reader can check the verdict.
+"""
+from __future__ import annotations
+
+from .fingerprint import KINDS
+from .progress import ANYONE, IDLE, NOBODY, PARTS
+
+
+def _where(row: dict) -> str:
+    part = PARTS[int(row["part"])]
+    step = f" step {int(row['step']) + 1}" if row["step"] >= 0 else ""
+    tag = f" for {row['what']!r}" if row["what"] else ""
+    phase = ""
+    if row["tag_step"] >= 0:
+        phase = f" (optimizer step {int(row['tag_step'])}, forward {int(row['tag_forward'])}"
+        phase += ", synchronising)" if row["tag_syncing"] == 1 else ", inside no_sync())" if row["tag_syncing"] == 0 else ")"
+    inside = f", in its {part}{step}" if part else ""
+    return f"{KINDS[int(row['kind'])]} #{int(row['seq'])} of {int(row['numel'])} elements{tag}{phase}{inside}"
+
+
+def describe(row: dict | None, now: float, finished: bool = False) -> str:
+    if row is None:
+        return "no report (it never published its progress, or died)"
+    if finished:
+        return f"finished its task after {int(row['collectives'])} collectives"
+    if row["state"] == IDLE:
+        if row["seq"] < 0:
+            return f"in no collective, and none yet since it started {now - row['left']:.1f} s ago"
+        return (f"in no collective for {now - row['left']:.1f} s "
+                f"(its last, #{int(row['seq'])} for {row['what']!r}, ended then; {int(row['collectives'])} so far)")
+    wait = row["waiting_on"]
+    waiting = ("not waiting for any peer" if wait == NOBODY else "waiting for any peer" if wait == ANYONE
+               else f"waiting for rank {int(wait)}")
+    return f"in {_where(row)}, {waiting}; last progress {now - row['progress']:.1f} s ago"
+
+
+def stalled(records: list[dict | None], now: float, timeout_s: float, finished: set[int] = frozenset(),
+            grace_s: float = 2.0) -> tuple[str, list[int]] | None:
+    """``(message, culprit ranks)`` if some collective made no progress for ``timeout_s``, else None.
+
+    A collective that waits, through the arrows, on a rank that already
+    *finished its task* can never complete: it is reported after ``grace_s``."""
+    waiting = [r for r in records if r is not None and r["state"] != IDLE]
+    for limit in (timeout_s, min(grace_s, timeout_s)):
+        stuck = [r for r in waiting if now - r["progress"] > limit]
+        if not stuck:
+            continue
+        first = min(stuck, key=lambda r: (r["seq"], r["progress"]))
+        culprits, reason = blame(first, records, finished)
+        if limit == timeout_s or (culprits and set(culprits) <= set(finished)):
+            return explain(first, records, now, timeout_s, finished, culprits, reason), culprits
+    return None
+
+
+def blame(first: dict, records: list[dict | None], finished: set[int]) -> tuple[list[int], str]:
+    """Follow the waits-for arrows from ``first``; return the ranks that stopped, and why."""
+    row, seen = first, set()
+    while True:
+        seen.add(row["rank"])
+        wait = row["waiting_on"]
+        if wait == NOBODY:
+            return [row["rank"]], "it is inside the collective but not waiting for any peer: busy or stuck in its own code"
+        if wait == ANYONE:
+            behind = [r for r, other in enumerate(records)
+                      if other is None or other["state"] == IDLE or other["seq"] < row["seq"]
+                      or (other["seq"] == row["seq"] and other["waiting_on"] == NOBODY)]
+            return behind, "torch's collective waits for every rank, and these never joined it"
+        peer = int(wait)
+        other = records[peer] if 0 <= peer < len(records) else None
+        if other is None:
+            return [peer], "it never reported progress"
+        if peer in finished or other["state"] == IDLE:
+            return [peer], ("it finished its task without joining this collective" if peer in finished else
+                            "it is in no collective: computing, stuck in its own code, or it skipped this one")
+        if other["seq"] > row["seq"]:
+            return [peer], (f"it already left collective #{int(row['seq'])} without sending the message rank "
+                            f"{row['rank']} waits for: a bug inside the collective, not a disagreement")
+        if other["waiting_on"] == NOBODY:
+            return [peer], "it is inside a collective but not waiting for any peer: busy or stuck in its own code"
+        if peer in seen:
+            return [], ("every rank in the chain waits for its neighbour: a message that should exist was never "
+                        "sent -- a deadlock inside the collective")
+        row = other
+
+
+def explain(first: dict, records, now: float, timeout_s: float, finished, culprits: list[int], reason: str) -> str:
+    who = ", ".join(f"rank {c}" for c in culprits) or "no single rank"
+    lines = [f"stalled: rank {first['rank']} has made no progress for {now - first['progress']:.1f} s "
+             f"(timeout {timeout_s:g} s) in {_where(first)}.",
+             f"Stopped making progress: {who} -- {reason}.",
+             "Every rank:"]
+    for r, row in enumerate(records):
+        lines.append(f"  rank {r}: {describe(row, now, r in finished)}")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""The communication thread: where asynchronous collectives run, one at a time, in order.
+
+Every rank issues its collectives in the same order, and one thread per
+:class:`~minizero.comm.base.Comm` runs them in that order -- so the messages
+of two collectives never interleave, and a bucket's all-reduce can overlap
+backward on the main thread.
+
+The thread is a *daemon*: a rank whose main thread raised while a collective
+is blocked waiting for a peer must be able to exit at once.  (A
+``ThreadPoolExecutor`` worker is joined at interpreter exit, so such a rank
+would linger until the process group's timeout.)
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+
+class Work:
+    """Handle of an asynchronous collective; ``wait()`` re-raises its error."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def result(self):
+        """Wait, and return what the submitted function returned."""
+        return self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class CommThread:
+    """A single daemon worker running submitted functions in submission order."""
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def submit(self, fn: Callable, *args) -> Work:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return Work(future)
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # noqa: BLE001 -- delivered to whoever waits
+                future.set_exception(error)
+
+    def close(self) -> None:
+        """Finish what was submitted, then stop."""
+        self._queue.put(None)
+        self._thread.join()

@@ -1,0 +1,86 @@
+"""Under torchrun: join the process group from the environment, and watch for stalls.
+
+``torchrun`` (or any launcher that sets ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``) starts one process per rank; :func:`init_from_env` joins them
+with the ``env://`` rendezvous.  With NCCL, ``LOCAL_RANK`` picks the GPU.
+
+There is no parent of ours to watch the ranks, so each rank watches itself:
+a daemon :class:`Watchdog` thread publishes this rank's row of the progress
+board to the rendezvous store every ``interval`` seconds, and when this
+rank's collective has made no progress for ``timeout_s`` it reads every
+rank's row, prints who stopped (:mod:`minizero.comm.stall`) and ends the
+process -- a thread cannot interrupt a receive that torch is blocked in.
+torchrun then stops the other ranks.  torch's own timeout is set later
+(:func:`~minizero.launch.backstop_s`), so the watchdog, which sees every rank,
+speaks first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .comm import progress
+from .comm.stall import stalled
+from .launch import Rank, backstop_s
+
+KEY = "minizero/progress/{}"
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> Rank:
+    """Join the process group torchrun describes; start this rank's watchdog.
+
+    ``timeout_s``: how long a collective may go without progress before the
+    run is ended as stalled (``compare --timeout``)."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        board = progress.ProgressBoard(rank)
+        progress.install(board)
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=backstop_s(timeout_s)))
+        Watchdog(board, dist.distributed_c10d._get_default_store(), world_size, timeout_s).start()
+    return Rank(rank, world_size, local_rank, backend)
+
+
+class Watchdog(threading.Thread):
+    """Publishes this rank's progress; ends the process when its collective has stalled."""
+
+    def __init__(self, board: progress.ProgressBoard, store, world_size: int, timeout_s: float):
+        super().__init__(name=f"minizero-watchdog-rank{board.rank}", daemon=True)
+        self.board, self.store, self.world_size, self.timeout_s = board, store, world_size, timeout_s
+        self.interval = min(1.0, timeout_s / 4)
+
+    def run(self) -> None:
+        while True:
+            mine = self.board.record()
+            self.store.set(KEY.format(self.board.rank), json.dumps(mine))
+            now = time.time()
+            if mine["state"] != progress.IDLE and now - mine["progress"] > self.timeout_s:
+                verdict = stalled(self._everyone(), now, self.timeout_s)
+                if verdict is not None:
+                    print(f"[minizero watchdog, rank {self.board.rank}] {verdict[0]}\n"
+                          f"Ending this rank; torchrun stops the others.", file=sys.stderr, flush=True)
+                    os._exit(1)
+            time.sleep(self.interval)
+
+    def _everyone(self) -> list[dict | None]:
+        rows: list[dict | None] = []
+        for r in range(self.world_size):
+            key = KEY.format(r)
+            rows.append(json.loads(self.store.get(key)) if self.store.check([key]) else None)
+        return rows
