@@ -1,54 +1,112 @@
-"""Command line: ``python -m minizero compare|bench ...``."""
+"""Command line: ``python -m minizero compare|soak|bench ...``.
+
+Numbers are validated where they are parsed: a count must be a positive whole
+number, a size or a rate a finite positive number -- argparse then names the
+option and the value, instead of a traceback from deep inside a run.
+"""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 from .stages import STAGES
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number (1 or more)")
+    return value
+
+
+def natural_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; use 0 or more")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number greater than 0")
+    return value
+
+
+def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> None:
+    """What ``compare`` and ``soak`` share: the run to compare with single-device training."""
+    p.add_argument("--world-size", type=positive_int, default=2)
+    p.add_argument("--stages", default="ddp", help=f"comma-separated, from: {', '.join(STAGES)}")
+    p.add_argument("--dtype", choices=["float32", "float64"], default=dtype)
+    p.add_argument("--steps", type=positive_int, default=steps)
+    p.add_argument("--task", choices=["gpt", "mlp", "edge", "dyadic"], default="gpt")
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "nesterov", "adam", "adamw"], default="adamw")
+    p.add_argument("--lr", type=positive_float, default=1e-3,
+                   help="learning rate (> 0: with 0 nothing moves and every stage would trivially agree)")
+    p.add_argument("--micro-batch", type=positive_int, default=4, help="samples per rank per micro-batch")
+    p.add_argument("--accum", type=positive_int, default=1, help="K micro-batches per optimizer step")
+    p.add_argument("--compress", choices=["none", "fp16", "bf16"], default="none", help="send gradients in 16 bits")
+    p.add_argument("--error-feedback", action="store_true", help="carry the compression error to the next step")
+    p.add_argument("--bucket-mb", type=positive_float, default=None,
+                   help="bucket size of ddp-bucketed, zero2 (default 25)")
+    p.add_argument("--clip", type=positive_float, default=None, help="clip the global L2 gradient norm to this")
+    p.add_argument("--backend", choices=["ring", "native"], default="ring")
+    p.add_argument("--seed", type=natural_int, default=0)
+    p.add_argument("--timeout", type=positive_float, default=300.0,
+                   help="seconds a collective may go without progress before the run is ended as stalled")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="fingerprint every collective, so ranks that disagree stop with an error (default: on)")
+    p.add_argument("--json", action="store_true")
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="python -m minizero", description=__doc__)
+    top = argparse.ArgumentParser(prog="python -m minizero", description=__doc__.split("\n")[0])
     sub = top.add_subparsers(dest="command", required=True)
-
     compare = sub.add_parser("compare", help="run stages against single-device training; exit 1 if any differs")
-    compare.add_argument("--world-size", type=int, default=2)
-    compare.add_argument("--stages", default="ddp", help=f"comma-separated, from: {', '.join(STAGES)}")
-    compare.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    compare.add_argument("--steps", type=int, default=5)
-    compare.add_argument("--task", choices=["gpt", "mlp", "edge", "dyadic"], default="gpt")
-    compare.add_argument("--optimizer", choices=["sgd", "momentum", "nesterov", "adam", "adamw"], default="adamw")
-    compare.add_argument("--lr", type=float, default=1e-3)
-    compare.add_argument("--micro-batch", type=int, default=4, help="samples per rank per micro-batch")
-    compare.add_argument("--accum", type=int, default=1, help="K micro-batches per optimizer step")
-    compare.add_argument("--compress", choices=["none", "fp16", "bf16"], default="none",
-                         help="send gradients in 16 bits")
-    compare.add_argument("--error-feedback", action="store_true", help="carry the compression error to the next step")
-    compare.add_argument("--bucket-mb", type=float, default=None, help="bucket size of ddp-bucketed, zero2 (default 25)")
-    compare.add_argument("--clip", type=float, default=None, help="clip the global L2 gradient norm to this")
-    compare.add_argument("--backend", choices=["ring", "native"], default="ring")
-    compare.add_argument("--seed", type=int, default=0)
-    compare.add_argument("--json", action="store_true")
-
+    _training_options(compare, steps=5, dtype="float32")
+    soak = sub.add_parser("soak", help="every stage against the reference for many steps; the largest deviation")
+    _training_options(soak, steps=500, dtype="float64")
+    soak.set_defaults(stages=",".join(s for s in STAGES if s != "reference"), task="mlp")
     bench = sub.add_parser("bench", help="speed against torch's own implementation, as ratios")
-    bench.add_argument("what", choices=["collectives", "ddp", "zero", "zero3", "overlap"])
-    bench.add_argument("--world-size", type=int, default=2)
-    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("what", choices=["collectives", "ddp", "zero", "zero3", "overlap", "check"])
+    bench.add_argument("--world-size", type=positive_int, default=2)
+    bench.add_argument("--repeats", type=positive_int, default=5)
     bench.add_argument("--json", action="store_true")
     return top
 
 
 def main(argv=None) -> int:
+    """Run a command; its ``main(args)`` returns ``(exit status, text for stdout)``."""
     args = parser().parse_args(argv)
     try:
         if args.command == "compare":
             from .compare import main as run
+        elif args.command == "soak":
+            from .soak import main as run
         else:
             from .bench import main as run
-        return run(args)
+        status, text = run(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    try:
+        if text:
+            print(text, flush=True)
+    except BrokenPipeError:
+        # The reader went away (`... --json | head`): it has what it wanted, and the status stands.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return status
 
 
 if __name__ == "__main__":

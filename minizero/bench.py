@@ -1,6 +1,8 @@
 """``python -m minizero bench ...``: speed, as ratios against torch in the same run.
 
-Timings are never asserted in tests; they are measured here, on demand.
+Timings are never asserted in tests; they are measured here, on demand.  The
+stages run as in production, with fingerprint checking off; ``bench check``
+measures what turning it on costs.
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ BENCH_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "block_size": 32}
 
 def bench_ddp(world_size: int, steps: int = 12) -> list[dict]:
     """Step time of ddp and ddp-bucketed (ring and native) against torch DDP, in one pool, one run."""
-    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32")
+    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32",
+                      check=False)
     variants = [("torch-ddp", replace(base, stage="torch-ddp"))] + [
         (f"{stage}/{backend}", replace(base, stage=stage, backend=backend))
         for stage in ("ddp", "ddp-bucketed") for backend in ("native", "ring")]
@@ -79,13 +82,37 @@ def bench_ddp(world_size: int, steps: int = 12) -> list[dict]:
 
 def _step_times(world_size: int, variants: list[tuple[str, Experiment]]) -> list[tuple[str, float, float, int]]:
     """(name, median step ms of the slowest rank, bytes sent per rank per step, Psi) per variant, one pool."""
+    return [(name, ms, sent, psi) for name, ms, sent, psi, _ in _measure(world_size, variants)]
+
+
+def _measure(world_size: int, variants: list[tuple[str, Experiment]]) -> list[tuple[str, float, float, int, float]]:
+    """:func:`_step_times` plus the fingerprint bytes per rank per step."""
     rows = []
     with RankPool(world_size) as pool:
         for name, exp in variants:
             per_rank = pool.run(run_experiment, exp)
             ms = max(statistics.median(r["step_s"][2:]) for r in per_rank) * 1e3  # skip two warm-up steps
-            sent = sum(r["sent_bytes"] for r in per_rank) / (world_size * exp.steps)
-            rows.append((name, ms, sent, per_rank[0]["psi"]))
+            per_step = world_size * exp.steps
+            rows.append((name, ms, sum(r["sent_bytes"] for r in per_rank) / per_step, per_rank[0]["psi"],
+                         sum(r["check_bytes"] for r in per_rank) / per_step))
+    return rows
+
+
+def bench_check(world_size: int, steps: int = 12) -> list[dict]:
+    """What fingerprinting every collective costs: the same stage with the check off and on, one run.
+
+    One small all-gather (9 float64 per rank) before each collective: its cost is a latency, paid
+    once per bucket or unit -- so the stages with many small collectives pay most."""
+    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32")
+    cases = [("ddp-bucketed", {"bucket_mb": 0.5}), ("zero2", {"bucket_mb": 0.5}), ("zero3", {})]
+    variants = [(f"{stage}/{backend}", replace(base, stage=stage, backend=backend, check=check, options=options))
+                for stage, options in cases for backend in ("native", "ring") for check in (False, True)]
+    measured = _measure(world_size, variants)
+    rows = []
+    for (name, off_ms, _, _, _), (_, on_ms, _, _, check_bytes) in zip(measured[::2], measured[1::2]):
+        rows.append({"name": f"{name} step, check on", "value": on_ms, "unit": "ms", "baseline": "check off",
+                     "baseline_value": off_ms, "ratio": on_ms / off_ms, "world_size": world_size,
+                     "check_bytes_per_step": check_bytes})
     return rows
 
 
@@ -95,7 +122,8 @@ def bench_zero(world_size: int, steps: int = 12) -> list[dict]:
     Bytes: minizero's from the ledger; torch's modelled as its DDP all-reduce
     (2(N-1)/N Psi b) plus each owner broadcasting its updated parameters
     (about (N-1)/N Psi b per rank): the 3 Psi of an all-reduce-based ZeRO-1."""
-    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32")
+    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32",
+                      check=False)
     variants = [("torch-zero", replace(base, stage="torch-zero"))] + [
         (f"{stage}/{backend}", replace(base, stage=stage, backend=backend))
         for stage in ("zero1", "zero2") for backend in ("native", "ring")]
@@ -114,7 +142,8 @@ def bench_zero(world_size: int, steps: int = 12) -> list[dict]:
 
 def bench_zero3(world_size: int, steps: int = 12) -> list[dict]:
     """zero3 (native and ring, prefetch on and off) against FSDP2's fully_shard, in one run."""
-    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32")
+    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32",
+                      check=False)
     variants = [("torch-fsdp2", replace(base, stage="torch-fsdp2"))] + [
         (f"zero3/{backend}/prefetch={depth}", replace(base, stage="zero3", backend=backend, options={"prefetch": depth}))
         for backend in ("native", "ring") for depth in (1, 0)]
@@ -180,7 +209,7 @@ def bench_overlap(world_size: int, bucket_mb: float = 0.5, repeats: int = 7) -> 
     return rows
 
 
-def main(args) -> int:
+def main(args) -> tuple[int, str]:
     if args.what == "collectives":
         rows = bench_collectives(args.world_size, repeats=args.repeats)
     elif args.what == "ddp":
@@ -192,18 +221,18 @@ def main(args) -> int:
     elif args.what == "overlap":
         rows = bench_overlap(args.world_size, repeats=args.repeats)
     else:
-        raise SystemExit(f"unknown benchmark {args.what!r}; choose: collectives, ddp, zero, zero3, overlap")
+        rows = bench_check(args.world_size)
     if args.json:
-        print(json.dumps(rows, indent=2))
-    elif args.what != "collectives":
-        print(f"{args.what}, N={args.world_size} ranks, gloo on CPU")
-        for r in rows:
-            ratio = f"   {r['ratio']:.2f}x {r['baseline']}" if "ratio" in r else ""
-            print(f"  {r['name']:<58}{r['value']:>12,.2f} {r['unit']:<8}{ratio}")
-    else:
-        print(f"all-reduce bus bandwidth, N={args.world_size} ranks, gloo on CPU (higher is better)")
-        print(f"{'size':>6}{'ring (send/recv)':>18}{'native':>10}{'ratio':>8}")
+        return 0, json.dumps(rows, indent=2)
+    if args.what == "collectives":
+        lines = [f"all-reduce bus bandwidth, N={args.world_size} ranks, gloo on CPU (higher is better)",
+                 f"{'size':>6}{'ring (send/recv)':>18}{'native':>10}{'ratio':>8}"]
         for r in rows:
             size = r["name"].rsplit("_", 1)[1]
-            print(f"{size:>6}{r['value']:>14.3f} GB/s{r['baseline_value']:>10.3f}{r['ratio']:>8.2f}x")
-    return 0
+            lines.append(f"{size:>6}{r['value']:>14.3f} GB/s{r['baseline_value']:>10.3f}{r['ratio']:>8.2f}x")
+        return 0, "\n".join(lines)
+    lines = [f"{args.what}, N={args.world_size} ranks, gloo on CPU"]
+    for r in rows:
+        ratio = f"   {r['ratio']:.2f}x {r['baseline']}" if "ratio" in r else ""
+        lines.append(f"  {r['name']:<58}{r['value']:>12,.2f} {r['unit']:<8}{ratio}")
+    return 0, "\n".join(lines)

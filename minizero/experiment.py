@@ -8,6 +8,7 @@ results and can check equivalence step by step.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -53,26 +54,30 @@ class Experiment:
         return sum(self.rank_sizes) if self.rank_sizes else self.micro_batch * self.accum * world_size
 
 
+def build(me: Rank | None, exp: Experiment):
+    """``(stage, model, comm, psi)`` of this rank, or of the reference (``me`` None, no comm).  Ranks
+    initialise from *different* seeds, so that the wrap-time broadcast is exercised; the reference
+    uses rank 0's."""
+    if exp.stage not in ORACLES:
+        check_stage_names([exp.stage])
+    model = TASKS[exp.task].make_model(exp.seed + 1000 * (me.rank if me else 0), DTYPES[exp.dtype], **exp.model)
+    optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
+    psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
+    comm = make_comm(exp.backend, check=exp.check) if me else None
+    if exp.stage in ORACLES:  # torch's own implementation, through the same loop
+        return ORACLES[exp.stage](model, optimizer, **exp.options), model, comm, psi
+    return make_stage(exp.stage, model, optimizer, comm, **exp.options), model, comm, psi
+
+
 def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = None) -> dict:
     """Train; return per-step parameters, losses, bytes sent and step times of this rank.
 
     ``me`` is None for the single-process reference, which then needs the
     ``world_size`` of the run it stands for (to draw the same global batch).
-    Ranks initialise from *different* seeds so that the wrap-time broadcast
-    is exercised; the reference uses rank 0's.
     """
     rank, n = (me.rank, me.world_size) if me else (0, world_size or 1)
     task, dtype = TASKS[exp.task], DTYPES[exp.dtype]
-    if exp.stage not in ORACLES:
-        check_stage_names([exp.stage])
-    model = task.make_model(exp.seed + 1000 * rank, dtype, **exp.model)
-    optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
-    psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
-    comm = make_comm(exp.backend, check=exp.check) if me else None
-    if exp.stage in ORACLES:  # torch's own implementation, through the same loop
-        stage = ORACLES[exp.stage](model, optimizer, **exp.options)
-    else:
-        stage = make_stage(exp.stage, model, optimizer, comm, **exp.options)
+    stage, model, comm, psi = build(me, exp)
     ledger = Ledger()
     if comm:
         comm.add_observer(ledger)  # after wrapping: count training traffic only
@@ -131,7 +136,8 @@ def exact_reference_of(exp: Experiment, world_size: int) -> dict:
 
 
 def max_diff(results: list[dict], reference: dict) -> tuple[float, float]:
-    """(max |param - reference|, max relative error per tensor) over all ranks and steps."""
+    """(max |param - reference|, max relative error per tensor) over all ranks and steps.
+    A NaN or inf difference is an infinite difference, never a small one."""
     worst_abs, worst_rel = 0.0, 0.0
     for result in results:
         for mine, ref in zip(result["params"], reference["params"]):
@@ -139,15 +145,37 @@ def max_diff(results: list[dict], reference: dict) -> tuple[float, float]:
                 if r.numel() == 0:
                     continue
                 diff = (mine[name] - r).abs().max().item()
+                scale = r.abs().max().item()
+                if not (math.isfinite(diff) and math.isfinite(scale)):
+                    return math.inf, math.inf
                 worst_abs = max(worst_abs, diff)
-                worst_rel = max(worst_rel, diff / max(r.abs().max().item(), 1e-300))
+                worst_rel = max(worst_rel, diff / max(scale, 1e-300))
     return worst_abs, worst_rel
 
 
+def first_nonfinite(results: list[dict], reference: dict) -> str | None:
+    """Where the first NaN or inf is -- in a loss, a parameter or an optimizer state, of any rank or of
+    the reference (single-device training that diverged proves nothing either) -- or None."""
+    for who, result in [("the reference", reference)] + [(f"rank {r}", res) for r, res in enumerate(results)]:
+        for step, loss in enumerate(result["losses"]):
+            if not math.isfinite(loss):
+                return f"{who}: the loss of step {step} is {loss}"
+        for step, params in enumerate(result["params"]):
+            for name, value in params.items():
+                if not bool(torch.isfinite(value).all()):
+                    return f"{who}: parameter {name!r} after step {step} is not finite"
+        for index, entry in (result.get("optimizer_state") or {}).get("state", {}).items():
+            for key, value in entry.items():
+                if torch.is_tensor(value) and not bool(torch.isfinite(value).all()):
+                    return f"{who}: optimizer state {key!r} of parameter #{index} is not finite"
+    return None
+
+
 def loss_error(results: list[dict], reference: dict) -> float:
-    """Max relative error of the global mean loss over steps."""
+    """Max relative error of the global mean loss over steps (infinite if either is not finite)."""
     worst = 0.0
     for s, ref in enumerate(reference["losses"]):
         total = sum(r["losses"][s] for r in results)
-        worst = max(worst, abs(total - ref) / max(abs(ref), 1e-300))
+        error = abs(total - ref) / max(abs(ref), 1e-300)
+        worst = max(worst, error if math.isfinite(error) else math.inf)
     return worst

@@ -62,7 +62,7 @@ class SyncsEveryMicroBatch(DDP):
     def forward(self, *args, **kwargs):
         self.forwards += 1
         self._syncing = True
-        output = self.module(*args, **kwargs)
+        output = self.call_module(*args, **kwargs)
         if torch.is_grad_enabled():
             self._hook_backward(output, syncing=True)
         return output

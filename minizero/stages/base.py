@@ -98,6 +98,8 @@ class Synchronised(Stage):
         self.steps_taken = 0  # optimizer steps so far
         self.forwards = 0  # forward passes (with autograd) since the last step
         self._local_grads = False  # a backward ran inside no_sync(), and no synchronising one since
+        self._forwarding = False  # inside the stage's own forward
+        module.register_forward_pre_hook(self._refuse_direct_call)
 
     def tag(self, what: str) -> Tag:
         return Tag(what, self.steps_taken, self.forwards, int(self._syncing))
@@ -106,10 +108,27 @@ class Synchronised(Stage):
         if torch.is_grad_enabled():  # a no_grad forward (a quick eval) has no backward to plan for
             self.forwards += 1
             self._syncing = self.require_backward_grad_sync  # decided at forward, as torch does
-        output = self.module(*args, **kwargs)
+        output = self.call_module(*args, **kwargs)
         if torch.is_grad_enabled():
             self._hook_backward(output, self._syncing)
         return output
+
+    def call_module(self, *args, **kwargs):
+        """The wrapped model's forward, as the stage's own (see :meth:`_refuse_direct_call`)."""
+        self._forwarding = True
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._forwarding = False
+
+    def _refuse_direct_call(self, module, args) -> None:
+        """``model(x)`` instead of ``stage(x)`` would compute gradients no one synchronises: the
+        replicas would drift apart silently.  (Under ``torch.no_grad()`` -- evaluation -- it is fine.)"""
+        if torch.is_grad_enabled() and not self._forwarding:
+            raise RuntimeError(
+                f"rank {self.rank}: the wrapped model was called directly with autograd on. Call the stage -- "
+                f"stage(x), not model(x) -- so that its backward synchronises gradients; for evaluation, "
+                f"wrap the call in torch.no_grad().")
 
     def _hook_backward(self, output, syncing: bool) -> None:
         def on_backward(grad):

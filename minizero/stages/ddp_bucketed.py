@@ -51,8 +51,8 @@ class BucketedDDP(DDP):
         self.buckets: list[Bucket] = assign_buckets(self.trainable(), bucket_mb)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._ready = ReadyOrder([b.params for b in self.buckets], self._launch)
-        self._used: set[int] = set()  # parameters that got a gradient since the last synchronisation
-        self._unused_everywhere: list[nn.Parameter] = []
+        self._used: set[int] = set()  # parameters that got a gradient here since the last synchronisation
+        self._has_grad: set[int] = set()  # parameters with a gradient anywhere since zero_grad()
         self.zero_grad()
         for _, p in self.trainable():
             p.register_post_accumulate_grad_hook(self._on_gradient_ready)
@@ -81,8 +81,7 @@ class BucketedDDP(DDP):
             for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
                 keep_grad_in(self.buckets[b].params[i], self.buckets[b].views[i])
             self._ready.complete_all()  # unused slots hold zeros (or earlier micro-batches' sums): still correct
-            if self.find_unused_parameters:
-                self._find_unused_everywhere()
+            self._agree_on_use()
             for bucket in self.buckets:
                 bucket.work.wait()
         finally:
@@ -96,16 +95,22 @@ class BucketedDDP(DDP):
             self._ready.reset()
             self._used.clear()
 
-    def _find_unused_everywhere(self) -> None:
+    def _agree_on_use(self) -> None:
         """After every bucket was launched -- the bitmap queues behind them on every rank alike."""
         params = [p for b in self.buckets for p in b.params]
-        used = agree_on_use(self.comm, [id(p) in self._used for p in params], self.tag("used-parameter bitmap"))
-        self._unused_everywhere = [p for p, anywhere in zip(params, used) if not anywhere]
+        used = [id(p) in self._used for p in params]
+        if self.find_unused_parameters:
+            used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
+        self._has_grad.update(id(p) for p, anywhere in zip(params, used) if anywhere)
 
     # ------------------------------------------------------------- optimizer
     def _step(self) -> None:
-        for p in self._unused_everywhere:
-            p.grad = None  # as on a single device: no gradient, no update (no weight decay, no momentum)
+        """As on a single device: a parameter with no gradient -- unused everywhere, or no backward since
+        zero_grad() -- is not stepped (no weight decay, no momentum).  Its .grad comes back at zero_grad()."""
+        for b in self.buckets:
+            for p in b.params:
+                if id(p) not in self._has_grad:
+                    p.grad = None
         self.optimizer.step()
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
@@ -114,4 +119,5 @@ class BucketedDDP(DDP):
             bucket.buffer.zero_()
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
-        self._unused_everywhere = []
+        # set_to_none=False means "zero gradients": stepped like any other, as torch does.
+        self._has_grad = set() if set_to_none else {id(p) for b in self.buckets for p in b.params}

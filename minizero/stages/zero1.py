@@ -94,7 +94,7 @@ class ZeRO1(Synchronised):
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         self._synced = False  # a new accumulation window
-        self._has_grad.clear()
+        self._clear_has_grad(set_to_none)
         for group, buffer in zip(self.groups, self.grad_buffers):
             buffer.zero_()
             for s in group.segments:
@@ -110,6 +110,10 @@ class ZeRO1(Synchronised):
         keep_grad_in(param, self.grad_buffers[g][s.start:s.stop].view(s.shape))
 
     # ------------------------------------------------------------ which parameters have a gradient
+    def _clear_has_grad(self, set_to_none: bool) -> None:
+        """None gradients are not stepped; zero ones are (weight decay, momentum), as in torch."""
+        self._has_grad = set() if set_to_none else {id(s.param) for g in self.groups for s in g.segments}
+
     def _checked_groups(self) -> list[FlatGroup]:
         """The groups whose parameters must each have a gradient (ZeRO-3 leaves out units nobody called)."""
         return self.groups

@@ -52,7 +52,7 @@ class ZeRO2(ZeRO1):
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradient shards: the gradients this stage will step with, whoever calls it."""
-        self._has_grad.clear()
+        self._clear_has_grad(set_to_none)
         for shard in self.shards:
             shard.zero_()
         for group in self.groups:

@@ -1,0 +1,100 @@
+"""``python -m minizero soak``: every stage against single-device training, for hundreds of steps.
+
+The property suite checks a few steps of many small runs; a soak checks many
+steps of one run, where a slow leak -- a buffer not cleared, a state drifting
+by an ulp per step, a rank falling out of step -- has time to show.  Each rank
+trains its stage and, beside it, the reference on the same global batch, and
+compares after every step, so nothing but one summary per rank crosses a
+process boundary.  Reported per stage: the largest relative deviation of any
+parameter on any rank over the whole run, the step and parameter where it
+happened, the deviation at the end, and the first NaN or inf if there was one.
+
+A command, not a CI test: ``python -m minizero soak --world-size 4 --steps 500``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import replace
+
+from .compare import experiment_of
+from .experiment import DTYPES, RTOL, Experiment, build, snapshot_parameters
+from .data import TASKS
+from .launch import Rank, RankPool, check_world_size
+from .stages import check_stage_names
+from .torchrun import init_from_env, under_torchrun
+from .train import shard_step, train_step
+
+
+def soak_on_rank(me: Rank, exp: Experiment) -> dict:
+    """Train the stage and the reference side by side; the worst deviation seen, and where."""
+    task, dtype, n = TASKS[exp.task], DTYPES[exp.dtype], me.world_size
+    stage, model, comm, _ = build(me, exp)
+    reference, reference_model, _, _ = build(None, replace(exp, stage="reference", options={}))
+    worst = {"rel": 0.0, "step": None, "param": None}
+    final, nonfinite, start = 0.0, None, time.perf_counter()
+    for s in range(exp.steps):
+        x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
+        loss = train_step(stage, shard_step(x, y, me.rank, n, exp.accum))
+        train_step(reference, shard_step(x, y, 0, 1, 1))
+        mine = snapshot_parameters(stage, model)
+        final = 0.0
+        for name, ref in reference_model.named_parameters():
+            diff, scale = (mine[name] - ref).abs().max().item(), ref.abs().max().item() if ref.numel() else 0.0
+            rel = diff / max(scale, 1e-300) if ref.numel() else 0.0
+            if not (math.isfinite(rel) and math.isfinite(loss)):
+                nonfinite = nonfinite or f"rank {me.rank}: {name!r} or the loss at step {s} is not finite"
+                rel = math.inf
+            final = max(final, rel)
+            if rel > worst["rel"]:
+                worst = {"rel": rel, "step": s, "param": name}
+        if nonfinite:
+            break
+    comm.close()
+    return {"worst": worst, "final": final, "nonfinite": nonfinite, "seconds": time.perf_counter() - start}
+
+
+def soak(world_size: int, stages: list[str], exp: Experiment, timeout_s: float = 300.0) -> list[dict]:
+    check_world_size(world_size)
+    check_stage_names(stages, distributed_only=True)
+    rows = []
+    pool = None if under_torchrun() else RankPool(world_size, timeout_s=timeout_s)
+    try:
+        for name in stages:
+            e = replace(exp, stage=name)
+            per_rank = [soak_on_rank(init_from_env(timeout_s=timeout_s), e)] if pool is None \
+                else pool.run(soak_on_rank, e)
+            worst = max((r["worst"] for r in per_rank), key=lambda w: w["rel"])
+            nonfinite = next((r["nonfinite"] for r in per_rank if r["nonfinite"]), None)
+            final = max(r["final"] for r in per_rank)
+            rows.append({"stage": name, "world_size": world_size, "steps": exp.steps, "dtype": exp.dtype,
+                         "max_rel_diff": worst["rel"], "at_step": worst["step"], "in_param": worst["param"],
+                         "final_rel_diff": final, "nonfinite": nonfinite,
+                         "within_tolerance": nonfinite is None and worst["rel"] <= RTOL[exp.dtype],
+                         "seconds": max(r["seconds"] for r in per_rank)})
+    finally:
+        if pool is not None:
+            pool.close()
+    return rows
+
+
+def main(args) -> tuple[int, str]:
+    if args.compress != "none" or args.error_feedback:
+        raise ValueError("soak compares with exact single-device training; compressed stages differ from it by "
+                         "design -- check them with `compare --compress ...` against the same-casts reference")
+    stages = [s for s in args.stages.split(",") if s]
+    rows = soak(args.world_size, stages, experiment_of(args), timeout_s=args.timeout)
+    status = 0 if all(r["within_tolerance"] for r in rows) else 1
+    if args.json:
+        return status, json.dumps(rows, indent=2)
+    lines = [f"soak: {args.task} model, {args.dtype}, {args.optimizer}, N={args.world_size}, {args.steps} steps of "
+             f"K={args.accum}, {args.backend} collectives; every parameter of every rank after every step; "
+             f"tolerance: relative {RTOL[args.dtype]:g}",
+             f"{'stage':<14}{'max rel Δ':>11}{'at step':>9}  {'in parameter':<26}{'final rel Δ':>12}{'ok':>4}{'s':>8}"]
+    for r in rows:
+        at = "-" if r["at_step"] is None else str(r["at_step"])
+        lines.append(f"{r['stage']:<14}{r['max_rel_diff']:>11.1e}{at:>9}  {str(r['in_param']):<26}"
+                     f"{r['final_rel_diff']:>12.1e}{'yes' if r['within_tolerance'] else 'NO':>4}{r['seconds']:>8.1f}")
+    lines += [f"{r['stage']}: NO -- {r['nonfinite']}" for r in rows if r["nonfinite"]]
+    return status, "\n".join(lines)

@@ -1,0 +1,83 @@
+"""The command line answers every bad input with a message naming the option, the value and the fix.
+
+Run in-process (``minizero.__main__.main``): argparse rejects a bad number
+before anything starts, so these cost milliseconds, not a torch import each.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minizero.__main__ import main
+from minizero.experiment import max_diff
+
+COUNT = "is not a positive whole number (1 or more)"
+POSITIVE = "is not a finite number greater than 0"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--steps", "0"], f"argument --steps: 0 {COUNT}"),
+    (["compare", "--accum", "0"], f"argument --accum: 0 {COUNT}"),
+    (["compare", "--micro-batch", "0"], f"argument --micro-batch: 0 {COUNT}"),
+    (["compare", "--world-size", "0"], f"argument --world-size: 0 {COUNT}"),
+    (["compare", "--steps", "2.5"], "argument --steps: '2.5' is not a whole number"),
+    (["soak", "--steps", "-3"], f"argument --steps: -3 {COUNT}"),
+    (["bench", "ddp", "--repeats", "0"], f"argument --repeats: 0 {COUNT}"),
+    (["compare", "--bucket-mb", "0"], f"argument --bucket-mb: 0 {POSITIVE}"),
+    (["compare", "--bucket-mb", "-5"], f"argument --bucket-mb: -5 {POSITIVE}"),
+    (["compare", "--bucket-mb", "nan"], f"argument --bucket-mb: nan {POSITIVE}"),
+    (["compare", "--bucket-mb", "inf"], f"argument --bucket-mb: inf {POSITIVE}"),
+    (["compare", "--lr", "nan"], f"argument --lr: nan {POSITIVE}"),
+    (["compare", "--lr", "0"], f"argument --lr: 0 {POSITIVE}"),
+    (["compare", "--clip", "-1"], f"argument --clip: -1 {POSITIVE}"),
+    (["compare", "--timeout", "0"], f"argument --timeout: 0 {POSITIVE}"),
+    (["compare", "--seed", "-1"], "argument --seed: -1 is negative; use 0 or more"),
+])
+def test_numbers_are_validated_where_they_are_parsed(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--stages", "ddp,zero9"], "unknown stage(s) ['zero9']; valid stages: ddp"),
+    (["compare", "--stages", "ddp,ddp"], "a stage is named twice in ['ddp', 'ddp']; name each once"),
+    (["compare", "--stages", ","], "no stage given; valid stages"),
+    (["compare", "--error-feedback"], "error feedback carries the rounding error of compression: it needs --compress"),
+    (["soak", "--compress", "fp16"], "soak compares with exact single-device training"),
+])
+def test_inconsistent_options_are_refused_before_any_rank_starts(argv, message, capsys):
+    assert main(argv) == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_a_diverging_run_is_a_failure_never_a_zero_difference(capsys):
+    """lr 1e30: the reference and every stage end in NaN.  A NaN difference used to print 0.000e+00 yes."""
+    status = main(["compare", "--stages", "ddp,zero1", "--task", "mlp", "--optimizer", "sgd", "--lr", "1e30",
+                   "--steps", "3"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert " yes " not in out and "inf" in out
+    assert "ddp: NO -- the reference: the loss of step 1 is" in out and "(NaN or inf is never a pass)" in out
+
+
+def test_a_nan_difference_is_an_infinite_one():
+    nan = {"params": [{"w": torch.tensor([math.nan])}]}
+    assert max_diff([nan], nan) == (math.inf, math.inf)
+
+
+def test_output_to_a_closed_pipe_ends_quietly_keeping_the_status():
+    """`compare --json | head`: the reader left; no traceback, and the exit status is compare's own."""
+    process = subprocess.Popen([sys.executable, "-m", "minizero", "compare", "--stages", "ddp", "--task", "mlp",
+                                "--steps", "2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process.stdout.close()  # the reader goes away before a byte is written
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err

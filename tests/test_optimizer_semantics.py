@@ -1,0 +1,182 @@
+"""Optimizer semantics equal torch's, on every stage.
+
+Whichever ``zero_grad`` the user calls (the stage's, their optimizer's, the
+sharded one's; ``set_to_none`` or not), a step with no backward, gradients
+never cleared between steps, a parameter without a gradient: each stage must
+end where a plain torch model and optimizer on one device end -- or refuse,
+naming the fix.  AdamW with weight decay makes "stepped with a zero gradient"
+visible: decay moves the weights, and Adam's step count changes.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from minizero.comm import make_comm
+from minizero.launch import RankError
+from minizero.stages import make_stage
+
+STAGES = ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"]
+WORLD = 2
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 8).double(), nn.Linear(8, 2).double(), nn.Linear(8, 2).double()
+
+    def forward(self, x, use_c=True):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.c(h) if use_c else self.b(h)
+
+
+def _data(rank, step):
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + rank), dtype=torch.float64)
+
+
+def _loop(model, stage, clear, rank_of, scenario, world_size):
+    """The scenario's training loop, run by a stage (``rank_of`` its rank) or by the reference (None)."""
+    for s in range(3):
+        if scenario != "never zeroed" or s == 0:
+            clear(s)
+        if scenario == "no backward" and s == 2:
+            stage.step()  # zero_grad() then step(): nothing has a gradient, nothing may move
+            continue
+        ranks = range(world_size) if rank_of is None else [rank_of]
+        for r in ranks:
+            use_c = scenario != "c unused" and not (scenario == "c on rank 0" and r != 0)
+            loss = stage(_data(r, s), use_c=use_c).pow(2).mean() / (world_size if rank_of is None else 1)
+            loss.backward()
+        stage.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+class _Plain:
+    """The reference driven like a stage."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def step(self):
+        self.optimizer.step()
+
+
+def reference(clear_kind: str, scenario: str) -> torch.Tensor:
+    model = Branchy()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    set_to_none = not clear_kind.endswith("(set_to_none=False)")
+    return _loop(model, _Plain(model, optimizer), lambda s: optimizer.zero_grad(set_to_none=set_to_none),
+                 None, scenario, WORLD)
+
+
+def _on_rank(me, stage_name, clear_kind, scenario):
+    model = Branchy()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    options = {"find_unused_parameters": True} if "c " in scenario else {}
+    stage = make_stage(stage_name, model, optimizer, make_comm("ring", check=True), **options)
+    set_to_none = not clear_kind.endswith("(set_to_none=False)")
+    whom = {"stage": stage, "user": optimizer, "sharded": stage.optimizer}[clear_kind.split(".")[0]]
+    final = _loop(model, stage, lambda s: whom.zero_grad(set_to_none=set_to_none), me.rank, scenario, WORLD)
+    if hasattr(stage, "full_state_dict"):  # zero3: the model holds placeholders between uses
+        state = stage.full_state_dict()
+        final = torch.cat([state[n].reshape(-1) for n, _ in model.named_parameters()])
+    return final
+
+
+CLEARS = ["stage.zero_grad()", "stage.zero_grad(set_to_none=False)", "user.zero_grad()",
+          "user.zero_grad(set_to_none=False)", "sharded.zero_grad()"]
+
+
+@pytest.mark.parametrize("clear", CLEARS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_whichever_zero_grad_the_user_calls_training_equals_torch(pools, stage, clear):
+    if clear.startswith("sharded") and not stage.startswith("zero"):
+        pytest.skip("only ZeRO stages have an optimizer of their own")
+    for scenario in ("train", "no backward"):
+        want = reference(clear, scenario)
+        for rank, got in enumerate(pools.run(WORLD, _on_rank, stage, clear, scenario)):
+            assert torch.allclose(got, want, rtol=0, atol=1e-12), \
+                f"{scenario}, rank {rank}: |Δ| = {(got - want).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_step_without_backward_moves_nothing(pools, stage):
+    """zero_grad() then step(): torch skips every parameter (no decay, no Adam step count)."""
+    start = torch.cat([p.detach().reshape(-1) for p in Branchy().parameters()])
+    got = pools.run(WORLD, _step_only, stage)
+    assert all(torch.equal(g, start) for g in got)
+
+
+def _step_only(me, stage_name):
+    model = Branchy()
+    stage = make_stage(stage_name, model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5),
+                       make_comm("ring", check=True))
+    stage.zero_grad()
+    stage.step()
+    stage.step()
+    if hasattr(stage, "full_state_dict"):
+        state = stage.full_state_dict()
+        return torch.cat([state[n].reshape(-1) for n, _ in model.named_parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("scenario", ["c unused", "c on rank 0"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_parameter_without_a_gradient_is_not_stepped(pools, stage, scenario):
+    """With find_unused_parameters: unused everywhere -- not stepped (weight decay would move it);
+    used on rank 0 only -- averaged with rank 1's zeros, as one device computes it."""
+    want = reference("stage.zero_grad()", scenario)
+    for got in pools.run(WORLD, _on_rank, stage, "stage.zero_grad()", scenario):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero2", "zero3"])
+def test_gradients_never_cleared_accumulate_across_steps_as_in_torch(pools, stage):
+    want = reference("stage.zero_grad()", "never zeroed")
+    for got in pools.run(WORLD, _on_rank, stage, "stage.zero_grad()", "never zeroed"):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+
+
+def test_zero1_refuses_to_reduce_onto_reduced_gradients_naming_the_fix(pools):
+    with pytest.raises(RankError, match="no zero_grad\\(\\) in between.*Call zero_grad\\(\\) -- the stage's or your"):
+        pools.run(WORLD, _on_rank, "zero1", "stage.zero_grad()", "never zeroed")
+
+
+def _step_after_no_sync_only(me, stage_name):
+    model = Branchy()
+    stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring", check=True))
+    stage.zero_grad()
+    with stage.no_sync():
+        stage(_data(me.rank, 0)).pow(2).mean().backward()
+    stage.step()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_step_after_no_sync_only_is_refused(pools, stage):
+    """torch DDP steps on the local gradients and the replicas drift apart silently; minizero refuses."""
+    with pytest.raises(RankError, match="step\\(\\) after backward passes inside no_sync\\(\\) only"):
+        pools.run(WORLD, _step_after_no_sync_only, stage)
+
+
+def _no_sync_then_sync(me, stage_name):
+    """The legal pattern the refusal must not catch: accumulate, then synchronise, then step."""
+    model = Branchy()
+    stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring", check=True))
+    stage.zero_grad()
+    for k in range(2):
+        with stage.no_sync() if k == 0 else contextlib.nullcontext():
+            stage(_data(me.rank, k)).pow(2).mean().backward()
+    stage.step()
+    return "stepped"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_accumulate_then_synchronise_still_steps(pools, stage):
+    assert pools.run(WORLD, _no_sync_then_sync, stage) == ["stepped"] * WORLD
