@@ -99,7 +99,7 @@ class TensorHookDDP(BucketedDDP):
         return averaged
 
     def sync_gradients(self):
-        pass
+        self._has_grad.update(id(p) for _, p in self.trainable())  # every parameter was used
 
 
 class PostHookArgumentAsGradient(BucketedDDP):
@@ -111,7 +111,7 @@ class PostHookArgumentAsGradient(BucketedDDP):
                 self.comm.all_reduce(param.data, ReduceOp.AVG)
 
     def sync_gradients(self):
-        pass
+        self._has_grad.update(id(p) for _, p in self.trainable())
 
 
 HOOK_MUTANTS = {"ddp-tensor-hook": TensorHookDDP, "ddp-hook-arg-is-param": PostHookArgumentAsGradient}
