@@ -5,10 +5,13 @@
   fresh examples for hunting.
 * Examples run on a persistent pool of ranks per world size: spawning a
   world costs seconds, running one example on a live pool a few ms.
+* Pools use a short stall timeout (``TIMEOUT_S``): an example that hangs fails
+  in seconds, naming the rank that stopped, instead of after minutes.
 """
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,6 +25,14 @@ settings.register_profile("deep", derandomize=False, deadline=None, max_examples
 settings.load_profile("deep" if os.environ.get("MINIZERO_DEEP") else "ci")
 
 
+TIMEOUT_S = 8.0  # seconds a collective may go without progress in the suite
+
+
+def _on_rank(me, action, name):
+    import patch_mutants
+    getattr(patch_mutants, action)(name)
+
+
 class Pools:
     """One live RankPool per world size; a pool broken by a failure is replaced."""
 
@@ -31,8 +42,25 @@ class Pools:
     def run(self, world_size: int, fn, *args, **kwargs):
         pool = self._pools.get(world_size)
         if pool is None or pool.broken:
-            pool = self._pools[world_size] = RankPool(world_size, timeout_s=120)
+            pool = self._pools[world_size] = RankPool(world_size, timeout_s=TIMEOUT_S)
         return pool.run(fn, *args, **kwargs)
+
+    @contextmanager
+    def patched(self, name: str):
+        """Mutant ``name`` in place here and in every rank -- live pools now, and pools forked while it
+        is in place (they inherit it) -- then taken out everywhere."""
+        import patch_mutants
+        patch_mutants.apply(name)
+        try:
+            for world_size, pool in list(self._pools.items()):
+                if not pool.broken:
+                    pool.run(_on_rank, "apply", name)
+            yield
+        finally:
+            patch_mutants.undo(name)
+            for pool in self._pools.values():
+                if not pool.broken:
+                    pool.run(_on_rank, "undo", name)
 
     def close(self):
         for pool in self._pools.values():

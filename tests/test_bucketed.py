@@ -55,14 +55,15 @@ def _inspect_views(me):
     stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"),
                        bucket_mb=_mlp_bucket_cap(2))
     x, y = torch.randn(8, 8), torch.randn(8, 4)
-    launched_before_backward_ended = []
-    original = stage.sync_gradients
+    launched_before_backward_ended = []  # per step: gradients still to come when the first bucket left
+    original = stage._ready._launch
 
-    def spy():
-        launched_before_backward_ended.append(sum(b.work is not None for b in stage.buckets))
-        original()
+    def spy(index):
+        if index == 0:
+            launched_before_backward_ended.append(len(stage.trainable()) - len(stage._used))
+        original(index)
 
-    stage.sync_gradients = spy
+    stage._ready._launch = spy
     for _ in range(2):  # the second step starts from zero_grad(): views must survive it
         train_step(stage, shard_step(x, y, me.rank, me.world_size))
     views_ok = all(
@@ -73,14 +74,15 @@ def _inspect_views(me):
     stage.optimizer.zero_grad(set_to_none=True)
     train_step(stage, shard_step(x, y, me.rank, me.world_size))
     retaken = all(p.grad.data_ptr() == v.data_ptr() for b in stage.buckets for p, v in zip(b.params, b.views))
-    return views_ok, retaken, launched_before_backward_ended
+    return views_ok, retaken, launched_before_backward_ended, len(stage.buckets)
 
 
 def test_grads_are_views_into_buckets_and_buckets_start_during_backward(pools):
-    for views_ok, retaken, launched in pools.run(2, _inspect_views):
+    for views_ok, retaken, launched, n_buckets in pools.run(2, _inspect_views):
         assert views_ok and retaken
-        # The first bucket (last layer) was already sent when backward finished: overlap.
-        assert all(n >= 1 for n in launched), launched
+        assert n_buckets == 2  # the cap is in MiB of gradient bytes
+        # The first bucket (the last layer's) left while backward still had gradients to compute: overlap.
+        assert launched and all(n >= 1 for n in launched), launched
 
 
 def _unused_without_flag(me):

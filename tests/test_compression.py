@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from dataclasses import replace
 
 from minizero.compress import split_division
 from minizero.experiment import Experiment, exact_reference_of, max_diff, reference_of, run_experiment
@@ -27,6 +28,17 @@ def test_compressed_stage_matches_the_same_casts_reference(pools, stage, data):
     psi = results[0]["psi"]
     if stage.startswith("ddp") and exp.task != "edge":  # edge's unused parameter sends nothing in plain ddp
         assert sum(r["sent_bytes"] for r in results) == exp.steps * 2 * (world_size - 1) * psi * 2
+
+
+@pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero2"])
+@pytest.mark.parametrize("compress", ["fp16", "bf16"])
+def test_compressed_bytes_are_half(pools, stage, compress):
+    """Gradients cross the wire in 16 bits: exactly half of their bytes (the ledger, not the formula)."""
+    exp = Experiment(stage=stage, task="mlp", steps=2, dtype="float32", options={"compress": compress})
+    plain, half = (sum(r["sent_bytes"] for r in pools.run(3, run_experiment, e))
+                   for e in (replace(exp, options={}), exp))
+    gradient_share = 0.5 if stage == "zero2" else 1.0  # ZeRO all-gathers parameters, in their own precision
+    assert half == plain * (1 - gradient_share / 2)
 
 
 @settings(max_examples=examples(15))

@@ -136,3 +136,17 @@ def test_same_code_runs_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert '"within_tolerance": true' in out.stdout
     assert out.stdout.count('"stage": "ddp"') == 1  # only rank 0 prints
+
+
+def _slow_but_moving(me, pause_s):
+    comm = make_comm("ring")
+    comm.add_observer(lambda kind, nbytes: time.sleep(pause_s))  # every message takes a while to leave
+    t = torch.ones(3 * 64)
+    comm.all_reduce(t)  # 2(N-1) = 4 messages per rank at N=3
+    return t[0].item()
+
+
+def test_a_slow_collective_that_keeps_moving_is_not_a_stall():
+    """Each ring step takes 0.5 s, the whole all-reduce about 2 s, the timeout is 1.2 s: the clock
+    restarts at every step's progress, so it completes."""
+    assert run(_slow_but_moving, 3, 0.5, timeout_s=1.2) == [3.0] * 3

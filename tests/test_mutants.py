@@ -1,14 +1,23 @@
 """A test earns its place by failing when the code is wrong.
 
-Each mutant is a DDP with one classic bug; the very property that passes
-for ``ddp`` must fail for it, within a few drawn examples.
+Two kinds of mutants, each one realistic bug: broken *stages* (``mutants.py``),
+which the very property that passes for the real stage must catch within a
+few drawn examples; and broken *functions* anywhere in the package
+(``patch_mutants.py``: collectives, ledger, fingerprints, launcher and
+watchdog, buckets, compression, layout, sharded optimizer, stages, the loop,
+the comparison), each with the part of the suite that must fail while it is
+in place.  Some are right in value and wrong in cost (bytes, memory,
+overlap): only a test that measures the cost catches those.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 from hypothesis import Phase, given, settings
 
 import mutants
+import patch_mutants
 from equivalence import experiments, run_and_check
 
 
@@ -53,3 +62,16 @@ def test_all_reduce_then_all_gather_is_right_in_value_and_caught_in_bytes(pools)
     run_and_check(pools, Experiment(stage="zero1-allreduce-allgather", task="mlp", steps=2, accum=2), 3)
     with pytest.raises(AssertionError):
         check_zero_bytes(pools, "zero1-allreduce-allgather", 3)
+
+
+@pytest.mark.parametrize("name", list(patch_mutants.MUTANTS))
+def test_the_suite_catches(pools, name):
+    """The mutant's catch -- a part of the suite that passes on the real code -- fails with it in place."""
+    catch = patch_mutants.MUTANTS[name].catch
+    with pools.patched(name):
+        # An assertion, a RankError, a pytest.raises whose error did not come (pytest.fail): caught.
+        with pytest.raises((Exception, pytest.fail.Exception)) as info:
+            catch(pools)
+    if os.environ.get("MINIZERO_MUTANT_LOG"):  # how each was caught, for the record
+        with open(os.environ["MINIZERO_MUTANT_LOG"], "a") as log:
+            log.write(f"{name}\t{type(info.value).__name__}\t{str(info.value)[:3000]}\n")

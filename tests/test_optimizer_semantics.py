@@ -127,13 +127,15 @@ def _step_only(me, stage_name):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+@pytest.mark.parametrize("clear", ["stage.zero_grad()", "stage.zero_grad(set_to_none=False)"])
 @pytest.mark.parametrize("scenario", ["c unused", "c on rank 0"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_parameter_without_a_gradient_is_not_stepped(pools, stage, scenario):
-    """With find_unused_parameters: unused everywhere -- not stepped (weight decay would move it);
+def test_a_parameter_without_a_gradient_is_not_stepped(pools, stage, scenario, clear):
+    """With find_unused_parameters: unused everywhere -- not stepped (weight decay would move it), also
+    after zero_grad(set_to_none=False), which zeroes gradients that exist and leaves a None a None;
     used on rank 0 only -- averaged with rank 1's zeros, as one device computes it."""
-    want = reference("stage.zero_grad()", scenario)
-    for got in pools.run(WORLD, _on_rank, stage, "stage.zero_grad()", scenario):
+    want = reference(clear, scenario)
+    for got in pools.run(WORLD, _on_rank, stage, clear, scenario):
         assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
 
 

@@ -162,3 +162,32 @@ def test_units_must_not_nest_and_the_root_is_implicit():
         resolve_units(gpt, [gpt])
     assert [type(u).__name__ for u in default_units(gpt)] == ["Block", "Block"]
     assert len(default_units(MLP((3, 4, 5)))) == 2
+
+
+def _weight_decay_on_a_skipped_unit(me):
+    """layers.2 runs every other step.  With zero_grad(set_to_none=False) its zero gradient is still
+    stepped, so AdamW's decay moves it in the steps that skip it -- after its prefetch (from the last
+    forward's order) was already gathered.  A prefetch kept across the step would hold stale weights.
+    ``me`` None: the single-device reference, running both ranks' halves of each step."""
+    model = ReuseModel(seed=0, dtype=torch.float64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
+    stage = model if me is None else make_stage("zero3", model, optimizer, make_comm("ring", check=True))
+    clear_and_step = optimizer if me is None else stage
+    for step in range(4):
+        clear_and_step.zero_grad(set_to_none=False)
+        for r in (range(2) if me is None else [me.rank]):
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * step + r), dtype=torch.float64)
+            loss = stage(x).pow(2).mean()
+            (loss / 2 if me is None else loss).backward()  # the reference: the mean over both ranks
+            if me is None and r == 0:
+                model.calls -= 1  # both halves are one forward of the step: the same skip pattern
+        clear_and_step.step()
+    state = model.state_dict() if me is None else stage.full_state_dict()
+    return {k: v.clone() for k, v in state.items()}
+
+
+def test_a_prefetch_left_from_the_last_forward_is_dropped_at_the_step(pools):
+    want = _weight_decay_on_a_skipped_unit(None)
+    for got in pools.run(2, _weight_decay_on_a_skipped_unit):
+        for name, value in want.items():
+            assert torch.allclose(got[name], value, rtol=0, atol=1e-12), name

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import progress
-from .fingerprint import KINDS, Call, Tag, exchange
+from .fingerprint import KINDS, Call, CollectiveMismatch, Tag, exchange
 from .thread import CommThread, Work
 
 class ReduceOp(enum.Enum):
@@ -125,6 +125,7 @@ class Comm:
         self._thread: CommThread | None = None
         self._lock = threading.Lock()
         self._calls = 0  # collectives issued on this Comm: the number in every fingerprint
+        self._failed: str | None = None  # a collective that failed part-way: this rank is out of step
 
     # ----------------------------------------------------------- observers
     def add_observer(self, observer: Callable[[str, int], None]) -> None:
@@ -148,6 +149,9 @@ class Comm:
         """Validate, fingerprint, run and book one collective (on whichever thread runs it)."""
         if getattr(self._local, "kind", None) is not None:  # part of an outer collective: booked there
             return method(**arguments)
+        if self._failed is not None:
+            raise RuntimeError(f"rank {self.rank}: no more collectives on this Comm: {self._failed}, so its "
+                               f"messages are out of step with its peers'. Create a new Comm (and stage).")
         call = self._describe(kind, arguments, tag or Tag())
         self.board.enter(call)
         try:
@@ -157,6 +161,13 @@ class Comm:
                 exchange(self, call, self._first_tensor(arguments).device)
             self._local.kind = kind
             return method(**arguments)
+        except CollectiveMismatch:
+            raise  # every rank raised at the same call, before any data moved: still in step
+        except BaseException as error:
+            # Part of this collective's messages may have left: a next one would pair with the rest
+            # (on gloo, a size mismatch aborts the process).  Stop here, and say why from now on.
+            self._failed = f"{call.describe()} failed part-way ({type(error).__name__}: {error})"
+            raise
         finally:
             self._local.kind = None
             self.board.leave()

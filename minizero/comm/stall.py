@@ -60,7 +60,8 @@ def stalled(records: list[dict | None], now: float, timeout_s: float, finished: 
         stuck = [r for r in waiting if now - r["progress"] > limit]
         if not stuck:
             continue
-        first = min(stuck, key=lambda r: (r["seq"], r["progress"]))
+        # Tell it from the side of a rank that waits for a peer, the oldest collective first.
+        first = min(stuck, key=lambda r: (r["waiting_on"] == NOBODY, r["seq"], r["progress"]))
         culprits, reason = blame(first, records, finished)
         if limit == timeout_s or (culprits and set(culprits) <= set(finished)):
             return explain(first, records, now, timeout_s, finished, culprits, reason), culprits
@@ -91,7 +92,7 @@ def blame(first: dict, records: list[dict | None], finished: set[int]) -> tuple[
             return [peer], (f"it already left collective #{int(row['seq'])} without sending the message rank "
                             f"{row['rank']} waits for: a bug inside the collective, not a disagreement")
         if other["waiting_on"] == NOBODY:
-            return [peer], "it is inside a collective but not waiting for any peer: busy or stuck in its own code"
+            return [peer], "it is inside the collective but not waiting for any peer: busy or stuck in its own code"
         if peer in seen:
             return [], ("every rank in the chain waits for its neighbour: a message that should exist was never "
                         "sent -- a deadlock inside the collective")

@@ -119,5 +119,6 @@ class BucketedDDP(DDP):
             bucket.buffer.zero_()
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
-        # set_to_none=False means "zero gradients": stepped like any other, as torch does.
-        self._has_grad = set() if set_to_none else {id(p) for b in self.buckets for p in b.params}
+        # As in torch: set_to_none=False zeroes the gradients that exist (still stepped); None stays None.
+        if set_to_none:
+            self._has_grad.clear()

@@ -111,8 +111,10 @@ class ZeRO1(Synchronised):
 
     # ------------------------------------------------------------ which parameters have a gradient
     def _clear_has_grad(self, set_to_none: bool) -> None:
-        """None gradients are not stepped; zero ones are (weight decay, momentum), as in torch."""
-        self._has_grad = set() if set_to_none else {id(s.param) for g in self.groups for s in g.segments}
+        """As in torch: set_to_none=True leaves no gradient (not stepped); set_to_none=False zeroes the
+        gradients that exist -- those are still stepped (weight decay, momentum) -- and a None stays None."""
+        if set_to_none:
+            self._has_grad.clear()
 
     def _checked_groups(self) -> list[FlatGroup]:
         """The groups whose parameters must each have a gradient (ZeRO-3 leaves out units nobody called)."""
