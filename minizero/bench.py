@@ -98,12 +98,13 @@ def _measure(world_size: int, variants: list[tuple[str, Experiment]]) -> list[tu
     return rows
 
 
-def bench_check(world_size: int, steps: int = 12) -> list[dict]:
+def bench_check(world_size: int, steps: int = 12, model: dict | None = None) -> list[dict]:
     """What fingerprinting every collective costs: the same stage with the check off and on, one run.
 
     One small all-gather (9 float64 per rank) before each collective: its cost is a latency, paid
     once per bucket or unit -- so the stages with many small collectives pay most."""
-    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32")
+    base = Experiment(task="gpt", model=BENCH_GPT if model is None else model, optimizer="adamw", steps=steps,
+                      micro_batch=8, dtype="float32")
     cases = [("ddp-bucketed", {"bucket_mb": 0.5}), ("zero2", {"bucket_mb": 0.5}), ("zero3", {})]
     variants = [(f"{stage}/{backend}", replace(base, stage=stage, backend=backend, check=check, options=options))
                 for stage, options in cases for backend in ("native", "ring") for check in (False, True)]

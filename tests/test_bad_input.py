@@ -174,11 +174,15 @@ def _wrap(me, what, stage_name="ddp"):
 
 
 @pytest.mark.parametrize("what, stage, message", [
-    ("meta", "zero1", "'0.weight' is on the meta device (a shape without storage)"),
-    ("sparse", "ddp", "module '0' produces sparse gradients (sparse=True)"),
+    ("meta", "zero1", "'0.weight' is on the meta device (a shape without storage), so there is nothing to broadcast "
+                      "or shard. Materialise the model first"),
+    ("sparse", "ddp", "module '0' produces sparse gradients (sparse=True); minizero's buffers hold dense gradients. "
+                      "Construct it with sparse=False."),
     ("foreign", "zero2", "the optimizer holds 1 tensor(s) that are not parameters of the model (param group, shape: [(0, (3,))])"),
     ("prefetch", "zero3", "prefetch must be a whole number of units >= 0, got -1"),
-    ("direct", "ddp-bucketed", "the wrapped model was called directly with autograd on. Call the stage"),
+    ("direct", "ddp-bucketed", "the wrapped model was called directly with autograd on. Call the stage -- stage(x), "
+                               "not model(x) -- so that its backward synchronises gradients; for evaluation, "
+                               "wrap the call in torch.no_grad()"),
 ])
 def test_what_no_stage_can_work_with_is_refused_at_wrap_time(pools, what, stage, message):
     with pytest.raises(RankError) as info:

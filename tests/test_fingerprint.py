@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from minizero.comm import CollectiveMismatch, Ledger, ReduceOp, Tag, make_comm
+from minizero.launch import RankError
 
 
 def _disagree(me, backend, case):
@@ -93,3 +94,28 @@ def test_fingerprint_bytes_are_booked_apart_from_the_training_traffic(pools, bac
     assert "check" not in plain
     assert {k: v for k, v in checked.items() if k != "check"} == plain
     assert checked["check"] == 2 * 2 * 9 * 8  # two calls: a ring all-gather of 9 float64 per rank, N-1 = 2 steps
+
+
+def _after_a_part_way_failure(me):
+    """A collective fails on rank 1 after its first message left; the Comm refuses every later one."""
+    comm = make_comm("ring")
+    boom = {"armed": me.rank == 1}
+
+    def fail_once(kind, nbytes):
+        if boom["armed"]:
+            boom["armed"] = False
+            raise RuntimeError("injected")
+    comm.add_observer(fail_once)
+    try:
+        comm.all_reduce(torch.ones(8), tag=Tag("bucket 0"))
+    except RuntimeError:
+        pass
+    comm.all_reduce(torch.ones(8), tag=Tag("bucket 1"))  # rank 1: refused at once, before sending
+
+
+def test_a_comm_whose_collective_failed_part_way_refuses_the_next(pools):
+    """Its next message would pair with the rest of the failed one (gloo aborts on the size mismatch)."""
+    with pytest.raises(RankError) as info:  # rank 0 is left waiting; the pool names rank 1's refusal
+        pools.run(2, _after_a_part_way_failure)
+    assert "no more collectives on this Comm: #1 all_reduce of 8 float32 (sum) for 'bucket 0' failed part-way" \
+        in str(info.value)
