@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 WORLD  ?= 3
 
-.PHONY: demo test test-deep install bench clean
+.PHONY: demo test test-deep install bench soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ bench: install
 	$(PY) -m minizero bench zero --world-size 2
 	$(PY) -m minizero bench zero3 --world-size 2
 	$(PY) -m minizero bench overlap --world-size 2
+	$(PY) -m minizero bench check --world-size 2
+
+# Every stage beside the reference for 500 steps: the largest deviation over the run (minutes, not CI).
+soak: install
+	$(PY) -m minizero soak --world-size 4 --steps 500 --task gpt
 
 clean:
 	rm -rf $(VENV) *.egg-info
