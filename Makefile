@@ -44,7 +44,7 @@ bench: install
 
 # Every stage beside the reference for 500 steps: the largest deviation over the run (minutes, not CI).
 soak: install
-	$(PY) -m minizero soak --world-size 4 --steps 500 --task gpt
+	$(PY) -m minizero soak --world-size 4 --steps 500
 
 clean:
 	rm -rf $(VENV) *.egg-info

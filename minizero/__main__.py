@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     _training_options(compare, steps=5, dtype="float32")
     soak = sub.add_parser("soak", help="every stage against the reference for many steps; the largest deviation")
     _training_options(soak, steps=500, dtype="float64")
-    soak.set_defaults(stages=",".join(s for s in STAGES if s != "reference"), task="mlp")
+    soak.set_defaults(stages=",".join(s for s in STAGES if s != "reference"))
     bench = sub.add_parser("bench", help="speed against torch's own implementation, as ratios")
     bench.add_argument("what", choices=["collectives", "ddp", "zero", "zero3", "overlap", "check"])
     bench.add_argument("--world-size", type=positive_int, default=2)

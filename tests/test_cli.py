@@ -83,3 +83,15 @@ def test_output_to_a_closed_pipe_ends_quietly_keeping_the_status():
     _, err = process.communicate(timeout=120)
     assert process.returncode == 0, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err
+
+
+def test_soak_reports_the_largest_deviation_and_fails_on_nan():
+    """The command runs (500 steps is for `make soak`, not CI); a diverging run is a failure there too."""
+    with contextlib.redirect_stdout(io.StringIO()) as captured:
+        status = main(["soak", "--stages", "ddp,zero3", "--task", "mlp", "--steps", "3", "--world-size", "2"])
+    out = captured.getvalue()
+    assert status == 0 and re.search(r"^ddp\s+\d\.\de-1\d\s+\d", out, re.M) and "zero3" in out, out
+    with contextlib.redirect_stdout(io.StringIO()) as captured:
+        status = main(["soak", "--stages", "ddp", "--task", "mlp", "--optimizer", "sgd", "--lr", "1e30",
+                       "--steps", "3", "--dtype", "float32"])
+    assert status == 1 and "ddp: NO -- rank" in captured.getvalue(), captured.getvalue()
