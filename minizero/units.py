@@ -7,9 +7,9 @@ wrapping every transformer block: each element of every ``nn.ModuleList``
 becomes a unit; everything else belongs to the root unit (index 0).
 
 A parameter used by two units -- an input embedding tied to the output head --
-belongs to the root, which is gathered around the whole forward and
-backward, so both uses see it and its gradient is complete before it is
-reduced.  (Assigning it to one of the two units is how tied weights end up
+belongs to the root, which is gathered for the whole forward and again for
+the whole backward, so both uses see it and its gradient is complete before
+it is reduced.  (Assigning it to one of the two units is how tied weights end up
 half-updated.)
 """
 from __future__ import annotations
