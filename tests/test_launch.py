@@ -161,3 +161,24 @@ def test_a_slow_collective_that_keeps_moving_is_not_a_stall():
     """Each ring step takes 0.5 s, the whole all-reduce about 2 s, the timeout is 1.2 s: the clock
     restarts at every step's progress, so it completes."""
     assert run(_slow_but_moving, 3, 0.5, timeout_s=1.2) == [3.0] * 3
+
+
+def _a_send_that_never_happens(me):
+    """Rank 1's all-gather step forgets to send (a bug inside the collective), then rank 1 goes quiet."""
+    comm = make_comm("ring")
+    if me.rank == 1:
+        step = comm._send_right_recv_left
+        comm._send_right_recv_left = lambda send, recv, part, i: step(None if part == "all-gather" else send,
+                                                                        recv, part, i)
+    comm.all_reduce(torch.ones(4))
+    if me.rank == 1:
+        time.sleep(60)
+
+
+def test_a_ring_step_whose_message_never_comes_is_reported_as_that():
+    with pytest.raises(RankError) as info:
+        run(_a_send_that_never_happens, 2, timeout_s=2)
+    message = str(info.value)
+    assert ("Stopped making progress: rank 1 -- it already left collective #1 without sending the message rank 0 "
+            "waits for: a bug inside the collective, not a disagreement") in message
+    assert "rank 0: in all_reduce #1 of 4 elements, in its all-gather step 1, waiting for rank 1" in message

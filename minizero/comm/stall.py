@@ -85,12 +85,12 @@ def blame(first: dict, records: list[dict | None], finished: set[int]) -> tuple[
         other = records[peer] if 0 <= peer < len(records) else None
         if other is None:
             return [peer], "it never reported progress"
+        if other["seq"] > row["seq"] or (other["seq"] == row["seq"] and other["state"] == IDLE):
+            return [peer], (f"it already left collective #{int(row['seq'])} without sending the message rank "
+                            f"{row['rank']} waits for: a bug inside the collective, not a disagreement")
         if peer in finished or other["state"] == IDLE:
             return [peer], ("it finished its task without joining this collective" if peer in finished else
                             "it is in no collective: computing, stuck in its own code, or it skipped this one")
-        if other["seq"] > row["seq"]:
-            return [peer], (f"it already left collective #{int(row['seq'])} without sending the message rank "
-                            f"{row['rank']} waits for: a bug inside the collective, not a disagreement")
         if other["waiting_on"] == NOBODY:
             return [peer], "it is inside the collective but not waiting for any peer: busy or stuck in its own code"
         if peer in seen:
