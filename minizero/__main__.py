@@ -14,24 +14,22 @@ import sys
 from .stages import STAGES
 
 
-def positive_int(text: str) -> int:
+def _whole_number(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number (1 or more)")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} {what}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _whole_number(text, 1, "is not a positive whole number (1 or more)")
 
 
 def natural_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; use 0 or more")
-    return value
+    return _whole_number(text, 0, "is negative; use 0 or more")
 
 
 def positive_float(text: str) -> float:

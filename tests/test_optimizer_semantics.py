@@ -13,25 +13,14 @@ import contextlib
 
 import pytest
 import torch
-from torch import nn
 
 from minizero.comm import make_comm
 from minizero.launch import RankError
 from minizero.stages import make_stage
+from test_robustness import Branchy  # a, b, c: c used or not, per call
 
 STAGES = ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"]
 WORLD = 2
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.c = nn.Linear(4, 8).double(), nn.Linear(8, 2).double(), nn.Linear(8, 2).double()
-
-    def forward(self, x, use_c=True):
-        h = torch.tanh(self.a(x))
-        return self.b(h) + self.c(h) if use_c else self.b(h)
 
 
 def _data(rank, step):

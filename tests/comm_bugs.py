@@ -1,0 +1,137 @@
+"""Broken copies of communication and launcher code: each one realistic bug (see patch_mutants.py)."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from minizero.comm import ReduceOp, ring
+from minizero.comm.base import Comm, collective
+from minizero.comm import fingerprint as _fingerprint
+from minizero.comm import native as _native
+from minizero import launch as _launch
+from minizero.comm import progress as _progress
+from minizero.comm import stall as _stall
+
+
+def rs_forgets_own_chunk(self, chunks, out, op):
+    """Reduce-scatter whose last step keeps the neighbour's partial sum, forgetting this rank's part."""
+    n, r = self.world_size, self.rank
+    if n == 1:
+        if out is not chunks[r]:
+            out.copy_(chunks[r])
+        return
+    buffers = self._scratch(max(c.numel() for c in chunks), out)
+    send = chunks[(r - 1) % n]
+    for step in range(n - 1):
+        index = (r - step - 2) % n
+        incoming = buffers[step % 2][: chunks[index].numel()]
+        self._send_right_recv_left(send, incoming, "reduce-scatter", step)
+        if index == r:
+            out.copy_(incoming)
+        else:
+            send = op.combine(incoming, chunks[index], out=incoming)
+
+
+def ag_forwards_wrong_chunk(self, chunks):
+    n, r = self.world_size, self.rank
+    for step in range(n - 1):
+        self._send_right_recv_left(chunks[(r - step + 1) % n], chunks[(r - step - 1) % n], "all-gather", step)
+
+
+@collective("reduce_scatter")
+def rs_avg_not_divided(self, output, input, op=ReduceOp.SUM):
+    self._ring_reduce_scatter(self._chunks(input), output.view(-1), op)  # AVG: forgot to divide
+
+
+_original_broadcast = ring.RingComm.broadcast.__wrapped__
+_original_root = ring.RingComm.root_all_reduce.__wrapped__
+
+
+@collective("broadcast")
+def broadcast_from_zero(self, tensor, src=0):
+    _original_broadcast(self, tensor, 0)  # every broadcast starts at rank 0, whatever src says
+
+
+@collective("all_reduce")
+def all_reduce_through_root(self, tensor, op=ReduceOp.SUM):
+    """Right values, the parameter-server bytes: the root sends (N-1) x S."""
+    _original_root(self, tensor, op)
+
+
+def p2p_unreported(self, send, recv, part, step):
+    right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+    request = dist.isend(send, self.peer(right), group=self.group) if send is not None and send.numel() else None
+    if recv is not None and recv.numel():
+        dist.recv(recv, self.peer(left), group=self.group)
+    if request is not None:
+        request.wait()  # bytes left, but nobody told the ledger
+
+
+_original_model = _native.ring_bytes_sent
+_original_encode = _fingerprint.encode
+_original_run = Comm._run
+
+
+def modelled_bytes_ignore_uneven_chunks(kind, numel, element_size, world_size, rank, src=0):
+    if kind == "all_reduce" and world_size > 1:
+        return 2 * (world_size - 1) * (numel // world_size) * element_size
+    return _original_model(kind, numel, element_size, world_size, rank, src)
+
+
+def fingerprint_without_tag(call):
+    return _original_encode(replace(call, tag=_fingerprint.Tag()))  # kind, size and dtype only
+
+
+def keeps_going_after_failure(self, kind, method, arguments, tag):
+    self._failed = None  # forgets that a collective failed part-way
+    return _original_run(self, kind, method, arguments, tag)
+
+
+# ------------------------------------------------------------------------------- the launcher, the watchdog
+
+_original_blame = _stall.blame
+_original_pool_run = _launch.RankPool.run
+
+
+def blames_the_waiter(first, records, finished):
+    culprits, reason = _original_blame(first, records, finished)
+    return [first["rank"]], reason
+
+
+_original_set = _progress.ProgressBoard._set
+
+
+def progress_only_at_entry(self, **fields):
+    """The stall clock starts when the collective starts and never restarts: a slow one is 'stalled'."""
+    if "state" not in fields:  # only enter() and leave() set the state
+        fields.pop("progress", None)
+    _original_set(self, **fields)
+
+
+def run_with_a_deadline(self, fn, *args, **kwargs):
+    """The old launcher: the timeout bounds the whole run, not a stall."""
+    deadline = time.monotonic() + 1.25 * self.timeout_s + 2.0
+    original_watch = self._watch
+
+    def watch(finished):
+        original_watch(finished)
+        if time.monotonic() > deadline:
+            self.close(kill=True)
+            raise _launch.RankError("ranks did not finish within the timeout")
+    self._watch = watch
+    try:
+        return _original_pool_run(self, fn, *args, **kwargs)
+    finally:
+        del self._watch
+
+
+def swallows_errors(self, fn, *args, **kwargs):
+    try:
+        return _original_pool_run(self, fn, *args, **kwargs)
+    except _launch.RankError as error:
+        if "raised" in str(error):
+            return [None] * self.world_size
+        raise
+

@@ -1,0 +1,221 @@
+"""Broken copies of training code -- buckets, compression, layout, stages, the loop, the comparison --
+each one realistic bug (see patch_mutants.py)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from minizero import buckets as _buckets
+from minizero import layout as _layout
+from minizero import sharded_optimizer as _sharded
+from minizero.stages import base as _base, zero3 as _zero3
+import minizero.experiment as _experiment
+from minizero.train import Step
+
+# ------------------------------------------------------------------------------- buckets
+
+_original_assign = _buckets.assign_buckets
+
+
+def buckets_in_registration_order(named_params, bucket_mb):
+    """Right values; the first bucket now holds the first layer, whose gradient comes last: no overlap."""
+    return _original_assign(list(reversed(named_params)), bucket_mb)
+
+
+def cap_in_elements(named_params, bucket_mb):
+    """The cap compared with element counts, not bytes: 4x (float32) or 8x (float64) too few buckets."""
+    element_size = named_params[0][1].element_size() if named_params else 4
+    return _original_assign(named_params, bucket_mb * element_size)
+
+
+def launch_when_any_ready(self, param):
+    b, i = self._slot[id(param)]
+    self._ready[b].add(i)
+    while self._next < len(self._sizes) and self._ready[self._next]:  # some, not all
+        self._launch(self._next)
+        self._next += 1
+
+
+# ------------------------------------------------------------------------------- compression
+def divide_by_n_first(world_size):
+    return world_size, 1.0  # fp16_compress_hook's order: small gradients sink into subnormals
+
+
+def feedback_of_wrong_sign(self, flat, key):
+    scaled = flat / self.pre
+    if self.error_feedback and self.residuals.get(key) is not None:
+        scaled += self.residuals[key]
+    wire = scaled.to(self.wire_dtype)
+    if self.error_feedback:
+        self._pending[key] = wire.to(flat.dtype) - scaled
+    return wire
+
+
+def no_overflow_check(self, wire, out, names, key):
+    pending = self._pending.pop(key, None)
+    if pending is not None:
+        self.residuals[key] = pending
+    out.copy_(wire)
+    out.div_(self.post)
+
+
+def no_cast(self, flat, key):
+    return (flat / self.pre).to(self.wire_dtype).to(flat.dtype)  # rounded like fp16, sent as fp32
+
+
+# ------------------------------------------------------------------------------- layout, sharded optimizer
+
+_original_cut = _layout.FlatGroup._cut_pieces
+
+
+def pieces_one_short(self):
+    """Every piece ends one element early: that element of each parameter is never stepped."""
+    pieces = _original_cut(self)
+    for piece in pieces:
+        if piece.stop - piece.start > 1:
+            piece.stop -= 1
+            piece.param = torch.nn.Parameter(self.shard[piece.offset:piece.offset + piece.stop - piece.start])
+    return pieces
+
+
+def zero_grads_for_unused(groups, grad_shards, has_grad):
+    for group, shard in zip(groups, grad_shards):
+        for piece in group.pieces:  # a zero gradient instead of None: weight decay and momentum still move it
+            piece.param.grad = shard[piece.offset:piece.offset + piece.stop - piece.start]
+
+
+def state_at_the_parameters_offset(sharded, group, key, dtype, comm, tag):
+    mine = torch.zeros(group.shard_size, dtype=dtype, device=group.shard.device)
+    for piece in group.pieces:
+        piece_state = sharded.state.get(piece.param)
+        if piece_state and key in piece_state:
+            at = piece.start % max(group.shard_size, 1)  # the offset within the parameter, not within the shard
+            mine[at:at + piece.stop - piece.start] = piece_state[key][: group.shard_size - at]
+    full = mine.new_empty(group.shard_size * group.world_size)
+    comm.all_gather(full, mine, tag=tag)
+    return full
+
+
+# ------------------------------------------------------------------------------- stages
+def ddp_packs_what_exists(self):
+    """The old ddp: whatever has a gradient here -- rank 0's b meets rank 1's c in the buffer."""
+    return [p for _, p in self.trainable() if p.grad is not None]
+
+
+def zero1_gathers_before_stepping(self):
+    self._follow_user_optimizer()
+    for g, group in enumerate(self.groups):
+        self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters"))
+    _sharded.attach_gradients(self.groups, self.grad_shards(), self._has_grad)
+    self.optimizer.step()
+
+
+def zero2_keeps_full_gradients(self, index):
+    """Right values, ZeRO-1's memory: the full gradients are packed but never freed."""
+    group = self.groups[index]
+    full = group.pack_grads()
+    names, tag = [s.name for s in group.segments], self.tag(self._group_label(index))
+
+    def reduce_scatter():
+        averaged = torch.empty_like(self.shards[index])
+        self.averager.reduce_scatter(full, averaged, index, names, tag)
+        self.shards[index].add_(averaged)
+    self._works[index] = self.comm.submit(reduce_scatter)
+
+
+_original_after_forward = _zero3.ZeRO3._after_forward
+
+
+def zero3_never_reshards(self, unit, output):
+    """Right values, DDP's bytes and memory: units stay gathered from forward to backward."""
+    keep, self.reshard_after_forward = self.reshard_after_forward, False
+    try:
+        _original_after_forward(self, unit, output)
+    finally:
+        self.reshard_after_forward = keep
+
+
+def zero3_keeps_prefetches(self):
+    pass  # prefetched buffers outlive the step: the next forward may compute with stale weights
+
+
+def tied_weight_in_first_unit(model, units):
+    """A parameter used by two units goes to the first of them, not to the root."""
+    unit_of = {id(m): i for i, unit in enumerate(units, start=1) for m in unit.modules()}
+    assigned = [[] for _ in range(len(units) + 1)]
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            owners = sorted({unit_of.get(id(m), 0) for m in model.modules() for q in m._parameters.values()
+                             if q is p} - ({0} if len(units) else set()) or {0})
+            assigned[owners[0]].append((name, p))
+    return assigned
+
+
+def agrees_on_nothing(self):
+    params = [s.param for g in self._checked_groups() for s in g.segments]
+    self._has_grad.update(id(p) for p in params if id(p) in self._used)  # no bitmap: this rank's view only
+    self._used.clear()
+
+
+_original_sync_step = _base.Synchronised.step
+
+
+def steps_on_local_gradients(self):
+    self._local_grads = False  # the no_sync-only check, gone
+    _original_sync_step(self)
+
+
+# ------------------------------------------------------------------------------- the loop, the comparison
+
+
+def loop(scale_of: Callable, sync_every: bool = False, clear: bool = True, clip_after: bool = False):
+    """A train_step with one thing changed."""
+    def train_step(stage, step: Step, loss_fn=None, clip=None):
+        from minizero.models import sum_loss
+        if clear:
+            stage.zero_grad()
+        total, last = 0.0, len(step.micro_batches) - 1
+        for k, (x, y) in enumerate(step.micro_batches):
+            with stage.no_sync() if k < last and not sync_every else contextlib.nullcontext():
+                loss = sum_loss(stage(x), y)
+                (loss * scale_of(stage, step)).backward()
+            total += loss.item()
+        if clip is not None and not clip_after:
+            stage.clip_grad_norm_(*clip)
+        stage.step()
+        if clip is not None and clip_after:
+            stage.clip_grad_norm_(*clip)
+        return total
+    return train_step
+
+
+right_scale = lambda stage, step: stage.world_size / step.global_count  # noqa: E731
+_original_shard_step = _experiment.shard_step
+
+
+def shard_step_off_by_one(x, y, rank, world_size, accum_steps=1, rank_sizes=None):
+    step = _original_shard_step(x, y, rank, world_size, accum_steps, rank_sizes)
+    if world_size > 1 and rank_sizes is not None and rank > 0:  # the slice starts one sample early
+        start = sum(rank_sizes[:rank]) - 1
+        mine = slice(start, start + rank_sizes[rank])
+        step = Step(list(zip(x[mine].tensor_split(accum_steps), y[mine].tensor_split(accum_steps))), step.global_count)
+    return step
+
+
+def max_diff_ignores_nan(results, reference):
+    worst_abs, worst_rel = 0.0, 0.0
+    for result in results:
+        for mine, ref in zip(result["params"], reference["params"]):
+            for name, r in ref.items():
+                if r.numel():
+                    diff = (mine[name] - r).abs().max().item()
+                    worst_abs = max(worst_abs, diff)  # max(0.0, nan) is 0.0
+                    worst_rel = max(worst_rel, diff / max(r.abs().max().item(), 1e-300))
+    return worst_abs, worst_rel
+
+
+def nothing_is_nonfinite(results, reference):
+    return None
+
