@@ -74,8 +74,12 @@ class FlatGroup:
             for view, s in zip(unpack_into, self.segments):
                 view.copy_(s.param)
                 s.param.data = view  # the parameter now lives in the flat buffer
-        self.shard = self.data[rank * self.shard_size:(rank + 1) * self.shard_size]  # the owned slice
+        self.shard = self._keep(self.data[rank * self.shard_size:(rank + 1) * self.shard_size])  # the owned slice
         self.pieces = self._cut_pieces()
+
+    def _keep(self, owned: torch.Tensor) -> torch.Tensor:
+        """The owned slice as this group keeps it: a view into the full buffer (ZeRO-1/2)."""
+        return owned
 
     def _cut_pieces(self) -> list[Piece]:
         """One Parameter per parameter that overlaps the owned range, viewing ``self.shard``.
@@ -93,6 +97,11 @@ class FlatGroup:
     @property
     def dtype(self) -> torch.dtype:
         return self.shard.dtype
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the whole flat buffer, padding included: what one all-gather of the group fills."""
+        return self.shard_size * self.world_size * self.shard.element_size()
 
     @property
     def padding(self) -> int:
@@ -158,10 +167,11 @@ class ShardedFlatGroup(FlatGroup):
 
     def __init__(self, named_params, rank: int, world_size: int, group_index: int = 0):
         super().__init__(named_params, rank, world_size, group_index)
-        self.shard = self.shard.detach().clone()  # its own storage: the only copy kept
-        self.pieces = self._cut_pieces()
         self.data = None
         self.reshard()
+
+    def _keep(self, owned: torch.Tensor) -> torch.Tensor:
+        return owned.detach().clone()  # its own storage: the only copy kept
 
     @property
     def gathered(self) -> bool:

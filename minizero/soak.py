@@ -18,6 +18,8 @@ import math
 import time
 from dataclasses import replace
 
+import torch.distributed as dist
+
 from .compare import experiment_of
 from .experiment import DTYPES, RTOL, Experiment, build, snapshot_parameters
 from .data import TASKS
@@ -36,8 +38,8 @@ def soak_on_rank(me: Rank, exp: Experiment) -> dict:
     final, nonfinite, start = 0.0, None, time.perf_counter()
     for s in range(exp.steps):
         x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
-        loss = train_step(stage, shard_step(x, y, me.rank, n, exp.accum))
-        train_step(reference, shard_step(x, y, 0, 1, 1))
+        loss = train_step(stage, shard_step(x, y, me.rank, n, exp.accum), clip=exp.clip)
+        train_step(reference, shard_step(x, y, 0, 1, 1), clip=exp.clip)
         mine = snapshot_parameters(stage, model)
         final = 0.0
         for name, ref in reference_model.named_parameters():
@@ -59,12 +61,17 @@ def soak(world_size: int, stages: list[str], exp: Experiment, timeout_s: float =
     check_world_size(world_size)
     check_stage_names(stages, distributed_only=True)
     rows = []
-    pool = None if under_torchrun() else RankPool(world_size, timeout_s=timeout_s)
+    me = init_from_env(timeout_s=timeout_s) if under_torchrun() else None
+    pool = None if me else RankPool(world_size, timeout_s=timeout_s)
+    world_size = me.world_size if me else world_size  # under torchrun: the ranks that really run
     try:
         for name in stages:
             e = replace(exp, stage=name)
-            per_rank = [soak_on_rank(init_from_env(timeout_s=timeout_s), e)] if pool is None \
-                else pool.run(soak_on_rank, e)
+            if me:  # this process is one rank: every rank's summary comes to all, rank 0 reports
+                per_rank = [None] * world_size
+                dist.all_gather_object(per_rank, soak_on_rank(me, e))
+            else:
+                per_rank = pool.run(soak_on_rank, e)
             worst = max((r["worst"] for r in per_rank), key=lambda w: w["rel"])
             nonfinite = next((r["nonfinite"] for r in per_rank if r["nonfinite"]), None)
             final = max(r["final"] for r in per_rank)
@@ -76,7 +83,7 @@ def soak(world_size: int, stages: list[str], exp: Experiment, timeout_s: float =
     finally:
         if pool is not None:
             pool.close()
-    return rows
+    return rows if me is None or me.rank == 0 else []
 
 
 def main(args) -> tuple[int, str]:
@@ -85,10 +92,12 @@ def main(args) -> tuple[int, str]:
                          "design -- check them with `compare --compress ...` against the same-casts reference")
     stages = [s for s in args.stages.split(",") if s]
     rows = soak(args.world_size, stages, experiment_of(args), timeout_s=args.timeout)
+    if not rows:  # a torchrun rank other than 0
+        return 0, ""
     status = 0 if all(r["within_tolerance"] for r in rows) else 1
     if args.json:
         return status, json.dumps(rows, indent=2)
-    lines = [f"soak: {args.task} model, {args.dtype}, {args.optimizer}, N={args.world_size}, {args.steps} steps of "
+    lines = [f"soak: {args.task} model, {args.dtype}, {args.optimizer}, N={rows[0]['world_size']}, {args.steps} steps of "
              f"K={args.accum}, {args.backend} collectives; every parameter of every rank after every step; "
              f"tolerance: relative {RTOL[args.dtype]:g}",
              f"{'stage':<14}{'max rel Δ':>11}{'at step':>9}  {'in parameter':<26}{'final rel Δ':>12}{'ok':>4}{'s':>8}"]

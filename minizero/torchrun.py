@@ -66,21 +66,35 @@ class Watchdog(threading.Thread):
         self.interval = min(1.0, timeout_s / 4)
 
     def run(self) -> None:
-        while True:
-            mine = self.board.record()
-            self.store.set(KEY.format(self.board.rank), json.dumps(mine))
-            now = time.time()
-            if mine["state"] != progress.IDLE and now - mine["progress"] > self.timeout_s:
-                verdict = stalled(self._everyone(), now, self.timeout_s)
-                if verdict is not None:
-                    print(f"[minizero watchdog, rank {self.board.rank}] {verdict[0]}\n"
-                          f"Ending this rank; torchrun stops the others.", file=sys.stderr, flush=True)
-                    os._exit(1)
+        while self.tick() is None:
             time.sleep(self.interval)
+        os._exit(1)
 
-    def _everyone(self) -> list[dict | None]:
+    def tick(self) -> str | None:
+        """Publish this rank's row; return the verdict if this rank's collective has stalled.
+        A store that fails (its host gone) costs the others' rows, never the watchdog itself."""
+        mine = self.board.record()
+        try:
+            self.store.set(KEY.format(self.board.rank), json.dumps(mine))
+        except Exception:  # noqa: BLE001 -- judge on what is known
+            pass
+        now = time.time()
+        if mine["state"] == progress.IDLE or now - mine["progress"] <= self.timeout_s:
+            return None
+        verdict = stalled(self._everyone(mine), now, self.timeout_s)
+        if verdict is None:
+            return None
+        print(f"[minizero watchdog, rank {self.board.rank}] {verdict[0]}\n"
+              f"Ending this rank; torchrun stops the others.", file=sys.stderr, flush=True)
+        return verdict[0]
+
+    def _everyone(self, mine: dict) -> list[dict | None]:
         rows: list[dict | None] = []
         for r in range(self.world_size):
             key = KEY.format(r)
-            rows.append(json.loads(self.store.get(key)) if self.store.check([key]) else None)
+            try:
+                rows.append(mine if r == self.board.rank else
+                            json.loads(self.store.get(key)) if self.store.check([key]) else None)
+            except Exception:  # noqa: BLE001 -- an unreadable row is an unknown rank
+                rows.append(None)
         return rows

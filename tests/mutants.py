@@ -60,7 +60,6 @@ class SyncsEveryMicroBatch(DDP):
     linear and the earlier average is the same on every rank -- but it sends K times the bytes."""
 
     def forward(self, *args, **kwargs):
-        self.forwards += 1
         self._syncing = True
         output = self.call_module(*args, **kwargs)
         if torch.is_grad_enabled():
@@ -135,7 +134,7 @@ class AllReduceThenAllGather(ZeRO1):
 
     def sync_gradients(self):
         self._refuse_unused_here()
-        self._agree_on_use()
+        self._agree_on_use(self._checked_params())
         for buffer in self.grad_buffers:
             self.comm.all_reduce(buffer, ReduceOp.AVG)
 

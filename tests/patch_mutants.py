@@ -55,7 +55,7 @@ MUTANTS: dict[str, Mutant] = {
                                        test_catch(B, "test_grads_are_views_into_buckets_and_buckets_start_during_backward"),
                                        cost=True),
     "buckets: launched when any gradient is ready": Mutant("minizero.buckets:ReadyOrder.mark", training_bugs.launch_when_any_ready,
-                                                           property_catch("ddp-bucketed")),
+                                                           test_catch(B, "test_a_bucket_is_sent_only_when_all_its_gradients_are_final")),
     # compression
     "compress: divide by N before the cast": Mutant("minizero.compress:split_division", training_bugs.divide_by_n_first,
                                                     property_catch("ddp", compress=True, backends=("ring",))),
@@ -90,7 +90,7 @@ MUTANTS: dict[str, Mutant] = {
                                                       test_catch(Z3, "test_a_prefetch_left_from_the_last_forward_is_dropped_at_the_step")),
     "zero3: tied weight in the first unit": Mutant("minizero.units:assign_parameters", training_bugs.tied_weight_in_first_unit,
                                                    test_catch(Z3, "test_weights_tied_across_units_under_uneven_sharding", 3)),
-    "zero: no bitmap for unused parameters": Mutant("minizero.stages.zero1:ZeRO1._agree_on_use", training_bugs.agrees_on_nothing,
+    "zero: no bitmap for unused parameters": Mutant("minizero.stages.base:Synchronised._agree_on_use", training_bugs.agrees_on_nothing,
                                                     test_catch(SEM, "test_a_parameter_without_a_gradient_is_not_stepped",
                                                                "zero1", "c on rank 0", "stage.zero_grad()")),
     "stage: steps on local gradients after no_sync": Mutant("minizero.stages.base:Synchronised.step",

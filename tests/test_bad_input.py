@@ -167,6 +167,8 @@ def _wrap(me, what, stage_name="ddp"):
     params = list(model.parameters()) + ([nn.Parameter(torch.ones(3))] if what == "foreign" else [])
     stage = make_stage(stage_name, model, torch.optim.SGD(params, lr=0.1), make_comm("ring", check=True),
                        **({"prefetch": -1} if what == "prefetch" else {}))
+    if what == "twice":  # a second stage over the same model would run the first one's hooks too
+        make_stage(stage_name, model, torch.optim.SGD(params, lr=0.1), make_comm("ring", check=True))
     if what == "direct":
         with torch.no_grad():
             model(torch.ones(2, 4))  # evaluation through the model itself: fine
@@ -180,6 +182,7 @@ def _wrap(me, what, stage_name="ddp"):
                       "Construct it with sparse=False."),
     ("foreign", "zero2", "the optimizer holds 1 tensor(s) that are not parameters of the model (param group, shape: [(0, (3,))])"),
     ("prefetch", "zero3", "prefetch must be a whole number of units >= 0, got -1"),
+    ("twice", "ddp", "this model is already wrapped by a ddp stage; a model belongs to one stage"),
     ("direct", "ddp-bucketed", "the wrapped model was called directly with autograd on. Call the stage -- stage(x), "
                                "not model(x) -- so that its backward synchronises gradients; for evaluation, "
                                "wrap the call in torch.no_grad()"),

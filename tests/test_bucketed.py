@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
+from torch import nn
 from hypothesis import given, settings
 
 from minizero.buckets import assign_buckets
@@ -140,8 +142,8 @@ def test_no_sync_on_some_ranks_is_caught_at_the_first_bucket(pools):
         pools.run(2, _no_sync_forgotten, True)
     message = str(info.value)
     assert "ranks disagree on the next collective" in message
-    assert "rank 0: #4 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, forward 1, synchronising" in message
-    assert "rank 1: #4 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, forward 2, synchronising" in message
+    assert "rank 0: #4 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, backward 1, synchronising" in message
+    assert "rank 1: #4 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, backward 2, synchronising" in message
     assert "no_sync() was entered on some ranks only" in message
 
 
@@ -165,3 +167,50 @@ def test_an_unmatched_synchronisation_is_named_not_hung(pools):
         pools.run(2, _one_extra_synchronisation)
     assert "Stopped making progress: rank 0 -- it finished its task without joining this collective" in str(info.value)
     assert "rank 1: in all_reduce" in str(info.value)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes 50 ms: the layers after it finish their gradients long before the
+    layers before it do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.05)
+        return grad
+
+
+class _SlowMiddle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last = nn.Linear(4, 4).double(), nn.Linear(4, 2).double()
+
+    def forward(self, x):
+        return self.last(_SlowBackward.apply(torch.tanh(self.first(x))))
+
+
+def _one_bucket_across_a_slow_layer(me):
+    model = _SlowMiddle()
+    stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.5), make_comm("ring"))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(me.rank), dtype=torch.float64)
+    stage(x).pow(2).sum().backward()
+    stage.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_bucket_is_sent_only_when_all_its_gradients_are_final(pools):
+    """One bucket holds both layers.  Sent when the last layer's gradients arrive, it would be averaged
+    before the first layer's are written: those would stay local, and the ranks would differ."""
+    model = _SlowMiddle()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for rank in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+        (model(x).pow(2).sum() / 2).backward()
+    optimizer.step()
+    want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for got in pools.run(2, _one_bucket_across_a_slow_layer):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()

@@ -23,10 +23,10 @@ def _disagree(me, backend, case):
                 comm.all_reduce(torch.ones(4), tag=Tag("clip norm"))
             comm.all_gather(torch.empty(4 * me.world_size), torch.ones(4), tag=Tag("parameters after step"))
         elif case == "no_sync":
-            comm.all_reduce(torch.ones(4), tag=Tag("bucket 0", step=0, forward=1 if odd else 2, syncing=1))
+            comm.all_reduce(torch.ones(4), tag=Tag("bucket 0", step=0, backward=1 if odd else 2, syncing=1))
         elif case == "unit":
             comm.all_gather(torch.empty(4 * me.world_size), torch.ones(4),
-                            tag=Tag(f"unit {2 if odd else 1} forward all-gather", step=0, forward=1, syncing=1))
+                            tag=Tag(f"unit {2 if odd else 1} forward all-gather", step=0, backward=1, syncing=1))
     except CollectiveMismatch as error:
         messages.append(str(error))
     # Every rank raised at the same call, so the Comm is still in step: a correct collective works.
@@ -56,8 +56,8 @@ def test_a_disagreement_is_named_on_every_rank_before_data_moves(pools, backend,
 
 def test_the_message_says_what_each_rank_was_about_to_do(pools):
     (message,), _ = pools.run(2, _disagree, "ring", "no_sync")[0]
-    assert "rank 0: #1 all_reduce of 4 float32 (sum) for 'bucket 0', step 0, forward 2, synchronising" in message
-    assert "rank 1: #1 all_reduce of 4 float32 (sum) for 'bucket 0', step 0, forward 1, synchronising" in message
+    assert "rank 0: #1 all_reduce of 4 float32 (sum) for 'bucket 0', step 0, backward 2, synchronising" in message
+    assert "rank 1: #1 all_reduce of 4 float32 (sum) for 'bucket 0', step 0, backward 1, synchronising" in message
 
 
 def _swapped(me, check):
@@ -119,3 +119,26 @@ def test_a_comm_whose_collective_failed_part_way_refuses_the_next(pools):
         pools.run(2, _after_a_part_way_failure)
     assert "no more collectives on this Comm: #1 all_reduce of 8 float32 (sum) for 'bucket 0' failed part-way" \
         in str(info.value)
+
+
+def _a_logging_forward_on_rank_0(me):
+    """Rank 0 runs an extra forward with autograd on and never backpropagates it (logging a loss, say):
+    nothing to synchronise, so nothing for the fingerprints to object to."""
+    from minizero.models import MLP
+    from minizero.stages import make_stage
+    model = MLP((4, 4), seed=0)
+    stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       make_comm("ring", check=True))
+    for step in range(2):
+        stage.zero_grad()
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+        if me.rank == 0:
+            stage(x).sum().item()
+        stage(x).pow(2).sum().backward()
+        stage.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_forward_without_backward_on_one_rank_is_not_a_disagreement(pools):
+    rank0, rank1 = pools.run(2, _a_logging_forward_on_rank_0)
+    assert torch.equal(rank0, rank1)

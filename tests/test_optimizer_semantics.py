@@ -37,7 +37,8 @@ def _loop(model, stage, clear, rank_of, scenario, world_size):
             continue
         ranks = range(world_size) if rank_of is None else [rank_of]
         for r in ranks:
-            use_c = scenario != "c unused" and not (scenario == "c on rank 0" and r != 0)
+            use_c = scenario != "c unused" and not (scenario == "c on rank 0" and r != 0) \
+                and not (scenario == "c in step 0 only" and s > 0)
             loss = stage(_data(r, s), use_c=use_c).pow(2).mean() / (world_size if rank_of is None else 1)
             loss.backward()
         stage.step()
@@ -171,3 +172,36 @@ def _no_sync_then_sync(me, stage_name):
 @pytest.mark.parametrize("stage", STAGES)
 def test_accumulate_then_synchronise_still_steps(pools, stage):
     assert pools.run(WORLD, _no_sync_then_sync, stage) == ["stepped"] * WORLD
+
+
+@pytest.mark.parametrize("clear", ["stage.zero_grad()", "user.zero_grad()", "user.zero_grad(set_to_none=False)"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_parameter_that_stops_getting_gradients_stops_moving(pools, stage, clear):
+    """c gets a gradient in step 0 only; after the user's own zero_grad() (routed to the stage) it is not
+    stepped again -- unless set_to_none=False left it a zero gradient, which torch steps too."""
+    want = reference(clear, "c in step 0 only")
+    for got in pools.run(WORLD, _on_rank, stage, clear, "c in step 0 only"):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+
+
+def _users_own_step(me, stage_name):
+    model = Branchy()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    stage = make_stage(stage_name, model, optimizer, make_comm("ring", check=True))
+    for s in range(3):
+        optimizer.zero_grad()
+        stage(_data(me.rank, s)).pow(2).mean().backward()
+        optimizer.step()  # the user's own step, not the stage's: routed to the stage
+    if hasattr(stage, "full_state_dict"):
+        state = stage.full_state_dict()
+        return torch.cat([state[n].reshape(-1) for n, _ in model.named_parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_users_own_optimizer_step_is_the_stages(pools, stage):
+    """Under ZeRO the user's optimizer holds the unsharded parameters: its own step would update them with
+    local, unreduced gradients and skip the all-gather -- silently.  It is routed to the stage's step."""
+    want = reference("user.zero_grad()", "train")
+    for got in pools.run(WORLD, _users_own_step, stage):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()

@@ -171,3 +171,83 @@ def _users_optimizer_clears(me, stage_name, user_zero_grad):
 def test_the_users_optimizer_zero_grad_works_like_the_stages(pools, stage):
     """autograd allocates fresh .grad tensors; the stage takes them back into its buffers."""
     _assert_same(pools.run(2, _users_optimizer_clears, stage, True), pools.run(2, _users_optimizer_clears, stage, False))
+
+
+class _FailsOnce(torch.autograd.Function):
+    """Identity whose first backward raises -- an out-of-memory error in the middle of backward, say."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailsOnce.armed:
+            _FailsOnce.armed = False
+            raise RuntimeError("injected failure inside backward")
+        return grad
+
+
+def _error_inside_backward(me, stage_name, fail):
+    _FailsOnce.armed = fail
+    model = Branchy()
+    stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring", check=True))
+    if fail:  # inside the model's backward, after the stage's hook on the output has queued the sync
+        hook = model.a.register_forward_hook(lambda module, args, out: _FailsOnce.apply(out))
+        stage.zero_grad()
+        try:
+            stage(_data(me.rank, 99)).pow(2).mean().backward()
+        except RuntimeError:
+            pass  # caught: the synchronisation queued for this backward never ran
+        hook.remove()
+    for s in range(3):
+        stage.zero_grad()
+        stage(_data(me.rank, s)).pow(2).mean().backward()
+        stage.step()
+    return _flat(model, stage)
+
+
+@pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"])
+def test_an_error_inside_backward_leaves_no_synchronisation_pending(pools, stage):
+    """The next backward synchronises again: the same training as without the error."""
+    _assert_same(pools.run(2, _error_inside_backward, stage, True), pools.run(2, _error_inside_backward, stage, False))
+
+
+def _step_twice_after_no_sync(me):
+    model = Branchy()
+    stage = make_stage("ddp", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"))
+    with stage.no_sync():
+        stage(_data(me.rank, 0)).pow(2).mean().backward()
+    refusals = 0
+    for _ in range(2):
+        try:
+            stage.step()
+        except RuntimeError:
+            refusals += 1
+    return refusals
+
+
+def test_a_refused_step_stays_refused(pools):
+    """Catching the refusal and calling step() again must not step on the local gradients."""
+    assert pools.run(2, _step_twice_after_no_sync) == [2, 2]
+
+
+def _retry_after_unused(me):
+    model = Branchy()
+    stage = make_stage("zero1", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"))
+    messages = []
+    stage.zero_grad()
+    for _ in range(2):  # a retry without zero_grad(): nothing was reduced, so nothing stands in its way
+        try:
+            stage(_data(me.rank, 0), use_c=False).pow(2).mean().backward()
+        except RuntimeError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_zero1_names_the_unused_parameter_again_on_a_retry(pools):
+    """Nothing was reduced the first time, so the second error is the same one, not a 'second backward'."""
+    for messages in pools.run(2, _retry_after_unused):
+        assert len(messages) == 2 and all("got no gradient" in m for m in messages), messages

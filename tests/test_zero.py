@@ -134,3 +134,23 @@ def test_zero2_bucket_mb_must_be_positive(pools):
     from minizero.stages import ZeRO2
     with pytest.raises(ValueError, match="bucket_mb must be a finite number > 0"):
         ZeRO2(MLP(), torch.optim.SGD(MLP().parameters(), lr=0.1), None, bucket_mb=0)
+
+
+def _consolidated_after_a_schedule(me):
+    model = MLP((4, 4), seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    stage = make_stage("zero2", model, optimizer, make_comm("ring"))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+    for s in range(2):
+        stage.zero_grad()
+        stage(torch.randn(2, 4)).sum().backward()
+        stage.step()
+        scheduler.step()
+    return stage.full_optimizer_state_dict()["param_groups"][0], optimizer.param_groups[0]["lr"]
+
+
+def test_the_consolidated_state_carries_the_current_hyper_parameters(pools):
+    """After a learning-rate schedule the state_dict has today's lr and the scheduler's initial_lr --
+    loading it must not reset the schedule."""
+    for group, lr in pools.run(2, _consolidated_after_a_schedule):
+        assert group["lr"] == lr and abs(lr - 1e-4) < 1e-12 and group["initial_lr"] == 0.01

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from hypothesis import given, settings
 
 from minizero import formulas
@@ -137,7 +138,7 @@ def test_a_rank_that_runs_an_extra_forward_is_named_not_hung():
         with pytest.raises(RankError) as info:
             pool.run(_call_count_differs)
     assert "Stopped making progress: rank 0 -- it finished its task without joining this collective" in str(info.value)
-    assert "forward all-gather' (optimizer step 0, forward 2, synchronising)" in str(info.value)
+    assert "forward all-gather' (optimizer step 0, backward 1, synchronising)" in str(info.value)
 
 
 def _rank_dependent_branch(me):
@@ -189,5 +190,55 @@ def _weight_decay_on_a_skipped_unit(me):
 def test_a_prefetch_left_from_the_last_forward_is_dropped_at_the_step(pools):
     want = _weight_decay_on_a_skipped_unit(None)
     for got in pools.run(2, _weight_decay_on_a_skipped_unit):
+        for name, value in want.items():
+            assert torch.allclose(got[name], value, rtol=0, atol=1e-12), name
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.extra = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+
+    def forward(self, x, use_extra):
+        x = torch.tanh(self.lin(x))
+        return x + self.extra(x) if use_extra else x
+
+
+class _ExtraOnRankZero(nn.Module):
+    """Three units, each called on every rank; the last one's ``extra`` layer is used on rank 0 only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x, use_extra):
+        for i, block in enumerate(self.blocks):
+            x = block(x, use_extra and i == 2)
+        return x
+
+
+def _extra_on_rank_zero(me):
+    model = _ExtraOnRankZero()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stage = model if me is None else make_stage("zero3", model, optimizer, make_comm("ring", check=True),
+                                                find_unused_parameters=True)
+    for step in range(3):
+        (optimizer if me is None else stage).zero_grad()
+        for r in (range(2) if me is None else [me.rank]):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + r), dtype=torch.float64)
+            loss = stage(x, use_extra=r == 0).pow(2).mean()
+            (loss / 2 if me is None else loss).backward()
+        (optimizer if me is None else stage).step()
+    state = model.state_dict() if me is None else stage.full_state_dict()
+    return {k: v.clone() for k, v in state.items()}
+
+
+def test_find_unused_with_a_parameter_used_on_some_ranks_only_across_units(pools):
+    """Its unit's gradients are ready on rank 0 and not on rank 1; reduce-scatters that started when
+    ready would sit between different backward all-gathers on the two ranks.  With the flag they wait
+    for the end of backward, in order -- the same training as one device."""
+    want = _extra_on_rank_zero(None)
+    for got in pools.run(2, _extra_on_rank_zero):
         for name, value in want.items():
             assert torch.allclose(got[name], value, rtol=0, atol=1e-12), name

@@ -109,7 +109,7 @@ def zero1_gathers_before_stepping(self):
     for g, group in enumerate(self.groups):
         self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters"))
     _sharded.attach_gradients(self.groups, self.grad_shards(), self._has_grad)
-    self.optimizer.step()
+    self._shard_step()
 
 
 def zero2_keeps_full_gradients(self, index):
@@ -153,8 +153,7 @@ def tied_weight_in_first_unit(model, units):
     return assigned
 
 
-def agrees_on_nothing(self):
-    params = [s.param for g in self._checked_groups() for s in g.segments]
+def agrees_on_nothing(self, params):
     self._has_grad.update(id(p) for p in params if id(p) in self._used)  # no bitmap: this rank's view only
     self._used.clear()
 

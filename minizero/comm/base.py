@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import progress
-from .fingerprint import KINDS, Call, CollectiveMismatch, Tag, exchange
+from .fingerprint import DTYPES, Call, CollectiveMismatch, Tag, exchange
 from .thread import CommThread, Work
 
 class ReduceOp(enum.Enum):
@@ -47,10 +47,7 @@ class ReduceOp(enum.Enum):
         return torch.maximum(a, b, out=out) if self is ReduceOp.MAX else torch.add(a, b, out=out)
 
 
-#: Reductions need arithmetic: floating point, or integers for SUM and MAX.  Broadcast and
-#: all-gather only copy, so integer and bool buffers (BatchNorm's counter) travel too.
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
-                    torch.uint8, torch.bool)
+SUPPORTED_DTYPES = DTYPES  # see fingerprint.DTYPES
 
 
 def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -108,8 +105,8 @@ class Comm:
     Every collective is in place or writes into a caller-given ``output``,
     like ``torch.distributed``; ``output`` shards are ``1/world_size`` of the
     full tensor.  ``check=True`` compares every rank's fingerprint of each call
-    before it runs (:mod:`.fingerprint`): on by default in the tests and in
-    ``compare``, an option elsewhere (``bench check`` measures its cost).
+    before it runs (:mod:`.fingerprint`); the tests, ``compare`` and the lessons
+    turn it on, ``make_comm``'s default is off (``bench check`` measures its cost).
     """
 
     name = "abstract"
@@ -219,11 +216,6 @@ class Comm:
         before it; collectives it calls run inline.  Bucketed DDP uses this to
         cast, reduce and unpack a bucket while backward goes on computing."""
         return self._background().submit(fn)
-
-    def synchronize(self) -> None:
-        """Wait until every collective issued so far has finished."""
-        if self._thread is not None:
-            self._thread.submit(lambda: None).wait()
 
     def close(self) -> None:
         if self._thread is not None:

@@ -30,8 +30,11 @@ import torch
 
 #: Collective kinds, the keys of the byte ledger.  ``check`` is the fingerprint exchange.
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "root_all_reduce", "exchange", "check")
+#: What a collective may carry -- reductions need floating point, or integers for SUM and MAX; broadcast
+#: and all-gather only copy, so integer and bool buffers (BatchNorm's counter) travel too.  The position
+#: is the dtype's number in a fingerprint.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
-          torch.bool, torch.int8, torch.int16)
+          torch.bool)
 TEXT = 96  # characters of each rank's description exchanged when fingerprints differ
 
 
@@ -39,21 +42,23 @@ TEXT = 96  # characters of each rank's description exchanged when fingerprints d
 class Tag:
     """What a collective is for, in the words of the stage that issues it.
 
-    ``step``: optimizer steps taken before it; ``forward``: forward passes
-    since that step; ``syncing``: 1 in a synchronising micro-batch, 0 inside
-    ``no_sync()``.  -1 means "not applicable" (wrap time, user code)."""
+    ``step``: optimizer steps taken before it; ``backward``: backward passes
+    since that step (not forwards: a forward with no backward -- a logging
+    pass on one rank -- changes nothing to synchronise); ``syncing``: 1 in a
+    synchronising micro-batch, 0 inside ``no_sync()``.  -1 means "not
+    applicable" (wrap time, user code)."""
 
     what: str = ""
     step: int = -1
-    forward: int = -1
+    backward: int = -1
     syncing: int = -1
 
     def describe(self) -> str:
         parts = [repr(self.what)] if self.what else ["(untagged)"]
         if self.step >= 0:
             parts.append(f"step {self.step}")
-        if self.forward >= 0:
-            parts.append(f"forward {self.forward}")
+        if self.backward >= 0:
+            parts.append(f"backward {self.backward}")
         if self.syncing >= 0:
             parts.append("synchronising" if self.syncing else "inside no_sync()")
         return ", ".join(parts)
@@ -94,17 +99,17 @@ def _op_code(op: str) -> float:
 def encode(call: Call) -> list[float]:
     return [float(call.seq), float(KINDS.index(call.kind)), float(call.numel),
             float(DTYPES.index(call.dtype)) if call.dtype in DTYPES else -1.0, _op_code(call.op),
-            digest(call.tag.what), float(call.tag.step), float(call.tag.forward), float(call.tag.syncing)]
+            digest(call.tag.what), float(call.tag.step), float(call.tag.backward), float(call.tag.syncing)]
 
 
 FIELDS = 9
 
 
 def decode(row: list[float], what: str) -> Call:
-    seq, kind, numel, dtype, op, _, step, forward, syncing = (int(v) for v in row)
+    seq, kind, numel, dtype, op, _, step, backward, syncing = (int(v) for v in row)
     op_name = next((k for k, v in _OPS.items() if v == op), f"from rank {op - 100}")
     return Call(seq, KINDS[kind], numel, DTYPES[dtype] if dtype >= 0 else torch.float32, op_name,
-                Tag(what, step, forward, syncing))
+                Tag(what, step, backward, syncing))
 
 
 def exchange(comm, call: Call, device: torch.device) -> None:
@@ -147,11 +152,16 @@ def likely_cause(calls: list[Call]) -> str:
                 "on every rank alike, for the same micro-batches.")
     if differ(lambda c: c.tag.step) and all(t.step >= 0 for t in tags):
         return "ranks have taken a different number of optimizer steps: call step() on every rank alike."
-    if differ(lambda c: c.tag.forward) and all(t.forward >= 0 for t in tags):
-        return ("ranks reached this collective after a different number of forward passes: no_sync() was "
+    if differ(lambda c: c.tag.backward) and all(t.backward >= 0 for t in tags):
+        return ("ranks reached this collective after a different number of backward passes: no_sync() was "
                 "entered on some ranks only (one rank synchronised a micro-batch the others accumulated), "
-                "or ranks ran a different number of micro-batches or forward calls.")
-    if differ(lambda c: c.tag.what) and all("unit" in t.what for t in tags):
+                "or ranks ran a different number of micro-batches.")
+    whats = [t.what for t in tags]
+    if differ(lambda c: c.tag.what) and any("gradients" in w for w in whats) and any("all-gather" in w for w in whats):
+        return ("a parameter got a gradient on some ranks only: a unit's gradients are reduced as soon as all of "
+                "them are ready, so that reduce-scatter came earlier on some ranks than on others. Use every "
+                "parameter on every rank, or pass find_unused_parameters=True.")
+    if differ(lambda c: c.tag.what) and all("unit" in w and "all-gather" in w for w in whats):
         return ("ZeRO-3 gathers each unit as it is called: a module was called a different number of times, "
                 "or in a different order, on different ranks (data-dependent control flow?).")
     if differ(lambda c: (c.kind, c.tag.what)):

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 IDLE, IN_COLLECTIVE = 0.0, 1.0
 NOBODY, ANYONE = -2.0, -1.0  # values of waiting_on besides a rank number
 FIELDS = ("state", "seq", "kind", "numel", "part", "step", "waiting_on", "entered", "progress", "left",
-          "tag_step", "tag_forward", "tag_syncing", "collectives")
+          "tag_step", "tag_backward", "tag_syncing", "collectives")
 TEXT = 120
 PARTS = ("fingerprint exchange", "reduce-scatter", "all-gather", "broadcast", "gather to root",
          "broadcast from root", "torch collective", "")
@@ -60,7 +60,7 @@ class ProgressBoard:
         self.text.value = call.tag.what.encode()[: TEXT - 1]
         self._set(state=IN_COLLECTIVE, seq=float(call.seq), kind=float(KINDS.index(call.kind)),
                   numel=float(call.numel), part=float(len(PARTS) - 1), step=-1.0, waiting_on=NOBODY,
-                  entered=now, progress=now, tag_step=float(call.tag.step), tag_forward=float(call.tag.forward),
+                  entered=now, progress=now, tag_step=float(call.tag.step), tag_backward=float(call.tag.backward),
                   tag_syncing=float(call.tag.syncing))
 
     def at(self, part: str, step: int = -1) -> None:

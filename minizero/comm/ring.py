@@ -51,10 +51,10 @@ class RingComm(Comm):
         if send is not None and send.numel() > 0:
             request = dist.isend(send, self.peer(right), group=self.group)
         if recv is not None and recv.numel() > 0:
-            with self.board.waiting_for(left):
+            with self.board.waiting_for(self.peer(left)):  # the board is indexed by global rank
                 dist.recv(recv, self.peer(left), group=self.group)
         if request is not None:
-            with self.board.waiting_for(right):
+            with self.board.waiting_for(self.peer(right)):
                 request.wait()
             self._report_sent(send.numel() * send.element_size())
 
@@ -73,13 +73,13 @@ class RingComm(Comm):
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         if tensor.numel() > 0:
-            with self.board.waiting_for(dst):
+            with self.board.waiting_for(self.peer(dst)):
                 dist.send(tensor, self.peer(dst), group=self.group)
             self._report_sent(tensor.numel() * tensor.element_size())
 
     def _recv(self, tensor: torch.Tensor, src: int) -> None:
         if tensor.numel() > 0:
-            with self.board.waiting_for(src):
+            with self.board.waiting_for(self.peer(src)):
                 dist.recv(tensor, self.peer(src), group=self.group)
 
     def _chunks(self, tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -1,8 +1,9 @@
 """Reading the progress board: is a collective stalled, and which rank stopped?
 
 A rank blocked in a collective waits for a particular peer (the ring's left
-neighbour) or for anyone (torch's own collectives).  Follow those "waits for"
-arrows from the rank that has waited longest:
+neighbour) or for several at once (torch's own collectives).  Follow those
+"waits for" arrows from a rank that waits for a peer, in the oldest stuck
+collective:
 
 * to a rank in no collective -- it is computing, stuck in its own code, or
   finished without joining: **that** rank stopped;
@@ -20,6 +21,8 @@ from __future__ import annotations
 from .fingerprint import KINDS
 from .progress import ANYONE, IDLE, NOBODY, PARTS
 
+BUSY = "it is inside the collective but not waiting for any peer: busy or stuck in its own code"
+
 
 def _where(row: dict) -> str:
     part = PARTS[int(row["part"])]
@@ -27,7 +30,7 @@ def _where(row: dict) -> str:
     tag = f" for {row['what']!r}" if row["what"] else ""
     phase = ""
     if row["tag_step"] >= 0:
-        phase = f" (optimizer step {int(row['tag_step'])}, forward {int(row['tag_forward'])}"
+        phase = f" (optimizer step {int(row['tag_step'])}, backward {int(row['tag_backward'])}"
         phase += ", synchronising)" if row["tag_syncing"] == 1 else ", inside no_sync())" if row["tag_syncing"] == 0 else ")"
     inside = f", in its {part}{step}" if part else ""
     return f"{KINDS[int(row['kind'])]} #{int(row['seq'])} of {int(row['numel'])} elements{tag}{phase}{inside}"
@@ -37,7 +40,7 @@ def describe(row: dict | None, now: float, finished: bool = False) -> str:
     if row is None:
         return "no report (it never published its progress, or died)"
     if finished:
-        return f"finished its task after {int(row['collectives'])} collectives"
+        return "finished its task"
     if row["state"] == IDLE:
         if row["seq"] < 0:
             return f"in no collective, and none yet since it started {now - row['left']:.1f} s ago"
@@ -75,12 +78,13 @@ def blame(first: dict, records: list[dict | None], finished: set[int]) -> tuple[
         seen.add(row["rank"])
         wait = row["waiting_on"]
         if wait == NOBODY:
-            return [row["rank"]], "it is inside the collective but not waiting for any peer: busy or stuck in its own code"
+            return [row["rank"]], BUSY
         if wait == ANYONE:
+            # Not ranks that already left this collective (a broadcast's upstream), nor ranks ahead of it.
             behind = [r for r, other in enumerate(records)
-                      if other is None or other["state"] == IDLE or other["seq"] < row["seq"]
-                      or (other["seq"] == row["seq"] and other["waiting_on"] == NOBODY)]
-            return behind, "torch's collective waits for every rank, and these never joined it"
+                      if other is None or other["seq"] < row["seq"]
+                      or (other["seq"] == row["seq"] and other["state"] != IDLE and other["waiting_on"] == NOBODY)]
+            return behind, "the collective waits for several ranks at once, and these never reached it"
         peer = int(wait)
         other = records[peer] if 0 <= peer < len(records) else None
         if other is None:
@@ -92,7 +96,7 @@ def blame(first: dict, records: list[dict | None], finished: set[int]) -> tuple[
             return [peer], ("it finished its task without joining this collective" if peer in finished else
                             "it is in no collective: computing, stuck in its own code, or it skipped this one")
         if other["waiting_on"] == NOBODY:
-            return [peer], "it is inside the collective but not waiting for any peer: busy or stuck in its own code"
+            return [peer], BUSY
         if peer in seen:
             return [], ("every rank in the chain waits for its neighbour: a message that should exist was never "
                         "sent -- a deadlock inside the collective")

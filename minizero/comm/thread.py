@@ -31,9 +31,6 @@ class Work:
         """Wait, and return what the submitted function returned."""
         return self._future.result()
 
-    def is_completed(self) -> bool:
-        return self._future.done()
-
 
 class CommThread:
     """A single daemon worker running submitted functions in submission order."""
@@ -69,3 +66,13 @@ class CommThread:
         """Finish what was submitted, then stop."""
         self._queue.put(None)
         self._thread.join()
+
+
+def drain(works: list[Work]) -> None:
+    """Wait for every one of ``works``, ignoring their errors: after a failure, so that nothing is left
+    running into the next step (the first error is already on its way up)."""
+    for work in works:
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001
+            pass

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from .base import Stage, broadcast_module, check_same_model
+from .base import Stage
+from .wrap import broadcast_module, check_same_model
 from .ddp import DDP
 from .ddp_bucketed import BucketedDDP
 from .zero1 import ZeRO1

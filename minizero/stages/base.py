@@ -1,4 +1,4 @@
-"""What every stage shares: the wrapper interface and the wrap-time checks.
+"""What every stage shares: the wrapper interface, and the synchronisation after backward.
 
 A stage wraps a model and its optimizer and is then driven exactly like the
 plain pair -- ``stage(x)``, ``loss.backward()``, ``stage.step()``,
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp, Tag
-from ..comm.fingerprint import digest
+from .wrap import check_wrappable, claim
 
 
 class Stage:
@@ -83,31 +83,47 @@ class Synchronised(Stage):
     accumulate locally and the first backward after it reduces the sums.
 
     Every collective a stage issues carries a :class:`~minizero.comm.Tag`: what
-    it is for, and where in training -- optimizer steps taken, forward passes
+    it is for, and where in training -- optimizer steps taken, backward passes
     since, synchronising or not.  With fingerprint checking on, ranks that
     disagree (``no_sync()`` on some ranks only) are stopped before they pair
     the wrong tensors.
+
+    Optimizer semantics are torch's: a parameter is stepped only if it has a
+    gradient (``_has_grad``).  Every rank must give every parameter a gradient,
+    or, with ``find_unused_parameters``, the ranks agree on a bitmap of which
+    got one anywhere (:meth:`_agree_on_use`).  The user's optimizer's ``step``
+    and ``zero_grad`` are routed to the stage's, so whichever the user calls,
+    the stage's runs.
     """
 
     _syncing = False  # does the backward of the latest forward synchronise?
     _sync_queued = False
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
+                 find_unused_parameters: bool = False):
         super().__init__(module, optimizer, comm)
+        claim(module, self)
         check_wrappable(module, self.rank)
+        self.find_unused_parameters = find_unused_parameters
         self.steps_taken = 0  # optimizer steps so far
-        self.forwards = 0  # forward passes (with autograd) since the last step
+        self.backwards = 0  # backward passes through the stage's output since the last step
         self._local_grads = False  # a backward ran inside no_sync(), and no synchronising one since
         self._forwarding = False  # inside the stage's own forward
+        self._used: set[int] = set()  # parameters that got a gradient here since the last synchronisation
+        self._has_grad: set[int] = set()  # parameters with a gradient anywhere since zero_grad(): stepped
         module.register_forward_pre_hook(self._refuse_direct_call)
+        # Whichever the user calls -- the stage's step()/zero_grad() or their optimizer's -- the stage's runs:
+        # the optimizer's own would step on unsynchronised (or, under ZeRO, unsharded) gradients.
+        self._optimizer_step, self._optimizer_zero_grad = optimizer.step, optimizer.zero_grad
+        optimizer.step, optimizer.zero_grad = self.step, self.zero_grad
 
     def tag(self, what: str) -> Tag:
-        return Tag(what, self.steps_taken, self.forwards, int(self._syncing))
+        return Tag(what, self.steps_taken, self.backwards, int(self._syncing))
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # a no_grad forward (a quick eval) has no backward to plan for
-            self.forwards += 1
             self._syncing = self.require_backward_grad_sync  # decided at forward, as torch does
+            self._sync_queued = False  # a backward that raised never ran its queued synchronisation
         output = self.call_module(*args, **kwargs)
         if torch.is_grad_enabled():
             self._hook_backward(output, self._syncing)
@@ -132,6 +148,7 @@ class Synchronised(Stage):
 
     def _hook_backward(self, output, syncing: bool) -> None:
         def on_backward(grad):
+            self.backwards += 1
             if not syncing:
                 self._local_grads = True
             elif not self._sync_queued:  # two forwards, one backward: synchronise once
@@ -152,33 +169,43 @@ class Synchronised(Stage):
     def sync_gradients(self) -> None:
         raise NotImplementedError
 
+    def _agree_on_use(self, params: list[nn.Parameter]) -> None:
+        """Which of ``params`` now have a gradient anywhere -- called after every collective of this
+        backward was issued, so the bitmap queues behind them in the same place on every rank."""
+        used = [id(p) in self._used for p in params]
+        self._used.clear()
+        if self.find_unused_parameters:
+            used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
+        self._has_grad.update(id(p) for p, anywhere in zip(params, used) if anywhere)
+
     def step(self) -> None:
         """Refuse to step on gradients that never left this rank; then the stage's update."""
-        if self._local_grads:
-            self._local_grads = False
+        if self._local_grads:  # stays set: a second step() is refused too, until zero_grad() or a sync
             raise RuntimeError(
                 f"rank {self.rank}: step() after backward passes inside no_sync() only: those gradients were "
                 f"never averaged across ranks, so the replicas would drift apart silently. Run the last "
                 f"micro-batch of each step outside no_sync() (train_step does), or call zero_grad() first.")
         self._step()
         self.steps_taken += 1
-        self.forwards = 0
+        self.backwards = 0
 
     def _step(self) -> None:
-        self.optimizer.step()
+        self._optimizer_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._local_grads = False
+        if set_to_none:  # as in torch: None is not stepped; set_to_none=False zeroes what exists (still stepped)
+            self._has_grad.clear()
         self._zero_grad(set_to_none)
 
     def _zero_grad(self, set_to_none: bool) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._optimizer_zero_grad(set_to_none=set_to_none)
 
 
 def agree_on_use(comm: Comm, used: list[bool], tag: Tag) -> list[bool]:
     """Which parameters got a gradient on *any* rank: a bitmap all-reduced (MAX), as torch DDP does with
     ``find_unused_parameters``.  A parameter used on some ranks only is averaged with zeros from the
-    others -- the gradient single-device training computes; one used nowhere keeps ``.grad = None``."""
+    others -- the gradient single-device training computes; one used nowhere is not stepped."""
     bitmap = torch.tensor([1.0 if u else 0.0 for u in used])
     comm.all_reduce(bitmap, ReduceOp.MAX, tag=tag)
     return [bool(u) for u in bitmap.tolist()]
@@ -189,63 +216,3 @@ def unused_error(rank: int, names: list[str], why: str) -> RuntimeError:
         f"rank {rank}: parameter(s) {names} got no gradient in this backward; {why}. If parameters may go unused "
         f"(on some ranks or in some steps), wrap with find_unused_parameters=True: ranks then agree every step on "
         f"which parameters got a gradient anywhere. If they are never trained, freeze them with requires_grad_(False).")
-
-
-def check_wrappable(module: nn.Module, rank: int) -> None:
-    """What no stage can work with, refused at wrap time naming the tensor and the fix."""
-    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        if tensor.is_meta:
-            raise ValueError(
-                f"rank {rank}: {name!r} is on the meta device (a shape without storage), so there is nothing to "
-                f"broadcast or shard. Materialise the model first (model.to_empty(device=...) and initialise it).")
-    for name, m in module.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
-            raise ValueError(
-                f"rank {rank}: module {name!r} produces sparse gradients (sparse=True); minizero's buffers hold "
-                f"dense gradients. Construct it with sparse=False.")
-
-
-def check_same_model(module: nn.Module, comm: Comm) -> None:
-    """Refuse to wrap models whose structure differs across ranks.
-
-    Names, shapes, dtypes and ``requires_grad`` of parameters and buffers must
-    agree -- values may differ, rank 0's are broadcast.  This runs before any
-    other collective, because a mismatch would otherwise show up later as a
-    hang or as silently misaligned flat buffers.  Two cheap rounds: a
-    fingerprint of the whole model, and only on mismatch one per tensor, so
-    every rank can name the first tensor that differs.
-    """
-    signature = [f"param {n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}" for n, p in module.named_parameters()]
-    signature += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
-    n = comm.world_size
-    mine = torch.tensor([len(signature), digest("\n".join(signature))], dtype=torch.float64)
-    everyone = torch.empty(2 * n, dtype=torch.float64)
-    comm.all_gather(everyone, mine, tag=Tag("model signature"))
-    everyone = everyone.view(n, 2)
-    if bool((everyone == everyone[0]).all()):
-        return
-    longest = int(everyone[:, 0].max())
-    per_tensor = torch.full((longest,), -1.0, dtype=torch.float64)
-    per_tensor[: len(signature)] = torch.tensor([digest(s) for s in signature], dtype=torch.float64)
-    table = torch.empty(n * longest, dtype=torch.float64)
-    comm.all_gather(table, per_tensor, tag=Tag("model signature, tensor by tensor"))
-    table = table.view(n, longest)
-    first = int((table != table[0]).any(dim=0).nonzero()[0])
-    differing = [r for r in range(n) if table[r, first] != table[comm.rank, first]]
-    here = signature[first] if first < len(signature) else "(no such tensor here)"
-    raise ValueError(
-        f"rank {comm.rank}: the model differs across ranks at wrap time; first difference at tensor "
-        f"#{first}: here {here}, but ranks {differing} have something else. Build the same model on "
-        f"every rank (names, shapes, dtypes, requires_grad); only values may differ, rank 0's are broadcast."
-    )
-
-
-def broadcast_module(module: nn.Module, comm: Comm, src: int = 0) -> None:
-    """Make every replica start from rank ``src``'s parameters and buffers (as torch DDP does) --
-    integer buffers (BatchNorm's counter) and non-contiguous tensors included."""
-    with torch.no_grad():
-        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-            flat = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
-            comm.broadcast(flat, src, tag=Tag(f"broadcast {name}"))
-            if flat is not tensor.data:
-                tensor.data.copy_(flat)

@@ -30,7 +30,8 @@ from torch import nn
 from ..comm import Comm
 from ..compress import GradientAverager
 from ..flat import group_by_dtype, pack, unpack
-from .base import Synchronised, agree_on_use, broadcast_module, check_same_model, unused_error
+from .base import Synchronised, agree_on_use, unused_error
+from .wrap import broadcast_module, check_same_model
 
 
 class DDP(Synchronised):
@@ -38,8 +39,7 @@ class DDP(Synchronised):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
-        super().__init__(module, optimizer, comm)
-        self.find_unused_parameters = find_unused_parameters
+        super().__init__(module, optimizer, comm, find_unused_parameters)
         self.averager = GradientAverager(comm, compress, error_feedback)
         for name, p in self.trainable():
             self.averager.check_gradient_dtype(name, p.dtype)

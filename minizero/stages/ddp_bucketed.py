@@ -37,8 +37,9 @@ from torch import nn
 
 from ..buckets import Bucket, ReadyOrder, assign_buckets
 from ..comm import Comm
+from ..comm.thread import drain
 from ..flat import keep_grad_in
-from .base import agree_on_use, unused_error
+from .base import unused_error
 from .ddp import DDP
 
 
@@ -51,8 +52,6 @@ class BucketedDDP(DDP):
         self.buckets: list[Bucket] = assign_buckets(self.trainable(), bucket_mb)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._ready = ReadyOrder([b.params for b in self.buckets], self._launch)
-        self._used: set[int] = set()  # parameters that got a gradient here since the last synchronisation
-        self._has_grad: set[int] = set()  # parameters with a gradient anywhere since zero_grad()
         self.zero_grad()
         for _, p in self.trainable():
             p.register_post_accumulate_grad_hook(self._on_gradient_ready)
@@ -81,27 +80,15 @@ class BucketedDDP(DDP):
             for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
                 keep_grad_in(self.buckets[b].params[i], self.buckets[b].views[i])
             self._ready.complete_all()  # unused slots hold zeros (or earlier micro-batches' sums): still correct
-            self._agree_on_use()
+            self._agree_on_use([p for b in self.buckets for p in b.params])
             for bucket in self.buckets:
                 bucket.work.wait()
-        finally:
-            for bucket in self.buckets:  # after an error: drain what still runs, so the next step starts clean
-                if bucket.work is not None:
-                    try:
-                        bucket.work.wait()
-                    except Exception:  # noqa: BLE001 -- the first error is already on its way up
-                        pass
-                    bucket.work = None
+        finally:  # after an error too: nothing left running, nothing left marked
+            drain([b.work for b in self.buckets if b.work is not None])
+            for bucket in self.buckets:
+                bucket.work = None
             self._ready.reset()
             self._used.clear()
-
-    def _agree_on_use(self) -> None:
-        """After every bucket was launched -- the bitmap queues behind them on every rank alike."""
-        params = [p for b in self.buckets for p in b.params]
-        used = [id(p) in self._used for p in params]
-        if self.find_unused_parameters:
-            used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
-        self._has_grad.update(id(p) for p, anywhere in zip(params, used) if anywhere)
 
     # ------------------------------------------------------------- optimizer
     def _step(self) -> None:
@@ -111,7 +98,7 @@ class BucketedDDP(DDP):
             for p in b.params:
                 if id(p) not in self._has_grad:
                     p.grad = None
-        self.optimizer.step()
+        self._optimizer_step()
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the buckets and point every ``.grad`` back into them."""
@@ -119,6 +106,3 @@ class BucketedDDP(DDP):
             bucket.buffer.zero_()
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
-        # As in torch: set_to_none=False zeroes the gradients that exist (still stepped); None stays None.
-        if set_to_none:
-            self._has_grad.clear()

@@ -39,7 +39,8 @@ from ..compress import GradientAverager
 from ..flat import keep_grad_in
 from ..layout import FlatGroup, build_groups
 from ..sharded_optimizer import attach_gradients, check_shardable, full_state_dict, shard_optimizer
-from .base import Synchronised, agree_on_use, broadcast_module, check_same_model, unused_error
+from .base import Synchronised, unused_error
+from .wrap import broadcast_module, check_same_model
 
 
 class ZeRO1(Synchronised):
@@ -47,32 +48,28 @@ class ZeRO1(Synchronised):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
-        super().__init__(module, optimizer, comm)
+        super().__init__(module, optimizer, comm, find_unused_parameters)
         check_shardable(optimizer, self.rank)
         check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
-        self.find_unused_parameters = find_unused_parameters
         self.averager = GradientAverager(comm, compress, error_feedback)
         for name, p in self.trainable():
             self.averager.check_gradient_dtype(name, p.dtype)
         check_same_model(module, comm)
         broadcast_module(module, comm)
-        self._user_param_groups = [dict(g) for g in optimizer.param_groups]  # for the consolidated state_dict
         self.groups: list[FlatGroup] = self._build_groups(optimizer)
         self.optimizer = shard_optimizer(optimizer, self.groups)
         self.user_optimizer = optimizer
         self._group_pairs = list(zip(optimizer.param_groups, self.optimizer.param_groups))
         self._last_seen = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
-        self._used: set[int] = set()  # parameters that got a gradient here in this backward
-        self._has_grad: set[int] = set()  # parameters with a gradient anywhere since the last zero_grad()
         self._slot = {id(s.param): (g, s) for g, group in enumerate(self.groups) for s in group.segments}
         self._init_gradients()
         for group in self.groups:
             for s in group.segments:
                 s.param.register_post_accumulate_grad_hook(self._on_gradient_ready)
-        # Whichever zero_grad() the user calls -- this stage's, their optimizer's, the sharded one's --
-        # clears what the stage will reduce.  (The stage's never calls theirs: no recursion.)
-        optimizer.zero_grad = self.zero_grad
-        self.optimizer.zero_grad = self.zero_grad
+        # The sharded optimizer is routed to the stage too (the user's was, in Synchronised): its own step
+        # would skip the all-gather, its own zero_grad would leave the gradient buffers full.
+        self._shard_step = self.optimizer.step
+        self.optimizer.step, self.optimizer.zero_grad = self.step, self.zero_grad
 
     def _follow_user_optimizer(self) -> None:
         """A learning-rate scheduler (or anything else) may change the user's optimizer's
@@ -94,7 +91,6 @@ class ZeRO1(Synchronised):
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         self._synced = False  # a new accumulation window
-        self._clear_has_grad(set_to_none)
         for group, buffer in zip(self.groups, self.grad_buffers):
             buffer.zero_()
             for s in group.segments:
@@ -110,15 +106,12 @@ class ZeRO1(Synchronised):
         keep_grad_in(param, self.grad_buffers[g][s.start:s.stop].view(s.shape))
 
     # ------------------------------------------------------------ which parameters have a gradient
-    def _clear_has_grad(self, set_to_none: bool) -> None:
-        """As in torch: set_to_none=True leaves no gradient (not stepped); set_to_none=False zeroes the
-        gradients that exist -- those are still stepped (weight decay, momentum) -- and a None stays None."""
-        if set_to_none:
-            self._has_grad.clear()
-
     def _checked_groups(self) -> list[FlatGroup]:
         """The groups whose parameters must each have a gradient (ZeRO-3 leaves out units nobody called)."""
         return self.groups
+
+    def _checked_params(self) -> list[nn.Parameter]:
+        return [s.param for g in self._checked_groups() for s in g.segments]
 
     def _refuse_unused_here(self) -> None:
         """Without find_unused_parameters, every parameter must have a gradient on every rank (no communication)."""
@@ -128,22 +121,12 @@ class ZeRO1(Synchronised):
                 self._used.clear()
                 raise unused_error(self.rank, missing, "ZeRO steps the parameters that have one on every rank")
 
-    def _agree_on_use(self) -> None:
-        """Which parameters now have a gradient anywhere -- after every collective of this backward was
-        issued, so the bitmap queues behind them in the same place on every rank."""
-        params = [s.param for g in self._checked_groups() for s in g.segments]
-        used = [id(p) in self._used for p in params]
-        self._used.clear()
-        if self.find_unused_parameters:
-            used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
-        self._has_grad.update(id(p) for p, anywhere in zip(params, used) if anywhere)
-
     def sync_gradients(self) -> None:
         """Backward has finished: reduce-scatter each group's gradients into the owned slice, in place."""
         self._check_second_sync()
-        self._synced = True
         self._refuse_unused_here()
-        self._agree_on_use()
+        self._agree_on_use(self._checked_params())
+        self._synced = True
         for index, (group, buffer) in enumerate(zip(self.groups, self.grad_buffers)):
             self.averager.reduce_scatter(buffer, group.shard_of(buffer), index, [s.name for s in group.segments],
                                          tag=self.tag(f"group {index} gradients"))
@@ -163,8 +146,12 @@ class ZeRO1(Synchronised):
     def _step(self) -> None:
         self._follow_user_optimizer()
         attach_gradients(self.groups, self.grad_shards(), self._has_grad)
-        self.optimizer.step()  # pieces without a gradient are skipped, as torch.optim skips None
-        for g, group in enumerate(self.groups):  # everyone gets everyone's updated slice
+        self._shard_step()  # pieces without a gradient are skipped, as torch.optim skips None
+        self._share_updated_parameters()
+
+    def _share_updated_parameters(self) -> None:
+        """Everyone gets everyone's updated slice (parameters are views of ``group.data``)."""
+        for g, group in enumerate(self.groups):
             if any(id(s.param) in self._has_grad for s in group.segments):
                 self.comm.all_gather(group.data, group.shard.detach().clone(),
                                      tag=self.tag(f"group {g} parameters after step"))
@@ -201,7 +188,7 @@ class ZeRO1(Synchronised):
     def full_optimizer_state_dict(self) -> dict:
         """The state_dict a plain torch optimizer over the unwrapped model would have; every rank
         gets it, so it loads into ``type(optimizer)(model.parameters(), ...)``."""
-        return full_state_dict(self.optimizer, self._user_param_groups, self.groups, self.comm)
+        return full_state_dict(self.optimizer, self.user_optimizer.param_groups, self.groups, self.comm)
 
     def shard_optimizer_state_dict(self) -> dict:
         """This rank's pieces only: what a sharded checkpoint stores per rank."""

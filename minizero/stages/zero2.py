@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..buckets import MiB, ReadyOrder, check_bucket_mb
+from ..comm.thread import drain
 from ..layout import FlatGroup, build_groups
 from .zero1 import ZeRO1
 
@@ -52,7 +53,6 @@ class ZeRO2(ZeRO1):
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradient shards: the gradients this stage will step with, whoever calls it."""
-        self._clear_has_grad(set_to_none)
         for shard in self.shards:
             shard.zero_()
         for group in self.groups:
@@ -91,15 +91,11 @@ class ZeRO2(ZeRO1):
         try:
             self._refuse_unused_here()
             self._ready.complete_all()  # buckets whose gradients came only from earlier micro-batches
-            self._agree_on_use()
+            self._agree_on_use(self._checked_params())
             for index in sorted(self._works):
                 self._works.pop(index).wait()
         finally:  # after an error too: nothing left running, nothing left marked
-            for work in self._works.values():
-                try:
-                    work.wait()
-                except Exception:  # noqa: BLE001 -- the first error is already on its way up
-                    pass
+            drain(list(self._works.values()))
             self._works.clear()
             self._ready.reset()
             self._used.clear()

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from ..layout import ShardedFlatGroup
-from ..sharded_optimizer import attach_gradients
 from ..units import plan_unit_groups, resolve_units
 from .zero2 import ZeRO2
 
@@ -86,7 +85,7 @@ class ZeRO3(ZeRO2):
 
         self._pending[unit] = self.comm.submit(gather)
         # Counted from now: a prefetched buffer takes memory while its all-gather is still running.
-        self.gathered_bytes += sum(g.shard_size * g.world_size * g.shard.element_size() for g in groups)
+        self.gathered_bytes += sum(g.full_bytes for g in groups)
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
 
     def _ensure_gathered(self, unit: int, why: str) -> None:
@@ -100,13 +99,12 @@ class ZeRO3(ZeRO2):
         after the optimizer step they would hold stale weights."""
         for unit in list(self._pending):
             self._pending.pop(unit).wait()
-            self.gathered_bytes -= sum(self.groups[g].shard_size * self.groups[g].world_size
-                                       * self.groups[g].shard.element_size() for g in self.unit_groups[unit])
+            self.gathered_bytes -= sum(self.groups[g].full_bytes for g in self.unit_groups[unit])
 
     def _reshard_group(self, g: int) -> None:
         group = self.groups[g]
         if group.gathered:
-            self.gathered_bytes -= group.data.numel() * group.data.element_size()
+            self.gathered_bytes -= group.full_bytes
             group.reshard()
 
     def _prefetch_after(self, unit: int, step: int) -> None:
@@ -149,6 +147,16 @@ class ZeRO3(ZeRO2):
         unit = next(u for u, groups in enumerate(self.unit_groups) if index in groups)
         return f"{self._unit_label(unit)} gradients (group {index})"
 
+    def _on_gradient_ready(self, param) -> None:
+        """With find_unused_parameters, a unit's gradients may be complete on some ranks and not on others;
+        launching its reduce-scatter when they are would put it between different backward all-gathers on
+        different ranks.  So then every reduce-scatter waits for the end of backward (memory: the units stay
+        gathered until then), where they start in order on every rank."""
+        if self.find_unused_parameters:
+            self._used.add(id(param))
+        else:
+            super()._on_gradient_ready(param)
+
     def _launch(self, index: int) -> None:
         if index not in self._skipped:
             super()._launch(index)  # pack, free the full gradients, reduce-scatter on the comm thread
@@ -169,9 +177,10 @@ class ZeRO3(ZeRO2):
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:
         self._drop_prefetches()
-        self._follow_user_optimizer()
-        attach_gradients(self.groups, self.grad_shards(), self._has_grad)
-        self.optimizer.step()  # no all-gather: the next forward gathers what it needs
+        super()._step()
+
+    def _share_updated_parameters(self) -> None:
+        """Nothing to share: each rank keeps its shard, and the next forward gathers what it needs."""
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()
