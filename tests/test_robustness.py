@@ -251,3 +251,23 @@ def test_zero1_names_the_unused_parameter_again_on_a_retry(pools):
     """Nothing was reduced the first time, so the second error is the same one, not a 'second backward'."""
     for messages in pools.run(2, _retry_after_unused):
         assert len(messages) == 2 and all("got no gradient" in m for m in messages), messages
+
+
+def _c_in_the_first_micro_batch_only(me, stage_name):
+    model = Branchy()
+    stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring", check=True))
+    for s in range(2):
+        stage.zero_grad()
+        with stage.no_sync():
+            stage(_data(me.rank, 10 * s)).pow(2).mean().backward()  # c gets its gradient here...
+        stage(_data(me.rank, 10 * s + 1), use_c=False).pow(2).mean().backward()  # ...and not here
+        stage.step()
+    return _flat(model, stage)
+
+
+@pytest.mark.parametrize("stage", ["ddp-bucketed", "zero1", "zero2", "zero3"])
+def test_a_gradient_from_an_earlier_micro_batch_counts(pools, stage):
+    """c has a gradient -- accumulated in the no_sync() micro-batch -- though the synchronising one did
+    not use it: no refusal, and the same training as ddp."""
+    _assert_same(pools.run(2, _c_in_the_first_micro_batch_only, stage),
+                 pools.run(2, _c_in_the_first_micro_batch_only, "ddp"))

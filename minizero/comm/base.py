@@ -28,6 +28,7 @@ import enum
 import functools
 import inspect
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -206,6 +207,7 @@ class Comm:
         with self._lock:
             if self._thread is None:
                 self._thread = CommThread(f"comm-rank{self.rank}")
+                weakref.finalize(self, self._thread.stop)  # a Comm nobody closed does not leave its thread behind
             return self._thread
 
     def _on_comm_thread(self) -> bool:

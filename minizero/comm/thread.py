@@ -62,9 +62,13 @@ class CommThread:
             except BaseException as error:  # noqa: BLE001 -- delivered to whoever waits
                 future.set_exception(error)
 
+    def stop(self) -> None:
+        """Stop once what was submitted is done; do not wait for it."""
+        self._queue.put(None)
+
     def close(self) -> None:
         """Finish what was submitted, then stop."""
-        self._queue.put(None)
+        self.stop()
         self._thread.join()
 
 

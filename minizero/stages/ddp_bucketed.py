@@ -73,10 +73,10 @@ class BucketedDDP(DDP):
         """Runs when backward has finished: complete what is missing, wait for every bucket.
         Whatever happens, the step's bookkeeping is reset and no all-reduce is left running."""
         try:
-            missing = self._ready.missing()
-            if missing and not self.find_unused_parameters:
-                raise unused_error(self.rank, [self.buckets[b].names[i] for b, i in missing],
-                                   "their bucket can never be reduced")
+            missing = self._ready.missing()  # no gradient in this backward; maybe in an earlier micro-batch's
+            never = [self.buckets[b].names[i] for b, i in missing if id(self.buckets[b].params[i]) not in self._used]
+            if never and not self.find_unused_parameters:
+                raise unused_error(self.rank, never, "their bucket can never be reduced")
             for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
                 keep_grad_in(self.buckets[b].params[i], self.buckets[b].views[i])
             self._ready.complete_all()  # unused slots hold zeros (or earlier micro-batches' sums): still correct
