@@ -20,7 +20,7 @@ from minizero.train import shard_step, train_step
 from equivalence import experiments, run_and_check, examples
 
 
-@settings(max_examples=examples(100))
+@settings(max_examples=examples(60))
 @given(drawn=experiments("ddp-bucketed", max_accum=4))
 def test_bucketed_matches_reference(pools, drawn):
     exp, world_size = drawn

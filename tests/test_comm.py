@@ -73,7 +73,7 @@ cases = st.tuples(
 )
 
 
-@settings(max_examples=examples(150))
+@settings(max_examples=examples(100))
 @given(world_size=st.integers(1, 4), case=cases)
 def test_collectives_match_math_and_ledger(pools, world_size, case):
     kind, numel, dtype, op, backend, seed, src = case

@@ -18,7 +18,7 @@ from equivalence import bit_identical, experiments, run_and_check, examples
 
 
 @pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"])
-@settings(max_examples=examples(40))
+@settings(max_examples=examples(25))
 @given(data=st.data())
 def test_compressed_stage_matches_the_same_casts_reference(pools, stage, data):
     """Bit for bit in practice (the same casts, the ring's summation order); and exactly half

@@ -16,7 +16,7 @@ from minizero.experiment import Experiment, reference_of, run_experiment
 from equivalence import bit_identical, experiments, run_and_check, examples
 
 
-@settings(max_examples=examples(100))
+@settings(max_examples=examples(60))
 @given(drawn=experiments("ddp", max_accum=4))
 def test_ddp_matches_reference(pools, drawn):
     exp, world_size = drawn

@@ -19,7 +19,7 @@ from equivalence import assert_same_optimizer_state, experiments, run_and_check,
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2"])
-@settings(max_examples=examples(70))
+@settings(max_examples=examples(45))
 @given(data=st.data())
 def test_zero_matches_reference(pools, stage, data):
     exp, world_size = data.draw(experiments(stage, max_accum=4))

@@ -18,7 +18,7 @@ from minizero.units import assign_parameters, default_units, resolve_units
 from equivalence import experiments, run_and_check, examples
 
 
-@settings(max_examples=examples(70))
+@settings(max_examples=examples(45))
 @given(drawn=experiments("zero3", max_accum=4))
 def test_zero3_matches_reference(pools, drawn):
     exp, world_size = drawn
