@@ -77,8 +77,6 @@ def compare(world_size: int, stages: list[str], exp: Experiment, timeout_s: floa
     ``timeout_s``: how long a collective may go without progress before the run is ended as stalled."""
     check_world_size(world_size)
     check_stage_names(stages, distributed_only=True)
-    if len(set(stages)) != len(stages):
-        raise ValueError(f"a stage is named twice in {stages}; name each once")
     if options.get("error_feedback") and options.get("compress") in (None, "none"):
         raise ValueError("error feedback carries the rounding error of compression: it needs --compress fp16 or bf16")
     experiments = [replace(exp, stage=stage, options=stage_options(stage, **options)) for stage in stages]

@@ -49,6 +49,7 @@ def test_numbers_are_validated_where_they_are_parsed(argv, message, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["compare", "--stages", "ddp,zero9"], "unknown stage(s) ['zero9']; valid stages: ddp"),
     (["compare", "--stages", "ddp,ddp"], "a stage is named twice in ['ddp', 'ddp']; name each once"),
+    (["soak", "--stages", "zero1,zero1"], "a stage is named twice in ['zero1', 'zero1']; name each once"),
     (["compare", "--stages", ","], "no stage given; valid stages"),
     (["compare", "--error-feedback"], "error feedback carries the rounding error of compression: it needs --compress"),
     (["soak", "--compress", "fp16"], "soak compares with exact single-device training"),

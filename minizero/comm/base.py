@@ -100,6 +100,11 @@ def collective(kind: str):
     return decorate
 
 
+def _tensors(arguments: dict) -> list[torch.Tensor]:
+    """The tensors of one collective call, by the names every collective uses."""
+    return [arguments[k] for k in ("tensor", "input", "output") if k in arguments]
+
+
 class Comm:
     """Collectives over a process group; subclasses implement the algorithms.
 
@@ -149,14 +154,15 @@ class Comm:
             return method(**arguments)
         if self._failed is not None:
             raise RuntimeError(f"rank {self.rank}: no more collectives on this Comm: {self._failed}, so its "
-                               f"messages are out of step with its peers'. Create a new Comm (and stage).")
+                               f"messages are out of step with its peers'. Start again with a new Comm, and a new "
+                               f"stage over a fresh model.")
         call = self._describe(kind, arguments, tag or Tag())
         self.board.enter(call)
         try:
             if self.check and self.world_size > 1:
                 self._local.kind = "check"
                 self._at("fingerprint exchange")
-                exchange(self, call, self._first_tensor(arguments).device)
+                exchange(self, call, _tensors(arguments)[0].device)
             self._local.kind = kind
             return method(**arguments)
         except CollectiveMismatch:
@@ -170,15 +176,11 @@ class Comm:
             self._local.kind = None
             self.board.leave()
 
-    @staticmethod
-    def _first_tensor(arguments: dict) -> torch.Tensor:
-        return next(arguments[k] for k in ("tensor", "input", "output") if k in arguments)
-
     def _describe(self, kind: str, arguments: dict, tag: Tag) -> Call:
         """Check the tensors (naming this rank and the tag) and say what the call is."""
         self._calls += 1
         where = f"rank {self.rank}: {kind} for {tag.describe()}"
-        tensors = [arguments[k] for k in ("tensor", "input", "output") if k in arguments]
+        tensors = _tensors(arguments)
         for t in tensors:
             if t.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"{where}: dtype {t.dtype} is not supported; use one of {SUPPORTED_DTYPES}")

@@ -28,6 +28,8 @@ import ctypes
 import time
 from contextlib import contextmanager
 
+from .fingerprint import KINDS
+
 IDLE, IN_COLLECTIVE = 0.0, 1.0
 NOBODY, ANYONE = -2.0, -1.0  # values of waiting_on besides a rank number
 FIELDS = ("state", "seq", "kind", "numel", "part", "step", "waiting_on", "entered", "progress", "left",
@@ -54,8 +56,6 @@ class ProgressBoard:
     # ---------------------------------------------------------------- writer: the Comm
     def enter(self, call) -> None:
         """``call`` (a :class:`~minizero.comm.fingerprint.Call`) begins."""
-        from .fingerprint import KINDS
-
         now = time.time()
         self.text.value = call.tag.what.encode()[: TEXT - 1]
         self._set(state=IN_COLLECTIVE, seq=float(call.seq), kind=float(KINDS.index(call.kind)),
@@ -77,8 +77,7 @@ class ProgressBoard:
             self._set(waiting_on=NOBODY, progress=time.time())
 
     def leave(self) -> None:
-        v = self.values
-        self._set(state=IDLE, waiting_on=NOBODY, left=time.time(), collectives=v[_F["collectives"]] + 1)
+        self._set(state=IDLE, waiting_on=NOBODY, left=time.time(), collectives=self.values[_F["collectives"]] + 1)
 
     # ---------------------------------------------------------------- reader: the watchdog
     def record(self) -> dict:

@@ -23,6 +23,8 @@ def check_stage_names(names: list[str], distributed_only: bool = False) -> None:
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; valid stages: {', '.join(valid)}"
                          + (" (the reference is what every stage is compared with)" if distributed_only else ""))
+    if len(set(names)) != len(names):
+        raise ValueError(f"a stage is named twice in {names}; name each once")
     if not names:
         raise ValueError(f"no stage given; valid stages: {', '.join(valid)}")
 
