@@ -1,14 +1,17 @@
 """minizero: data-parallel training built from send/recv, one stage at a time.
 
 Read in this order: ``comm`` (collectives from send/recv, the byte ledger),
-``launch`` (ranks), ``train`` (the one training loop), ``stages`` (reference,
-ddp, ...), ``experiment`` and ``compare`` (the proof against the reference).
+``launch`` (ranks), ``train`` (the one training loop), ``flat``/``buckets``/
+``layout`` (the shared parts), ``stages`` (reference, ddp, ... zero3), and
+``lab`` (experiments, the proof against the reference, benchmarks).  The core
+never imports ``lab``.
 """
 from .comm import Ledger, ReduceOp, make_comm
 from .launch import Rank, RankError, RankPool, run
+from .sharded_optimizer import ShardedOptimizer
 from .stages import STAGES, make_stage
 from .train import Step, shard_step, train_step
 
 __version__ = "0.1.0"
-__all__ = ["Ledger", "Rank", "RankError", "RankPool", "ReduceOp", "STAGES", "Step", "make_comm", "make_stage",
+__all__ = ["Ledger", "Rank", "RankError", "RankPool", "ReduceOp", "STAGES", "ShardedOptimizer", "Step", "make_comm", "make_stage",
            "run", "shard_step", "train_step"]

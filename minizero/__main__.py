@@ -11,7 +11,14 @@ import math
 import os
 import sys
 
-from .stages import STAGES
+from .comm import BACKENDS
+from .compress import WIRE_DTYPES
+from .lab.bench import BENCHES
+from .lab.equivalence import DTYPES
+from .lab.optimizers import OPTIMIZERS
+from .lab.registry import LAB_STAGES
+from .lab.tasks import TASKS
+from .stages import STAGES, Stage
 
 
 def _whole_number(text: str, least: int, what: str) -> int:
@@ -42,24 +49,29 @@ def positive_float(text: str) -> float:
     return value
 
 
+def distributed(stages: dict) -> list[str]:
+    return [name for name, cls in stages.items() if cls is not Stage]
+
+
 def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> None:
     """What ``compare`` and ``soak`` share: the run to compare with single-device training."""
     p.add_argument("--world-size", type=positive_int, default=2)
-    p.add_argument("--stages", default="ddp", help=f"comma-separated, from: {', '.join(STAGES)}")
-    p.add_argument("--dtype", choices=["float32", "float64"], default=dtype)
+    p.add_argument("--stages", default="ddp", help=f"comma-separated, from: {', '.join(distributed(LAB_STAGES))}")
+    p.add_argument("--dtype", choices=list(DTYPES), default=dtype)
     p.add_argument("--steps", type=positive_int, default=steps)
-    p.add_argument("--task", choices=["gpt", "mlp", "edge", "dyadic"], default="gpt")
-    p.add_argument("--optimizer", choices=["sgd", "momentum", "nesterov", "adam", "adamw"], default="adamw")
+    p.add_argument("--task", choices=list(TASKS), default="gpt")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="learning rate (> 0: with 0 nothing moves and every stage would trivially agree)")
     p.add_argument("--micro-batch", type=positive_int, default=4, help="samples per rank per micro-batch")
     p.add_argument("--accum", type=positive_int, default=1, help="K micro-batches per optimizer step")
-    p.add_argument("--compress", choices=["none", "fp16", "bf16"], default="none", help="send gradients in 16 bits")
+    p.add_argument("--compress", choices=["none", *WIRE_DTYPES], default="none", help="send gradients in 16 bits")
     p.add_argument("--error-feedback", action="store_true", help="carry the compression error to the next step")
     p.add_argument("--bucket-mb", type=positive_float, default=None,
-                   help="bucket size of ddp-bucketed, zero2 (default 25)")
+                   help=f"bucket size of {', '.join(n for n, c in STAGES.items() if 'bucket_mb' in c.options())} "
+                        f"(default 25)")
     p.add_argument("--clip", type=positive_float, default=None, help="clip the global L2 gradient norm to this")
-    p.add_argument("--backend", choices=["ring", "native"], default="ring")
+    p.add_argument("--backend", choices=list(BACKENDS), default="ring")
     p.add_argument("--seed", type=natural_int, default=0)
     p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds a collective may go without progress before the run is ended as stalled")
@@ -75,9 +87,9 @@ def parser() -> argparse.ArgumentParser:
     _training_options(compare, steps=5, dtype="float32")
     soak = sub.add_parser("soak", help="every stage against the reference for many steps; the largest deviation")
     _training_options(soak, steps=500, dtype="float64")
-    soak.set_defaults(stages=",".join(s for s in STAGES if s != "reference"))
+    soak.set_defaults(stages=",".join(distributed(STAGES)))
     bench = sub.add_parser("bench", help="speed against torch's own implementation, as ratios")
-    bench.add_argument("what", choices=["collectives", "ddp", "zero", "zero3", "overlap", "check"])
+    bench.add_argument("what", choices=list(BENCHES))
     bench.add_argument("--world-size", type=positive_int, default=2)
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.add_argument("--json", action="store_true")
@@ -89,11 +101,11 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.command == "compare":
-            from .compare import main as run
+            from .lab.compare import main as run
         elif args.command == "soak":
-            from .soak import main as run
+            from .lab.soak import main as run
         else:
-            from .bench import main as run
+            from .lab.bench import main as run
         status, text = run(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

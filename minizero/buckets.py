@@ -10,10 +10,15 @@ into the bucket in place, and the bucket is sent without a copy.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
+
+from .comm import Comm
+from .comm.thread import drain
 
 MiB = 1 << 20
 
@@ -25,7 +30,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor  # all gradients of the bucket, end to end
     views: list[torch.Tensor] = field(default_factory=list)  # views[i] is params[i]'s gradient
-    work: object = None  # the running all-reduce
+
 
 def check_bucket_mb(bucket_mb: float) -> None:
     if not (isinstance(bucket_mb, (int, float)) and 0 < bucket_mb < math.inf):
@@ -65,7 +70,7 @@ class ReadyOrder:
 
     Every rank must start bucket collectives in the same order -- the ring pairs
     rank r's bucket i with its neighbours' bucket i -- so a bucket that completes
-    early waits for the ones before it.  Used by ``ddp-bucketed`` and ``zero2``.
+    early waits for the ones before it.
     """
 
     def __init__(self, buckets: list[list[nn.Parameter]], launch):
@@ -98,3 +103,50 @@ class ReadyOrder:
         for ready in self._ready:
             ready.clear()
         self._next = 0
+
+
+class BucketPipeline:
+    """Buckets' collectives overlapped with backward: used by ``ddp-bucketed``, ``zero2`` and ``zero3``.
+
+    1. :meth:`mark` each parameter as its gradient becomes final (from a post-accumulate-grad hook);
+    2. a bucket whose parameters are all marked -- and every bucket before it -- is *launched*:
+       ``start(index)`` runs here, on the main thread (pack, free), and returns the collective, which runs
+       on the communication thread while backward goes on;
+    3. at the end of backward, :meth:`launch_rest` launches what never completed (unused parameters) and
+       :meth:`wait_all` collects every bucket's result in index order.
+
+    A round is one backward's worth: inside ``with pipeline.round():``, whatever happens -- an error in a
+    hook, a check that refuses, a collective that fails -- nothing is left running and nothing marked.
+    """
+
+    def __init__(self, comm: Comm, buckets: list[list[nn.Parameter]], start: Callable[[int], Callable[[], object]]):
+        self.comm = comm
+        self._start = start
+        self._order = ReadyOrder(buckets, self._launch)
+        self._works: dict[int, object] = {}
+
+    def _launch(self, index: int) -> None:
+        self._works[index] = self.comm.submit(self._start(index))
+
+    def mark(self, param: nn.Parameter) -> None:
+        self._order.mark(param)
+
+    def missing(self) -> list[tuple[int, int]]:
+        """(bucket, position) of every parameter not marked this round."""
+        return self._order.missing()
+
+    def launch_rest(self) -> None:
+        self._order.complete_all()
+
+    def wait_all(self) -> list[tuple[int, object]]:
+        """Every launched bucket's result, ``(index, result)`` in index order."""
+        return [(index, self._works.pop(index).result()) for index in sorted(self._works)]
+
+    @contextmanager
+    def round(self):
+        try:
+            yield self
+        finally:  # after an error too: nothing left running, nothing left marked
+            drain(list(self._works.values()))
+            self._works.clear()
+            self._order.reset()

@@ -1,8 +1,10 @@
-"""Averaging gradients across ranks, optionally over a 16-bit wire.
+"""The 16-bit wire: gradients averaged across ranks in fp16 or bf16 (``compress=``).
 
-Every stage that reduces gradients calls :class:`GradientAverager`; with
-``compress="fp16"`` or ``"bf16"`` the bytes on the wire halve (the ledger
-shows it) and the result lands back in the gradient's own precision.
+Compression is a *wire format*, an option of every stage, written once here:
+a stage that averages over the wire calls :meth:`Wire.all_reduce_mean` or
+:meth:`Wire.reduce_scatter_mean` where it would otherwise all-reduce (or
+reduce-scatter) and divide by N.  The bytes on the wire halve (the ledger shows
+it) and the result lands back in the gradient's own precision.
 
 Where to divide by N.  The sum of N fp16 gradients can overflow (fp16 tops
 out at 65504), so part of the division must happen *before* the reduction;
@@ -44,38 +46,43 @@ def split_division(world_size: int) -> tuple[int, float]:
     return pre, world_size / pre
 
 
-class GradientAverager:
-    """``averager(flat, key, names)`` replaces ``flat`` by its mean over ranks, in place."""
+def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False) -> "Wire | None":
+    """The wire for ``compress`` ("fp16", "bf16"), or None: gradients travel in their own dtype."""
+    if check_compress(compress) is None:
+        if error_feedback:
+            raise ValueError("error feedback carries the rounding error of compression: it needs compress='fp16' "
+                             "or 'bf16'")
+        return None
+    return Wire(comm, compress, error_feedback)
 
-    def __init__(self, comm: Comm, compress: str | None = None, error_feedback: bool = False):
+
+class Wire:
+    """Averages flat gradient buffers over a 16-bit wire, in place."""
+
+    def __init__(self, comm: Comm, compress: str, error_feedback: bool = False):
         self.comm = comm
         self.wire_dtype = check_compress(compress)
-        self.error_feedback = error_feedback and self.wire_dtype is not None
+        self.error_feedback = error_feedback
         self.pre, self.post = split_division(comm.world_size)
         self.residuals: dict = {}  # key -> rounding error carried to the next step
         self._pending: dict = {}  # residuals of the reduction under way, kept only if it succeeds
 
     def check_gradient_dtype(self, name: str, dtype: torch.dtype) -> None:
-        if self.wire_dtype is not None and dtype not in (torch.float32, torch.float64):
+        if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"rank {self.comm.rank}: compression sends gradients in {self.wire_dtype}, which only "
                             f"makes sense for float32/float64 gradients; parameter {name!r} is {dtype}. "
                             f"Turn compression off or keep this parameter in float32.")
 
-    def __call__(self, flat: torch.Tensor, key=None, names: list[str] | None = None, tag: Tag | None = None) -> None:
+    def all_reduce_mean(self, flat: torch.Tensor, key=None, names: list[str] | None = None,
+                        tag: Tag | None = None) -> None:
         """All-reduce: every rank ends with the mean of ``flat``, in place."""
-        if self.wire_dtype is None:
-            self.comm.all_reduce(flat, ReduceOp.AVG, tag=tag)
-            return
         wire = self._to_wire(flat, key)
         self.comm.all_reduce(wire, ReduceOp.SUM, tag=tag)
         self._from_wire(wire, flat, names, key)
 
-    def reduce_scatter(self, full: torch.Tensor, shard: torch.Tensor, key=None, names: list[str] | None = None,
-                       tag: Tag | None = None) -> None:
+    def reduce_scatter_mean(self, full: torch.Tensor, shard: torch.Tensor, key=None, names: list[str] | None = None,
+                            tag: Tag | None = None) -> None:
         """Reduce-scatter: ``shard`` gets this rank's slice of the mean of ``full`` (ZeRO)."""
-        if self.wire_dtype is None:
-            self.comm.reduce_scatter(shard, full, ReduceOp.AVG, tag=tag)
-            return
         wire = self._to_wire(full, key)
         wire_shard = torch.empty(shard.numel(), dtype=self.wire_dtype, device=shard.device)
         self.comm.reduce_scatter(wire_shard, wire, ReduceOp.SUM, tag=tag)
@@ -103,3 +110,20 @@ class GradientAverager:
             self.residuals[key] = pending
         out.copy_(wire)
         out.div_(self.post)
+
+
+def all_reduce_mean(comm: Comm, wire: Wire | None, flat: torch.Tensor, key=None, names=None, tag=None) -> None:
+    """The mean of ``flat`` over ranks, in place: over the wire if there is one, else in ``flat``'s dtype."""
+    if wire is None:
+        comm.all_reduce(flat, ReduceOp.AVG, tag=tag)  # SUM, then divide by N
+    else:
+        wire.all_reduce_mean(flat, key, names, tag)
+
+
+def reduce_scatter_mean(comm: Comm, wire: Wire | None, full: torch.Tensor, shard: torch.Tensor, key=None, names=None,
+                        tag=None) -> None:
+    """``shard`` = this rank's slice of the mean of ``full`` over ranks: over the wire if there is one."""
+    if wire is None:
+        comm.reduce_scatter(shard, full, ReduceOp.AVG, tag=tag)  # SUM, then divide by N
+    else:
+        wire.reduce_scatter_mean(full, shard, key, names, tag)

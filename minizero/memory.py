@@ -4,7 +4,7 @@ Walks the live tensors a stage reports (:meth:`Stage.held_tensors`) and
 adds up their *storages*, each once: a parameter that is a view into a flat
 buffer counts the whole buffer (padding included), a gradient that is a view
 into a bucket counts the bucket.  Nothing here is computed from a formula;
-the formula is printed beside it (``minizero.formulas.state_bytes``).
+the formula is printed beside it (each stage's ``state_bytes``).
 Communication scratch buffers are the comm layer's, not model state, and are
 not counted.
 """
@@ -30,6 +30,13 @@ def held_bytes(held: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     return out
 
 
-def cuda_peak_bytes(device: torch.device) -> int | None:
-    """On a GPU, torch's own count of the peak allocated bytes -- a second opinion."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+class GatheredMemory:
+    """An observer of a stage (``stage.add_observer``): the bytes of gathered full parameters alive now,
+    and the most at any moment -- ZeRO-3's working set, measured outside the algorithm."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def __call__(self, event: str, nbytes: int) -> None:
+        self.now += nbytes if event == "gather" else -nbytes
+        self.peak = max(self.peak, self.now)

@@ -1,16 +1,29 @@
-"""The optimizer of a ZeRO stage: the user's, rebuilt over the pieces this rank owns.
+"""ZeRO's optimizer: the user's, rebuilt over the pieces of the parameters this rank owns.
 
 Each :class:`~minizero.layout.FlatGroup` hands out one *piece* per parameter
-it owns part of (a 1-D view into the owned shard).  The user's optimizer class
-and per-group hyper-parameters are rebuilt over those pieces, one param group
-per user param group, so any element-wise ``torch.optim`` optimizer works
+it owns part of (a 1-D view into the owned shard).  :class:`ShardedOptimizer`
+builds the user's optimizer class, with the user's per-group hyper-parameters,
+over those pieces, so any element-wise ``torch.optim`` optimizer works
 unchanged -- and, piece by piece, it skips a parameter without a gradient
-exactly as it would on one device.
+exactly as it would on one device.  Its ``param_groups`` are the user's (over
+the whole parameters), so a learning-rate scheduler works as usual: every
+change is carried over to the pieces before each step.
 
-Consolidation (:func:`full_state_dict`) is the reverse: every rank's pieces of
-each state tensor are laid back into the flat layout, all-gathered, and cut
-into per-parameter tensors -- the state_dict a plain optimizer over the
-unwrapped model would have.
+Two ways to use it:
+
+* alone, with torch's ``ZeroRedundancyOptimizer`` calling convention --
+  ``ShardedOptimizer(model.parameters(), torch.optim.AdamW, comm=comm, lr=1e-3)``
+  -- after gradients were averaged (under ``ddp``, say): :meth:`step` takes this
+  rank's slice of each averaged gradient, steps it, and all-gathers the updated
+  parameters (all-reduce + all-gather: 3Psi per step, torch's bytes);
+* inside the ZeRO stages, which reduce-scatter gradients straight into the
+  pieces' ``.grad`` (2Psi): they call :meth:`step_owned`, then share the result
+  as their stage requires.
+
+Consolidation (:meth:`full_state_dict`) is the reverse of sharding: every rank's
+pieces of each state tensor are laid back into the flat layout, all-gathered,
+and cut into per-parameter tensors -- the state_dict a plain optimizer over
+the unwrapped model would have.
 """
 from __future__ import annotations
 
@@ -19,21 +32,113 @@ import math
 
 import torch
 
-from .comm import Tag
-from .layout import FlatGroup
+from .comm import Comm, ReduceOp, Tag
+from .layout import FlatGroup, build_groups
 
 #: Optimizers whose update is element-wise, so a 1-D piece is as good as the parameter.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
                torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop)
 
 
-def check_shardable(optimizer: torch.optim.Optimizer, rank: int) -> None:
-    if type(optimizer) not in ELEMENTWISE:
+def check_shardable(optimizer_class: type, rank: int) -> None:
+    if optimizer_class not in ELEMENTWISE:
         raise TypeError(
-            f"rank {rank}: {type(optimizer).__name__} cannot run on flat shards. ZeRO hands the optimizer the "
+            f"rank {rank}: {optimizer_class.__name__} cannot run on flat shards. ZeRO hands the optimizer the "
             f"1-D part of each parameter a rank owns, which is only the same update for element-wise optimizers; "
             f"one that needs each parameter's shape (Adafactor, Shampoo, Muon) or a closure (LBFGS) would "
             f"compute something else. Use one of: {', '.join(c.__name__ for c in ELEMENTWISE)}.")
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """``ShardedOptimizer(params, optimizer_class, comm=comm, **defaults)``: ``optimizer_class`` over this
+    rank's shard of ``params`` (see the module's docstring).  ``groups``: the flat layout a ZeRO stage
+    already built; without it the parameters are laid out here."""
+
+    def __init__(self, params, optimizer_class: type, *, comm: Comm, groups: list[FlatGroup] | None = None,
+                 **defaults):
+        super().__init__(params, defaults)
+        check_shardable(optimizer_class, comm.rank)
+        self.comm, self.optimizer_class = comm, optimizer_class
+        self.groups = groups if groups is not None else build_groups(self.param_groups, comm.rank, comm.world_size)
+        accepted = inspect.signature(optimizer_class.__init__).parameters
+        self._class_defaults = {k: v for k, v in self.defaults.items() if k in accepted}
+        in_group = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self.local = optimizer_class(
+            [{**self._settings(i), "params": [piece.param for g in self.groups for piece in g.pieces
+                                              if in_group.get(id(piece.segment.param)) == i]}
+             for i in range(len(self.param_groups))], **self._class_defaults)
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Comm):
+        """The sharded twin of a user's optimizer, sharing its param_groups (so its scheduler drives both)."""
+        check_shardable(type(optimizer), comm.rank)
+        sharded = cls([{**g} for g in optimizer.param_groups], type(optimizer), comm=comm, groups=groups,
+                      **optimizer.defaults)
+        sharded.param_groups = optimizer.param_groups
+        return sharded
+
+    def _settings(self, index: int) -> dict:
+        return {k: v for k, v in self.param_groups[index].items() if k != "params"}
+
+    def step_owned(self) -> None:
+        """Step the pieces that have a gradient, with the user's current hyper-parameters."""
+        for index, local_group in enumerate(self.local.param_groups):
+            local_group.update(self._settings(index))
+        self.local.step()
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        """Alone (after gradients were averaged): slice, step, all-gather."""
+        if closure is not None:
+            raise TypeError("ShardedOptimizer.step takes no closure: it steps each rank's shard once")
+        for group in self.groups:
+            averaged = group.shard_of(group.pack_grads())
+            for piece in group.pieces:
+                has = piece.segment.param.grad is not None
+                piece.param.grad = averaged[piece.offset:piece.offset + piece.stop - piece.start] if has else None
+        self.step_owned()
+        self.share(range(len(self.groups)))
+
+    def share(self, indices, tag_of=lambda g: Tag(f"group {g} parameters after step")) -> None:
+        """Everyone gets everyone's updated slice (parameters are views of ``group.data``)."""
+        for g in indices:
+            group = self.groups[g]
+            self.comm.all_gather(group.data, group.shard.detach().clone(), tag=tag_of(g))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.local.zero_grad(set_to_none=set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [piece.param.grad for g in self.groups for piece in g.pieces if piece.param.grad is not None]
+
+    def state_dict(self) -> dict:
+        """This rank's pieces only: what a sharded checkpoint stores per rank."""
+        return self.local.state_dict()
+
+    def full_state_dict(self) -> dict:
+        """The state_dict of a plain torch optimizer over the whole parameters; every rank gets it."""
+        return full_state_dict(self.local, self.param_groups, self.groups, self.comm)
+
+
+def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, comm: Comm,
+                            tag: Tag | None = None) -> torch.Tensor:
+    """Global-norm clipping when each rank holds a disjoint part of the averaged gradient: one more
+    collective (SUM of |g|^p, or MAX for the inf-norm), then every rank scales its part --
+    ``torch.nn.utils.clip_grad_norm_``'s result without anyone holding all of it."""
+    grads = [g for g in grads if g.numel()]
+    dtype = grads[0].dtype if grads else torch.float32
+    if math.isinf(norm_type):
+        total = torch.stack([g.abs().max() for g in grads]).max().reshape(1) if grads else torch.zeros(1, dtype=dtype)
+        comm.all_reduce(total, ReduceOp.MAX, tag=tag)
+    else:
+        total = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=dtype)).reshape(1)
+        comm.all_reduce(total, ReduceOp.SUM, tag=tag)
+        total = total.pow(1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coefficient)
+    return total[0]
 
 
 def _accepted_defaults(optimizer: torch.optim.Optimizer) -> dict:
@@ -41,24 +146,6 @@ def _accepted_defaults(optimizer: torch.optim.Optimizer) -> dict:
     # (AdamW's defaults hold keys, like decoupled_weight_decay, that its __init__ does not take).
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
-
-
-def shard_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> torch.optim.Optimizer:
-    """The same optimizer class and hyper-parameters, over this rank's pieces: param group ``i`` holds
-    the pieces of the user's group ``i`` (possibly none: a rank may own only padding)."""
-    param_groups = [{**{k: v for k, v in group.items() if k != "params"},
-                     "params": [piece.param for g in groups if g.group_index == index for piece in g.pieces]}
-                    for index, group in enumerate(optimizer.param_groups)]
-    return type(optimizer)(param_groups, **_accepted_defaults(optimizer))
-
-
-def attach_gradients(groups: list[FlatGroup], grad_shards: list[torch.Tensor], has_grad: set[int]) -> None:
-    """Point each piece's ``.grad`` at its slice of the averaged gradient shard -- or None where the
-    parameter got no gradient anywhere, so the optimizer skips it as torch.optim does."""
-    for group, shard in zip(groups, grad_shards):
-        for piece in group.pieces:
-            piece.param.grad = (shard[piece.offset:piece.offset + piece.stop - piece.start]
-                                if id(piece.segment.param) in has_grad else None)
 
 
 def state_layout(optimizer: torch.optim.Optimizer, group_index: int, dtype: torch.dtype) -> dict:

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
-from .models import sum_loss
+import torch.nn.functional as F
 
 
 @dataclass
@@ -48,6 +47,18 @@ def shard_step(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, acc
     return Step(micro, global_count=y.numel())
 
 
+def sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Loss *summed* over the batch: cross-entropy for integer targets, squared error otherwise.
+
+    The training loop divides by the global number of loss terms, so the
+    gradient is that of the mean over the *global* batch whatever the per-rank
+    split -- even when ranks hold different numbers of samples.
+    """
+    if target.dtype in (torch.int64, torch.int32):
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction="sum")
+    return F.mse_loss(output, target, reduction="sum")
+
+
 def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[float, float] | None = None) -> float:
     """One optimizer step; returns this rank's *summed* loss (add over ranks, divide by global_count).
 
@@ -69,25 +80,3 @@ def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[floa
     stage.step()
     return total
 
-
-OPTIMIZERS = {
-    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
-    "momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
-    "nesterov": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True),
-    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
-    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
-}
-
-
-def make_optimizer(name: str, model: torch.nn.Module, lr: float, param_groups: bool = False) -> torch.optim.Optimizer:
-    """``name`` over ``model``'s parameters.  With ``param_groups``, two groups as in fine-tuning
-    recipes: biases and norms without weight decay at twice the rate, the rest as given."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
-    if not param_groups:
-        return OPTIMIZERS[name](model.parameters(), lr)
-    vectors = [p for p in model.parameters() if p.dim() <= 1]
-    matrices = [p for p in model.parameters() if p.dim() > 1]
-    optimizer = OPTIMIZERS[name](matrices, lr)
-    optimizer.add_param_group({"params": vectors, "lr": 2 * lr, "weight_decay": 0.0})
-    return optimizer

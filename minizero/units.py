@@ -14,7 +14,12 @@ half-updated.)
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
+
+from .comm import Comm, Tag
+from .layout import ShardedFlatGroup, plan_groups
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -65,7 +70,6 @@ def assign_parameters(model: nn.Module, units: list[nn.Module]) -> list[list[tup
 def plan_unit_groups(model: nn.Module, units: list[nn.Module], param_groups: list[list[nn.Parameter]]):
     """ZeRO-3's flat groups: per unit, per optimizer param group, per dtype -- the last unit first
     (the order backward finishes them).  Returns ``(unit, param group index, [(name, param)])``."""
-    from .layout import plan_groups
 
     in_group = {id(p): gi for gi, params in enumerate(param_groups) for p in params}
     per_unit = assign_parameters(model, units)
@@ -76,3 +80,78 @@ def plan_unit_groups(model: nn.Module, units: list[nn.Module], param_groups: lis
         by_group = [[p for _, p in named if in_group[id(p)] == gi] for gi in range(len(param_groups))]
         plan += [(unit, gi, [(names[id(p)], p) for p in piece]) for gi, piece in plan_groups(by_group)]
     return plan
+
+
+class Unit:
+    """One ZeRO-3 unit at run time -- FSDP2's ``FSDPParamGroup``: the flat groups of its parameters and
+    the all-gather in flight for them, with a method for each moment it acts.
+
+    ``observe(event, nbytes)`` hears every ``"gather"`` (a full buffer allocated -- counted from the moment
+    the all-gather starts, so a prefetch takes memory while it runs) and every ``"free"``: instrumentation
+    outside the algorithm, like the byte ledger."""
+
+    def __init__(self, index: int, name: str, groups: list[ShardedFlatGroup], comm: Comm,
+                 tag: Callable[[str], Tag], observe: Callable[[str, int], None]):
+        self.index, self.name, self.groups = index, name, groups
+        self.comm, self._tag, self._observe = comm, tag, observe
+        self._gathering = None  # the all-gather running on the communication thread, if any
+
+    @property
+    def label(self) -> str:
+        return f"unit {self.index} ({self.name})"
+
+    @property
+    def gathered(self) -> bool:
+        return all(g.gathered for g in self.groups)
+
+    # ------------------------------------------------------------ the moments
+    def before_forward(self) -> None:
+        self.unshard("forward")
+
+    def after_forward(self, reshard: bool) -> None:
+        if reshard:
+            self.reshard()
+
+    def before_backward(self) -> None:
+        """Autograd saved the *parameters*: pointing them at freshly gathered values is all backward needs."""
+        self.unshard("backward")
+
+    def after_backward(self, group: ShardedFlatGroup) -> None:
+        """``group``'s gradients are packed for their reduce-scatter: its full parameters can go."""
+        self._free(group)
+
+    # ------------------------------------------------------------ gathering and freeing
+    def start_gather(self, why: str) -> None:
+        """Start the all-gather on the communication thread (now, or as a prefetch)."""
+        if self._gathering is not None or self.gathered:
+            return
+        groups, tag = self.groups, self._tag(f"{self.label} {why} all-gather")
+        self._gathering = self.comm.submit(lambda: [g.all_gather_into_new_buffer(self.comm, tag) for g in groups])
+        for g in groups:
+            self._observe("gather", g.full_bytes)
+
+    def unshard(self, why: str) -> None:
+        """Full parameters, now: start the all-gather unless a prefetch did, and wait for it."""
+        self.start_gather(why)
+        if self._gathering is not None:
+            for group, full in zip(self.groups, self._gathering.result()):
+                group.use(full)
+            self._gathering = None
+
+    def drop_prefetch(self) -> None:
+        """A prefetch nobody used (the order came from the last forward): wait for it, then free it --
+        after the optimizer step it would hold stale weights."""
+        if self._gathering is not None:
+            self._gathering.wait()
+            self._gathering = None
+            for g in self.groups:
+                self._observe("free", g.full_bytes)
+
+    def reshard(self) -> None:
+        for group in self.groups:
+            self._free(group)
+
+    def _free(self, group: ShardedFlatGroup) -> None:
+        if group.gathered:
+            self._observe("free", group.full_bytes)
+            group.reshard()

@@ -1,24 +1,43 @@
-"""The stages, by name.  ``reference`` is single-device training: the truth."""
+"""The stages, by name.  ``reference`` is single-device training: the truth.
+
+Adding a stage is one file in this package and one entry in :data:`STAGES`;
+everything else -- ``compare``, the byte and memory checks, the CLI -- reads
+the stage's facts from its class.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from ..comm import Comm
-from .base import Stage
-from .wrap import broadcast_module, check_same_model
+from .base import Reduction, Shards, Stage, Synchronised
 from .ddp import DDP
 from .ddp_bucketed import BucketedDDP
+from .protocol import DataParallel
+from .wrap import broadcast_module, check_same_model
+from .zero import ZeRO
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3
 
-STAGES: dict[str, type[Stage]] = {"reference": Stage, "ddp": DDP, "ddp-bucketed": BucketedDDP,
-                                  "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}
+
+def registry(*stages: type[Stage]) -> dict[str, type[Stage]]:
+    """Stages by their ``name``."""
+    return {stage.name: stage for stage in stages}
 
 
-def check_stage_names(names: list[str], distributed_only: bool = False) -> None:
-    valid = [n for n in STAGES if not (distributed_only and n == "reference")]
+STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3)
+
+
+def with_stages(*stages: type[Stage], base: dict[str, type[Stage]] = STAGES) -> dict[str, type[Stage]]:
+    """A copy of ``base`` with ``stages`` added -- how tests and labs register a stage without
+    touching the package's registry."""
+    return {**base, **registry(*stages)}
+
+
+def check_stage_names(names: list[str], distributed_only: bool = False, stages: dict | None = None) -> None:
+    stages = STAGES if stages is None else stages
+    valid = [n for n, cls in stages.items() if not (distributed_only and cls is Stage)]
     unknown = [n for n in names if n not in valid]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; valid stages: {', '.join(valid)}"
@@ -29,13 +48,22 @@ def check_stage_names(names: list[str], distributed_only: bool = False) -> None:
         raise ValueError(f"no stage given; valid stages: {', '.join(valid)}")
 
 
-def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm | None = None,
-               **options) -> Stage:
-    """Wrap ``module`` and ``optimizer`` as stage ``name``."""
-    check_stage_names([name])
-    if name != "reference" and comm is None:
-        raise ValueError(f"stage {name!r} communicates: pass a Comm (minizero.comm.make_comm)")
-    return STAGES[name](module, optimizer, comm, **options) if name != "reference" else Stage(module, optimizer)
+def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               comm: Comm | None = None, stages: dict | None = None, **options) -> Stage:
+    """Wrap ``module`` (and ``optimizer``, if given: else build yours over ``stage.parameters()``)."""
+    stages = STAGES if stages is None else stages
+    check_stage_names([name], stages=stages)
+    cls = stages[name]
+    if cls is Stage:
+        if options:
+            raise ValueError(f"the reference takes no options; got {sorted(options)}")
+        return Stage(module, optimizer)
+    unknown = sorted(set(options) - set(cls.options()))
+    if unknown:
+        raise TypeError(f"stage {name!r} takes no option(s) {unknown}; its options: {', '.join(cls.options())}")
+    return cls(module, optimizer, comm, **options)
 
 
-__all__ = ["BucketedDDP", "DDP", "ZeRO1", "ZeRO2", "ZeRO3", "STAGES", "Stage", "broadcast_module", "check_same_model", "check_stage_names", "make_stage"]
+__all__ = ["BucketedDDP", "DDP", "DataParallel", "Reduction", "STAGES", "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2",
+           "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "make_stage", "registry",
+           "with_stages"]

@@ -1,13 +1,24 @@
-"""What every stage shares: the wrapper interface, and the synchronisation after backward.
+"""What every stage shares: the wrapper interface, the facts each stage states, and the
+synchronisation after backward.
 
-A stage wraps a model and its optimizer and is then driven exactly like the
-plain pair -- ``stage(x)``, ``loss.backward()``, ``stage.step()``,
-``stage.zero_grad()`` -- by the one training loop in :mod:`minizero.train`.
-The single-device reference is a stage too, so a learner can diff any two.
+A stage is an ``nn.Module`` that wraps a model -- and, if given one, its
+optimizer -- and is then driven exactly like the plain pair: ``stage(x)``,
+``loss.backward()``, ``stage.step()``, ``stage.zero_grad()``, by the one
+training loop in :mod:`minizero.train`, or by a loop written for torch's DDP
+with the optimizer built afterwards over ``stage.parameters()``.  The
+single-device reference is a stage too, so a learner can diff any two.
+
+Each stage also *states its facts* as class attributes and class methods: what
+it shards, the bytes it sends per step, the model-state bytes it keeps, and how
+it lays gradients out for reduction.  The measuring harness (:mod:`minizero.lab`)
+reads them from the class and never switches on a stage's name, so a new stage
+is one file and one registry line.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,12 +27,34 @@ from ..comm import Comm, ReduceOp, Tag
 from .wrap import check_wrappable, claim
 
 
-class Stage:
+@dataclass(frozen=True)
+class Shards:
+    """What a stage divides among its N ranks -- the ZeRO paper's P_os, P_os+g, P_os+g+p (section 5)."""
+
+    optimizer_states: bool = False
+    gradients: bool = False
+    parameters: bool = False
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How a stage lays gradients out for reduction: the parameter names in each flat buffer, in the
+    order they are reduced; ``padded``: each buffer is padded to a multiple of N and reduce-scattered;
+    ``packs_unused``: a parameter without a gradient on any rank still has its (zero) slot in the buffer."""
+
+    buffers: list[list[str]]
+    padded: bool = False
+    packs_unused: bool = True
+
+
+class Stage(nn.Module):
     """The plain model and optimizer, with no communication: the reference's behaviour."""
 
     name = "reference"
+    shards = Shards()  # nothing divided: every rank (here, the only one) holds everything
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm | None = None):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None):
+        super().__init__()
         self.module = module
         self.optimizer = optimizer
         self.comm = comm
@@ -29,9 +62,35 @@ class Stage:
         self.world_size = comm.world_size if comm else 1
         self.require_backward_grad_sync = True  # torch DDP's name for "not inside no_sync()"
 
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+    # ------------------------------------------------------------------ facts
+    @classmethod
+    def options(cls) -> list[str]:
+        """The keyword options this stage accepts: its constructor's, after the model, optimizer and comm."""
+        for klass in cls.__mro__:  # a subclass that passes **options on accepts its parent's
+            parameters = inspect.signature(klass.__init__).parameters.values()
+            if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+                return [p.name for p in parameters if p.name not in ("self", "module", "optimizer", "comm")]
+        return []
 
+    @classmethod
+    def sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int, **options) -> float:
+        """Bytes each rank sends per optimizer step (Psi parameters, b bytes per element on the wire)."""
+        return 0.0
+
+    @classmethod
+    def state_bytes(cls, psi: int, world_size: int, element_size: int, state_tensors: int, **options) -> float:
+        """Model-state bytes per rank (ZeRO paper, Table 1, one precision): parameters, gradients and
+        ``state_tensors`` optimizer states per parameter, each whole or divided by N as :attr:`shards` says."""
+        n, each = world_size, psi * element_size
+        return (each / (n if cls.shards.parameters else 1) + each / (n if cls.shards.gradients else 1)
+                + state_tensors * each / (n if cls.shards.optimizer_states else 1))
+
+    @classmethod
+    def reduction(cls, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, **options) -> Reduction:
+        """How gradients are laid out for reduction; the reference reduces nothing."""
+        return Reduction([])
+
+    # ------------------------------------------------------------------ training
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
@@ -46,10 +105,19 @@ class Stage:
             self.require_backward_grad_sync = previous
 
     def step(self) -> None:
-        self.optimizer.step()
+        self._require_optimizer("step").step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        """The optimizer's zero_grad if the stage was given one, else the model's (as on nn.Module)."""
+        (self.optimizer or self.module).zero_grad(set_to_none=set_to_none)
+
+    def _require_optimizer(self, what: str) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"rank {self.rank}: stage.{what}() needs the optimizer the stage was wrapped with, and this one was "
+                f"wrapped without. Call {what}() on the optimizer you built over stage.parameters(), or pass yours "
+                f"to make_stage(name, model, optimizer, comm).")
+        return self.optimizer
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """Named trainable parameters, tied ones once, in registration order."""
@@ -67,10 +135,19 @@ class Stage:
         params = [p for _, p in self.trainable()]
         return {"params": params,
                 "grads": [p.grad for p in params if p.grad is not None],
-                "optimizer": [t for state in self.optimizer.state.values() for t in state.values()
-                              if torch.is_tensor(t)],
-                # compression's error feedback: one full-size residual per buffer, on top of the formula
-                "error_feedback": list(getattr(getattr(self, "averager", None), "residuals", {}).values())}
+                "optimizer": optimizer_tensors(self.optimizer)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unwrapped model's state_dict, every value whole (ZeRO-3 gathers it); every rank gets it."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def full_optimizer_state_dict(self) -> dict:
+        """What a plain torch optimizer over the unwrapped model would hold (ZeRO consolidates it)."""
+        return self.optimizer.state_dict() if self.optimizer is not None else {}
+
+    def add_observer(self, observer) -> None:
+        """Instrumentation outside the algorithm: ``observer(event, nbytes)`` hears of memory a stage
+        takes and gives back while it computes (ZeRO-3's gathered parameters).  Most stages have none."""
 
 
 class Synchronised(Stage):
@@ -99,8 +176,10 @@ class Synchronised(Stage):
     _syncing = False  # does the backward of the latest forward synchronise?
     _sync_queued = False
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Comm,
                  find_unused_parameters: bool = False):
+        if comm is None:
+            raise ValueError(f"stage {self.name!r} communicates: pass a Comm (minizero.comm.make_comm)")
         super().__init__(module, optimizer, comm)
         claim(module, self)
         check_wrappable(module, self.rank)
@@ -112,8 +191,12 @@ class Synchronised(Stage):
         self._used: set[int] = set()  # parameters that got a gradient here since the last synchronisation
         self._has_grad: set[int] = set()  # parameters with a gradient anywhere since zero_grad(): stepped
         module.register_forward_pre_hook(self._refuse_direct_call)
-        # Whichever the user calls -- the stage's step()/zero_grad() or their optimizer's -- the stage's runs:
-        # the optimizer's own would step on unsynchronised (or, under ZeRO, unsharded) gradients.
+        if optimizer is not None:
+            self._route(optimizer)
+
+    def _route(self, optimizer: torch.optim.Optimizer) -> None:
+        """Whichever the user calls -- the stage's step()/zero_grad() or their optimizer's -- the stage's runs:
+        the optimizer's own would step on unsynchronised (or, under ZeRO, unsharded) gradients."""
         self._optimizer_step, self._optimizer_zero_grad = optimizer.step, optimizer.zero_grad
         optimizer.step, optimizer.zero_grad = self.step, self.zero_grad
 
@@ -169,14 +252,16 @@ class Synchronised(Stage):
     def sync_gradients(self) -> None:
         raise NotImplementedError
 
-    def _agree_on_use(self, params: list[nn.Parameter]) -> None:
+    def _agree_on_use(self, params: list[nn.Parameter]) -> set[int]:
         """Which of ``params`` now have a gradient anywhere -- called after every collective of this
         backward was issued, so the bitmap queues behind them in the same place on every rank."""
         used = [id(p) in self._used for p in params]
         self._used.clear()
         if self.find_unused_parameters:
             used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
-        self._has_grad.update(id(p) for p, anywhere in zip(params, used) if anywhere)
+        anywhere = {id(p) for p, u in zip(params, used) if u}
+        self._has_grad.update(anywhere)
+        return anywhere
 
     def step(self) -> None:
         """Refuse to step on gradients that never left this rank; then the stage's update."""
@@ -185,6 +270,7 @@ class Synchronised(Stage):
                 f"rank {self.rank}: step() after backward passes inside no_sync() only: those gradients were "
                 f"never averaged across ranks, so the replicas would drift apart silently. Run the last "
                 f"micro-batch of each step outside no_sync() (train_step does), or call zero_grad() first.")
+        self._require_optimizer("step")
         self._step()
         self.steps_taken += 1
         self.backwards = 0
@@ -199,7 +285,14 @@ class Synchronised(Stage):
         self._zero_grad(set_to_none)
 
     def _zero_grad(self, set_to_none: bool) -> None:
-        self._optimizer_zero_grad(set_to_none=set_to_none)
+        if self.optimizer is None:
+            self.module.zero_grad(set_to_none=set_to_none)
+        else:
+            self._optimizer_zero_grad(set_to_none=set_to_none)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)] if optimizer else []
 
 
 def agree_on_use(comm: Comm, used: list[bool], tag: Tag) -> list[bool]:

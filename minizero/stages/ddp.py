@@ -8,51 +8,57 @@ the gradients).  So:
 
 1. at wrap time, broadcast rank 0's parameters (ranks may have initialised
    differently);
-2. when backward finishes, all-reduce (average) every gradient;
+2. when backward finishes, all-reduce the gradients -- one flat buffer per
+   dtype -- and divide by N;
 3. step the ordinary optimizer, identically on every rank.
 
-The all-reduce runs once per backward, over one flat buffer per dtype, so
-its cost is the ring all-reduce of the gradients: 2(N-1)/N * Psi * b bytes per
-rank.  Inside ``no_sync()`` nothing is sent and gradients accumulate locally;
-the first backward after it averages the accumulated sums (torch's idiom).
+Its cost is the ring all-reduce of the gradients: 2(N-1)/N * Psi * b bytes per
+rank per step.  Inside ``no_sync()`` nothing is sent and gradients accumulate
+locally; the first backward after it averages the accumulated sums (torch's idiom).
 
 Every rank must put the same parameters in the buffer.  A parameter without
 a gradient is refused, named -- or, with ``find_unused_parameters=True``, the
 ranks first all-reduce a bitmap of who used what (as torch DDP does), so a
 parameter used on some ranks only is averaged with zeros and one used nowhere
 is not stepped, exactly as on a single device.
+
+``compress="fp16"`` (or ``"bf16"``) sends the gradients over a 16-bit wire
+instead (:mod:`minizero.compress`): half the bytes, the same mean up to rounding.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..compress import GradientAverager
+from ..comm import Comm, ReduceOp
+from ..compress import make_wire
 from ..flat import group_by_dtype, pack, unpack
-from .base import Synchronised, agree_on_use, unused_error
+from ..formulas import all_reduce_bytes
+from .base import Reduction, Synchronised, agree_on_use, unused_error
 from .wrap import broadcast_module, check_same_model
 
 
 class DDP(Synchronised):
     name = "ddp"
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
         super().__init__(module, optimizer, comm, find_unused_parameters)
-        self.averager = GradientAverager(comm, compress, error_feedback)
-        for name, p in self.trainable():
-            self.averager.check_gradient_dtype(name, p.dtype)
+        self.wire = make_wire(comm, compress, error_feedback)
         check_same_model(module, comm)
         broadcast_module(module, comm)
 
     def sync_gradients(self) -> None:
-        """Average every gradient across ranks: one flat all-reduce per dtype."""
-        grads = [p.grad for p in self._with_gradient()]
-        for dtype, group in group_by_dtype(grads).items():
-            flat = pack(group)
-            self.averager(flat, dtype, tag=self.tag(f"gradients ({str(dtype).replace('torch.', '')})"))
-            unpack(flat, group)
+        """Average every gradient across ranks: one flat all-reduce per dtype, then divide by N."""
+        for dtype, grads in group_by_dtype([p.grad for p in self._with_gradient()]).items():
+            flat = pack(grads)
+            tag = self.tag(f"gradients ({str(dtype).replace('torch.', '')})")
+            if self.wire:  # 16 bits on the wire: the division is split around the sum (minizero.compress)
+                self.wire.all_reduce_mean(flat, dtype, tag=tag)
+            else:
+                self.comm.all_reduce(flat, ReduceOp.SUM, tag=tag)
+                flat.div_(self.world_size)
+            unpack(flat, grads)
 
     def _with_gradient(self) -> list[nn.Parameter]:
         """The parameters the flat buffer holds -- the same list on every rank.
@@ -72,3 +78,24 @@ class DDP(Synchronised):
             if anywhere and p.grad is None:
                 p.grad = torch.zeros_like(p)  # this rank's share of a gradient that exists elsewhere
         return [p for (_, p), anywhere in zip(named, used) if anywhere]
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held = super().held_tensors()
+        # compression's error feedback: one full-size residual per buffer, on top of the formula
+        held["error_feedback"] = list(self.wire.residuals.values()) if self.wire else []
+        return held
+
+    # ------------------------------------------------------------------ facts
+    @classmethod
+    def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, **options) -> float:
+        return all_reduce_bytes(psi * grad_bytes, world_size)  # once per step, however many micro-batches
+
+    @classmethod
+    def reduction(cls, model, optimizer, world_size, **options) -> Reduction:
+        """One buffer per dtype; with ``find_unused_parameters`` only what has a gradient on some rank."""
+        by_dtype: dict = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(name)
+        return Reduction(list(by_dtype.values()), packs_unused=False)
+

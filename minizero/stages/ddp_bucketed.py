@@ -13,9 +13,12 @@ produces gradients layer by layer, last layer first.  So:
    micro-batch.  And the post-accumulate hook receives the *parameter*:
    all-reduce ``p.grad``, not ``p``.)
 3. when a bucket is complete, its all-reduce starts on the communication
-   thread while backward goes on; buckets start in index order on every rank;
+   thread while backward goes on; buckets start in index order on every rank
+   (:class:`~minizero.buckets.BucketPipeline`);
 4. when backward ends, wait for all buckets.  ``.grad`` is then averaged,
    as after torch DDP's backward.
+
+The bytes are plain ``ddp``'s: the same all-reduce, cut into buckets.
 
 Parameters that get no gradient in a step: with ``find_unused_parameters``
 their bucket is completed at the end of backward and a bitmap of which
@@ -35,24 +38,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..buckets import Bucket, ReadyOrder, assign_buckets
+from ..buckets import Bucket, BucketPipeline, assign_buckets
 from ..comm import Comm
-from ..comm.thread import drain
+from ..compress import all_reduce_mean
 from ..flat import keep_grad_in
-from .base import unused_error
+from .base import Reduction, unused_error
 from .ddp import DDP
 
 
 class BucketedDDP(DDP):
     name = "ddp-bucketed"
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, bucket_mb: float = 25.0,
-                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
+                 bucket_mb: float = 25.0, compress: str | None = None, error_feedback: bool = False,
+                 find_unused_parameters: bool = False):
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters)
         self.buckets: list[Bucket] = assign_buckets(self.trainable(), bucket_mb)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._ready = ReadyOrder([b.params for b in self.buckets], self._launch)
-        self.zero_grad()
+        self.pipeline = BucketPipeline(comm, [b.params for b in self.buckets], self._all_reduce)
+        self._point_grads_into_buckets()
         for _, p in self.trainable():
             p.register_post_accumulate_grad_hook(self._on_gradient_ready)
 
@@ -62,33 +66,29 @@ class BucketedDDP(DDP):
         keep_grad_in(param, bucket.views[i])
         self._used.add(id(param))
         if self._syncing:
-            self._ready.mark(param)
+            self.pipeline.mark(param)
 
-    def _launch(self, index: int) -> None:
-        """Start bucket ``index``'s all-reduce on the communication thread; backward goes on."""
+    def _all_reduce(self, index: int):
+        """Bucket ``index`` is complete: its all-reduce, to run on the communication thread."""
         bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
-        bucket.work = self.comm.submit(lambda: self.averager(bucket.buffer, bucket.index, bucket.names, tag))
+        return lambda: all_reduce_mean(self.comm, self.wire, bucket.buffer, index, bucket.names, tag)
 
     def sync_gradients(self) -> None:
-        """Runs when backward has finished: complete what is missing, wait for every bucket.
-        Whatever happens, the step's bookkeeping is reset and no all-reduce is left running."""
-        try:
-            missing = self._ready.missing()  # no gradient in this backward; maybe in an earlier micro-batch's
-            never = [self.buckets[b].names[i] for b, i in missing if id(self.buckets[b].params[i]) not in self._used]
-            if never and not self.find_unused_parameters:
-                raise unused_error(self.rank, never, "their bucket can never be reduced")
-            for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
-                keep_grad_in(self.buckets[b].params[i], self.buckets[b].views[i])
-            self._ready.complete_all()  # unused slots hold zeros (or earlier micro-batches' sums): still correct
-            self._agree_on_use([p for b in self.buckets for p in b.params])
-            for bucket in self.buckets:
-                bucket.work.wait()
-        finally:  # after an error too: nothing left running, nothing left marked
-            drain([b.work for b in self.buckets if b.work is not None])
-            for bucket in self.buckets:
-                bucket.work = None
-            self._ready.reset()
-            self._used.clear()
+        """Runs when backward has finished: complete what is missing, wait for every bucket."""
+        with self.pipeline.round():
+            try:
+                missing = self.pipeline.missing()  # no gradient in this backward; maybe an earlier micro-batch's
+                never = [self.buckets[b].names[i] for b, i in missing
+                         if id(self.buckets[b].params[i]) not in self._used]
+                if never and not self.find_unused_parameters:
+                    raise unused_error(self.rank, never, "their bucket can never be reduced")
+                for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
+                    keep_grad_in(self.buckets[b].params[i], self.buckets[b].views[i])
+                self.pipeline.launch_rest()  # unused slots hold zeros (or earlier micro-batches' sums): correct
+                self._agree_on_use([p for b in self.buckets for p in b.params])
+                self.pipeline.wait_all()
+            finally:
+                self._used.clear()
 
     # ------------------------------------------------------------- optimizer
     def _step(self) -> None:
@@ -101,8 +101,19 @@ class BucketedDDP(DDP):
         self._optimizer_step()
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
+        if self.optimizer is None:
+            self.module.zero_grad(set_to_none=set_to_none)
+        self._point_grads_into_buckets()
+
+    def _point_grads_into_buckets(self) -> None:
         """Zero the buckets and point every ``.grad`` back into them."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
+
+    # ------------------------------------------------------------------ facts
+    @classmethod
+    def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return Reduction([b.names for b in assign_buckets(trainable, bucket_mb)])

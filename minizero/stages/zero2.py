@@ -3,14 +3,21 @@
 ZeRO-1 still holds every gradient in full, only to keep 1/N of the average.
 ZeRO-2 reduce-scatters gradients *during backward*, bucket by bucket, as they
 become ready, and frees the full gradients at once: each rank keeps only its
-slice of each bucket's averaged gradient.  The parameter update and the
-all-gather are ZeRO-1's.  Bytes: the same reduce-scatter + all-gather,
-2(N-1)/N * Psi * b per step.  Memory (fp32 Adam): 4Psi + (4 + 8)Psi/N.
+slice of each bucket's averaged gradient -- the pieces' ``.grad``.
 
-Buckets are flat groups of their own (padded to a multiple of N, filled in
-reverse registration order), so each one's reduce-scatter is an ordinary
-reduce-scatter, and the owned slices of all buckets together are the rank's
-shard.
+1. buckets are flat groups of their own (``bucket_mb``, padded to a multiple
+   of N, filled in reverse registration order), so each one's reduce-scatter
+   is an ordinary reduce-scatter, and the owned slices of all buckets together
+   are the rank's shard;
+2. a post-accumulate-grad hook marks each parameter ready; a complete bucket
+   is packed, its full gradients freed, and its reduce-scatter started on the
+   communication thread while backward goes on
+   (:class:`~minizero.buckets.BucketPipeline`, as in ``ddp-bucketed``);
+3. the optimizer steps the owned pieces, and the updated slices are
+   all-gathered, as in ZeRO-1.
+
+Bytes: the same reduce-scatter + all-gather, 2(N-1)/N * Psi * b per step.
+Memory (fp32 Adam): 4Psi + (4 + 8)Psi/N.
 
 Gradient accumulation: the K-1 micro-batches inside ``no_sync()``
 accumulate full gradients locally and the last one reduce-scatters the sums.
@@ -23,79 +30,96 @@ latter).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from ..buckets import MiB, ReadyOrder, check_bucket_mb
-from ..comm.thread import drain
-from ..layout import FlatGroup, build_groups
-from .zero1 import ZeRO1
+from ..buckets import MiB, BucketPipeline, check_bucket_mb
+from ..comm import Comm
+from ..compress import reduce_scatter_mean
+from ..formulas import all_gather_bytes, reduce_scatter_bytes
+from ..layout import build_groups, plan_groups
+from .base import Reduction, Shards
+from .zero import ZeRO
 
 
-class ZeRO2(ZeRO1):
+class ZeRO2(ZeRO):
     name = "zero2"
+    shards = Shards(optimizer_states=True, gradients=True)
 
-    def __init__(self, module, optimizer, comm, bucket_mb: float = 25.0, compress: str | None = None,
-                 error_feedback: bool = False, find_unused_parameters: bool = False):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
+                 bucket_mb: float = 25.0, compress: str | None = None, error_feedback: bool = False,
+                 find_unused_parameters: bool = False):
         check_bucket_mb(bucket_mb)
-        self.bucket_mb = bucket_mb
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters)
+        self.bucket_mb = bucket_mb
+        self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names(),
+                                max_numel=bucket_numel(bucket_mb, self.param_groups())))
+        self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
+                                       self._reduce_scatter)
+        self._zero_grad()
+        for group in self.groups:
+            for s in group.segments:
+                s.param.register_post_accumulate_grad_hook(self._on_gradient_ready)
 
-    def _build_groups(self, optimizer) -> list[FlatGroup]:
-        element_size = next((p.element_size() for g in optimizer.param_groups for p in g["params"]), 4)
-        return build_groups(optimizer, self.module, self.rank, self.world_size,
-                            max_numel=max(1, int(self.bucket_mb * MiB // element_size)))
+    # ------------------------------------------------------------ backward
+    def _on_gradient_ready(self, param: nn.Parameter) -> None:
+        self._used.add(id(param))
+        if self._syncing:
+            self.pipeline.mark(param)
 
-    def _init_gradients(self) -> None:
-        """The only gradient memory kept between steps: this rank's slice of each bucket."""
-        self.shards = [g.shard.new_zeros(g.shard_size) for g in self.groups]
-        self._ready = ReadyOrder([[s.param for s in g.segments] for g in self.groups], self._launch)
-        self._works: dict[int, object] = {}
-        self.zero_grad()
+    def _reduce_scatter(self, index: int):
+        """Bucket ``index`` is complete: pack its gradients and free them (the point of ZeRO-2: no full
+        gradient outlives its bucket); the reduce-scatter runs on the communication thread."""
+        group = self.groups[index]
+        full = group.pack_grads()  # a transient flat copy, freed once the reduce-scatter is done
+        for s in group.segments:
+            s.param.grad = None
+        names, tag = [s.name for s in group.segments], self.tag(f"bucket {index}")
+
+        def reduce_scatter() -> torch.Tensor:
+            averaged = torch.empty_like(group.shard)
+            reduce_scatter_mean(self.comm, self.wire, full, averaged, index, names, tag)
+            return averaged
+
+        return reduce_scatter
+
+    def sync_gradients(self) -> None:
+        with self.pipeline.round():
+            try:
+                self._refuse_unused_here(self.groups)
+                self.pipeline.launch_rest()  # buckets whose gradients came only from earlier micro-batches
+                used = self._agree_on_use([s.param for g in self.groups for s in g.segments])
+                for index, averaged in self.pipeline.wait_all():
+                    self._accumulate(self.groups[index], averaged, used)
+            finally:
+                self._used.clear()
+        self._stale = self.optimizer is None
+
+    # ------------------------------------------------------------ optimizer
+    def _step(self) -> None:
+        self.optimizer.step_owned()
+        self.share_parameters()
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradient shards: the gradients this stage will step with, whoever calls it."""
-        for shard in self.shards:
-            shard.zero_()
+        """Clear the pieces' gradients -- the ones this stage steps with -- and any full gradient left."""
+        super()._zero_grad(set_to_none)
         for group in self.groups:
             for s in group.segments:
                 s.param.grad = None
 
-    def grad_shards(self) -> list[torch.Tensor]:
-        return self.shards
+    # ------------------------------------------------------------------ facts
+    @classmethod
+    def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, **options) -> float:
+        return reduce_scatter_bytes(psi * grad_bytes, world_size) + all_gather_bytes(psi * param_bytes, world_size)
 
-    def _on_gradient_ready(self, param) -> None:
-        self._used.add(id(param))
-        if self._syncing:
-            self._ready.mark(param)
+    @classmethod
+    def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:
+        names = {id(p): n for n, p in model.named_parameters()}
+        plan = plan_groups([g["params"] for g in optimizer.param_groups],
+                           bucket_numel(bucket_mb, optimizer.param_groups))
+        return Reduction([[names[id(p)] for p in piece] for _, piece in plan], padded=True)
 
-    def _group_label(self, index: int) -> str:
-        return f"bucket {index}"
 
-    def _launch(self, index: int) -> None:
-        """A bucket is complete: pack its gradients, free them, reduce-scatter on the comm thread."""
-        group = self.groups[index]
-        full = group.pack_grads()  # a transient flat copy, freed once the reduce-scatter is done
-        for s in group.segments:
-            s.param.grad = None  # the point of ZeRO-2: no full gradient outlives its bucket
-        names, tag = [s.name for s in group.segments], self.tag(self._group_label(index))
-
-        def reduce_scatter():
-            # Into a fresh shard, then added: gradients accumulate in the shard until zero_grad(), across
-            # synchronising backwards and steps alike -- as .grad does in torch.
-            averaged = torch.empty_like(self.shards[index])
-            self.averager.reduce_scatter(full, averaged, index, names, tag)
-            self.shards[index].add_(averaged)
-
-        self._works[index] = self.comm.submit(reduce_scatter)
-
-    def sync_gradients(self) -> None:
-        try:
-            self._refuse_unused_here()
-            self._ready.complete_all()  # buckets whose gradients came only from earlier micro-batches
-            self._agree_on_use(self._checked_params())
-            for index in sorted(self._works):
-                self._works.pop(index).wait()
-        finally:  # after an error too: nothing left running, nothing left marked
-            drain(list(self._works.values()))
-            self._works.clear()
-            self._ready.reset()
-            self._used.clear()
+def bucket_numel(bucket_mb: float, param_groups: list[dict]) -> int:
+    """The bucket cap in elements, for the dtype of the first parameter."""
+    element_size = next((p.element_size() for g in param_groups for p in g["params"]), 4)
+    return max(1, int(bucket_mb * MiB // element_size))

@@ -10,16 +10,18 @@ import json
 import statistics
 import time
 
-import torch
-
 from dataclasses import replace
 
-from .comm import NativeComm, RingComm, ReduceOp, make_comm
-from .data import TASKS
+import torch
+
+from ..comm import NativeComm, ReduceOp, RingComm, make_comm
+from ..launch import Rank, RankPool
+from ..train import shard_step, sum_loss
 from .experiment import Experiment, run_experiment
-from .launch import Rank, RankPool
-from .stages import make_stage
-from .train import make_optimizer, shard_step
+from .models import BENCH_GPT
+from .optimizers import make_optimizer
+from .registry import build_stage, stage_class
+from .tasks import TASKS
 
 MB = 1 << 20
 
@@ -62,10 +64,6 @@ def bench_collectives(world_size: int, sizes_mb=(1, 16, 64), repeats: int = 5) -
     return rows
 
 
-#: A model big enough that a step is mostly compute and communication, small enough for 2 CPU cores.
-BENCH_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "block_size": 32}
-
-
 def bench_ddp(world_size: int, steps: int = 12) -> list[dict]:
     """Step time of ddp and ddp-bucketed (ring and native) against torch DDP, in one pool, one run."""
     base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32",
@@ -91,10 +89,10 @@ def _measure(world_size: int, variants: list[tuple[str, Experiment]]) -> list[tu
     with RankPool(world_size) as pool:
         for name, exp in variants:
             per_rank = pool.run(run_experiment, exp)
-            ms = max(statistics.median(r["step_s"][2:]) for r in per_rank) * 1e3  # skip two warm-up steps
+            ms = max(statistics.median(r.step_s[2:]) for r in per_rank) * 1e3  # skip two warm-up steps
             per_step = world_size * exp.steps
-            rows.append((name, ms, sum(r["sent_bytes"] for r in per_rank) / per_step, per_rank[0]["psi"],
-                         sum(r["check_bytes"] for r in per_rank) / per_step))
+            rows.append((name, ms, sum(r.sent_bytes for r in per_rank) / per_step, per_rank[0].psi,
+                         sum(r.check_bytes for r in per_rank) / per_step))
     return rows
 
 
@@ -156,36 +154,36 @@ def bench_zero3(world_size: int, steps: int = 12) -> list[dict]:
 
 
 def _overlap_on_rank(me: Rank, backend: str, bucket_mb: float, repeats: int) -> dict:
-    task = TASKS["gpt"]
+    task, comm = TASKS["gpt"], make_comm(backend)
     model = task.make_model(0, torch.float32, **BENCH_GPT)
-    stage = make_stage("ddp-bucketed", model, make_optimizer("sgd", model, 0.0), make_comm(backend),
-                       bucket_mb=bucket_mb)
+    stage = build_stage("ddp-bucketed", model, make_optimizer("sgd", model, 0.0), comm, bucket_mb=bucket_mb)
+    # The communication alone: all-reduces of buffers the size of the stage's buckets (its own fact).
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    buffers = [torch.zeros(sum(sizes[n] for n in names))
+               for names in stage_class("ddp-bucketed").reduction(model, None, me.world_size, bucket_mb=bucket_mb).buffers]
     x, y = task.make_batch(8 * me.world_size, 0, 0, torch.float32, **BENCH_GPT)
-    step = shard_step(x, y, me.rank, me.world_size)
-    (xb, yb), = step.micro_batches
+    (xb, yb), = shard_step(x, y, me.rank, me.world_size).micro_batches
 
     def backward(sync: bool):
         stage.zero_grad()
         start = time.perf_counter()
         if sync:
-            loss = torch.nn.functional.cross_entropy(stage(xb).flatten(0, 1), yb.flatten())
-            loss.backward()  # ends after every bucket's all-reduce has finished
+            sum_loss(stage(xb), yb).backward()  # ends after every bucket's all-reduce has finished
         else:
             with stage.no_sync():
-                loss = torch.nn.functional.cross_entropy(stage(xb).flatten(0, 1), yb.flatten())
-                loss.backward()
+                sum_loss(stage(xb), yb).backward()
         return time.perf_counter() - start
 
     def communicate():
         start = time.perf_counter()
-        for bucket in stage.buckets:
-            stage.averager(bucket.buffer, bucket.index)
+        for buffer in buffers:
+            comm.all_reduce(buffer, ReduceOp.AVG)
         return time.perf_counter() - start
 
     measure = lambda f, *a: statistics.median([f(*a) for _ in range(repeats)])  # noqa: E731
     backward(True)  # warm-up
     return {"compute": measure(backward, False), "comm": measure(communicate),
-            "overlapped": measure(backward, True), "buckets": len(stage.buckets)}
+            "overlapped": measure(backward, True), "buckets": len(buffers)}
 
 
 def bench_overlap(world_size: int, bucket_mb: float = 0.5, repeats: int = 7) -> list[dict]:
@@ -210,19 +208,19 @@ def bench_overlap(world_size: int, bucket_mb: float = 0.5, repeats: int = 7) -> 
     return rows
 
 
+#: ``python -m minizero bench WHAT``: each benchmark, from the command line's arguments.
+BENCHES = {
+    "collectives": lambda args: bench_collectives(args.world_size, repeats=args.repeats),
+    "ddp": lambda args: bench_ddp(args.world_size),
+    "zero": lambda args: bench_zero(args.world_size),
+    "zero3": lambda args: bench_zero3(args.world_size),
+    "overlap": lambda args: bench_overlap(args.world_size, repeats=args.repeats),
+    "check": lambda args: bench_check(args.world_size),
+}
+
+
 def main(args) -> tuple[int, str]:
-    if args.what == "collectives":
-        rows = bench_collectives(args.world_size, repeats=args.repeats)
-    elif args.what == "ddp":
-        rows = bench_ddp(args.world_size)
-    elif args.what == "zero":
-        rows = bench_zero(args.world_size)
-    elif args.what == "zero3":
-        rows = bench_zero3(args.world_size)
-    elif args.what == "overlap":
-        rows = bench_overlap(args.world_size, repeats=args.repeats)
-    else:
-        rows = bench_check(args.world_size)
+    rows = BENCHES[args.what](args)
     if args.json:
         return 0, json.dumps(rows, indent=2)
     if args.what == "collectives":

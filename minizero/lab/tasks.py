@@ -20,7 +20,7 @@ from .models import MLP, EdgeModel, MixedDtypeModel, ReuseModel, TinyGPT
 @lru_cache(maxsize=1)
 def sonnets() -> str:
     """Ten of Shakespeare's sonnets (public domain), shipped in ``minizero/data``."""
-    return (Path(__file__).parent / "data" / "sonnets.txt").read_text(encoding="utf-8")
+    return (Path(__file__).parent.parent / "data" / "sonnets.txt").read_text(encoding="utf-8")
 
 
 @lru_cache(maxsize=1)

@@ -20,13 +20,14 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
+from ..launch import Rank, RankPool, check_world_size
+from ..stages import check_stage_names
+from ..torchrun import init_from_env, under_torchrun
+from ..train import shard_step, train_step
 from .compare import experiment_of
-from .experiment import DTYPES, RTOL, Experiment, build, snapshot_parameters
-from .data import TASKS
-from .launch import Rank, RankPool, check_world_size
-from .stages import check_stage_names
-from .torchrun import init_from_env, under_torchrun
-from .train import shard_step, train_step
+from .equivalence import DTYPES, RTOL, parameter_errors
+from .experiment import Experiment, build, snapshot_parameters
+from .tasks import TASKS
 
 
 def soak_on_rank(me: Rank, exp: Experiment) -> dict:
@@ -41,10 +42,10 @@ def soak_on_rank(me: Rank, exp: Experiment) -> dict:
         loss = train_step(stage, shard_step(x, y, me.rank, n, exp.accum), clip=exp.clip)
         train_step(reference, shard_step(x, y, 0, 1, 1), clip=exp.clip)
         mine = snapshot_parameters(stage, model)
+        reference_params = {name: p.detach() for name, p in reference_model.named_parameters()}
         final = 0.0
-        for name, ref in reference_model.named_parameters():
-            diff, scale = (mine[name] - ref).abs().max().item(), ref.abs().max().item() if ref.numel() else 0.0
-            rel = diff / max(scale, 1e-300) if ref.numel() else 0.0
+        for name, err, scale in parameter_errors(mine, reference_params, exp.dtype):  # the one rule
+            rel = err / scale
             if not (math.isfinite(rel) and math.isfinite(loss)):
                 nonfinite = nonfinite or f"rank {me.rank}: {name!r} or the loss at step {s} is not finite"
                 rel = math.inf

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import MiB, assign_buckets
-from .comm import chunk_bounds
-from .compress import check_compress, split_division
-from .data import TASKS
-from .flat import pack, unpack
-from .layout import padded_size, plan_groups
-from .units import plan_unit_groups, resolve_units
-from .models import sum_loss
-from .train import make_optimizer, shard_step
+from ..comm import chunk_bounds
+from ..compress import check_compress, split_division
+from ..flat import pack, unpack
+from ..layout import padded_size
+from ..train import shard_step, sum_loss
+from .equivalence import DTYPES
+from .optimizers import make_optimizer
+from .result import RankResult
+from .tasks import TASKS
 
 
 def ring_sum(wires: list[torch.Tensor]) -> torch.Tensor:
@@ -40,43 +40,20 @@ def ring_sum(wires: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _layout(stage: str, model, optimizer, options: dict) -> list[list[str]]:
-    """Names of the parameters in each reduction buffer, as the stage builds them."""
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if stage == "ddp-bucketed":
-        return [b.names for b in assign_buckets(trainable, options.get("bucket_mb", 25.0))]
-    if stage == "zero3":
-        units = resolve_units(model, options.get("units"))
-        return [[n for n, _ in named]
-                for _, _, named in plan_unit_groups(model, units, [g["params"] for g in optimizer.param_groups])]
-    if stage in ("zero1", "zero2"):
-        names = {id(p): n for n, p in model.named_parameters()}
-        element_size = trainable[0][1].element_size()
-        cap = max(1, int(options.get("bucket_mb", 25.0) * MiB // element_size)) if stage == "zero2" else None
-        return [[names[id(p)] for p in piece]
-                for _, piece in plan_groups([g["params"] for g in optimizer.param_groups], cap)]
-    groups: dict = {}
-    for n, p in trainable:
-        groups.setdefault(p.dtype, []).append(n)
-    return list(groups.values())
-
-
-def run_casts_reference(exp, world_size: int) -> dict:
-    """Like :func:`minizero.experiment.reference_of`, with the stage's compression emulated.
+def run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
+    """Like :func:`minizero.lab.experiment.reference_of`, with the stage's compression emulated.
 
     Runs single-threaded, as each rank does: a float32 gradient summed in another
     order can land on the other side of a 16-bit rounding boundary."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_casts_reference(exp, world_size)
+        return _run_casts_reference(exp, world_size, stage_class)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_casts_reference(exp, world_size: int) -> dict:
-    from .experiment import DTYPES
-
+def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     task, dtype, n = TASKS[exp.task], DTYPES[exp.dtype], world_size
     wire = check_compress(exp.options.get("compress"))
     error_feedback = exp.options.get("error_feedback", False)
@@ -84,11 +61,9 @@ def _run_casts_reference(exp, world_size: int) -> dict:
     model = task.make_model(exp.seed, dtype, **exp.model)
     optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     params_by_name = dict(model.named_parameters())
-    layout = _layout(exp.stage, model, optimizer, exp.options)
-    keep_empty_slots = exp.stage != "ddp"
-    sharded = exp.stage in ("zero1", "zero2", "zero3")  # reduce-scatter of a buffer padded to a multiple of N
+    reduction = stage_class.reduction(model, optimizer, n, **exp.options)  # the stage's own buffers
     residuals: dict = {}
-    record = {"params": [], "losses": []}
+    record = RankResult(params=[], losses=[])
     for s in range(exp.steps):
         x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
         per_rank, loss_total = [], 0.0
@@ -101,14 +76,14 @@ def _run_casts_reference(exp, world_size: int) -> dict:
                 loss_total += loss.item()
             per_rank.append({name: None if p.grad is None else p.grad.clone() for name, p in params_by_name.items()})
         optimizer.zero_grad(set_to_none=True)
-        for key, names in enumerate(layout):
+        for key, names in enumerate(reduction.buffers):
             # ddp packs the gradients that exist on some rank; the others pack every slot of their buffer.
-            packed = [name for name in names if keep_empty_slots or any(g[name] is not None for g in per_rank)]
+            packed = [name for name in names if reduction.packs_unused or any(g[name] is not None for g in per_rank)]
             if not any(g[name] is not None for g in per_rank for name in packed):
                 continue  # no gradient anywhere: the parameters keep .grad = None
             flats = [pack([g[name] if g[name] is not None else torch.zeros_like(params_by_name[name])
                            for name in packed]) for g in per_rank]
-            if sharded:
+            if reduction.padded:  # a reduce-scatter of a buffer padded to a multiple of N
                 size = padded_size(flats[0].numel(), n)
                 flats = [torch.cat([f, f.new_zeros(size - f.numel())]) for f in flats]
             if wire is None:
@@ -132,6 +107,6 @@ def _run_casts_reference(exp, world_size: int) -> dict:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None and p.numel()],
                                            *exp.clip)
         optimizer.step()
-        record["losses"].append(loss_total)
-        record["params"].append({name: p.detach().clone() for name, p in model.named_parameters()})
+        record.losses.append(loss_total)
+        record.params.append({name: p.detach().clone() for name, p in model.named_parameters()})
     return record

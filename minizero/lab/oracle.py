@@ -18,12 +18,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from .units import resolve_units
-
+from ..units import resolve_units
 
 
 class TorchStage:
-    """A torch implementation behind minizero's stage interface, so the one training loop drives it."""
+    """A torch implementation behind minizero's stage interface (:class:`~minizero.stages.DataParallel`),
+    so the one training loop drives it."""
 
     def __init__(self, module, optimizer):
         self.module, self.optimizer = module, optimizer
@@ -35,11 +35,30 @@ class TorchStage:
     def step(self):
         self.optimizer.step()
 
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(list(self.module.parameters()), max_norm, norm_type)
+
+    def _local(self, tensor):
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2's DTensors: this rank's shard
+
+    def full_state_dict(self) -> dict:
+        inner = self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
+        return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 
     def full_optimizer_state_dict(self) -> dict:
         return {}  # oracles are compared by parameters only
+
+    def held_tensors(self) -> dict:
+        params = [self._local(p) for p in self.module.parameters()]
+        return {"params": params, "grads": [self._local(p.grad) for p in self.module.parameters() if p.grad is not None],
+                "optimizer": [self._local(t) for state in self.optimizer.state.values() for t in state.values()
+                              if torch.is_tensor(t)]}
+
+    def add_observer(self, observer) -> None:
+        """torch's wrappers keep their memory to themselves: nothing to observe."""
 
 
 class TorchDDP(TorchStage):
@@ -105,6 +124,10 @@ class TorchFSDP2(TorchStage):
 
     def full_state_dict(self) -> dict:
         return {n: p.full_tensor().detach().clone() for n, p in self.module.named_parameters()}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        total = torch.nn.utils.clip_grad_norm_(list(self.module.parameters()), max_norm, norm_type)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
 
 
 ORACLES = {"torch-ddp": TorchDDP, "torch-zero": TorchZeRO, "torch-fsdp2": TorchFSDP2}

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..train import sum_loss  # noqa: F401  (the loss every task trains with)
+
 
 def _init(module: nn.Module, seed: int, dtype: torch.dtype) -> nn.Module:
     generator = torch.Generator().manual_seed(seed)
@@ -139,18 +141,6 @@ class EdgeModel(nn.Module):
         return self.out_again(h)
 
 
-def sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Loss *summed* over the batch: cross-entropy for integer targets, squared error otherwise.
-
-    The training loop divides by the global number of loss terms, so the
-    gradient is that of the mean over the *global* batch whatever the per-rank
-    split -- even when ranks hold different numbers of samples.
-    """
-    if target.dtype in (torch.int64, torch.int32):
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction="sum")
-    return F.mse_loss(output, target, reduction="sum")
-
-
 def count_params(model: nn.Module) -> int:
     """Ψ: distinct trainable parameter elements (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -190,3 +180,7 @@ class ReuseModel(nn.Module):
         if not self.skip_every_other or self.calls % 2 == 1:
             h = torch.tanh(extra(h))
         return middle(h)
+
+
+#: The benchmarks' GPT: big enough that a step is mostly compute and communication, small enough for 2 CPU cores.
+BENCH_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "block_size": 32}

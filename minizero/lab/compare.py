@@ -1,0 +1,160 @@
+"""``python -m minizero compare``: every stage against the reference, one table.
+
+For each stage: the largest parameter difference from single-device
+training over every step and rank, the bytes each rank sent per step as the
+ledger counted them beside the formula's value, and the step time.
+
+A "yes" must be earned: a NaN or inf anywhere -- a loss, a parameter, an
+optimizer state, on any rank or in the reference itself -- is a failure, named
+under the table; so is a difference of NaN, which is no difference at all.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, replace
+
+import torch.distributed as dist
+
+from ..launch import RankPool, check_world_size
+from ..torchrun import init_from_env, under_torchrun
+from .equivalence import RTOL, agrees, judge
+from .experiment import Experiment, exact_reference_of, reference_of, run_experiment
+from .optimizers import STATE_TENSORS
+from ..stages import check_stage_names
+from .registry import LAB_STAGES, stage_class
+
+
+@dataclass
+class Summary:
+    """One stage's row: how far from the reference, and what it sent and held beside its formulas."""
+
+    stage: str
+    world_size: int
+    dtype: str
+    backend: str
+    accum: int
+    compress: str
+    max_abs_diff: float
+    max_rel_diff: float
+    loss_rel_diff: float
+    within_tolerance: bool  # minizero.lab.equivalence.judge: every parameter, every step, every rank
+    nonfinite: str | None
+    sent_bytes_per_step: float  # per rank, as the ledger counted it
+    sent_bytes_formula: float  # the stage's own formula (Stage.sent_bytes_per_step)
+    bytes_match: bool
+    check_bytes_per_step: float  # fingerprints, apart
+    state_bytes: float  # the most model state any rank held, counted from live tensors
+    state_bytes_formula: float  # the stage's own formula (Stage.state_bytes)
+    memory_match: bool
+    gathered_peak_bytes: int
+    step_ms: float
+    max_abs_diff_exact: float  # with compression: the change it made against exact training
+
+
+def summarise(stage: str, results: list, reference, exp: Experiment, world_size: int, exact=None) -> Summary:
+    """``reference`` is the truth to match (with compression: the same-casts reference);
+    ``exact``, if given, the uncompressed one, to report how much compression changed."""
+    verdict = judge(results, reference, exp.dtype)
+    cls, first = stage_class(stage, exp.stages), results[0]
+    times = first.step_s[1:] or first.step_s  # the first step warms up
+    sent = sum(r.sent_bytes for r in results) / (len(results) * exp.steps)
+    sent_formula = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, first.param_bytes, **exp.options)
+    state = max(r.held_bytes["total"] for r in results)
+    state_formula = cls.state_bytes(first.psi, world_size, first.param_bytes, STATE_TENSORS[exp.optimizer],
+                                    **exp.options)
+    return Summary(
+        stage=stage, world_size=world_size, dtype=exp.dtype, backend=exp.backend, accum=exp.accum,
+        compress=exp.options.get("compress") or "none",
+        max_abs_diff=verdict.max_abs_diff, max_rel_diff=verdict.max_rel_diff, loss_rel_diff=verdict.loss_rel_diff,
+        within_tolerance=verdict.ok, nonfinite=verdict.nonfinite,
+        sent_bytes_per_step=sent, sent_bytes_formula=sent_formula, bytes_match=agrees(sent, sent_formula),
+        check_bytes_per_step=sum(r.check_bytes for r in results) / (len(results) * exp.steps),
+        state_bytes=state, state_bytes_formula=state_formula, memory_match=agrees(state, state_formula),
+        gathered_peak_bytes=max(r.gathered_peak_bytes for r in results),
+        step_ms=1000 * statistics.median(times),
+        max_abs_diff_exact=judge(results, exact, exp.dtype).max_abs_diff if exact else verdict.max_abs_diff)
+
+
+def stage_options(stage: str, stages: dict | None = None, **cli) -> dict:
+    """The command line's options that stage ``stage`` accepts, as its keyword arguments."""
+    if cli.get("compress") in (None, "none"):
+        cli.pop("compress", None)
+        cli.pop("error_feedback", None)
+    accepted = stage_class(stage, stages).options()
+    return {k: v for k, v in cli.items() if v is not None and k in accepted}
+
+
+def compare(world_size: int, stages: list[str], exp: Experiment, timeout_s: float = 300.0, **options) -> list[Summary]:
+    """Run the reference and each stage on identical data; one summary per stage.
+
+    ``timeout_s``: how long a collective may go without progress before the run is ended as stalled."""
+    check_world_size(world_size)
+    check_stage_names(stages, distributed_only=True, stages=exp.stages or LAB_STAGES)
+    if options.get("error_feedback") and options.get("compress") in (None, "none"):
+        raise ValueError("error feedback carries the rounding error of compression: it needs --compress fp16 or bf16")
+    experiments = [replace(exp, stage=stage, options=stage_options(stage, exp.stages, **options)) for stage in stages]
+    if under_torchrun():
+        return _compare_under_torchrun(experiments, timeout_s)
+    exact = exact_reference_of(exp, world_size)
+    rows = []
+    with RankPool(world_size, timeout_s=timeout_s) as pool:
+        for e in experiments:
+            results = pool.run(run_experiment, e)
+            reference = reference_of(e, world_size) if e.options.get("compress") else exact
+            rows.append(summarise(e.stage, results, reference, e, world_size, exact))
+    return rows
+
+
+def _compare_under_torchrun(experiments: list[Experiment], timeout_s: float) -> list[Summary]:
+    """Each rank runs the references itself; rank 0 collects every rank's parameters."""
+    me = init_from_env(timeout_s=timeout_s)
+    rows = []
+    for exp in experiments:
+        reference, exact = reference_of(exp, me.world_size), exact_reference_of(exp, me.world_size)
+        mine = run_experiment(me, exp)
+        mine = replace(mine, params=[{k: v.cpu() for k, v in p.items()} for p in mine.params])
+        gathered = [None] * me.world_size
+        dist.all_gather_object(gathered, mine)
+        rows.append(summarise(exp.stage, gathered, reference, exp, me.world_size, exact))
+    return rows if me.rank == 0 else []
+
+
+def format_table(rows: list[Summary]) -> str:
+    header = (f"{'stage':<14}{'max|Δparam|':>13}{'rel':>10}{'ok':>4}{'sent B/step/rank':>18}{'formula':>12}"
+              f"{'state B/rank':>14}{'formula':>12}{'step ms':>9}{'vs exact':>10}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r.stage:<14}{r.max_abs_diff:>13.3e}{r.max_rel_diff:>10.1e}"
+                     f"{'yes' if r.within_tolerance else 'NO':>4}{r.sent_bytes_per_step:>18,.0f}"
+                     f"{r.sent_bytes_formula:>12,.0f}{r.state_bytes:>14,.0f}{r.state_bytes_formula:>12,.0f}"
+                     f"{r.step_ms:>9.2f}{r.max_abs_diff_exact:>10.1e}")
+    lines += [f"{r.stage}: NO -- {r.nonfinite} (NaN or inf is never a pass)" for r in rows if r.nonfinite]
+    return "\n".join(lines)
+
+
+def experiment_of(args) -> Experiment:
+    """The command line's run, as an :class:`Experiment` (shared with ``soak``)."""
+    return Experiment(task=args.task, dtype=args.dtype, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                      micro_batch=args.micro_batch, accum=args.accum, backend=args.backend, seed=args.seed,
+                      clip=(args.clip, 2.0) if args.clip else None, check=args.check)
+
+
+def main(args) -> tuple[int, str]:
+    stages = [s for s in args.stages.split(",") if s]
+    rows = compare(args.world_size, stages, experiment_of(args), timeout_s=args.timeout, compress=args.compress,
+                   bucket_mb=args.bucket_mb, error_feedback=args.error_feedback)
+    if not rows:  # a torchrun rank other than 0
+        return 0, ""
+    status = 0 if all(r.within_tolerance for r in rows) else 1
+    if args.json:
+        return status, json.dumps([asdict(r) for r in rows], indent=2)
+    world_size = rows[0].world_size  # under torchrun: the ranks that really ran, not --world-size
+    lines = [f"{args.task} model, {args.dtype}, {args.optimizer}, N={world_size}, {args.steps} steps of "
+             f"K={args.accum} micro-batches, {args.backend} collectives, compression {args.compress}; "
+             f"tolerance: relative {RTOL[args.dtype]:g}"]
+    if args.compress != "none":
+        lines.append("(compressed stages are compared with a reference applying the same casts; "
+                     "'vs exact' is the change compression made)")
+    lines.append(format_table(rows))
+    return status, "\n".join(lines)

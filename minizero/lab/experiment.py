@@ -1,0 +1,127 @@
+"""One experiment: a task, an optimizer and a stage, trained for a few steps.
+
+The same :func:`run_experiment` runs on every rank of a stage and, with
+``stage="reference"``, in a single process on the global batch.  The caller
+(``compare``, the property suite, the lessons) then holds both sets of
+results -- one :class:`RankResult` per rank -- and judges them with
+:func:`minizero.lab.equivalence.judge`.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..comm import Ledger, make_comm
+from ..compress import check_compress
+from ..launch import Rank
+from ..memory import GatheredMemory, held_bytes
+from ..train import shard_step, train_step
+from .casts_reference import run_casts_reference
+from .equivalence import DTYPES
+from .models import count_params
+from .optimizers import make_optimizer
+from .registry import build_stage, stage_class
+from .result import RankResult
+from .tasks import TASKS
+
+
+@dataclass(frozen=True)
+class Experiment:
+    stage: str = "ddp"
+    task: str = "gpt"
+    model: dict = field(default_factory=dict)  # keyword arguments of the task's model
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    steps: int = 3
+    micro_batch: int = 4  # samples per rank per micro-batch
+    accum: int = 1  # K micro-batches per optimizer step
+    dtype: str = "float64"
+    seed: int = 0
+    backend: str = "ring"  # ring (send/recv) or native (torch collectives)
+    rank_sizes: tuple | None = None  # samples per rank per step, if not micro_batch * accum each
+    clip: tuple | None = None  # (max_norm, norm_type): clip the global gradient norm
+    param_groups: bool = False  # two optimizer param groups with different lr and weight decay
+    record_states: bool = False  # return the (consolidated) optimizer state after every step
+    check: bool = True  # fingerprint every collective (minizero.comm.fingerprint)
+    options: dict = field(default_factory=dict)  # stage options
+    stages: dict | None = field(default=None, repr=False)  # a registry other than the lab's (mutants, new stages)
+
+    def global_batch(self, world_size: int) -> int:
+        return sum(self.rank_sizes) if self.rank_sizes else self.micro_batch * self.accum * world_size
+
+
+def build(me: Rank | None, exp: Experiment):
+    """``(stage, model, comm, psi)`` of this rank, or of the reference (``me`` None, no comm).  Ranks
+    initialise from *different* seeds, so that the wrap-time broadcast is exercised; the reference
+    uses rank 0's."""
+    stage_class(exp.stage, exp.stages)  # an unknown name is refused before anything is built
+    model = TASKS[exp.task].make_model(exp.seed + 1000 * (me.rank if me else 0), DTYPES[exp.dtype], **exp.model)
+    optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
+    psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
+    comm = make_comm(exp.backend, check=exp.check) if me else None
+    return build_stage(exp.stage, model, optimizer, comm, exp.stages, **exp.options), model, comm, psi
+
+
+def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = None) -> RankResult:
+    """Train; return this rank's per-step parameters, losses, bytes sent and step times.
+
+    ``me`` is None for the single-process reference, which then needs the
+    ``world_size`` of the run it stands for (to draw the same global batch).
+    """
+    rank, n = (me.rank, me.world_size) if me else (0, world_size or 1)
+    task, dtype = TASKS[exp.task], DTYPES[exp.dtype]
+    stage, model, comm, psi = build(me, exp)
+    ledger, gathered = Ledger(), GatheredMemory()
+    stage.add_observer(gathered)
+    if comm:
+        comm.add_observer(ledger)  # after wrapping: count training traffic only
+    params, losses, times, states = [], [], [], []
+    for s in range(exp.steps):
+        x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
+        step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
+            else shard_step(x, y, 0, 1, 1)
+        start = time.perf_counter()
+        losses.append(train_step(stage, step, clip=exp.clip))
+        times.append(time.perf_counter() - start)
+        if comm:
+            comm.remove_observer(ledger)  # what follows is inspection, not training traffic
+        params.append(snapshot_parameters(stage, model))
+        if exp.record_states:
+            states.append(copy.deepcopy(stage.full_optimizer_state_dict()))
+        if comm:
+            comm.add_observer(ledger)
+    held = held_bytes(stage.held_tensors())
+    if comm:
+        comm.remove_observer(ledger)
+    optimizer_state = copy.deepcopy(stage.full_optimizer_state_dict())
+    if comm:
+        comm.close()
+    wire = check_compress(exp.options.get("compress"))
+    sent = ledger.snapshot()
+    check_bytes = sent.pop("check", 0)  # fingerprints: apart from the traffic the formulas describe
+    return RankResult(params=params, losses=losses, global_count=step.global_count, step_s=times,
+                      sent_bytes=sum(sent.values()), sent_by_kind=sent, check_bytes=check_bytes, psi=psi,
+                      grad_bytes=torch.empty(0, dtype=wire or dtype).element_size(),
+                      param_bytes=torch.empty(0, dtype=dtype).element_size(), held_bytes=held,
+                      gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state, optimizer_states=states)
+
+
+def snapshot_parameters(stage, model) -> dict:
+    """Every parameter's full value (ZeRO-3 gathers them; everyone else holds them)."""
+    state = stage.full_state_dict()
+    return {name: state[name] for name, _ in model.named_parameters()}
+
+
+def reference_of(exp: Experiment, world_size: int) -> RankResult:
+    """Single-device training on the global batch -- or, for a compressed run, the
+    reference that applies the same casts (:mod:`minizero.lab.casts_reference`)."""
+    if check_compress(exp.options.get("compress")) is not None:
+        return run_casts_reference(exp, world_size, stage_class(exp.stage, exp.stages))
+    return exact_reference_of(exp, world_size)
+
+
+def exact_reference_of(exp: Experiment, world_size: int) -> RankResult:
+    return run_experiment(None, replace(exp, stage="reference", options={}), world_size)

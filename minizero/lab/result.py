@@ -1,0 +1,24 @@
+"""What one rank -- or the reference -- measured over an experiment."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RankResult:
+    """What one rank (or the reference) measured over an experiment."""
+
+    params: list[dict]  # every parameter's full value after each step
+    losses: list[float]  # this rank's summed loss per step (add over ranks for the global loss)
+    global_count: int = 0
+    step_s: list[float] = field(default_factory=list)
+    sent_bytes: int = 0  # training traffic the ledger counted, fingerprints excluded
+    sent_by_kind: dict = field(default_factory=dict)
+    check_bytes: int = 0  # the fingerprints' own traffic
+    psi: int = 0  # trainable parameters
+    grad_bytes: int = 0  # bytes per gradient element on the wire
+    param_bytes: int = 0  # bytes per parameter element
+    held_bytes: dict = field(default_factory=dict)  # model state held at the end, by kind
+    gathered_peak_bytes: int = 0  # ZeRO-3: the largest gathered working set
+    optimizer_state: dict | None = None  # consolidated, at the end
+    optimizer_states: list = field(default_factory=list)  # consolidated, after each step (record_states)

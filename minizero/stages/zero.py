@@ -1,0 +1,154 @@
+"""What ZeRO-1, -2 and -3 share (ZeRO paper, section 5): parameters laid out flat and sharded, and
+the user's optimizer stepping only this rank's shard.
+
+Each ZeRO stage derives from :class:`ZeRO` alone and reads top to bottom:
+wrap (check, broadcast), lay out its flat groups (:mod:`minizero.layout`),
+:meth:`ZeRO.shard` them, reduce gradients in its own way, step.  What is here:
+
+* the **pieces**: every parameter is visible as this rank's piece of it, a
+  1-D view into the owned shard (possibly empty), whose ``.grad`` is the
+  matching piece of the averaged gradient -- what FSDP's ``use_orig_params``
+  offers.  ``stage.parameters()`` yields them, so an optimizer built *after*
+  wrapping -- ``torch.optim.AdamW(stage.parameters(), lr=...)``, as torch's
+  FSDP2 documentation writes it -- steps exactly the owned shard;
+* the **sharded optimizer** (:class:`~minizero.sharded_optimizer.ShardedOptimizer`)
+  when the stage is given the user's optimizer at wrap time;
+* torch's ``.grad`` semantics on the pieces: a reduced gradient is *added* to
+  an existing ``.grad`` (accumulation across backward passes, as in torch) or
+  becomes it; a parameter without a gradient anywhere keeps ``.grad = None``
+  and is not stepped;
+* global-norm clipping over the pieces, and full and sharded state dicts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..compress import make_wire
+from ..layout import FlatGroup
+from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
+from .base import Synchronised, optimizer_tensors, unused_error
+from .wrap import broadcast_module, check_same_model
+
+
+class ZeRO(Synchronised):
+    shards = None  # each ZeRO stage states its own
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Comm,
+                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
+        super().__init__(module, optimizer, comm, find_unused_parameters)
+        if optimizer is not None:
+            check_shardable(type(optimizer), self.rank)
+            check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
+        self.wire = make_wire(comm, compress, error_feedback)
+        check_same_model(module, comm)
+        broadcast_module(module, comm)
+        self.user_optimizer = optimizer
+        self.groups: list[FlatGroup] = []
+        self._stale = False  # pieces may have been stepped by an optimizer the stage does not drive
+
+    def param_groups(self) -> list[dict]:
+        """What the flat groups are built from: the user's optimizer's param groups, or all trainable
+        parameters as one group when the optimizer comes after wrapping."""
+        if self.user_optimizer is not None:
+            return self.user_optimizer.param_groups
+        return [{"params": [p for _, p in self.trainable()]}]
+
+    def names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+    def shard(self, groups: list[FlatGroup]) -> None:
+        """Take ``groups`` as this stage's layout; the user's optimizer, if given, becomes its sharded twin
+        (routed: whichever ``step`` the user calls, the stage's runs -- it shares the result too)."""
+        self.groups = groups
+        if self.user_optimizer is not None:
+            self.optimizer = ShardedOptimizer.from_optimizer(self.user_optimizer, groups, self.comm)
+            self.optimizer.step, self.optimizer.zero_grad = self.step, self.zero_grad
+
+    # ------------------------------------------------------------ the pieces
+    def pieces(self):
+        return [piece for group in self.groups for piece in group.pieces]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's piece of every parameter, under the parameter's name (FSDP's ``use_orig_params``)."""
+        for piece in self.pieces():
+            yield prefix + piece.segment.name, piece.param
+
+    def _accumulate(self, group: FlatGroup, averaged: torch.Tensor, used: set[int]) -> None:
+        """Give each piece of ``group`` its part of the averaged shard, as autograd gives ``.grad``: added to
+        what is there, or as the new ``.grad``.  A parameter unused everywhere gets nothing (stays None)."""
+        for piece in group.pieces:
+            if id(piece.segment.param) in used:
+                part = averaged[piece.offset:piece.offset + piece.stop - piece.start]
+                piece.param.grad = part if piece.param.grad is None else piece.param.grad.add_(part)
+
+    # ------------------------------------------------------------ which parameters have a gradient
+    def _refuse_unused_here(self, groups: list[FlatGroup]) -> None:
+        """Without find_unused_parameters, every parameter must have a gradient on every rank (no communication)."""
+        if not self.find_unused_parameters:
+            missing = [s.name for g in groups for s in g.segments if id(s.param) not in self._used]
+            if missing:
+                raise unused_error(self.rank, missing, "ZeRO steps the parameters that have one on every rank")
+
+    # ------------------------------------------------------------ after the step
+    def forward(self, *args, **kwargs):
+        if self._stale:  # an optimizer built over stage.parameters() stepped the pieces: share them first
+            self.share_parameters()
+        return super().forward(*args, **kwargs)
+
+    def share_parameters(self) -> None:
+        """All-gather every group's updated shard: stages that keep full parameters (ZeRO-1, -2)."""
+        self._stale = False
+        for g, group in enumerate(self.groups):
+            if any(id(s.param) in self._has_grad for s in group.segments):
+                self.comm.all_gather(group.data, group.shard.detach().clone(),
+                                     tag=self.tag(f"group {g} parameters after step"))
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        for piece in self.pieces():
+            if set_to_none:
+                piece.param.grad = None
+            elif piece.param.grad is not None:
+                piece.param.grad.zero_()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global-norm clipping over the pieces: each rank holds a disjoint part of the averaged gradient."""
+        grads = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
+        return clip_sharded_grad_norm_(grads, max_norm, norm_type, self.comm, self.tag("clip norm"))
+
+    # ------------------------------------------------------------ accounting and state dicts
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        # Storage is what counts: a view counts its whole buffer once (minizero.memory).
+        pieces = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
+        return {"params": [p for _, p in self.trainable()],
+                "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None],
+                "optimizer": optimizer_tensors(self.optimizer.local if self.optimizer is not None else None),
+                "error_feedback": list(self.wire.residuals.values()) if self.wire else []}
+
+    def full_optimizer_state_dict(self) -> dict:
+        """The state_dict a plain torch optimizer over the unwrapped model would have; every rank
+        gets it, so it loads into ``type(optimizer)(model.parameters(), ...)``."""
+        return self._require_optimizer("full_optimizer_state_dict").full_state_dict()
+
+    def shard_optimizer_state_dict(self) -> dict:
+        """This rank's pieces only: what a sharded checkpoint stores per rank."""
+        return self._require_optimizer("shard_optimizer_state_dict").state_dict()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self._stale:
+            self.share_parameters()
+        return super().full_state_dict()
+
+
+def check_optimizer_owns_only_model_parameters(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int) -> None:
+    """A parameter the optimizer holds but the model does not gets no gradient and no name: refuse it here."""
+    in_model = {id(p) for p in module.parameters()}
+    foreign = [(gi, tuple(p.shape)) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]
+               if id(p) not in in_model]
+    if foreign:
+        raise ValueError(
+            f"rank {rank}: the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model "
+            f"(param group, shape: {foreign[:3]}); ZeRO shards the model's parameters. Build the optimizer "
+            f"over model.parameters() -- after any change to the model -- or after wrapping, over "
+            f"stage.parameters().")
