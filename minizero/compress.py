@@ -46,14 +46,18 @@ def split_division(world_size: int) -> tuple[int, float]:
     return pre, world_size / pre
 
 
-def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False) -> "Wire | None":
-    """The wire for ``compress`` ("fp16", "bf16"), or None: gradients travel in their own dtype."""
+def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, named_params=()) -> "Wire | None":
+    """The wire for ``compress`` ("fp16", "bf16"), or None: gradients travel in their own dtype.
+    ``named_params``: what will travel on it, checked here (16-bit gradients gain nothing)."""
     if check_compress(compress) is None:
         if error_feedback:
             raise ValueError("error feedback carries the rounding error of compression: it needs compress='fp16' "
                              "or 'bf16'")
         return None
-    return Wire(comm, compress, error_feedback)
+    wire = Wire(comm, compress, error_feedback)
+    for name, p in named_params:
+        wire.check_gradient_dtype(name, p.dtype)
+    return wire
 
 
 class Wire:

@@ -122,12 +122,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, comm: Comm,
-                            tag: Tag | None = None) -> torch.Tensor:
+                            dtype: torch.dtype, tag: Tag | None = None) -> torch.Tensor:
     """Global-norm clipping when each rank holds a disjoint part of the averaged gradient: one more
     collective (SUM of |g|^p, or MAX for the inf-norm), then every rank scales its part --
     ``torch.nn.utils.clip_grad_norm_``'s result without anyone holding all of it."""
-    grads = [g for g in grads if g.numel()]
-    dtype = grads[0].dtype if grads else torch.float32
+    grads = [g for g in grads if g.numel()]  # ``dtype``: the norm's, the same on every rank (some own nothing)
     if math.isinf(norm_type):
         total = torch.stack([g.abs().max() for g in grads]).max().reshape(1) if grads else torch.zeros(1, dtype=dtype)
         comm.all_reduce(total, ReduceOp.MAX, tag=tag)

@@ -29,7 +29,7 @@ TIMEOUT_S = 8.0  # seconds a collective may go without progress in the suite
 
 
 def _on_rank(me, action, name):
-    import patch_mutants
+    from tests import patch_mutants
     getattr(patch_mutants, action)(name)
 
 
@@ -49,7 +49,7 @@ class Pools:
     def patched(self, name: str):
         """Mutant ``name`` in place here and in every rank -- live pools now, and pools forked while it
         is in place (they inherit it) -- then taken out everywhere."""
-        import patch_mutants
+        from tests import patch_mutants
         patch_mutants.apply(name)
         try:
             for world_size, pool in list(self._pools.items()):

@@ -1,7 +1,8 @@
 """Broken DDPs, each with one classic bug.  The equivalence suite must catch every one.
 
-They are registered as stages at import (pytest imports this before any rank
-pool forks, so the ranks see them too).
+They are registered into a *copy* of the registry, :data:`MUTANT_STAGES`
+(never the package's own): an experiment names it with ``stages=MUTANT_STAGES``.
+Pools fork after pytest imports this module, so the ranks know the classes too.
 """
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import torch
 
 from minizero.comm import ReduceOp
 from minizero.flat import group_by_dtype, pack, unpack
-from minizero.stages import STAGES, DDP
+from minizero.lab.registry import LAB_STAGES
+from minizero.stages import DDP, with_stages
 
 
 class SumInsteadOfMean(DDP):
     """Forgets to divide by the world size."""
+
+    name = "ddp-sum-bug"
 
     def sync_gradients(self):
         for group in group_by_dtype([p.grad for _, p in self.trainable() if p.grad is not None]).values():
@@ -24,6 +28,8 @@ class SumInsteadOfMean(DDP):
 
 class NoBroadcast(DDP):
     """Trusts every rank to have initialised identically."""
+
+    name = "ddp-no-broadcast"
 
     def __init__(self, module, optimizer, comm, **options):
         import minizero.stages.ddp as ddp_module
@@ -38,6 +44,8 @@ class NoBroadcast(DDP):
 class SyncsWeights(DDP):
     """All-reduces the parameters instead of their gradients (the post-accumulate-hook slip)."""
 
+    name = "ddp-syncs-weights"
+
     def sync_gradients(self):
         with torch.no_grad():
             for _, p in self.trainable():
@@ -46,6 +54,8 @@ class SyncsWeights(DDP):
 
 class DropsLastParameter(DDP):
     """Leaves one parameter out of the flat buffer."""
+
+    name = "ddp-drops-param"
 
     def sync_gradients(self):
         grads = [p.grad for _, p in self.trainable() if p.grad is not None][:-1]
@@ -59,6 +69,8 @@ class SyncsEveryMicroBatch(DDP):
     """Ignores no_sync: averages after every micro-batch.  The values stay right -- averaging is
     linear and the earlier average is the same on every rank -- but it sends K times the bytes."""
 
+    name = "ddp-ignores-no-sync"
+
     def forward(self, *args, **kwargs):
         self._syncing = True
         output = self.call_module(*args, **kwargs)
@@ -67,10 +79,7 @@ class SyncsEveryMicroBatch(DDP):
         return output
 
 
-MUTANTS = {"ddp-sum-bug": SumInsteadOfMean, "ddp-no-broadcast": NoBroadcast, "ddp-syncs-weights": SyncsWeights,
-           "ddp-drops-param": DropsLastParameter}
-STAGES.update(MUTANTS)
-STAGES["ddp-ignores-no-sync"] = SyncsEveryMicroBatch  # caught by the ledger, not by the values
+MUTANTS = {c.name: c for c in (SumInsteadOfMean, NoBroadcast, SyncsWeights, DropsLastParameter)}
 
 
 from minizero.stages import BucketedDDP  # noqa: E402
@@ -79,6 +88,8 @@ from minizero.stages import BucketedDDP  # noqa: E402
 class TensorHookDDP(BucketedDDP):
     """Syncs from ``p.register_hook``: it fires *before* the gradient is accumulated into .grad,
     so what gets averaged is this micro-batch's gradient alone.  Right at K=1, wrong at K>=2."""
+
+    name = "ddp-tensor-hook"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -104,6 +115,8 @@ class TensorHookDDP(BucketedDDP):
 class PostHookArgumentAsGradient(BucketedDDP):
     """Treats the post-accumulate hook's argument as the gradient: it is the parameter."""
 
+    name = "ddp-hook-arg-is-param"
+
     def _on_gradient_ready(self, param):
         if self._syncing:
             with torch.no_grad():
@@ -113,34 +126,50 @@ class PostHookArgumentAsGradient(BucketedDDP):
         self._has_grad.update(id(p) for _, p in self.trainable())
 
 
-HOOK_MUTANTS = {"ddp-tensor-hook": TensorHookDDP, "ddp-hook-arg-is-param": PostHookArgumentAsGradient}
-STAGES.update(HOOK_MUTANTS)
+HOOK_MUTANTS = {c.name: c for c in (TensorHookDDP, PostHookArgumentAsGradient)}
 
 
 from minizero.stages import ZeRO1, ZeRO2  # noqa: E402
 
 
 class ShiftedShard(ZeRO1):
-    """Gives the optimizer the neighbour's slice of the averaged gradient (an off-by-one offset)."""
+    """Gives the optimizer the neighbour's slice of the averaged gradient (an off-by-one shard offset)."""
 
-    def grad_shards(self):
+    name = "zero1-shifted-shard"
+
+    def sync_gradients(self):
+        super().sync_gradients()
         n = self.world_size
-        return [buffer[((self.rank + 1) % n) * g.shard_size:((self.rank + 1) % n + 1) * g.shard_size]
-                for g, buffer in zip(self.groups, self.grad_buffers)]
+        for group, buffer in zip(self.groups, self.grad_buffers):
+            theirs = buffer[((self.rank + 1) % n) * group.shard_size:][:group.shard_size]
+            for piece in group.pieces:
+                if piece.param.grad is not None:
+                    piece.param.grad = theirs[piece.offset:piece.offset + piece.stop - piece.start]
 
 
 class AllReduceThenAllGather(ZeRO1):
     """Right values, wrong bytes: all-reduces the whole gradient, then all-gathers -- 3 Psi, not 2 Psi."""
 
+    name = "zero1-allreduce-allgather"
+
     def sync_gradients(self):
-        self._refuse_unused_here()
-        self._agree_on_use(self._checked_params())
-        for buffer in self.grad_buffers:
+        try:
+            self._refuse_unused_here(self.groups)
+            used = self._agree_on_use([s.param for g in self.groups for s in g.segments])
+        finally:
+            self._used.clear()
+        for group, buffer in zip(self.groups, self.grad_buffers):
             self.comm.all_reduce(buffer, ReduceOp.AVG)
+            owned = group.shard_of(buffer)
+            for piece in group.pieces:
+                if id(piece.segment.param) in used:
+                    piece.param.grad = owned[piece.offset:piece.offset + piece.stop - piece.start]
 
 
 class LastMicroBatchOnly(ZeRO2):
     """Frees gradients after every micro-batch, so under accumulation only the last one survives."""
+
+    name = "zero2-last-micro-batch"
 
     def _on_gradient_ready(self, param):
         if not self._syncing:
@@ -153,15 +182,18 @@ class LastMicroBatchOnly(ZeRO2):
 class LocalNorm(ZeRO1):
     """Clips by the norm of this rank's shard instead of the global norm."""
 
+    name = "zero1-local-norm"
+
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        shards = self.grad_shards()
-        total = torch.sqrt(sum(s.pow(2).sum() for s in shards))
-        for s in shards:
-            s.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        grads = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
+        total = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        for g in grads:
+            g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
 
-ZERO_MUTANTS = {"zero1-shifted-shard": ShiftedShard, "zero2-last-micro-batch": LastMicroBatchOnly,
-                "zero1-local-norm": LocalNorm}
-STAGES.update(ZERO_MUTANTS)
-STAGES["zero1-allreduce-allgather"] = AllReduceThenAllGather
+ZERO_MUTANTS = {c.name: c for c in (ShiftedShard, LastMicroBatchOnly, LocalNorm)}
+
+#: The lab's registry plus every mutant: a copy; the package's registry never sees them.
+MUTANT_STAGES = with_stages(*MUTANTS.values(), *HOOK_MUTANTS.values(), *ZERO_MUTANTS.values(), SyncsEveryMicroBatch,
+                            AllReduceThenAllGather, base=LAB_STAGES)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from equivalence import experiments, run_and_check
+from tests.equivalence import experiments, run_and_check
 from minizero.comm import ReduceOp
 
 
@@ -68,7 +68,7 @@ def comm_catch(pools):
     length -- rather than a random draw, so no combination is left to chance."""
     import itertools
 
-    from test_comm import DTYPES, test_collectives_match_math_and_ledger
+    from tests.test_comm import DTYPES, test_collectives_match_math_and_ledger
 
     inner = test_collectives_match_math_and_ledger.hypothesis.inner_test
     kinds = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "root_all_reduce"]
@@ -85,7 +85,7 @@ def test_catch(module: str, name: str, *args) -> Callable:
     CATCH_MODULES.add(module)
 
     def catch(pools):
-        fn = getattr(importlib.import_module(module), name)
+        fn = getattr(importlib.import_module(f"tests.{module}"), name)
         return fn(pools, *args) if "pools" in fn.__code__.co_varnames[:fn.__code__.co_argcount] else fn(*args)
     return catch
 
@@ -95,4 +95,4 @@ def import_catch_modules() -> None:
     one later would do it inside the @given the pool was forked from, and trip hypothesis's nested-given
     health check."""
     for module in sorted(CATCH_MODULES):
-        importlib.import_module(module)
+        importlib.import_module(f"tests.{module}")

@@ -9,9 +9,9 @@ Broken *stages* (classes) live in ``mutants.py``.
 """
 from __future__ import annotations
 
-import comm_bugs
-import training_bugs
-from mutation import Mutant, comm_catch, import_catch_modules, patch, property_catch, test_catch, unpatch
+from tests import comm_bugs
+from tests import training_bugs
+from tests.mutation import Mutant, comm_catch, import_catch_modules, patch, property_catch, test_catch, unpatch
 
 FAULTS = "test_faults"
 B, Z, Z3, SEM, BAD, L = "test_bucketed", "test_zero", "test_zero3", "test_optimizer_semantics", "test_bad_input", \
@@ -60,17 +60,18 @@ MUTANTS: dict[str, Mutant] = {
     "compress: divide by N before the cast": Mutant("minizero.compress:split_division", training_bugs.divide_by_n_first,
                                                     property_catch("ddp", compress=True, backends=("ring",))),
     "compress: error feedback of the wrong sign": Mutant(
-        "minizero.compress:GradientAverager._to_wire", training_bugs.feedback_of_wrong_sign,
+        "minizero.compress:Wire._to_wire", training_bugs.feedback_of_wrong_sign,
         property_catch("ddp-bucketed", compress=True, backends=("ring",), examples=60)),
-    "compress: no overflow check": Mutant("minizero.compress:GradientAverager._from_wire", training_bugs.no_overflow_check,
+    "compress: no overflow check": Mutant("minizero.compress:Wire._from_wire", training_bugs.no_overflow_check,
                                           test_catch("test_compression", "test_fp16_overflow_is_reported_and_weights_untouched")),
-    "compress: sends fp32": Mutant("minizero.compress:GradientAverager._to_wire", training_bugs.no_cast,
+    "compress: sends fp32": Mutant("minizero.compress:Wire._to_wire", training_bugs.no_cast,
                                    test_catch("test_compression", "test_compressed_bytes_are_half", "ddp", "fp16")),
     # layout and the sharded optimizer
     "layout: pieces one element short": Mutant("minizero.layout:FlatGroup._cut_pieces", training_bugs.pieces_one_short,
                                                property_catch("zero1")),
-    "optimizer: zero gradient instead of None": Mutant("minizero.stages.zero1:attach_gradients", training_bugs.zero_grads_for_unused,
-                                                       test_catch(SEM, "test_step_without_backward_moves_nothing", "zero1")),
+    "optimizer: zero gradient instead of None": Mutant("minizero.stages.zero:ZeRO._accumulate", training_bugs.zero_grads_for_unused,
+                                                       test_catch(SEM, "test_a_parameter_without_a_gradient_is_not_stepped", "zero2", "c unused",
+                                                                  "stage.zero_grad()")),
     "optimizer: state consolidated at the wrong offset": Mutant("minizero.sharded_optimizer:_gather_element_state",
                                                                 training_bugs.state_at_the_parameters_offset, property_catch("zero2")),
     # the stages
@@ -79,13 +80,13 @@ MUTANTS: dict[str, Mutant] = {
                                                             "ddp", 2)),
     "zero1: all-gathers before stepping": Mutant("minizero.stages.zero1:ZeRO1._step", training_bugs.zero1_gathers_before_stepping,
                                                  property_catch("zero1")),
-    "zero2: keeps the full gradients": Mutant("minizero.stages.zero2:ZeRO2._launch", training_bugs.zero2_keeps_full_gradients,
+    "zero2: keeps the full gradients": Mutant("minizero.stages.zero2:ZeRO2._reduce_scatter", training_bugs.zero2_keeps_full_gradients,
                                               test_catch(Z, "test_measured_memory_matches_the_formula", 3, "zero2"),
                                               cost=True),
     "zero3: never reshards after forward": Mutant("minizero.stages.zero3:ZeRO3._after_forward", training_bugs.zero3_never_reshards,
                                                   test_catch(Z3, "test_bytes_are_one_and_a_half_ddps_with_resharding",
                                                              3, True), cost=True),
-    "zero3: keeps prefetches across the step": Mutant("minizero.stages.zero3:ZeRO3._drop_prefetches",
+    "zero3: keeps prefetches across the step": Mutant("minizero.units:Unit.drop_prefetch",
                                                       training_bugs.zero3_keeps_prefetches,
                                                       test_catch(Z3, "test_a_prefetch_left_from_the_last_forward_is_dropped_at_the_step")),
     "zero3: tied weight in the first unit": Mutant("minizero.units:assign_parameters", training_bugs.tied_weight_in_first_unit,
@@ -97,25 +98,25 @@ MUTANTS: dict[str, Mutant] = {
                                                             training_bugs.steps_on_local_gradients,
                                                             test_catch(SEM, "test_step_after_no_sync_only_is_refused", "ddp")),
     # the one training loop
-    "loop: scaled by 1 / global count": Mutant("minizero.experiment:train_step",
+    "loop: scaled by 1 / global count": Mutant("minizero.lab.experiment:train_step",
                                                training_bugs.loop(lambda stage, step: 1 / step.global_count), property_catch("ddp")),
-    "loop: no zero_grad between steps": Mutant("minizero.experiment:train_step", training_bugs.loop(training_bugs.right_scale, clear=False),
+    "loop: no zero_grad between steps": Mutant("minizero.lab.experiment:train_step", training_bugs.loop(training_bugs.right_scale, clear=False),
                                                test_catch("test_train_loop", "test_the_reference_is_plain_torch_training")),
-    "loop: every micro-batch synchronises": Mutant("minizero.experiment:train_step", training_bugs.loop(training_bugs.right_scale, sync_every=True),
+    "loop: every micro-batch synchronises": Mutant("minizero.lab.experiment:train_step", training_bugs.loop(training_bugs.right_scale, sync_every=True),
                                                    test_catch("test_ddp_equivalence",
                                                               "test_ddp_syncs_once_per_optimizer_step_under_accumulation"),
                                                    cost=True),
-    "loop: clips after the step": Mutant("minizero.experiment:train_step", training_bugs.loop(training_bugs.right_scale, clip_after=True),
+    "loop: clips after the step": Mutant("minizero.lab.experiment:train_step", training_bugs.loop(training_bugs.right_scale, clip_after=True),
                                          test_catch("test_train_loop", "test_the_reference_is_plain_torch_training")),
-    "loop: rank slice off by one": Mutant("minizero.experiment:shard_step", training_bugs.shard_step_off_by_one,
+    "loop: rank slice off by one": Mutant("minizero.lab.experiment:shard_step", training_bugs.shard_step_off_by_one,
                                           property_catch("ddp")),
     # the comparison itself
-    "compare: NaN counted as no difference": Mutant("minizero.compare:max_diff", training_bugs.max_diff_ignores_nan,
+    "compare: NaN counted as no difference": Mutant("minizero.lab.equivalence:parameter_errors", training_bugs.nan_errors_pass_through,
                                                     test_catch("test_cli",
                                                                "test_a_diverging_run_is_a_failure_never_a_zero_difference")),
-    "equivalence: NaN counted as no difference": Mutant("minizero.experiment:max_diff", training_bugs.max_diff_ignores_nan,
+    "equivalence: NaN counted as no difference": Mutant("minizero.lab.equivalence:max_diff", training_bugs.max_diff_ignores_nan,
                                                         test_catch("test_cli", "test_a_nan_difference_is_an_infinite_one")),
-    "compare: non-finite values not looked for": Mutant("minizero.compare:first_nonfinite", training_bugs.nothing_is_nonfinite,
+    "compare: non-finite values not looked for": Mutant("minizero.lab.equivalence:first_nonfinite", training_bugs.nothing_is_nonfinite,
                                                         test_catch("test_cli",
                                                                    "test_a_diverging_run_is_a_failure_never_a_zero_difference")),
 }

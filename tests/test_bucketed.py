@@ -11,13 +11,13 @@ from hypothesis import given, settings
 
 from minizero.buckets import assign_buckets
 from minizero.comm import make_comm
-from minizero.experiment import Experiment, run_experiment
+from minizero.lab.experiment import Experiment, run_experiment
 from minizero.launch import RankError
-from minizero.models import MLP, EdgeModel
+from minizero.lab.models import MLP, EdgeModel
 from minizero.stages import make_stage
 from minizero.train import shard_step, train_step
 
-from equivalence import experiments, run_and_check, examples
+from tests.equivalence import experiments, run_and_check, examples
 
 
 @settings(max_examples=examples(60))
@@ -58,14 +58,14 @@ def _inspect_views(me):
                        bucket_mb=_mlp_bucket_cap(2))
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     launched_before_backward_ended = []  # per step: gradients still to come when the first bucket left
-    original = stage._ready._launch
+    original = stage.pipeline._order._launch
 
     def spy(index):
         if index == 0:
             launched_before_backward_ended.append(len(stage.trainable()) - len(stage._used))
         original(index)
 
-    stage._ready._launch = spy
+    stage.pipeline._order._launch = spy
     for _ in range(2):  # the second step starts from zero_grad(): views must survive it
         train_step(stage, shard_step(x, y, me.rank, me.world_size))
     views_ok = all(
@@ -103,7 +103,7 @@ def test_unused_parameter_with_flag_completes_and_stays_put(pools):
     exp = Experiment(stage="ddp-bucketed", task="edge", optimizer="adamw", lr=0.05, steps=3, accum=3,
                      dtype="float64", options={"find_unused_parameters": True, "bucket_mb": 1e-9})
     results = run_and_check(pools, exp, 3)
-    assert torch.equal(results[0]["params"][-1]["unused"], torch.ones(5))
+    assert torch.equal(results[0].params[-1]["unused"], torch.ones(5))
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "25"])
@@ -118,7 +118,7 @@ def test_accumulation_communicates_once_per_step(pools, stage, k):
     exp = Experiment(stage=stage, task="mlp", steps=2, accum=k, dtype="float64", options={"bucket_mb": 1e-9}
                      if stage == "ddp-bucketed" else {})
     results = pools.run(3, run_experiment, exp)
-    assert sum(r["sent_bytes"] for r in results) == exp.steps * 2 * (3 - 1) * results[0]["psi"] * 8
+    assert sum(r.sent_bytes for r in results) == exp.steps * 2 * (3 - 1) * results[0].psi * 8
 
 
 def _no_sync_forgotten(me, check):

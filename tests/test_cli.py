@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from minizero.__main__ import main
-from minizero import experiment
+from minizero.lab import equivalence
+from minizero.lab.result import RankResult
 
 
 
@@ -71,8 +72,8 @@ def test_a_diverging_run_is_a_failure_never_a_zero_difference():
 
 
 def test_a_nan_difference_is_an_infinite_one():
-    nan = {"params": [{"w": torch.tensor([math.nan])}]}
-    assert experiment.max_diff([nan], nan) == (math.inf, math.inf)
+    nan = RankResult(params=[{"w": torch.tensor([math.nan])}], losses=[0.0])
+    assert equivalence.max_diff([nan], nan) == (math.inf, math.inf)
 
 
 def test_output_to_a_closed_pipe_ends_quietly_keeping_the_status():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from equivalence import examples
+from tests.equivalence import examples
 from hypothesis import strategies as st
 
 from minizero.comm import Ledger, ReduceOp, chunk_bounds, make_comm, ring_bytes_sent

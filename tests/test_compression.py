@@ -8,13 +8,15 @@ from hypothesis import strategies as st
 from dataclasses import replace
 
 from minizero.compress import split_division
-from minizero.experiment import Experiment, exact_reference_of, max_diff, reference_of, run_experiment
+from minizero.lab.equivalence import max_diff
+from minizero.lab.experiment import Experiment, exact_reference_of, reference_of, run_experiment
 from minizero.launch import RankError
-from minizero.models import MLP
+from minizero.lab.models import MLP
 from minizero.comm import make_comm
 from minizero.stages import make_stage
 
-from equivalence import bit_identical, experiments, run_and_check, examples
+from minizero.lab.equivalence import bit_identical
+from tests.equivalence import experiments, run_and_check, examples
 
 
 @pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"])
@@ -25,9 +27,9 @@ def test_compressed_stage_matches_the_same_casts_reference(pools, stage, data):
     the gradient bytes of the uncompressed formula."""
     exp, world_size = data.draw(experiments(stage, compress=True, backends=("ring",), max_accum=3))
     results = run_and_check(pools, exp, world_size)
-    psi = results[0]["psi"]
+    psi = results[0].psi
     if stage.startswith("ddp") and exp.task != "edge":  # edge's unused parameter sends nothing in plain ddp
-        assert sum(r["sent_bytes"] for r in results) == exp.steps * 2 * (world_size - 1) * psi * 2
+        assert sum(r.sent_bytes for r in results) == exp.steps * 2 * (world_size - 1) * psi * 2
 
 
 @pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero2"])
@@ -35,7 +37,7 @@ def test_compressed_stage_matches_the_same_casts_reference(pools, stage, data):
 def test_compressed_bytes_are_half(pools, stage, compress):
     """Gradients cross the wire in 16 bits: exactly half of their bytes (the ledger, not the formula)."""
     exp = Experiment(stage=stage, task="mlp", steps=2, dtype="float32", options={"compress": compress})
-    plain, half = (sum(r["sent_bytes"] for r in pools.run(3, run_experiment, e))
+    plain, half = (sum(r.sent_bytes for r in pools.run(3, run_experiment, e))
                    for e in (replace(exp, options={}), exp))
     gradient_share = 0.5 if stage == "zero2" else 1.0  # ZeRO all-gathers parameters, in their own precision
     assert half == plain * (1 - gradient_share / 2)

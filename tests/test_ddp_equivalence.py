@@ -11,9 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.experiment import Experiment, reference_of, run_experiment
+from minizero.lab.experiment import Experiment, reference_of, run_experiment
 
-from equivalence import bit_identical, experiments, run_and_check, examples
+from minizero.lab.equivalence import bit_identical
+from tests.equivalence import experiments, run_and_check, examples
 
 
 @settings(max_examples=examples(60))
@@ -45,7 +46,7 @@ def test_edge_parameters(pools, world_size, optimizer):
     exp = Experiment(stage="ddp", task="edge", optimizer=optimizer, lr=0.05, steps=3, accum=2, dtype="float64",
                      options={"find_unused_parameters": True})
     results = run_and_check(pools, exp, world_size)
-    last = results[0]["params"][-1]
+    last = results[0].params[-1]
     assert torch.equal(last["unused"], torch.ones(5)), "a parameter without gradient must not move"
 
 
@@ -58,5 +59,5 @@ def test_ddp_syncs_once_per_optimizer_step_under_accumulation(pools):
     """K micro-batches, one all-reduce: the ledger sees exactly one step's worth of bytes."""
     exp = Experiment(stage="ddp", task="mlp", steps=2, accum=4, dtype="float64")
     results = pools.run(3, run_experiment, exp)
-    psi = results[0]["psi"]
-    assert sum(r["sent_bytes"] for r in results) == exp.steps * 2 * (3 - 1) * psi * 8
+    psi = results[0].psi
+    assert sum(r.sent_bytes for r in results) == exp.steps * 2 * (3 - 1) * psi * 8

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import FAULTS, FAULTY_RANK, PLACES, train_with_fault
+from tests.faults import FAULTS, FAULTY_RANK, PLACES, train_with_fault
 from minizero.launch import RankError, RankPool
 
 TIMEOUT_S = 2.0

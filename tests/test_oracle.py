@@ -5,7 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from minizero.experiment import Experiment, max_diff, run_experiment
+from minizero.lab.equivalence import max_diff
+from minizero.lab.experiment import Experiment, run_experiment
 
 
 @pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed"])

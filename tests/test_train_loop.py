@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from minizero import experiment
-from minizero.data import TASKS
-from minizero.models import sum_loss
-from minizero.train import make_optimizer
+from minizero.lab import experiment
+from minizero.lab.tasks import TASKS
+from minizero.train import sum_loss
+from minizero.lab.optimizers import make_optimizer
 
 
 def test_the_reference_is_plain_torch_training():
@@ -28,4 +28,4 @@ def test_the_reference_is_plain_torch_training():
         torch.nn.utils.clip_grad_norm_(model.parameters(), *exp.clip)
         optimizer.step()
         for name, p in model.named_parameters():
-            assert torch.allclose(ours["params"][step][name], p, rtol=0, atol=1e-13), (step, name)
+            assert torch.allclose(ours.params[step][name], p, rtol=0, atol=1e-13), (step, name)

@@ -8,14 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero import formulas
+from minizero.stages import STAGES
 from minizero.comm import make_comm
-from minizero.experiment import Experiment, reference_of, run_experiment
+from minizero.lab.experiment import Experiment, reference_of, run_experiment
 from minizero.launch import RankError
-from minizero.models import EdgeModel, MLP
+from minizero.lab.models import EdgeModel, MLP
 from minizero.stages import make_stage
 
-from equivalence import assert_same_optimizer_state, experiments, run_and_check, examples
+from tests.equivalence import assert_same_optimizer_state, experiments, run_and_check, examples
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2"])
@@ -36,14 +36,14 @@ def test_mixed_dtypes_tiny_models_and_edge_parameters(pools, stage, task, model,
     run_and_check(pools, exp, 4)
 
 
-def check_zero_bytes(pools, stage: str, world_size: int) -> None:
+def check_zero_bytes(pools, stage: str, world_size: int, stages: dict | None = None) -> None:
     """The ledger: a reduce-scatter and an all-gather, no all-reduce -- 2(N-1)/N Psi b, up to padding."""
-    exp = Experiment(stage=stage, task="gpt", steps=2, accum=2, dtype="float32")
+    exp = Experiment(stage=stage, task="gpt", steps=2, accum=2, dtype="float32", stages=stages)
     results = pools.run(world_size, run_experiment, exp)
-    sent = sum(r["sent_bytes"] for r in results) / (world_size * exp.steps)
-    formula = formulas.sent_bytes_per_step("zero1", results[0]["psi"], world_size, 4)
+    sent = sum(r.sent_bytes for r in results) / (world_size * exp.steps)
+    formula = STAGES["zero1"].sent_bytes_per_step(results[0].psi, world_size, 4, 4)
     assert formula <= sent <= formula + 2 * (world_size - 1) * 4 * 30, (sent, formula)  # padding: < N per group
-    assert set(results[0]["sent_by_kind"]) == {"reduce_scatter", "all_gather"}
+    assert set(results[0].sent_by_kind) == {"reduce_scatter", "all_gather"}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -57,14 +57,14 @@ def test_bytes_are_ddps_and_travel_as_reduce_scatter_plus_all_gather(pools, stag
 def test_measured_memory_matches_the_formula(pools, world_size, stage):
     exp = Experiment(stage=stage, task="gpt", steps=1, dtype="float32", optimizer="adamw")
     results = pools.run(world_size, run_experiment, exp)
-    formula = formulas.state_bytes(stage, results[0]["psi"], world_size, 4, 2)
+    formula = STAGES[stage].state_bytes(results[0].psi, world_size, 4, 2)
     for r in results:
-        assert abs(r["held_bytes"]["total"] - formula) <= 0.02 * formula, (r["held_bytes"], formula)
+        assert abs(r.held_bytes["total"] - formula) <= 0.02 * formula, (r.held_bytes, formula)
 
 
 def test_memory_shrinks_as_the_paper_says(pools):
     held = {s: pools.run(4, run_experiment, Experiment(stage=s, task="gpt", steps=1, dtype="float32"))[0]
-            ["held_bytes"] for s in ("ddp", "zero1", "zero2")}
+            .held_bytes for s in ("ddp", "zero1", "zero2")}
     assert held["zero1"]["optimizer"] * 4 <= held["ddp"]["optimizer"] * 1.01
     assert held["zero2"]["grads"] * 4 <= held["ddp"]["grads"] * 1.01
     assert held["ddp"]["total"] > held["zero1"]["total"] > held["zero2"]["total"]
@@ -74,9 +74,9 @@ def _consolidated_loads_into_plain_optimizer(me, stage):
     exp = Experiment(stage=stage, task="mlp", optimizer="adamw", steps=2, dtype="float64", param_groups=True)
     result = run_experiment(me, exp)
     model = MLP(**exp.model, dtype=torch.float64)
-    from minizero.train import make_optimizer
+    from minizero.lab.optimizers import make_optimizer
     plain = make_optimizer("adamw", model, exp.lr, param_groups=True)
-    plain.load_state_dict(result["optimizer_state"])
+    plain.load_state_dict(result.optimizer_state)
     return plain.state_dict()
 
 
@@ -84,7 +84,7 @@ def _consolidated_loads_into_plain_optimizer(me, stage):
 def test_consolidated_state_dict_loads_into_a_plain_optimizer(pools, stage):
     loaded = pools.run(3, _consolidated_loads_into_plain_optimizer, stage)[0]
     exp = Experiment(stage=stage, task="mlp", optimizer="adamw", steps=2, dtype="float64", param_groups=True)
-    assert_same_optimizer_state(loaded, reference_of(exp, 3)["optimizer_state"], 1e-9, "after 2 steps")
+    assert_same_optimizer_state(loaded, reference_of(exp, 3).optimizer_state, 1e-9, "after 2 steps")
 
 
 def _layout_facts(me):

@@ -6,16 +6,16 @@ import torch
 from torch import nn
 from hypothesis import given, settings
 
-from minizero import formulas
+from minizero.stages import STAGES
 from minizero.comm import make_comm
-from minizero.data import TASKS
-from minizero.experiment import Experiment, reference_of, run_experiment
+from minizero.lab.tasks import TASKS
+from minizero.lab.experiment import Experiment, reference_of, run_experiment
 from minizero.launch import RankError
-from minizero.models import MLP, TinyGPT, ReuseModel
+from minizero.lab.models import MLP, TinyGPT, ReuseModel
 from minizero.stages import make_stage
 from minizero.units import assign_parameters, default_units, resolve_units
 
-from equivalence import experiments, run_and_check, examples
+from tests.equivalence import experiments, run_and_check, examples
 
 
 @settings(max_examples=examples(45))
@@ -69,20 +69,20 @@ def test_bytes_are_one_and_a_half_ddps_with_resharding(pools, world_size, reshar
     exp = Experiment(stage="zero3", task="gpt", steps=2, accum=2, dtype="float32",
                      options={"reshard_after_forward": reshard})
     results = pools.run(world_size, run_experiment, exp)
-    psi = results[0]["psi"]
-    sent = sum(r["sent_bytes"] for r in results) / (world_size * exp.steps)
-    ddp = formulas.sent_bytes_per_step("ddp", psi, world_size, 4)
+    psi = results[0].psi
+    sent = sum(r.sent_bytes for r in results) / (world_size * exp.steps)
+    ddp = STAGES["ddp"].sent_bytes_per_step(psi, world_size, 4, 4)
     ratio = 1.5 if reshard else 1.0
     assert ratio * ddp <= sent <= ratio * ddp * 1.01, (sent / ddp)  # padding and the 8-byte unit headers
-    assert set(results[0]["sent_by_kind"]) == {"reduce_scatter", "all_gather"}
+    assert set(results[0].sent_by_kind) == {"reduce_scatter", "all_gather"}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_memory_is_16_psi_over_n(pools, world_size):
     results = pools.run(world_size, run_experiment, Experiment(stage="zero3", task="gpt", steps=1, dtype="float32"))
-    formula = formulas.state_bytes("zero3", results[0]["psi"], world_size, 4, 2)
+    formula = STAGES["zero3"].state_bytes(results[0].psi, world_size, 4, 2)
     for r in results:
-        assert abs(r["held_bytes"]["total"] - formula) <= 0.02 * formula
+        assert abs(r.held_bytes["total"] - formula) <= 0.02 * formula
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
@@ -97,10 +97,10 @@ def test_gathered_peak_is_the_root_plus_the_units_prefetch_implies(pools, prefet
     root, largest = per_unit[0], max(per_unit[1:])
     bound = root + (2 + prefetch) * largest
     for r in results:
-        assert r["gathered_peak_bytes"] <= bound * 1.01, (r["gathered_peak_bytes"], root, largest)
+        assert r.gathered_peak_bytes <= bound * 1.01, (r.gathered_peak_bytes, root, largest)
     whole = sum(per_unit)
     if prefetch == 0:
-        assert results[0]["gathered_peak_bytes"] < whole  # sharding actually saves memory
+        assert results[0].gathered_peak_bytes < whole  # sharding actually saves memory
 
 
 def _full_state_dict_loads(me):

@@ -9,9 +9,9 @@ import torch
 
 from minizero import buckets as _buckets
 from minizero import layout as _layout
-from minizero import sharded_optimizer as _sharded
+from minizero import compress as _compress
 from minizero.stages import base as _base, zero3 as _zero3
-import minizero.experiment as _experiment
+import minizero.lab.experiment as _experiment
 from minizero.train import Step
 
 # ------------------------------------------------------------------------------- buckets
@@ -80,10 +80,10 @@ def pieces_one_short(self):
     return pieces
 
 
-def zero_grads_for_unused(groups, grad_shards, has_grad):
-    for group, shard in zip(groups, grad_shards):
-        for piece in group.pieces:  # a zero gradient instead of None: weight decay and momentum still move it
-            piece.param.grad = shard[piece.offset:piece.offset + piece.stop - piece.start]
+def zero_grads_for_unused(self, group, averaged, used):
+    for piece in group.pieces:  # a zero gradient instead of None: weight decay and momentum still move it
+        part = averaged[piece.offset:piece.offset + piece.stop - piece.start]
+        piece.param.grad = part if piece.param.grad is None else piece.param.grad.add_(part)
 
 
 def state_at_the_parameters_offset(sharded, group, key, dtype, comm, tag):
@@ -105,24 +105,21 @@ def ddp_packs_what_exists(self):
 
 
 def zero1_gathers_before_stepping(self):
-    self._follow_user_optimizer()
-    for g, group in enumerate(self.groups):
-        self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters"))
-    _sharded.attach_gradients(self.groups, self.grad_shards(), self._has_grad)
-    self._shard_step()
+    self.share_parameters()  # everyone gets the old values...
+    self.optimizer.step_owned()  # ...and each rank keeps only its own update
 
 
 def zero2_keeps_full_gradients(self, index):
     """Right values, ZeRO-1's memory: the full gradients are packed but never freed."""
     group = self.groups[index]
     full = group.pack_grads()
-    names, tag = [s.name for s in group.segments], self.tag(self._group_label(index))
+    names, tag = [s.name for s in group.segments], self.tag(f"bucket {index}")
 
     def reduce_scatter():
-        averaged = torch.empty_like(self.shards[index])
-        self.averager.reduce_scatter(full, averaged, index, names, tag)
-        self.shards[index].add_(averaged)
-    self._works[index] = self.comm.submit(reduce_scatter)
+        averaged = torch.empty_like(group.shard)
+        _compress.reduce_scatter_mean(self.comm, self.wire, full, averaged, index, names, tag)
+        return averaged
+    return reduce_scatter
 
 
 _original_after_forward = _zero3.ZeRO3._after_forward
@@ -137,7 +134,7 @@ def zero3_never_reshards(self, unit, output):
         self.reshard_after_forward = keep
 
 
-def zero3_keeps_prefetches(self):
+def zero3_keeps_prefetches(self):  # Unit.drop_prefetch
     pass  # prefetched buffers outlive the step: the next forward may compute with stale weights
 
 
@@ -154,8 +151,10 @@ def tied_weight_in_first_unit(model, units):
 
 
 def agrees_on_nothing(self, params):
-    self._has_grad.update(id(p) for p in params if id(p) in self._used)  # no bitmap: this rank's view only
+    here = {id(p) for p in params if id(p) in self._used}  # no bitmap: this rank's view only
+    self._has_grad.update(here)
     self._used.clear()
+    return here
 
 
 _original_sync_step = _base.Synchronised.step
@@ -172,7 +171,7 @@ def steps_on_local_gradients(self):
 def loop(scale_of: Callable, sync_every: bool = False, clear: bool = True, clip_after: bool = False):
     """A train_step with one thing changed."""
     def train_step(stage, step: Step, loss_fn=None, clip=None):
-        from minizero.models import sum_loss
+        from minizero.train import sum_loss
         if clear:
             stage.zero_grad()
         total, last = 0.0, len(step.micro_batches) - 1
@@ -206,13 +205,20 @@ def shard_step_off_by_one(x, y, rank, world_size, accum_steps=1, rank_sizes=None
 def max_diff_ignores_nan(results, reference):
     worst_abs, worst_rel = 0.0, 0.0
     for result in results:
-        for mine, ref in zip(result["params"], reference["params"]):
+        for mine, ref in zip(result.params, reference.params):
             for name, r in ref.items():
                 if r.numel():
                     diff = (mine[name] - r).abs().max().item()
                     worst_abs = max(worst_abs, diff)  # max(0.0, nan) is 0.0
                     worst_rel = max(worst_rel, diff / max(r.abs().max().item(), 1e-300))
     return worst_abs, worst_rel
+
+
+def nan_errors_pass_through(params, ref_params, dtype):
+    for name, ref in ref_params.items():
+        if ref.numel():
+            err = (params[name] - ref).abs().max().item()  # NaN goes on as NaN: max(0.0, nan) is 0.0
+            yield name, err, max(ref.abs().max().item(), 1e-300)
 
 
 def nothing_is_nonfinite(results, reference):

@@ -70,7 +70,9 @@ def parameter_errors(params: dict, ref_params: dict, dtype: str):
             continue
         err = (params[name] - ref).abs().max().item()
         scale = max(ref.abs().max().item() if dtype == "float64" else model_scale, 1e-300)
-        yield name, (err if math.isfinite(err) and math.isfinite(scale) else math.inf), scale
+        if not (math.isfinite(err) and math.isfinite(scale)):
+            err, scale = math.inf, 1.0  # infinitely far, absolutely and relatively
+        yield name, err, scale
 
 
 def optimizer_state_violation(got: dict, want: dict, rtol: float, where: str) -> str | None:

@@ -44,7 +44,7 @@ class DDP(Synchronised):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
         super().__init__(module, optimizer, comm, find_unused_parameters)
-        self.wire = make_wire(comm, compress, error_feedback)
+        self.wire = make_wire(comm, compress, error_feedback, self.trainable())
         check_same_model(module, comm)
         broadcast_module(module, comm)
 

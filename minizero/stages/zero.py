@@ -41,7 +41,7 @@ class ZeRO(Synchronised):
         if optimizer is not None:
             check_shardable(type(optimizer), self.rank)
             check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
-        self.wire = make_wire(comm, compress, error_feedback)
+        self.wire = make_wire(comm, compress, error_feedback, self.trainable())
         check_same_model(module, comm)
         broadcast_module(module, comm)
         self.user_optimizer = optimizer
@@ -115,7 +115,8 @@ class ZeRO(Synchronised):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global-norm clipping over the pieces: each rank holds a disjoint part of the averaged gradient."""
         grads = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
-        return clip_sharded_grad_norm_(grads, max_norm, norm_type, self.comm, self.tag("clip norm"))
+        dtype = self.groups[0].dtype if self.groups else torch.float32
+        return clip_sharded_grad_norm_(grads, max_norm, norm_type, self.comm, dtype, self.tag("clip norm"))
 
     # ------------------------------------------------------------ accounting and state dicts
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
