@@ -18,7 +18,7 @@ from .lab.equivalence import DTYPES
 from .lab.optimizers import OPTIMIZERS
 from .lab.registry import LAB_STAGES
 from .lab.tasks import TASKS
-from .stages import STAGES, Stage
+from .stages import DEFAULT_STAGE, STAGES, distributed
 
 
 def _whole_number(text: str, least: int, what: str) -> int:
@@ -49,14 +49,10 @@ def positive_float(text: str) -> float:
     return value
 
 
-def distributed(stages: dict) -> list[str]:
-    return [name for name, cls in stages.items() if cls is not Stage]
-
-
 def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> None:
     """What ``compare`` and ``soak`` share: the run to compare with single-device training."""
     p.add_argument("--world-size", type=positive_int, default=2)
-    p.add_argument("--stages", default="ddp", help=f"comma-separated, from: {', '.join(distributed(LAB_STAGES))}")
+    p.add_argument("--stages", default=DEFAULT_STAGE, help=f"comma-separated, from: {', '.join(distributed(LAB_STAGES))}")
     p.add_argument("--dtype", choices=list(DTYPES), default=dtype)
     p.add_argument("--steps", type=positive_int, default=steps)
     p.add_argument("--task", choices=list(TASKS), default="gpt")

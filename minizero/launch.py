@@ -43,20 +43,8 @@ import torch.distributed as dist
 
 from .comm import progress
 from .comm.stall import stalled
-
-
-@dataclass(frozen=True)
-class Rank:
-    """Who this process is.  ``device`` is where its tensors live."""
-
-    rank: int
-    world_size: int
-    local_rank: int = 0
-    backend: str = "gloo"
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+from .rank import Rank, backstop_s
+from .torchrun import init_from_env, under_torchrun
 
 
 class RankError(RuntimeError):
@@ -71,11 +59,6 @@ class RankError(RuntimeError):
 def check_world_size(world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-
-
-def backstop_s(timeout_s: float) -> float:
-    """torch's own collective timeout: after the watchdog's, which can name the rank that stopped."""
-    return 2 * timeout_s + 10
 
 
 # ------------------------------------------------------------------ local pool
@@ -232,8 +215,6 @@ def run(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 300.0
     Under torchrun this process *is* one rank: ``fn`` runs here and the list
     holds just this rank's result.
     """
-    from .torchrun import init_from_env, under_torchrun
-
     if under_torchrun():
         return [fn(init_from_env(timeout_s=timeout_s), *args, **kwargs)]
     with RankPool(world_size, timeout_s=timeout_s) as pool:

@@ -11,7 +11,7 @@ rank's collective has made no progress for ``timeout_s`` it reads every
 rank's row, prints who stopped (:mod:`minizero.comm.stall`) and ends the
 process -- a thread cannot interrupt a receive that torch is blocked in.
 torchrun then stops the other ranks.  torch's own timeout is set later
-(:func:`~minizero.launch.backstop_s`), so the watchdog, which sees every rank,
+(:func:`~minizero.rank.backstop_s`), so the watchdog, which sees every rank,
 speaks first.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .comm import progress
 from .comm.stall import stalled
-from .launch import Rank, backstop_s
+from .rank import Rank, backstop_s
 
 KEY = "minizero/progress/{}"
 

@@ -20,10 +20,21 @@ from ..train import shard_step, sum_loss
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
 from .optimizers import make_optimizer
+from ..stages import STAGES, Shards, distributed
 from .registry import build_stage, stage_class
 from .tasks import TASKS
 
 MB = 1 << 20
+
+
+def sharding(**what) -> list[str]:
+    """The stages that shard exactly ``what`` (their own ``shards`` fact): each bench measures every stage
+    of a kind against torch's implementation of that kind, so a new stage is benchmarked with its kind."""
+    return [name for name in distributed() if STAGES[name].shards == Shards(**what)]
+
+
+def accepting(option: str) -> list[str]:
+    return [name for name in distributed() if option in STAGES[name].options()]
 
 
 def _time_all_reduce(comm, tensor: torch.Tensor, repeats: int) -> float:
@@ -70,7 +81,7 @@ def bench_ddp(world_size: int, steps: int = 12) -> list[dict]:
                       check=False)
     variants = [("torch-ddp", replace(base, stage="torch-ddp"))] + [
         (f"{stage}/{backend}", replace(base, stage=stage, backend=backend))
-        for stage in ("ddp", "ddp-bucketed") for backend in ("native", "ring")]
+        for stage in sharding() for backend in ("native", "ring")]
     rows = _step_times(world_size, variants)
     torch_ms = rows[0][1]
     return [{"name": f"{name} step", "value": ms, "unit": "ms", "baseline": "torch-ddp step",
@@ -103,7 +114,8 @@ def bench_check(world_size: int, steps: int = 12, model: dict | None = None) -> 
     once per bucket or unit -- so the stages with many small collectives pay most."""
     base = Experiment(task="gpt", model=BENCH_GPT if model is None else model, optimizer="adamw", steps=steps,
                       micro_batch=8, dtype="float32")
-    cases = [("ddp-bucketed", {"bucket_mb": 0.5}), ("zero2", {"bucket_mb": 0.5}), ("zero3", {})]
+    # Stages with many small collectives pay most: small buckets, and one all-gather per unit.
+    cases = [(stage, {"bucket_mb": 0.5}) for stage in accepting("bucket_mb")] + [(stage, {}) for stage in accepting("units")]
     variants = [(f"{stage}/{backend}", replace(base, stage=stage, backend=backend, check=check, options=options))
                 for stage, options in cases for backend in ("native", "ring") for check in (False, True)]
     measured = _measure(world_size, variants)
@@ -125,7 +137,8 @@ def bench_zero(world_size: int, steps: int = 12) -> list[dict]:
                       check=False)
     variants = [("torch-zero", replace(base, stage="torch-zero"))] + [
         (f"{stage}/{backend}", replace(base, stage=stage, backend=backend))
-        for stage in ("zero1", "zero2") for backend in ("native", "ring")]
+        for stage in sharding(optimizer_states=True) + sharding(optimizer_states=True, gradients=True)
+        for backend in ("native", "ring")]
     measured = _step_times(world_size, variants)
     torch_ms, psi = measured[0][1], measured[0][3]
     torch_bytes = 3 * (world_size - 1) / world_size * psi * 4
@@ -144,7 +157,8 @@ def bench_zero3(world_size: int, steps: int = 12) -> list[dict]:
     base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32",
                       check=False)
     variants = [("torch-fsdp2", replace(base, stage="torch-fsdp2"))] + [
-        (f"zero3/{backend}/prefetch={depth}", replace(base, stage="zero3", backend=backend, options={"prefetch": depth}))
+        (f"{stage}/{backend}/prefetch={depth}", replace(base, stage=stage, backend=backend, options={"prefetch": depth}))
+        for stage in sharding(optimizer_states=True, gradients=True, parameters=True)
         for backend in ("native", "ring") for depth in (1, 0)]
     measured = _step_times(world_size, variants)
     torch_ms = measured[0][1]
@@ -153,14 +167,14 @@ def bench_zero3(world_size: int, steps: int = 12) -> list[dict]:
             for name, ms, sent, _ in measured[1:]]
 
 
-def _overlap_on_rank(me: Rank, backend: str, bucket_mb: float, repeats: int) -> dict:
+def _overlap_on_rank(me: Rank, name: str, backend: str, bucket_mb: float, repeats: int) -> dict:
     task, comm = TASKS["gpt"], make_comm(backend)
     model = task.make_model(0, torch.float32, **BENCH_GPT)
-    stage = build_stage("ddp-bucketed", model, make_optimizer("sgd", model, 0.0), comm, bucket_mb=bucket_mb)
+    stage = build_stage(name, model, make_optimizer("sgd", model, 0.0), comm, bucket_mb=bucket_mb)
     # The communication alone: all-reduces of buffers the size of the stage's buckets (its own fact).
     sizes = {n: p.numel() for n, p in model.named_parameters()}
     buffers = [torch.zeros(sum(sizes[n] for n in names))
-               for names in stage_class("ddp-bucketed").reduction(model, None, me.world_size, bucket_mb=bucket_mb).buffers]
+               for names in stage_class(name).reduction(model, None, me.world_size, bucket_mb=bucket_mb).buffers]
     x, y = task.make_batch(8 * me.world_size, 0, 0, torch.float32, **BENCH_GPT)
     (xb, yb), = shard_step(x, y, me.rank, me.world_size).micro_batches
 
@@ -187,11 +201,12 @@ def _overlap_on_rank(me: Rank, backend: str, bucket_mb: float, repeats: int) -> 
 
 
 def bench_overlap(world_size: int, bucket_mb: float = 0.5, repeats: int = 7) -> list[dict]:
-    """Forward+backward alone, the bucket all-reduces alone, and both overlapped."""
-    rows = []
+    """Forward+backward alone, the bucket all-reduces alone, and both overlapped -- for the bucketed
+    all-reduce stage (unsharded, with buckets)."""
+    name, rows = next(s for s in sharding() if s in accepting("bucket_mb")), []
     with RankPool(world_size) as pool:
         for backend in ("native", "ring"):
-            per_rank = pool.run(_overlap_on_rank, backend, bucket_mb, repeats)
+            per_rank = pool.run(_overlap_on_rank, name, backend, bucket_mb, repeats)
             t = {k: max(r[k] for r in per_rank) for k in ("compute", "comm", "overlapped")}
             hidden = (t["compute"] + t["comm"] - t["overlapped"]) / t["comm"]
             common = {"world_size": world_size, "buckets": per_rank[0]["buckets"]}

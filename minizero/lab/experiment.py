@@ -17,6 +17,7 @@ import torch
 from ..comm import Ledger, make_comm
 from ..compress import check_compress
 from ..launch import Rank
+from ..stages import DEFAULT_STAGE, REFERENCE
 from ..memory import GatheredMemory, held_bytes
 from ..train import shard_step, train_step
 from .casts_reference import run_casts_reference
@@ -30,7 +31,7 @@ from .tasks import TASKS
 
 @dataclass(frozen=True)
 class Experiment:
-    stage: str = "ddp"
+    stage: str = DEFAULT_STAGE
     task: str = "gpt"
     model: dict = field(default_factory=dict)  # keyword arguments of the task's model
     optimizer: str = "adam"
@@ -124,4 +125,4 @@ def reference_of(exp: Experiment, world_size: int) -> RankResult:
 
 
 def exact_reference_of(exp: Experiment, world_size: int) -> RankResult:
-    return run_experiment(None, replace(exp, stage="reference", options={}), world_size)
+    return run_experiment(None, replace(exp, stage=REFERENCE, options={}), world_size)

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from ..launch import Rank, RankPool, check_world_size
-from ..stages import check_stage_names
+from ..stages import REFERENCE, check_stage_names
 from ..torchrun import init_from_env, under_torchrun
 from ..train import shard_step, train_step
 from .compare import experiment_of
@@ -34,7 +34,7 @@ def soak_on_rank(me: Rank, exp: Experiment) -> dict:
     """Train the stage and the reference side by side; the worst deviation seen, and where."""
     task, dtype, n = TASKS[exp.task], DTYPES[exp.dtype], me.world_size
     stage, model, comm, _ = build(me, exp)
-    reference, reference_model, _, _ = build(None, replace(exp, stage="reference", options={}))
+    reference, reference_model, _, _ = build(None, replace(exp, stage=REFERENCE, options={}))
     worst = {"rel": 0.0, "step": None, "param": None}
     final, nonfinite, start = 0.0, None, time.perf_counter()
     for s in range(exp.steps):

@@ -27,6 +27,13 @@ def registry(*stages: type[Stage]) -> dict[str, type[Stage]]:
 
 
 STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3)
+REFERENCE = Stage.name  # single-device training: what every stage is compared with
+DEFAULT_STAGE = DDP.name  # what a command runs when no stage is named
+
+
+def distributed(stages: dict[str, type] | None = None) -> list[str]:
+    """The names of the stages that communicate: all but the reference."""
+    return [name for name, cls in (STAGES if stages is None else stages).items() if cls is not Stage]
 
 
 def with_stages(*stages: type[Stage], base: dict[str, type[Stage]] = STAGES) -> dict[str, type[Stage]]:
@@ -37,7 +44,7 @@ def with_stages(*stages: type[Stage], base: dict[str, type[Stage]] = STAGES) -> 
 
 def check_stage_names(names: list[str], distributed_only: bool = False, stages: dict | None = None) -> None:
     stages = STAGES if stages is None else stages
-    valid = [n for n, cls in stages.items() if not (distributed_only and cls is Stage)]
+    valid = distributed(stages) if distributed_only else list(stages)
     unknown = [n for n in names if n not in valid]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; valid stages: {', '.join(valid)}"
@@ -64,6 +71,6 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | 
     return cls(module, optimizer, comm, **options)
 
 
-__all__ = ["BucketedDDP", "DDP", "DataParallel", "Reduction", "STAGES", "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2",
-           "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "make_stage", "registry",
+__all__ = ["DEFAULT_STAGE", "REFERENCE", "BucketedDDP", "DDP", "DataParallel", "Reduction", "STAGES", "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2",
+           "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "distributed", "make_stage", "registry",
            "with_stages"]
