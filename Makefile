@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 WORLD  ?= 3
 
-.PHONY: demo test test-deep install bench soak clean
+.PHONY: demo test test-deep lint install bench soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,11 @@ demo: install
 	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --accum 2 --compress fp16
 	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --dtype float64 --backend native
 
-test: install
+# Lint first (a second), then the suite and every lesson notebook.
+lint: install
+	$(PY) -m ruff check minizero tests
+
+test: install lint
 	$(PY) -m pytest -q tests lessons --nbmake --nbmake-timeout=300
 
 # Hunting: many more random examples, fresh seeds each run.

@@ -34,7 +34,6 @@ import queue
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 

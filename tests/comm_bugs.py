@@ -6,13 +6,13 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
+from minizero import launch as _launch
 from minizero.comm import ReduceOp, ring
-from minizero.comm.base import Comm, collective
 from minizero.comm import fingerprint as _fingerprint
 from minizero.comm import native as _native
-from minizero import launch as _launch
 from minizero.comm import progress as _progress
 from minizero.comm import stall as _stall
+from minizero.comm.base import Comm, collective
 
 
 def rs_forgets_own_chunk(self, chunks, out, op):

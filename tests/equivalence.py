@@ -4,14 +4,12 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-import torch
 from hypothesis import strategies as st
 
 from minizero.lab.equivalence import bit_identical, judge, optimizer_state_violation
 from minizero.lab.experiment import Experiment, reference_of, run_experiment
 from minizero.lab.optimizers import OPTIMIZERS
 from minizero.lab.registry import stage_class
-
 
 #: ``make test-deep`` sets MINIZERO_DEEP: every property draws 20 times as many, fresh, examples.
 DEEP = bool(os.environ.get("MINIZERO_DEEP"))

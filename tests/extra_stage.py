@@ -7,8 +7,6 @@ all-reduce's 2(N-1)/N Psi b -- the byte check holds it to its own formula.
 """
 from __future__ import annotations
 
-import torch
-
 from minizero.flat import pack, unpack
 from minizero.formulas import all_gather_bytes
 from minizero.stages import DDP
@@ -41,5 +39,3 @@ class WrongFormula(AllGatherDDP):
     def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, **options) -> float:
         return 2 * all_gather_bytes(psi * grad_bytes, world_size)
 
-
-__all__ = ["AllGatherDDP", "WrongFormula", "torch"]

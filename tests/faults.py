@@ -34,9 +34,9 @@ def inject(fault: str) -> None:
 
 def train_with_fault(me, fault: str, place: str, steps: int = 3) -> str:
     from minizero.comm import make_comm
+    from minizero.lab.optimizers import make_optimizer
     from minizero.lab.tasks import TASKS
     from minizero.stages import make_stage
-    from minizero.lab.optimizers import make_optimizer
     from minizero.train import shard_step, train_step
 
     task = TASKS["gpt"]

@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from tests.equivalence import experiments, run_and_check
 from minizero.comm import ReduceOp
+from tests.equivalence import experiments, run_and_check
 
 
 @dataclass

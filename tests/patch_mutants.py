@@ -9,8 +9,7 @@ Broken *stages* (classes) live in ``mutants.py``.
 """
 from __future__ import annotations
 
-from tests import comm_bugs
-from tests import training_bugs
+from tests import comm_bugs, training_bugs
 from tests.mutation import Mutant, comm_catch, import_catch_modules, patch, property_catch, test_catch, unpatch
 
 FAULTS = "test_faults"

@@ -165,7 +165,7 @@ def _wrap(me, what, stage_name="ddp"):
     else:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     params = list(model.parameters()) + ([nn.Parameter(torch.ones(3))] if what == "foreign" else [])
-    stage = make_stage(stage_name, model, torch.optim.SGD(params, lr=0.1), make_comm("ring", check=True),
+    make_stage(stage_name, model, torch.optim.SGD(params, lr=0.1), make_comm("ring", check=True),
                        **({"prefetch": -1} if what == "prefetch" else {}))
     if what == "twice":  # a second stage over the same model would run the first one's hooks too
         make_stage(stage_name, model, torch.optim.SGD(params, lr=0.1), make_comm("ring", check=True))

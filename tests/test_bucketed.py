@@ -6,18 +6,17 @@ import time
 
 import pytest
 import torch
-from torch import nn
 from hypothesis import given, settings
+from torch import nn
 
 from minizero.buckets import assign_buckets
 from minizero.comm import make_comm
 from minizero.lab.experiment import Experiment, run_experiment
-from minizero.launch import RankError
 from minizero.lab.models import MLP, EdgeModel
+from minizero.launch import RankError
 from minizero.stages import make_stage
 from minizero.train import shard_step, train_step
-
-from tests.equivalence import experiments, run_and_check, examples
+from tests.equivalence import examples, experiments, run_and_check
 
 
 @settings(max_examples=examples(60))

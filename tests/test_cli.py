@@ -21,7 +21,6 @@ from minizero.lab import equivalence
 from minizero.lab.result import RankResult
 
 
-
 @pytest.mark.parametrize("argv, message", [
     (["compare", "--steps", "0"], "argument --steps: 0 is not a positive whole number (1 or more)"),
     (["compare", "--accum", "0"], "argument --accum: 0 is not a positive whole number (1 or more)"),

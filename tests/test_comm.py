@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-
-from tests.equivalence import examples
 from hypothesis import strategies as st
 
 from minizero.comm import Ledger, ReduceOp, chunk_bounds, make_comm, ring_bytes_sent
+from tests.equivalence import examples
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64]
 

@@ -1,22 +1,21 @@
 """Gradient compression: half the bytes, the same casts as the reference, errors reported."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from dataclasses import replace
 
-from minizero.compress import split_division
-from minizero.lab.equivalence import max_diff
-from minizero.lab.experiment import Experiment, exact_reference_of, reference_of, run_experiment
-from minizero.launch import RankError
-from minizero.lab.models import MLP
 from minizero.comm import make_comm
+from minizero.compress import split_division
+from minizero.lab.equivalence import bit_identical, max_diff
+from minizero.lab.experiment import Experiment, exact_reference_of, reference_of, run_experiment
+from minizero.lab.models import MLP
+from minizero.launch import RankError
 from minizero.stages import make_stage
-
-from minizero.lab.equivalence import bit_identical
-from tests.equivalence import experiments, run_and_check, examples
+from tests.equivalence import examples, experiments, run_and_check
 
 
 @pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"])

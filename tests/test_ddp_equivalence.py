@@ -11,10 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.lab.experiment import Experiment, reference_of, run_experiment
-
 from minizero.lab.equivalence import bit_identical
-from tests.equivalence import experiments, run_and_check, examples
+from minizero.lab.experiment import Experiment, reference_of, run_experiment
+from tests.equivalence import examples, experiments, run_and_check
 
 
 @settings(max_examples=examples(60))

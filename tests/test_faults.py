@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults import FAULTS, FAULTY_RANK, PLACES, train_with_fault
 from minizero.launch import RankError, RankPool
+from tests.faults import FAULTS, FAULTY_RANK, PLACES, train_with_fault
 
 TIMEOUT_S = 2.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minizero.comm import CollectiveMismatch, Ledger, ReduceOp, Tag, make_comm
+from minizero.comm import CollectiveMismatch, Ledger, Tag, make_comm
 from minizero.launch import RankError
 
 

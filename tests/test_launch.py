@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from minizero.comm import ReduceOp, make_comm
+from minizero.comm import make_comm
 from minizero.launch import RankError, RankPool, run
 
 

@@ -16,10 +16,8 @@ import os
 import pytest
 from hypothesis import Phase, given, settings
 
-from tests import mutants
-from tests import patch_mutants
+from tests import mutants, patch_mutants
 from tests.equivalence import experiments, run_and_check
-
 
 VALUE_MUTANTS = sorted({**mutants.MUTANTS, **mutants.HOOK_MUTANTS, **mutants.ZERO_MUTANTS})
 
@@ -58,8 +56,8 @@ def test_ignoring_no_sync_is_right_in_value_and_caught_in_bytes(pools):
 
 def test_all_reduce_then_all_gather_is_right_in_value_and_caught_in_bytes(pools):
     """The known slip in public ZeRO-1 code: correct parameters, 1.5x the bytes; the ledger test catches it."""
-    from tests.test_zero import check_zero_bytes
     from minizero.lab.experiment import Experiment
+    from tests.test_zero import check_zero_bytes
     run_and_check(pools, Experiment(stage="zero1-allreduce-allgather", task="mlp", steps=2, accum=2,
                                     stages=mutants.MUTANT_STAGES), 3)
     with pytest.raises(AssertionError):

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from minizero.comm import make_comm
-from minizero.launch import RankError
 from minizero.stages import make_stage
 
 

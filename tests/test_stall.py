@@ -52,10 +52,11 @@ class _StoreGone:
 
 
 def test_the_torchrun_watchdog_judges_on_its_own_row_when_the_store_is_gone():
+    import torch
+
     from minizero.comm.fingerprint import Call, Tag
     from minizero.comm.progress import ProgressBoard
     from minizero.torchrun import Watchdog
-    import torch
 
     board = ProgressBoard(0)
     watchdog = Watchdog(board, _StoreGone(), world_size=2, timeout_s=0.05)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from minizero.lab import experiment
+from minizero.lab.optimizers import make_optimizer
 from minizero.lab.tasks import TASKS
 from minizero.train import sum_loss
-from minizero.lab.optimizers import make_optimizer
 
 
 def test_the_reference_is_plain_torch_training():

@@ -1,21 +1,17 @@
 """ZeRO-1 and ZeRO-2: the same training as a single device, in less memory, for DDP's bytes."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.stages import STAGES
 from minizero.comm import make_comm
 from minizero.lab.experiment import Experiment, reference_of, run_experiment
+from minizero.lab.models import MLP, EdgeModel
 from minizero.launch import RankError
-from minizero.lab.models import EdgeModel, MLP
-from minizero.stages import make_stage
-
-from tests.equivalence import assert_same_optimizer_state, experiments, run_and_check, examples
+from minizero.stages import STAGES, make_stage
+from tests.equivalence import assert_same_optimizer_state, examples, experiments, run_and_check
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2"])

@@ -3,19 +3,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from hypothesis import given, settings
+from torch import nn
 
-from minizero.stages import STAGES
 from minizero.comm import make_comm
+from minizero.lab.experiment import Experiment, run_experiment
+from minizero.lab.models import MLP, ReuseModel, TinyGPT
 from minizero.lab.tasks import TASKS
-from minizero.lab.experiment import Experiment, reference_of, run_experiment
 from minizero.launch import RankError
-from minizero.lab.models import MLP, TinyGPT, ReuseModel
-from minizero.stages import make_stage
+from minizero.stages import STAGES, make_stage
 from minizero.units import assign_parameters, default_units, resolve_units
-
-from tests.equivalence import experiments, run_and_check, examples
+from tests.equivalence import examples, experiments, run_and_check
 
 
 @settings(max_examples=examples(45))

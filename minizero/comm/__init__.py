@@ -4,9 +4,9 @@ import torch.distributed as dist
 from .base import Comm, ReduceOp, chunk_bounds
 from .fingerprint import KINDS, CollectiveMismatch, Tag
 from .ledger import Ledger
-from .thread import Work
 from .native import NativeComm, ring_bytes_sent
 from .ring import RingComm
+from .thread import Work
 
 BACKENDS = {"ring": RingComm, "native": NativeComm}
 

@@ -38,6 +38,7 @@ from . import progress
 from .fingerprint import DTYPES, Call, CollectiveMismatch, Tag, exchange
 from .thread import CommThread, Work
 
+
 class ReduceOp(enum.Enum):
     SUM = "sum"
     AVG = "avg"  # SUM, then divide by the world size

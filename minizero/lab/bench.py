@@ -9,18 +9,17 @@ from __future__ import annotations
 import json
 import statistics
 import time
-
 from dataclasses import replace
 
 import torch
 
 from ..comm import NativeComm, ReduceOp, RingComm, make_comm
 from ..launch import Rank, RankPool
+from ..stages import STAGES, Shards, distributed
 from ..train import shard_step, sum_loss
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
 from .optimizers import make_optimizer
-from ..stages import STAGES, Shards, distributed
 from .registry import build_stage, stage_class
 from .tasks import TASKS
 

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, replace
 import torch.distributed as dist
 
 from ..launch import RankPool, check_world_size
+from ..stages import check_stage_names
 from ..torchrun import init_from_env, under_torchrun
 from .equivalence import RTOL, agrees, judge
 from .experiment import Experiment, exact_reference_of, reference_of, run_experiment
 from .optimizers import STATE_TENSORS
-from ..stages import check_stage_names
 from .registry import LAB_STAGES, stage_class
 
 

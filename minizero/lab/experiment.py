@@ -17,8 +17,8 @@ import torch
 from ..comm import Ledger, make_comm
 from ..compress import check_compress
 from ..launch import Rank
-from ..stages import DEFAULT_STAGE, REFERENCE
 from ..memory import GatheredMemory, held_bytes
+from ..stages import DEFAULT_STAGE, REFERENCE
 from ..train import shard_step, train_step
 from .casts_reference import run_casts_reference
 from .equivalence import DTYPES

@@ -12,10 +12,10 @@ import contextlib
 import inspect
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ..units import resolve_units

@@ -71,6 +71,6 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | 
     return cls(module, optimizer, comm, **options)
 
 
-__all__ = ["DEFAULT_STAGE", "REFERENCE", "BucketedDDP", "DDP", "DataParallel", "Reduction", "STAGES", "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2",
-           "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "distributed", "make_stage", "registry",
-           "with_stages"]
+__all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "BucketedDDP", "DDP", "DataParallel", "Reduction", "Shards", "Stage",
+           "Synchronised", "ZeRO", "ZeRO1", "ZeRO2", "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names",
+           "distributed", "make_stage", "registry", "with_stages"]

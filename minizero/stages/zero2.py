@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..buckets import MiB, BucketPipeline, check_bucket_mb
+from ..buckets import BucketPipeline, MiB, check_bucket_mb
 from ..comm import Comm
 from ..compress import reduce_scatter_mean
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
