@@ -37,6 +37,6 @@ class GatheredMemory:
     def __init__(self):
         self.now = self.peak = 0
 
-    def __call__(self, event: str, nbytes: int) -> None:
+    def __call__(self, event: str, nbytes: int, source=None) -> None:
         self.now += nbytes if event == "gather" else -nbytes
         self.peak = max(self.peak, self.now)

@@ -86,12 +86,12 @@ class Unit:
     """One ZeRO-3 unit at run time -- FSDP2's ``FSDPParamGroup``: the flat groups of its parameters and
     the all-gather in flight for them, with a method for each moment it acts.
 
-    ``observe(event, nbytes)`` hears every ``"gather"`` (a full buffer allocated -- counted from the moment
-    the all-gather starts, so a prefetch takes memory while it runs) and every ``"free"``: instrumentation
-    outside the algorithm, like the byte ledger."""
+    ``observe(event, nbytes, unit)`` hears every ``"gather"`` (a full buffer allocated -- counted from the
+    moment the all-gather starts, so a prefetch takes memory while it runs) and every ``"free"``, with this
+    unit's index: instrumentation outside the algorithm, like the byte ledger."""
 
     def __init__(self, index: int, name: str, groups: list[ShardedFlatGroup], comm: Comm,
-                 tag: Callable[[str], Tag], observe: Callable[[str, int], None]):
+                 tag: Callable[[str], Tag], observe: Callable[[str, int, int], None]):
         self.index, self.name, self.groups = index, name, groups
         self.comm, self._tag, self._observe = comm, tag, observe
         self._gathering = None  # the all-gather running on the communication thread, if any
@@ -128,7 +128,7 @@ class Unit:
         groups, tag = self.groups, self._tag(f"{self.label} {why} all-gather")
         self._gathering = self.comm.submit(lambda: [g.all_gather_into_new_buffer(self.comm, tag) for g in groups])
         for g in groups:
-            self._observe("gather", g.full_bytes)
+            self._observe("gather", g.full_bytes, self.index)
 
     def unshard(self, why: str) -> None:
         """Full parameters, now: start the all-gather unless a prefetch did, and wait for it."""
@@ -145,7 +145,7 @@ class Unit:
             self._gathering.wait()
             self._gathering = None
             for g in self.groups:
-                self._observe("free", g.full_bytes)
+                self._observe("free", g.full_bytes, self.index)
 
     def reshard(self) -> None:
         for group in self.groups:
@@ -153,5 +153,5 @@ class Unit:
 
     def _free(self, group: ShardedFlatGroup) -> None:
         if group.gathered:
-            self._observe("free", group.full_bytes)
+            self._observe("free", group.full_bytes, self.index)
             group.reshard()

@@ -112,6 +112,12 @@ def _step_without_optimizer(me):
 
 
 def test_stage_step_without_an_optimizer_names_the_fix(pools):
-    with pytest.raises(RankError, match=r"needs the optimizer the stage was wrapped with.*Call step\(\) on the "
-                                        r"optimizer you built over stage.parameters\(\)"):
+    fix = r"Call step\(\) on the optimizer you built over stage.parameters\(\)"
+    with pytest.raises(RankError, match=r"needs the optimizer the stage was wrapped with.*" + fix):
         pools.run(2, _step_without_optimizer)
+
+
+def test_an_option_the_stage_does_not_take_is_named_with_the_ones_it_does():
+    with pytest.raises(TypeError, match=r"stage 'zero1' takes no option\(s\) \['bucket_mb'\]; its options: compress, "
+                                        r"error_feedback, find_unused_parameters"):
+        make_stage("zero1", Branchy(), bucket_mb=1)

@@ -146,8 +146,8 @@ class Stage(nn.Module):
         return self.optimizer.state_dict() if self.optimizer is not None else {}
 
     def add_observer(self, observer) -> None:
-        """Instrumentation outside the algorithm: ``observer(event, nbytes)`` hears of memory a stage
-        takes and gives back while it computes (ZeRO-3's gathered parameters).  Most stages have none."""
+        """Instrumentation outside the algorithm: ``observer(event, nbytes, source)`` hears of memory a stage
+        takes and gives back while it computes (ZeRO-3's gathered parameters, by unit).  Most stages have none."""
 
 
 class Synchronised(Stage):

@@ -20,10 +20,12 @@ all-reduce followed by an all-gather, seen in public code, costs 3Psi.)
 Memory per rank (fp32 Adam): parameters 4Psi + gradients 4Psi + states 8Psi/N.
 
 After the reduce-scatter the owned slice *is* the pieces' ``.grad`` and the
-other slices are zeroed -- they were the other ranks' to average -- so a second
-backward without ``zero_grad()`` accumulates onto the averaged gradient, as
-``.grad`` does in torch.  A piece whose ``.grad`` someone set to None starts
-from zero at the next forward.
+other slices are zeroed -- they were the other ranks' to average.  A backward
+without ``zero_grad()`` in between adds to the averaged gradient, as ``.grad``
+does in torch: the averaged slice is set aside when the next accumulation
+window opens (at its first forward) and added back after the next
+reduce-scatter -- left in the buffer, only its owner would contribute it to
+the mean.  A piece whose ``.grad`` someone set to None starts from zero.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class ZeRO1(ZeRO):
         # ZeRO-1 keeps full gradients, one flat buffer per group; each .grad is a view into it.
         self.grad_buffers = [torch.zeros_like(g.data) for g in self.groups]
         self._slot = {id(s.param): (g, s) for g, group in enumerate(self.groups) for s in group.segments}
-        self._window_open = False
+        self._window_open, self._carried = False, []
         self._zero_grad()
         for group in self.groups:
             for s in group.segments:
@@ -59,17 +61,22 @@ class ZeRO1(ZeRO):
     # ------------------------------------------------------------ backward
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and not self._window_open:
-            self._clear_dropped_pieces()
+            self._open_window()
         return super().forward(*args, **kwargs)
 
-    def _clear_dropped_pieces(self) -> None:
-        """A piece whose .grad was set to None (an optimizer's zero_grad) starts the window from zero."""
+    def _open_window(self) -> None:
+        """A new accumulation window: set aside what the pieces' .grad still hold (None counts as zero)."""
         self._window_open = True
+        self._carried = []
         for group, buffer in zip(self.groups, self.grad_buffers):
-            owned = group.shard_of(buffer)
-            for piece in group.pieces:
-                if piece.param.grad is None:
-                    owned[piece.offset:piece.offset + piece.stop - piece.start].zero_()
+            owned, carried = group.shard_of(buffer), None
+            if any(piece.param.grad is not None for piece in group.pieces):
+                carried = owned.clone()
+                for piece in group.pieces:
+                    if piece.param.grad is None:
+                        carried[piece.offset:piece.offset + piece.stop - piece.start].zero_()
+            owned.zero_()
+            self._carried.append(carried)
 
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
@@ -90,10 +97,12 @@ class ZeRO1(ZeRO):
             lo, hi = group.rank * group.shard_size, (group.rank + 1) * group.shard_size
             buffer[:lo].zero_()  # the other ranks' slices: they averaged them; what accumulates next is new
             buffer[hi:].zero_()
+            if self._carried and self._carried[index] is not None:
+                owned.add_(self._carried[index])
             for piece in group.pieces:
                 if id(piece.segment.param) in used:
                     piece.param.grad = owned[piece.offset:piece.offset + piece.stop - piece.start]
-        self._window_open = False
+        self._window_open, self._carried = False, []
         self._stale = self.optimizer is None
 
     # ------------------------------------------------------------ optimizer

@@ -83,9 +83,9 @@ class ZeRO3(ZeRO):
     def add_observer(self, observer) -> None:
         self._observers.append(observer)
 
-    def _observe(self, event: str, nbytes: int) -> None:
+    def _observe(self, event: str, nbytes: int, unit: int) -> None:
         for observer in self._observers:
-            observer(event, nbytes)
+            observer(event, nbytes, unit)
 
     # ------------------------------------------------------------ forward and backward hooks
     def _before_forward(self, u: int) -> None:
