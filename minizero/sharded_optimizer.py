@@ -109,9 +109,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.local.zero_grad(set_to_none=set_to_none)
         super().zero_grad(set_to_none=set_to_none)
 
-    def owned_grads(self) -> list[torch.Tensor]:
-        return [piece.param.grad for g in self.groups for piece in g.pieces if piece.param.grad is not None]
-
     def state_dict(self) -> dict:
         """This rank's pieces only: what a sharded checkpoint stores per rank."""
         return self.local.state_dict()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from minizero.lab.equivalence import max_diff
 from minizero.lab.experiment import Experiment, run_experiment
@@ -61,3 +62,23 @@ def test_zero3_matches_fsdp2(pools, world_size, reshard, task):
     ours = pools.run(world_size, run_experiment, exp)
     theirs = pools.run(world_size, run_experiment, replace(exp, stage="torch-fsdp2"))
     assert max_diff(ours, theirs[0])[1] < 1e-12
+
+
+def _satisfies_the_protocol(me):
+    from minizero.comm import make_comm
+    from minizero.lab.models import MLP
+    from minizero.lab.registry import LAB_STAGES, build_stage
+    from minizero.stages import DataParallel
+    verdicts = {}
+    for name in LAB_STAGES:
+        model = MLP((4, 8, 2))
+        stage = build_stage(name, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            None if name == "reference" else make_comm("ring"))
+        verdicts[name] = isinstance(stage, DataParallel)
+    return verdicts
+
+
+def test_every_stage_and_every_torch_oracle_satisfies_one_interface(pools):
+    """The loop drives torch's wrappers and minizero's stages alike: nothing probes what a stage can do."""
+    verdicts = pools.run(2, _satisfies_the_protocol)[0]
+    assert all(verdicts.values()) and {"torch-ddp", "torch-zero", "torch-fsdp2", "zero3"} <= set(verdicts), verdicts

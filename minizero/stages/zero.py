@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..compress import make_wire
+from ..compress import make_wire, reduce_scatter_mean
 from ..layout import FlatGroup
 from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
 from .base import Synchronised, optimizer_tensors, unused_error
@@ -82,6 +82,22 @@ class ZeRO(Synchronised):
             if id(piece.segment.param) in used:
                 part = averaged[piece.offset:piece.offset + piece.stop - piece.start]
                 piece.param.grad = part if piece.param.grad is None else piece.param.grad.add_(part)
+
+    def _pack_and_free(self, group: FlatGroup, index: int, tag):
+        """Pack ``group``'s gradients into a transient flat copy and free them -- no full gradient outlives
+        its bucket -- and return its reduce-scatter, to run on the communication thread: the averaged
+        shard, for :meth:`_accumulate`."""
+        full = group.pack_grads()
+        for s in group.segments:
+            s.param.grad = None
+        names = [s.name for s in group.segments]
+
+        def reduce_scatter() -> torch.Tensor:
+            averaged = torch.empty_like(group.shard)
+            reduce_scatter_mean(self.comm, self.wire, full, averaged, index, names, tag)
+            return averaged
+
+        return reduce_scatter
 
     # ------------------------------------------------------------ which parameters have a gradient
     def _refuse_unused_here(self, groups: list[FlatGroup]) -> None:

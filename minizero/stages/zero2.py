@@ -34,7 +34,6 @@ from torch import nn
 
 from ..buckets import BucketPipeline, MiB, check_bucket_mb
 from ..comm import Comm
-from ..compress import reduce_scatter_mean
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
 from .base import Reduction, Shards
@@ -69,18 +68,7 @@ class ZeRO2(ZeRO):
     def _reduce_scatter(self, index: int):
         """Bucket ``index`` is complete: pack its gradients and free them (the point of ZeRO-2: no full
         gradient outlives its bucket); the reduce-scatter runs on the communication thread."""
-        group = self.groups[index]
-        full = group.pack_grads()  # a transient flat copy, freed once the reduce-scatter is done
-        for s in group.segments:
-            s.param.grad = None
-        names, tag = [s.name for s in group.segments], self.tag(f"bucket {index}")
-
-        def reduce_scatter() -> torch.Tensor:
-            averaged = torch.empty_like(group.shard)
-            reduce_scatter_mean(self.comm, self.wire, full, averaged, index, names, tag)
-            return averaged
-
-        return reduce_scatter
+        return self._pack_and_free(self.groups[index], index, self.tag(f"bucket {index}"))
 
     def sync_gradients(self) -> None:
         with self.pipeline.round():

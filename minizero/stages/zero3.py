@@ -38,7 +38,6 @@ from torch import nn
 
 from ..buckets import BucketPipeline
 from ..comm import Comm
-from ..compress import reduce_scatter_mean
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import ShardedFlatGroup
 from ..units import Unit, plan_unit_groups, resolve_units
@@ -138,17 +137,8 @@ class ZeRO3(ZeRO):
         if index in self._skipped:
             unit.after_backward(group)
             return lambda: None
-        full = group.pack_grads()
-        for s in group.segments:
-            s.param.grad = None
-        unit.after_backward(group)
-        names, tag = [s.name for s in group.segments], self.tag(f"{unit.label} gradients (group {index})")
-
-        def reduce_scatter() -> torch.Tensor:
-            averaged = torch.empty_like(group.shard)
-            reduce_scatter_mean(self.comm, self.wire, full, averaged, index, names, tag)
-            return averaged
-
+        reduce_scatter = self._pack_and_free(group, index, self.tag(f"{unit.label} gradients (group {index})"))
+        unit.after_backward(group)  # the full parameters go too
         return reduce_scatter
 
     def sync_gradients(self) -> None:
