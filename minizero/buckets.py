@@ -142,6 +142,11 @@ class BucketPipeline:
         """Every launched bucket's result, ``(index, result)`` in index order."""
         return [(index, self._works.pop(index).result()) for index in sorted(self._works)]
 
+    def abandon(self) -> None:
+        """After a backward that raised part-way: wait for what it launched, forget what it marked."""
+        with self.round():
+            pass
+
     @contextmanager
     def round(self):
         try:

@@ -92,7 +92,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise TypeError("ShardedOptimizer.step takes no closure: it steps each rank's shard once")
         for group in self.groups:
-            averaged = group.shard_of(group.pack_grads())
+            averaged = group.shard_of(group.pack_grads()).clone()  # this rank's slice only: the rest is freed
             for piece in group.pieces:
                 has = piece.segment.param.grad is not None
                 piece.param.grad = averaged[piece.offset:piece.offset + piece.stop - piece.start] if has else None
@@ -119,16 +119,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, comm: Comm,
-                            dtype: torch.dtype, tag: Tag | None = None) -> torch.Tensor:
+                            dtype: torch.dtype, device: torch.device, tag: Tag | None = None) -> torch.Tensor:
     """Global-norm clipping when each rank holds a disjoint part of the averaged gradient: one more
     collective (SUM of |g|^p, or MAX for the inf-norm), then every rank scales its part --
     ``torch.nn.utils.clip_grad_norm_``'s result without anyone holding all of it."""
-    grads = [g for g in grads if g.numel()]  # ``dtype``: the norm's, the same on every rank (some own nothing)
+    grads = [g for g in grads if g.numel()]  # ``dtype``, ``device``: the norm's, the same on every rank
+    zero = torch.zeros(1, dtype=dtype, device=device)
     if math.isinf(norm_type):
-        total = torch.stack([g.abs().max() for g in grads]).max().reshape(1) if grads else torch.zeros(1, dtype=dtype)
+        total = torch.stack([g.abs().max().to(dtype) for g in grads]).max().reshape(1) if grads else zero
         comm.all_reduce(total, ReduceOp.MAX, tag=tag)
     else:
-        total = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=dtype)).reshape(1)
+        total = sum((g.abs().pow(norm_type).sum().to(dtype) for g in grads), zero).reshape(1)
         comm.all_reduce(total, ReduceOp.SUM, tag=tag)
         total = total.pow(1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -121,3 +121,31 @@ def test_an_option_the_stage_does_not_take_is_named_with_the_ones_it_does():
     with pytest.raises(TypeError, match=r"stage 'zero1' takes no option\(s\) \['bucket_mb'\]; its options: compress, "
                                         r"error_feedback, find_unused_parameters"):
         make_stage("zero1", Branchy(), bucket_mb=1)
+
+
+def _zero_grad_after_forward(me, stage_name, wrap_first):
+    """Legal torch orders that a stage must not get wrong: zero_grad() between forward and backward, and an
+    evaluation forward between backward and step."""
+    model = Branchy()
+    if wrap_first:
+        stage = make_stage(stage_name, model, comm=make_comm("ring", check=True))
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=0.01, weight_decay=0.1)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        stage = make_stage(stage_name, model, optimizer, make_comm("ring", check=True))
+    for step in range(3):
+        out = stage(_data(me.rank, step))
+        optimizer.zero_grad()
+        out.pow(2).mean().backward()
+        with torch.no_grad():
+            stage(_data(me.rank, step))
+        optimizer.step()
+    return _full(model, stage)
+
+
+@pytest.mark.parametrize("wrap_first", [True, False])
+@pytest.mark.parametrize("stage", DISTRIBUTED)
+def test_zero_grad_after_forward_and_an_evaluation_before_step_change_nothing(pools, stage, wrap_first):
+    want = _single_device()
+    for got in pools.run(WORLD, _zero_grad_after_forward, stage, wrap_first):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()

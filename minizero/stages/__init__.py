@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from .base import Reduction, Shards, Stage, Synchronised
+from .base import Stage, Synchronised
 from .ddp import DDP
 from .ddp_bucketed import BucketedDDP
+from .facts import Reduction, Shards
 from .protocol import DataParallel
 from .wrap import broadcast_module, check_same_model
 from .zero import ZeRO

@@ -18,33 +18,13 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp, Tag
+from .facts import Reduction, Shards
 from .wrap import check_wrappable, claim
-
-
-@dataclass(frozen=True)
-class Shards:
-    """What a stage divides among its N ranks -- the ZeRO paper's P_os, P_os+g, P_os+g+p (section 5)."""
-
-    optimizer_states: bool = False
-    gradients: bool = False
-    parameters: bool = False
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """How a stage lays gradients out for reduction: the parameter names in each flat buffer, in the
-    order they are reduced; ``padded``: each buffer is padded to a multiple of N and reduce-scattered;
-    ``packs_unused``: a parameter without a gradient on any rank still has its (zero) slot in the buffer."""
-
-    buffers: list[list[str]]
-    padded: bool = False
-    packs_unused: bool = True
 
 
 class Stage(nn.Module):
@@ -206,7 +186,9 @@ class Synchronised(Stage):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # a no_grad forward (a quick eval) has no backward to plan for
             self._syncing = self.require_backward_grad_sync  # decided at forward, as torch does
-            self._sync_queued = False  # a backward that raised never ran its queued synchronisation
+            if self._sync_queued:  # a backward that raised never ran its queued synchronisation
+                self._sync_queued = False
+                self._abandon_backward()
         output = self.call_module(*args, **kwargs)
         if torch.is_grad_enabled():
             self._hook_backward(output, self._syncing)
@@ -251,6 +233,10 @@ class Synchronised(Stage):
 
     def sync_gradients(self) -> None:
         raise NotImplementedError
+
+    def _abandon_backward(self) -> None:
+        """A backward raised part-way (its synchronisation never ran): let go of what it started."""
+        self._used.clear()
 
     def _agree_on_use(self, params: list[nn.Parameter]) -> set[int]:
         """Which of ``params`` now have a gradient anywhere -- called after every collective of this

@@ -34,7 +34,8 @@ from ..comm import Comm, ReduceOp
 from ..compress import make_wire
 from ..flat import group_by_dtype, pack, unpack
 from ..formulas import all_reduce_bytes
-from .base import Reduction, Synchronised, agree_on_use, unused_error
+from .base import Synchronised, agree_on_use, unused_error
+from .facts import Reduction
 from .wrap import broadcast_module, check_same_model
 
 

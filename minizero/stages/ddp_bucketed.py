@@ -42,8 +42,9 @@ from ..buckets import Bucket, BucketPipeline, assign_buckets
 from ..comm import Comm
 from ..compress import all_reduce_mean
 from ..flat import keep_grad_in
-from .base import Reduction, unused_error
+from .base import unused_error
 from .ddp import DDP
+from .facts import Reduction
 
 
 class BucketedDDP(DDP):
@@ -82,13 +83,21 @@ class BucketedDDP(DDP):
                          if id(self.buckets[b].params[i]) not in self._used]
                 if never and not self.find_unused_parameters:
                     raise unused_error(self.rank, never, "their bucket can never be reduced")
+                cleared = [self.buckets[b].params[i] for b, i in missing if self.buckets[b].params[i].grad is None]
                 for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
                     keep_grad_in(self.buckets[b].params[i], self.buckets[b].views[i])
                 self.pipeline.launch_rest()  # unused slots hold zeros (or earlier micro-batches' sums): correct
-                self._agree_on_use([p for b in self.buckets for p in b.params])
+                used = self._agree_on_use([p for b in self.buckets for p in b.params])
                 self.pipeline.wait_all()
+                for p in cleared:  # cleared by the user and used nowhere since: no gradient, as on one device
+                    if id(p) not in used:
+                        p.grad = None
             finally:
                 self._used.clear()
+
+    def _abandon_backward(self) -> None:
+        super()._abandon_backward()
+        self.pipeline.abandon()
 
     # ------------------------------------------------------------- optimizer
     def _step(self) -> None:

@@ -21,6 +21,8 @@ wrap (check, broadcast), lay out its flat groups (:mod:`minizero.layout`),
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -46,7 +48,7 @@ class ZeRO(Synchronised):
         broadcast_module(module, comm)
         self.user_optimizer = optimizer
         self.groups: list[FlatGroup] = []
-        self._stale = False  # pieces may have been stepped by an optimizer the stage does not drive
+        self._shared_versions: list[int] = []  # each group's version counter when last all-gathered
 
     def param_groups(self) -> list[dict]:
         """What the flat groups are built from: the user's optimizer's param groups, or all trainable
@@ -62,6 +64,8 @@ class ZeRO(Synchronised):
         """Take ``groups`` as this stage's layout; the user's optimizer, if given, becomes its sharded twin
         (routed: whichever ``step`` the user calls, the stage's runs -- it shares the result too)."""
         self.groups = groups
+        if not self.shards.parameters:  # full parameters kept: the all-gather after a step keeps them current
+            self._shared_versions = [group.data._version for group in groups]
         if self.user_optimizer is not None:
             self.optimizer = ShardedOptimizer.from_optimizer(self.user_optimizer, groups, self.comm)
             self.optimizer.step, self.optimizer.zero_grad = self.step, self.zero_grad
@@ -108,18 +112,25 @@ class ZeRO(Synchronised):
                 raise unused_error(self.rank, missing, "ZeRO steps the parameters that have one on every rank")
 
     # ------------------------------------------------------------ after the step
+    def _stepped_since_shared(self) -> bool:
+        """Did anything write the owned shards since the last all-gather -- an optimizer built over
+        ``stage.parameters()``, which the stage does not drive?  The parameters' version counter says:
+        every in-place update of a piece bumps it (evaluation forwards and backward do not)."""
+        return bool(self._shared_versions) and any(
+            group.data._version != version for group, version in zip(self.groups, self._shared_versions))
+
     def forward(self, *args, **kwargs):
-        if self._stale:  # an optimizer built over stage.parameters() stepped the pieces: share them first
+        if self._stepped_since_shared():  # the first forward after such a step shares it first
             self.share_parameters()
         return super().forward(*args, **kwargs)
 
     def share_parameters(self) -> None:
         """All-gather every group's updated shard: stages that keep full parameters (ZeRO-1, -2)."""
-        self._stale = False
         for g, group in enumerate(self.groups):
             if any(id(s.param) in self._has_grad for s in group.segments):
                 self.comm.all_gather(group.data, group.shard.detach().clone(),
                                      tag=self.tag(f"group {g} parameters after step"))
+        self._shared_versions = [group.data._version for group in self.groups]
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         for piece in self.pieces():
@@ -131,8 +142,10 @@ class ZeRO(Synchronised):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global-norm clipping over the pieces: each rank holds a disjoint part of the averaged gradient."""
         grads = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
-        dtype = self.groups[0].dtype if self.groups else torch.float32
-        return clip_sharded_grad_norm_(grads, max_norm, norm_type, self.comm, dtype, self.tag("clip norm"))
+        # The norm's dtype and device: the same on every rank, including one that owns no piece.
+        dtype = functools.reduce(torch.promote_types, [g.dtype for g in self.groups], torch.float32)
+        device = self.groups[0].shard.device if self.groups else torch.device("cpu")
+        return clip_sharded_grad_norm_(grads, max_norm, norm_type, self.comm, dtype, device, self.tag("clip norm"))
 
     # ------------------------------------------------------------ accounting and state dicts
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -153,7 +166,7 @@ class ZeRO(Synchronised):
         return self._require_optimizer("shard_optimizer_state_dict").state_dict()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        if self._stale:
+        if self._stepped_since_shared():
             self.share_parameters()
         return super().full_state_dict()
 

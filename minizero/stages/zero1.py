@@ -22,10 +22,11 @@ Memory per rank (fp32 Adam): parameters 4Psi + gradients 4Psi + states 8Psi/N.
 After the reduce-scatter the owned slice *is* the pieces' ``.grad`` and the
 other slices are zeroed -- they were the other ranks' to average.  A backward
 without ``zero_grad()`` in between adds to the averaged gradient, as ``.grad``
-does in torch: the averaged slice is set aside when the next accumulation
-window opens (at its first forward) and added back after the next
-reduce-scatter -- left in the buffer, only its owner would contribute it to
-the mean.  A piece whose ``.grad`` someone set to None starts from zero.
+does in torch: when the next accumulation window opens (at its first forward),
+a piece that still holds a gradient moves it into a copy of its own, added back
+after the next reduce-scatter -- left in the buffer, only its owner would
+contribute it to the mean.  A piece whose ``.grad`` someone set to None starts
+from zero.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from ..compress import reduce_scatter_mean
 from ..flat import keep_grad_in
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
-from .base import Reduction, Shards
+from .facts import Reduction, Shards
 from .zero import ZeRO
 
 
@@ -52,7 +53,7 @@ class ZeRO1(ZeRO):
         # ZeRO-1 keeps full gradients, one flat buffer per group; each .grad is a view into it.
         self.grad_buffers = [torch.zeros_like(g.data) for g in self.groups]
         self._slot = {id(s.param): (g, s) for g, group in enumerate(self.groups) for s in group.segments}
-        self._window_open, self._carried = False, []
+        self._window_open = False
         self._zero_grad()
         for group in self.groups:
             for s in group.segments:
@@ -65,18 +66,18 @@ class ZeRO1(ZeRO):
         return super().forward(*args, **kwargs)
 
     def _open_window(self) -> None:
-        """A new accumulation window: set aside what the pieces' .grad still hold (None counts as zero)."""
+        """A new accumulation window.  Pieces that still hold a gradient move it out of the buffer into a
+        copy of their own until the reduce-scatter -- left in place, only its owner would add it into the
+        mean -- and whatever is done to their ``.grad`` meanwhile (zeroed, set to None) is what gets added back."""
         self._window_open = True
-        self._carried = []
         for group, buffer in zip(self.groups, self.grad_buffers):
-            owned, carried = group.shard_of(buffer), None
+            owned = group.shard_of(buffer)
             if any(piece.param.grad is not None for piece in group.pieces):
                 carried = owned.clone()
                 for piece in group.pieces:
-                    if piece.param.grad is None:
-                        carried[piece.offset:piece.offset + piece.stop - piece.start].zero_()
+                    if piece.param.grad is not None:
+                        piece.param.grad = carried[piece.offset:piece.offset + piece.stop - piece.start]
             owned.zero_()
-            self._carried.append(carried)
 
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
@@ -97,13 +98,14 @@ class ZeRO1(ZeRO):
             lo, hi = group.rank * group.shard_size, (group.rank + 1) * group.shard_size
             buffer[:lo].zero_()  # the other ranks' slices: they averaged them; what accumulates next is new
             buffer[hi:].zero_()
-            if self._carried and self._carried[index] is not None:
-                owned.add_(self._carried[index])
             for piece in group.pieces:
-                if id(piece.segment.param) in used:
-                    piece.param.grad = owned[piece.offset:piece.offset + piece.stop - piece.start]
-        self._window_open, self._carried = False, []
-        self._stale = self.optimizer is None
+                view = owned[piece.offset:piece.offset + piece.stop - piece.start]
+                if piece.param.grad is not None and piece.param.grad.data_ptr() != view.data_ptr():
+                    view.add_(piece.param.grad)  # carried from before this window
+                    piece.param.grad = view
+                elif id(piece.segment.param) in used:
+                    piece.param.grad = view
+        self._window_open = False
 
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:
@@ -112,6 +114,7 @@ class ZeRO1(ZeRO):
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         super()._zero_grad(set_to_none)
+        self._window_open = False
         for group, buffer in zip(self.groups, self.grad_buffers):
             buffer.zero_()
             for s in group.segments:

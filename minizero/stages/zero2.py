@@ -36,7 +36,7 @@ from ..buckets import BucketPipeline, MiB, check_bucket_mb
 from ..comm import Comm
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
-from .base import Reduction, Shards
+from .facts import Reduction, Shards
 from .zero import ZeRO
 
 
@@ -80,7 +80,10 @@ class ZeRO2(ZeRO):
                     self._accumulate(self.groups[index], averaged, used)
             finally:
                 self._used.clear()
-        self._stale = self.optimizer is None
+
+    def _abandon_backward(self) -> None:
+        super()._abandon_backward()
+        self.pipeline.abandon()
 
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:

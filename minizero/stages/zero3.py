@@ -41,7 +41,7 @@ from ..comm import Comm
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import ShardedFlatGroup
 from ..units import Unit, plan_unit_groups, resolve_units
-from .base import Reduction, Shards
+from .facts import Reduction, Shards
 from .zero import ZeRO
 
 
@@ -70,7 +70,8 @@ class ZeRO3(ZeRO):
                                        self._reduce_scatter)
         self._order: list[int] = []  # units in the order the last forward called them
         self._recording: list[int] = []
-        self._skipped: set[int] = set()  # groups with no gradient anywhere this step
+        self._called: set[int] = set()  # units called with autograd on since the last synchronisation
+        self._skipped: set[int] = set()  # groups of units not called: not reduced, not stepped
         self._zero_grad()
         for u, unit_module in enumerate([module] + unit_modules):
             unit_module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u))
@@ -90,8 +91,12 @@ class ZeRO3(ZeRO):
     def _before_forward(self, u: int) -> None:
         if u == 0:  # a new forward: this step's bookkeeping starts afresh
             self._recording, self._skipped = [], set()
+            for unit in self.units:  # a prefetch from the last backward may predate a step (yours or the stage's)
+                unit.drop_prefetch()
         if u not in self._recording:
             self._recording.append(u)
+        if torch.is_grad_enabled():
+            self._called.add(u)
         self.units[u].before_forward()
         self._prefetch_after(u, +1)
 
@@ -142,12 +147,14 @@ class ZeRO3(ZeRO):
         return reduce_scatter
 
     def sync_gradients(self) -> None:
-        """A group no parameter of which got a gradient here -- a unit not called this step -- is skipped:
-        not reduced, not stepped.  Every rank called the same units (ZeRO-3 gathers each as it is called;
-        the fingerprint check names a rank that did otherwise), so every rank skips the same groups.
-        With find_unused_parameters nothing is skipped: the bitmap says what has a gradient anywhere."""
+        """The groups of a unit not called since the last synchronisation are skipped: not reduced, not
+        stepped.  Every rank called the same units -- ZeRO-3 gathers each as it is called, and the
+        fingerprint check names a rank that did otherwise -- so every rank skips the same groups; a unit
+        called but left without a gradient on some rank is named (or, with find_unused_parameters, agreed
+        on), never skipped on some ranks only.  With find_unused_parameters nothing is skipped."""
         self._skipped = set() if self.find_unused_parameters else {
-            g for g, group in enumerate(self.groups) if not any(id(s.param) in self._used for s in group.segments)}
+            g for g, unit in enumerate(self._unit_of) if unit.index not in self._called}
+        self._called = set()
         checked = [group for g, group in enumerate(self.groups) if g not in self._skipped]
         with self.pipeline.round():
             try:
@@ -159,6 +166,10 @@ class ZeRO3(ZeRO):
                         self._accumulate(self.groups[index], averaged, used)
             finally:
                 self._used.clear()
+
+    def _abandon_backward(self) -> None:
+        super()._abandon_backward()
+        self.pipeline.abandon()
 
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:
