@@ -170,6 +170,7 @@ class Synchronised(Stage):
         self._forwarding = False  # inside the stage's own forward
         self._used: set[int] = set()  # parameters that got a gradient here since the last synchronisation
         self._has_grad: set[int] = set()  # parameters with a gradient anywhere since zero_grad(): stepped
+        self.pipeline = None  # the BucketPipeline of a stage that overlaps its collectives with backward
         module.register_forward_pre_hook(self._refuse_direct_call)
         if optimizer is not None:
             self._route(optimizer)
@@ -237,6 +238,8 @@ class Synchronised(Stage):
     def _abandon_backward(self) -> None:
         """A backward raised part-way (its synchronisation never ran): let go of what it started."""
         self._used.clear()
+        if self.pipeline is not None:
+            self.pipeline.abandon()
 
     def _agree_on_use(self, params: list[nn.Parameter]) -> set[int]:
         """Which of ``params`` now have a gradient anywhere -- called after every collective of this

@@ -95,10 +95,6 @@ class BucketedDDP(DDP):
             finally:
                 self._used.clear()
 
-    def _abandon_backward(self) -> None:
-        super()._abandon_backward()
-        self.pipeline.abandon()
-
     # ------------------------------------------------------------- optimizer
     def _step(self) -> None:
         """As on a single device: a parameter with no gradient -- unused everywhere, or no backward since

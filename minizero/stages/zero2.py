@@ -81,10 +81,6 @@ class ZeRO2(ZeRO):
             finally:
                 self._used.clear()
 
-    def _abandon_backward(self) -> None:
-        super()._abandon_backward()
-        self.pipeline.abandon()
-
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:
         self.optimizer.step_owned()

@@ -167,10 +167,6 @@ class ZeRO3(ZeRO):
             finally:
                 self._used.clear()
 
-    def _abandon_backward(self) -> None:
-        super()._abandon_backward()
-        self.pipeline.abandon()
-
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:
         """Step the pieces; nothing to share: the next forward gathers what it needs."""
