@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..train import sum_loss  # noqa: F401  (the loss every task trains with)
-
 
 def _init(module: nn.Module, seed: int, dtype: torch.dtype) -> nn.Module:
     generator = torch.Generator().manual_seed(seed)
