@@ -28,6 +28,7 @@ import math
 import torch
 
 from .comm import Comm, ReduceOp, Tag
+from .precision import REDUCE_DTYPES, Precision
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -46,27 +47,45 @@ def split_division(world_size: int) -> tuple[int, float]:
     return pre, world_size / pre
 
 
-def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, named_params=()) -> "Wire | None":
-    """The wire for ``compress`` ("fp16", "bf16"), or None: gradients travel in their own dtype.
-    ``named_params``: what will travel on it, checked here (16-bit gradients gain nothing)."""
+def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, named_params=(),
+              precision: Precision | None = None) -> "Wire | None":
+    """The wire gradients are averaged over, or None: they travel in their own dtype.
+
+    ``compress`` ("fp16", "bf16") narrows fp32 gradients -- or, under mixed precision, re-rounds 16-bit ones
+    with the split division and optional error feedback below.  Under mixed precision ``reduce_dtype="fp32"``
+    is a wire too, a *wider* one: 16-bit gradients summed in fp32, the mean rounded once.  Both name the dtype
+    of the reduction, so they are not given together.  With dynamic loss scaling an overflow is the scaler's
+    to handle (the step is skipped), so the wire lets inf through instead of raising.
+    ``named_params``: what will travel on it, checked here (16-bit gradients of a 16-bit model gain nothing)."""
+    precision = precision or Precision()
     if check_compress(compress) is None:
         if error_feedback:
             raise ValueError("error feedback carries the rounding error of compression: it needs compress='fp16' "
                              "or 'bf16'")
-        return None
-    wire = Wire(comm, compress, error_feedback)
-    for name, p in named_params:
-        wire.check_gradient_dtype(name, p.dtype)
+        if precision.reduce_dtype is None:
+            return None
+        return Wire(comm, REDUCE_DTYPES[precision.reduce_dtype], overflow_raises=not precision.scaled)
+    if precision.reduce_dtype is not None:
+        raise ValueError(f"compress={compress!r} and reduce_dtype={precision.reduce_dtype!r} both choose the dtype "
+                         f"gradients are reduced in; give one (under mixed precision the gradients are already "
+                         f"{precision.name}: reduce_dtype=None sends them as they are)")
+    wire = Wire(comm, WIRE_DTYPES[compress], error_feedback, overflow_raises=not precision.scaled)
+    if not precision.mixed:
+        for name, p in named_params:
+            wire.check_gradient_dtype(name, p.dtype)
     return wire
 
 
 class Wire:
-    """Averages flat gradient buffers over a 16-bit wire, in place."""
+    """Averages flat gradient buffers over a wire of another dtype -- narrower (compression) or wider
+    (fp32 reduction of 16-bit gradients) -- in place."""
 
-    def __init__(self, comm: Comm, compress: str, error_feedback: bool = False):
+    def __init__(self, comm: Comm, wire_dtype: torch.dtype, error_feedback: bool = False,
+                 overflow_raises: bool = True):
         self.comm = comm
-        self.wire_dtype = check_compress(compress)
+        self.wire_dtype = wire_dtype
         self.error_feedback = error_feedback
+        self.overflow_raises = overflow_raises
         self.pre, self.post = split_division(comm.world_size)
         self.residuals: dict = {}  # key -> rounding error carried to the next step
         self._pending: dict = {}  # residuals of the reduction under way, kept only if it succeeds
@@ -93,27 +112,29 @@ class Wire:
         self._from_wire(wire_shard, shard, names, key)
 
     def _to_wire(self, flat: torch.Tensor, key) -> torch.Tensor:
-        scaled = flat / self.pre
+        # Divide in the wider of the two dtypes: exact for a power of two, so the cast stays the one rounding.
+        scaled = flat.to(torch.promote_types(flat.dtype, self.wire_dtype)) / self.pre
         if self.error_feedback:
             residual = self.residuals.get(key)
             if residual is not None:
                 scaled += residual
         wire = scaled.to(self.wire_dtype)
         if self.error_feedback:
-            self._pending[key] = scaled - wire.to(flat.dtype)
+            self._pending[key] = scaled - wire.to(scaled.dtype)
         return wire
 
     def _from_wire(self, wire: torch.Tensor, out: torch.Tensor, names, key) -> None:
         pending = self._pending.pop(key, None)
-        if not bool(torch.isfinite(wire).all()):  # the step is lost; the carried error is not poisoned
+        finite = bool(torch.isfinite(wire).all())
+        if not finite and self.overflow_raises:  # the step is lost; the carried error is not poisoned
             raise FloatingPointError(
                 f"rank {self.comm.rank}: gradients overflowed {self.wire_dtype} in the reduction "
                 f"(inf/NaN in {', '.join(names or ['a gradient buffer'])}); the weights were not touched. "
                 f"Lower the loss scale or learning rate, or use compress='bf16' (fp32's range).")
-        if pending is not None:
+        if pending is not None and finite:
             self.residuals[key] = pending
-        out.copy_(wire)
-        out.div_(self.post)
+        # Divide in the wider dtype again: a wide wire's mean is rounded into ``out`` once.
+        out.copy_(wire.to(torch.promote_types(out.dtype, self.wire_dtype)).div_(self.post))
 
 
 def all_reduce_mean(comm: Comm, wire: Wire | None, flat: torch.Tensor, key=None, names=None, tag=None) -> None:

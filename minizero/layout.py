@@ -70,12 +70,26 @@ class FlatGroup:
             self.segments.append(Segment(name, p, offset, offset + p.numel(), p.shape))
             offset += p.numel()
         with torch.no_grad():
-            unpack_into = [self.data[s.start:s.stop].view_as(s.param) for s in self.segments]
-            for view, s in zip(unpack_into, self.segments):
-                view.copy_(s.param)
-                s.param.data = view  # the parameter now lives in the flat buffer
-        self.shard = self._keep(self.data[rank * self.shard_size:(rank + 1) * self.shard_size])  # the owned slice
+            for s in self.segments:
+                self.data[s.start:s.stop].copy_(s.param.reshape(-1))
+        self.master: torch.Tensor | None = None  # mixed precision: the owned slice in fp32 (keep_master)
+        self._live_in(self.data)
+
+    def _live_in(self, data: torch.Tensor) -> None:
+        """The parameters become views into ``data``; the owned slice and its pieces are cut from it."""
+        self.data = data
+        for s in self.segments:
+            s.param.data = data[s.start:s.stop].view(s.shape)
+        self.shard = self._keep(self.shard_of(data))  # the owned slice
         self.pieces = self._cut_pieces()
+
+    def keep_master(self, working_dtype: torch.dtype) -> torch.Tensor:
+        """Mixed precision: the owned slice's values, still fp32, become the **master shard** (what the
+        optimizer steps); the buffer -- the parameters the model computes with, and what is all-gathered --
+        becomes their 16-bit working copy.  Returns the master shard."""
+        self.master = self.shard.detach().clone()
+        self._live_in(self.data.to(working_dtype))
+        return self.master
 
     def _keep(self, owned: torch.Tensor) -> torch.Tensor:
         """The owned slice as this group keeps it: a view into the full buffer (ZeRO-1/2)."""
@@ -97,6 +111,11 @@ class FlatGroup:
     @property
     def dtype(self) -> torch.dtype:
         return self.shard.dtype
+
+    @property
+    def optimizer_dtype(self) -> torch.dtype:
+        """The dtype the optimizer steps (and keeps its states) in: the master's, if there is one."""
+        return (self.master if self.master is not None else self.shard).dtype
 
     @property
     def full_bytes(self) -> int:
@@ -170,6 +189,14 @@ class ShardedFlatGroup(FlatGroup):
         super().__init__(named_params, rank, world_size, group_index)
         self.data = None
         self.reshard()
+
+    def keep_master(self, working_dtype: torch.dtype) -> torch.Tensor:
+        """The owned shard (its own storage) becomes the fp32 master; a 16-bit copy of it is what is kept
+        and all-gathered."""
+        self.master, self.shard = self.shard, self.shard.to(working_dtype)
+        self.pieces = self._cut_pieces()
+        self.reshard()
+        return self.master
 
     def _keep(self, owned: torch.Tensor) -> torch.Tensor:
         return owned.detach().clone()  # its own storage: the only copy kept

@@ -27,13 +27,14 @@ the unwrapped model would have.
 """
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 
 from .comm import Comm, ReduceOp, Tag
 from .layout import FlatGroup, build_groups
+from .precision import MasterWeights
+from .rebuilt import follow, rebuild
 
 #: Optimizers whose update is element-wise, so a 1-D piece is as good as the parameter.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
@@ -55,36 +56,39 @@ class ShardedOptimizer(torch.optim.Optimizer):
     already built; without it the parameters are laid out here."""
 
     def __init__(self, params, optimizer_class: type, *, comm: Comm, groups: list[FlatGroup] | None = None,
-                 **defaults):
+                 master: MasterWeights | None = None, **defaults):
         super().__init__(params, defaults)
         check_shardable(optimizer_class, comm.rank)
-        self.comm, self.optimizer_class = comm, optimizer_class
+        self.comm, self.optimizer_class, self.master = comm, optimizer_class, master
         self.groups = groups if groups is not None else build_groups(self.param_groups, comm.rank, comm.world_size)
-        accepted = inspect.signature(optimizer_class.__init__).parameters
-        self._class_defaults = {k: v for k, v in self.defaults.items() if k in accepted}
         in_group = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        self.local = optimizer_class(
-            [{**self._settings(i), "params": [piece.param for g in self.groups for piece in g.pieces
-                                              if in_group.get(id(piece.segment.param)) == i]}
-             for i in range(len(self.param_groups))], **self._class_defaults)
+        self.local = rebuild(optimizer_class, self.defaults, self.param_groups,
+                             [[self.stepped(piece) for g in self.groups for piece in g.pieces
+                               if in_group.get(id(piece.segment.param)) == i] for i in range(len(self.param_groups))])
 
     @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Comm):
-        """The sharded twin of a user's optimizer, sharing its param_groups (so its scheduler drives both)."""
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Comm,
+                       master: MasterWeights | None = None):
+        """The sharded twin of a user's optimizer, sharing its param_groups (so its scheduler drives both).
+        With ``master`` (mixed precision) it steps the pieces' fp32 masters."""
         check_shardable(type(optimizer), comm.rank)
         sharded = cls([{**g} for g in optimizer.param_groups], type(optimizer), comm=comm, groups=groups,
-                      **optimizer.defaults)
+                      master=master, **optimizer.defaults)
         sharded.param_groups = optimizer.param_groups
         return sharded
 
-    def _settings(self, index: int) -> dict:
-        return {k: v for k, v in self.param_groups[index].items() if k != "params"}
+    def stepped(self, piece) -> torch.nn.Parameter:
+        """What the local optimizer steps for ``piece``: the piece, or under mixed precision its fp32 master."""
+        return self.master.master_of(piece.param) if self.master else piece.param
 
-    def step_owned(self) -> None:
-        """Step the pieces that have a gradient, with the user's current hyper-parameters."""
-        for index, local_group in enumerate(self.local.param_groups):
-            local_group.update(self._settings(index))
+    def step_owned(self) -> bool:
+        """Step the pieces that have a gradient, with the user's current hyper-parameters; under mixed
+        precision through the masters (False: an overflow somewhere, the step skipped on every rank)."""
+        follow(self.local, self.param_groups)
+        if self.master:
+            return self.master.step(self.local.step)
         self.local.step()
+        return True
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -96,8 +100,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for piece in group.pieces:
                 has = piece.segment.param.grad is not None
                 piece.param.grad = averaged[piece.offset:piece.offset + piece.stop - piece.start] if has else None
-        self.step_owned()
-        self.share(range(len(self.groups)))
+        if self.step_owned():
+            self.share(range(len(self.groups)))
 
     def share(self, indices, tag_of=lambda g: Tag(f"group {g} parameters after step")) -> None:
         """Everyone gets everyone's updated slice (parameters are views of ``group.data``)."""
@@ -115,7 +119,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def full_state_dict(self) -> dict:
         """The state_dict of a plain torch optimizer over the whole parameters; every rank gets it."""
-        return full_state_dict(self.local, self.param_groups, self.groups, self.comm)
+        return full_state_dict(self.local, self.param_groups, self.groups, self.comm, self.stepped)
 
 
 def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, comm: Comm,
@@ -138,21 +142,13 @@ def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_typ
     return total[0]
 
 
-def _accepted_defaults(optimizer: torch.optim.Optimizer) -> dict:
-    # Each group carries all its settings; the constructor gets only the defaults it accepts
-    # (AdamW's defaults hold keys, like decoupled_weight_decay, that its __init__ does not take).
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
-
-
 def state_layout(optimizer: torch.optim.Optimizer, group_index: int, dtype: torch.dtype) -> dict:
     """What state this optimizer keeps per parameter with group ``group_index``'s settings:
     ``{key: ("element", dtype) | ("scalar", dtype) | ("constant", value)}``, found by stepping
     a one-element probe -- every rank gets the same answer, whichever pieces it owns."""
-    settings = {k: v for k, v in optimizer.param_groups[group_index].items() if k != "params"}
     probe = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
     probe.grad = torch.ones(1, dtype=dtype)
-    stepped = type(optimizer)([{"params": [probe], **settings}], **_accepted_defaults(optimizer))
+    stepped = rebuild(type(optimizer), optimizer.defaults, [optimizer.param_groups[group_index]], [[probe]])
     stepped.step()
     layout = {}
     for key, value in stepped.state.get(probe, {}).items():
@@ -164,19 +160,20 @@ def state_layout(optimizer: torch.optim.Optimizer, group_index: int, dtype: torc
 
 
 def full_state_dict(sharded: torch.optim.Optimizer, user_param_groups: list[dict], groups: list[FlatGroup],
-                    comm) -> dict:
+                    comm, stepped=lambda piece: piece.param) -> dict:
     """The state_dict of a plain torch optimizer over the unwrapped model; every rank gets it."""
     order = [p for group in user_param_groups for p in group["params"]]
     index = {id(p): i for i, p in enumerate(order)}
     state: dict[int, dict] = {}
     for g, group in enumerate(groups):
-        layout = state_layout(sharded, group.group_index, group.dtype)
+        layout = state_layout(sharded, group.group_index, group.optimizer_dtype)
         if not layout:  # plain SGD keeps no state at all
             continue
         scalars = [k for k, (kind, _) in layout.items() if kind == "scalar"]
-        has_state, scalar_values = _gather_scalars(sharded, group, scalars, comm, Tag(f"group {g} optimizer scalars"))
+        has_state, scalar_values = _gather_scalars(sharded, group, scalars, comm, Tag(f"group {g} optimizer scalars"),
+                                                    stepped)
         per_param = {key: group.unpack_full(_gather_element_state(sharded, group, key, dtype, comm,
-                                                                  Tag(f"group {g} optimizer {key}")))
+                                                                  Tag(f"group {g} optimizer {key}"), stepped))
                      for key, (kind, dtype) in layout.items() if kind == "element"}
         for i, segment in enumerate(group.segments):
             if not has_state[i]:
@@ -192,13 +189,13 @@ def full_state_dict(sharded: torch.optim.Optimizer, user_param_groups: list[dict
     return {"state": state, "param_groups": param_groups}
 
 
-def _gather_scalars(sharded, group: FlatGroup, scalars: list[str], comm, tag: Tag):
+def _gather_scalars(sharded, group: FlatGroup, scalars: list[str], comm, tag: Tag, stepped):
     """Per segment: does any rank hold state for it, and its scalar states (Adam's step) from that rank."""
     width = 1 + len(scalars)
     table = torch.full((len(group.segments), width), math.nan, dtype=torch.float64)
     position = {id(s): i for i, s in enumerate(group.segments)}
     for piece in group.pieces:
-        piece_state = sharded.state.get(piece.param)
+        piece_state = sharded.state.get(stepped(piece))
         if piece_state:
             row = position[id(piece.segment)]
             table[row, 0] = 1.0
@@ -215,11 +212,12 @@ def _gather_scalars(sharded, group: FlatGroup, scalars: list[str], comm, tag: Ta
     return has_state, values
 
 
-def _gather_element_state(sharded, group: FlatGroup, key: str, dtype: torch.dtype, comm, tag: Tag) -> torch.Tensor:
+def _gather_element_state(sharded, group: FlatGroup, key: str, dtype: torch.dtype, comm, tag: Tag,
+                          stepped) -> torch.Tensor:
     """One state tensor (Adam's exp_avg, say) of the whole group, flat: each rank's pieces in place."""
     mine = torch.zeros(group.shard_size, dtype=dtype, device=group.shard.device)
     for piece in group.pieces:
-        piece_state = sharded.state.get(piece.param)
+        piece_state = sharded.state.get(stepped(piece))
         if piece_state and key in piece_state:
             mine[piece.offset:piece.offset + piece.stop - piece.start] = piece_state[key]
     full = mine.new_empty(group.shard_size * group.world_size)

@@ -73,7 +73,7 @@ def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[floa
         # Only the last micro-batch's backward synchronises (torch's no_sync idiom).
         with stage.no_sync() if k < last else contextlib.nullcontext():
             loss = loss_fn(stage(x), y)
-            (loss * scale).backward()
+            stage.scale_loss(loss * scale).backward()  # times the loss scale, under fp16 mixed precision
         total += loss.item()
     if clip is not None:
         stage.clip_grad_norm_(*clip)

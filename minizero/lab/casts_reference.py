@@ -15,15 +15,20 @@ round-off.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..comm import chunk_bounds
 from ..compress import check_compress, split_division
 from ..flat import pack, unpack
 from ..layout import padded_size
+from ..precision import REDUCE_DTYPES, Precision
+from ..stages import Stage
 from ..train import shard_step, sum_loss
 from .equivalence import DTYPES
 from .optimizers import make_optimizer
+from .poison import poison_gradient
 from .result import RankResult
 from .tasks import TASKS
 
@@ -55,11 +60,18 @@ def run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
 
 def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     task, dtype, n = TASKS[exp.task], DTYPES[exp.dtype], world_size
+    precision = Precision.of(exp.options.get("precision"))
     wire = check_compress(exp.options.get("compress"))
+    if wire is None and precision.reduce_dtype is not None:
+        wire = REDUCE_DTYPES[precision.reduce_dtype]  # a wider wire: 16-bit gradients summed in fp32
     error_feedback = exp.options.get("error_feedback", False)
     pre, post = split_division(n)
     model = task.make_model(exp.seed, dtype, **exp.model)
     optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
+    # The same precision recipe as the stage -- masters, loss scaler, skipped steps -- is the reference
+    # stage's own (minizero.precision); what is emulated here is the distribution: per-rank gradients
+    # and the stage's reduction of them.
+    stage = Stage(model, optimizer, precision=precision)
     params_by_name = dict(model.named_parameters())
     reduction = stage_class.reduction(model, optimizer, n, **exp.options)  # the stage's own buffers
     residuals: dict = {}
@@ -70,12 +82,13 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
         for r in range(n):
             step = shard_step(x, y, r, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None)
             model.zero_grad(set_to_none=True)
-            for xb, yb in step.micro_batches:
-                loss = sum_loss(model(xb), yb)
-                (loss * (n / step.global_count)).backward()
-                loss_total += loss.item()
+            with poison_gradient(model, exp, s, r, n):
+                for xb, yb in step.micro_batches:
+                    loss = sum_loss(stage(xb), yb)
+                    stage.scale_loss(loss * (n / step.global_count)).backward()
+                    loss_total += loss.item()
             per_rank.append({name: None if p.grad is None else p.grad.clone() for name, p in params_by_name.items()})
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         for key, names in enumerate(reduction.buffers):
             # ddp packs the gradients that exist on some rank; the others pack every slot of their buffer.
             packed = [name for name in names if reduction.packs_unused or any(g[name] is not None for g in per_rank)]
@@ -88,25 +101,32 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                 flats = [torch.cat([f, f.new_zeros(size - f.numel())]) for f in flats]
             if wire is None:
                 averaged = ring_sum(flats) / n
-            else:
-                wires = []
+            else:  # divide by pre and post in the wider of the two dtypes (minizero.compress.Wire)
+                wide = torch.promote_types(flats[0].dtype, wire)
+                wires, pending = [], {}
                 for r, flat in enumerate(flats):
-                    scaled = flat / pre
+                    scaled = flat.to(wide) / pre
                     if error_feedback and (r, key) in residuals:
                         scaled += residuals[(r, key)]
                     wires.append(scaled.to(wire))
-                    if error_feedback:
-                        residuals[(r, key)] = scaled - wires[-1].to(dtype)
-                averaged = ring_sum(wires).to(dtype) / post
+                    pending[(r, key)] = scaled - wires[-1].to(wide)
+                summed = ring_sum(wires)
+                if error_feedback and bool(torch.isfinite(summed).all()):  # an overflow keeps the old error
+                    residuals.update(pending)
+                averaged = (summed.to(wide) / post).to(flats[0].dtype)
             grads = [torch.empty_like(params_by_name[name]) for name in packed]
             unpack(averaged[:sum(g.numel() for g in grads)], grads)
             for name, grad in zip(packed, grads):
                 if any(g[name] is not None for g in per_rank):  # unused everywhere: no gradient, no update
                     params_by_name[name].grad = grad
         if exp.clip is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None and p.numel()],
-                                           *exp.clip)
-        optimizer.step()
+            stage.clip_grad_norm_(*exp.clip)
+        stage.step()
         record.losses.append(loss_total)
-        record.params.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        state = stage.full_state_dict()
+        record.params.append({name: state[name] for name in params_by_name})
+        record.loss_scales.append(stage.loss_scale)
+        if exp.record_states:
+            record.optimizer_states.append(copy.deepcopy(stage.full_optimizer_state_dict()))
+    record.skipped_steps = stage.skipped_steps
     return record

@@ -18,12 +18,14 @@ from ..comm import Ledger, make_comm
 from ..compress import check_compress
 from ..launch import Rank
 from ..memory import GatheredMemory, held_bytes
-from ..stages import DEFAULT_STAGE, REFERENCE
+from ..precision import Precision
+from ..stages import DEFAULT_STAGE, REFERENCE, Stage
 from ..train import shard_step, train_step
 from .casts_reference import run_casts_reference
 from .equivalence import DTYPES
 from .models import count_params
 from .optimizers import make_optimizer
+from .poison import poison_gradient
 from .registry import build_stage, stage_class
 from .result import RankResult
 from .tasks import TASKS
@@ -47,6 +49,7 @@ class Experiment:
     param_groups: bool = False  # two optimizer param groups with different lr and weight decay
     record_states: bool = False  # return the (consolidated) optimizer state after every step
     check: bool = True  # fingerprint every collective (minizero.comm.fingerprint)
+    overflow_at: tuple | None = None  # (step, rank): an inf in one gradient element there (see poison_gradient)
     options: dict = field(default_factory=dict)  # stage options
     stages: dict | None = field(default=None, repr=False)  # a registry other than the lab's (mutants, new stages)
 
@@ -79,14 +82,16 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     stage.add_observer(gathered)
     if comm:
         comm.add_observer(ledger)  # after wrapping: count training traffic only
-    params, losses, times, states = [], [], [], []
+    params, losses, times, states, scales = [], [], [], [], []
     for s in range(exp.steps):
         x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
         step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
             else shard_step(x, y, 0, 1, 1)
         start = time.perf_counter()
-        losses.append(train_step(stage, step, clip=exp.clip))
+        with poison_gradient(model, exp, s, rank, n if me else None):
+            losses.append(train_step(stage, step, clip=exp.clip))
         times.append(time.perf_counter() - start)
+        scales.append(getattr(stage, "loss_scale", 1.0))
         if comm:
             comm.remove_observer(ledger)  # what follows is inspection, not training traffic
         params.append(snapshot_parameters(stage, model))
@@ -100,14 +105,28 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     optimizer_state = copy.deepcopy(stage.full_optimizer_state_dict())
     if comm:
         comm.close()
-    wire = check_compress(exp.options.get("compress"))
     sent = ledger.snapshot()
     check_bytes = sent.pop("check", 0)  # fingerprints: apart from the traffic the formulas describe
     return RankResult(params=params, losses=losses, global_count=step.global_count, step_s=times,
                       sent_bytes=sum(sent.values()), sent_by_kind=sent, check_bytes=check_bytes, psi=psi,
-                      grad_bytes=torch.empty(0, dtype=wire or dtype).element_size(),
-                      param_bytes=torch.empty(0, dtype=dtype).element_size(), held_bytes=held,
-                      gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state, optimizer_states=states)
+                      grad_bytes=wire_bytes(exp), param_bytes=precision_of(exp).working_bytes(element_size(exp)),
+                      held_bytes=held, gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state,
+                      optimizer_states=states, loss_scales=scales, skipped_steps=getattr(stage, "skipped_steps", 0))
+
+
+def element_size(exp: Experiment) -> int:
+    """Bytes per element of the model as built (fp32 or fp64): the masters' under mixed precision."""
+    return torch.empty(0, dtype=DTYPES[exp.dtype]).element_size()
+
+
+def precision_of(exp: Experiment) -> Precision:
+    return Precision.of(exp.options.get("precision"))
+
+
+def wire_bytes(exp: Experiment) -> int:
+    """Bytes per gradient element in the reduction: compression's wire, else the precision's."""
+    wire = check_compress(exp.options.get("compress"))
+    return torch.empty(0, dtype=wire).element_size() if wire else precision_of(exp).reduce_bytes(element_size(exp))
 
 
 def snapshot_parameters(stage, model) -> dict:
@@ -119,10 +138,12 @@ def snapshot_parameters(stage, model) -> dict:
 def reference_of(exp: Experiment, world_size: int) -> RankResult:
     """Single-device training on the global batch -- or, for a compressed run, the
     reference that applies the same casts (:mod:`minizero.lab.casts_reference`)."""
-    if check_compress(exp.options.get("compress")) is not None:
+    if check_compress(exp.options.get("compress")) is not None or precision_of(exp).mixed:
         return run_casts_reference(exp, world_size, stage_class(exp.stage, exp.stages))
     return exact_reference_of(exp, world_size)
 
 
 def exact_reference_of(exp: Experiment, world_size: int) -> RankResult:
-    return run_experiment(None, replace(exp, stage=REFERENCE, options={}), world_size)
+    """Single-device training on the global batch, in the stage's precision (the same recipe)."""
+    options = {k: v for k, v in exp.options.items() if k in Stage.options()}
+    return run_experiment(None, replace(exp, stage=REFERENCE, options=options), world_size)

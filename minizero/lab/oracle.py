@@ -35,6 +35,9 @@ class TorchStage:
     def step(self):
         self.optimizer.step()
 
+    def scale_loss(self, loss):
+        return loss  # torch's stages are driven in one precision here
+
     def zero_grad(self, set_to_none: bool = True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 

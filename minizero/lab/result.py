@@ -22,3 +22,5 @@ class RankResult:
     gathered_peak_bytes: int = 0  # ZeRO-3: the largest gathered working set
     optimizer_state: dict | None = None  # consolidated, at the end
     optimizer_states: list = field(default_factory=list)  # consolidated, after each step (record_states)
+    loss_scales: list[float] = field(default_factory=list)  # the loss scale after each step (fp16)
+    skipped_steps: int = 0  # steps skipped for overflow (fp16 dynamic loss scaling)

@@ -62,14 +62,10 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | 
     stages = STAGES if stages is None else stages
     check_stage_names([name], stages=stages)
     cls = stages[name]
-    if cls is Stage:
-        if options:
-            raise ValueError(f"the reference takes no options; got {sorted(options)}")
-        return Stage(module, optimizer)
     unknown = sorted(set(options) - set(cls.options()))
     if unknown:
         raise TypeError(f"stage {name!r} takes no option(s) {unknown}; its options: {', '.join(cls.options())}")
-    return cls(module, optimizer, comm, **options)
+    return Stage(module, optimizer, **options) if cls is Stage else cls(module, optimizer, comm, **options)
 
 
 __all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "BucketedDDP", "DDP", "DataParallel", "Reduction", "Shards", "Stage",

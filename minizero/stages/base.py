@@ -23,17 +23,24 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp, Tag
+from ..precision import MasterWeights, Precision, cast_parameters, check_half_model, check_supported, in_users_order
+from ..rebuilt import follow, rebuild
 from .facts import Reduction, Shards
 from .wrap import check_wrappable, claim
 
 
 class Stage(nn.Module):
-    """The plain model and optimizer, with no communication: the reference's behaviour."""
+    """The plain model and optimizer, with no communication: the reference's behaviour.
+
+    ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`~minizero.precision.Precision`) is an
+    option of every stage, the reference included: with 16 bits the model computes with a 16-bit working
+    copy, the optimizer steps fp32 masters (:mod:`minizero.precision`), and fp16 scales the loss."""
 
     name = "reference"
     shards = Shards()  # nothing divided: every rank (here, the only one) holds everything
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
+                 precision: str | Precision = "fp32"):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -41,6 +48,77 @@ class Stage(nn.Module):
         self.rank = comm.rank if comm else 0
         self.world_size = comm.world_size if comm else 1
         self.require_backward_grad_sync = True  # torch DDP's name for "not inside no_sync()"
+        self.precision = Precision.of(precision)
+        self.master: MasterWeights | None = None  # mixed precision: the fp32 masters and the loss scaler
+        self._optimizer_step = optimizer.step if optimizer is not None else None
+        self._optimizer_zero_grad = optimizer.zero_grad if optimizer is not None else None
+        if self.precision.mixed:
+            self._check_mixed_precision()
+            if comm is None:  # the reference; a stage that communicates keeps masters after its broadcast
+                self.keep_masters()
+
+    # ------------------------------------------------------------------ mixed precision
+    def _check_mixed_precision(self) -> None:
+        if self.optimizer is None:
+            raise ValueError(
+                f"rank {self.rank}: precision={self.precision.name!r} keeps fp32 master weights, which only the "
+                f"optimizer steps -- so the stage must own it: pass your optimizer to make_stage(name, model, "
+                f"optimizer, comm, precision=...) (as deepspeed.initialize takes it), instead of building one over "
+                f"stage.parameters() afterwards.")
+        if type(self.optimizer) is torch.optim.LBFGS:
+            raise TypeError(
+                f"rank {self.rank}: LBFGS cannot step fp32 master weights: it re-evaluates the loss through a "
+                f"closure on the parameters it holds, which under precision={self.precision.name!r} are not the "
+                f"model's. Use an element-wise optimizer (SGD, Adam, AdamW, ...) or precision='fp32'.")
+        check_half_model(self.module, self.precision, self.rank)
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        check_supported(self.precision.working_dtype, device, self.rank)
+
+    def keep_masters(self) -> None:
+        """Mixed precision where every rank keeps every parameter (the reference, ddp): fp32 masters of
+        all trainable parameters, a 16-bit working copy in the model, and the user's optimizer rebuilt over
+        the masters (its ``step`` routed to the stage's, which goes through them)."""
+        if not self.precision.mixed:
+            return
+        optimizer, trainable = self.optimizer, [p for _, p in self.trainable()]
+        masters = [nn.Parameter(p.detach().clone()) for p in trainable]
+        cast_parameters(self.module, self.precision.working_dtype)
+        self.master = MasterWeights(trainable, masters, self.precision, self.comm,
+                                    self.tag if self.comm else None)
+        self.master_optimizer = rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
+                                        [[self.master.master_of(p) for p in group["params"] if p.requires_grad]
+                                         for group in optimizer.param_groups])
+        self._route(optimizer)
+
+    def _route(self, optimizer: torch.optim.Optimizer) -> None:
+        """Whichever the user calls -- the stage's step()/zero_grad() or their optimizer's -- the stage's runs:
+        the optimizer's own would step on unsynchronised (under ZeRO, unsharded; under mixed precision,
+        16-bit) gradients."""
+        optimizer.step, optimizer.zero_grad = self.step, self.zero_grad
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale of the next backward (1 without dynamic loss scaling)."""
+        return self.master.loss_scale if self.master else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because some rank's gradients overflowed (fp16)."""
+        return self.master.skipped_steps if self.master else 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale: what to call ``backward()`` on (DeepSpeed's ``engine.backward``
+        does this inside; torch's ``GradScaler.scale`` is the same call)."""
+        return self.master.scale_loss(loss) if self.master else loss
+
+    def _cast_call(self, *args, **kwargs):
+        """The model's forward in its working precision: floating inputs cast to 16 bits (FSDP2's
+        ``cast_forward_inputs``), floating outputs back to the masters' dtype, so the loss is computed in fp32."""
+        if self.master is None:
+            return self.module(*args, **kwargs)
+        working, full = self.precision.working_dtype, self.master.masters_dtype
+        args, kwargs = _cast_floating((args, kwargs), working)
+        return _cast_floating(self.module(*args, **kwargs), full)
 
     # ------------------------------------------------------------------ facts
     @classmethod
@@ -72,7 +150,7 @@ class Stage(nn.Module):
 
     # ------------------------------------------------------------------ training
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self._cast_call(*args, **kwargs)
 
     @contextmanager
     def no_sync(self):
@@ -85,11 +163,23 @@ class Stage(nn.Module):
             self.require_backward_grad_sync = previous
 
     def step(self) -> None:
-        self._require_optimizer("step").step()
+        self._require_optimizer("step")
+        self._update()
+
+    def _update(self) -> None:
+        """The user's optimizer step -- under mixed precision through the masters, skipped on overflow."""
+        if self.master is None:
+            self._optimizer_step()
+        else:
+            follow(self.master_optimizer, self.optimizer.param_groups)
+            self.master.step(self.master_optimizer.step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's zero_grad if the stage was given one, else the model's (as on nn.Module)."""
-        (self.optimizer or self.module).zero_grad(set_to_none=set_to_none)
+        if self._optimizer_zero_grad is not None:
+            self._optimizer_zero_grad(set_to_none=set_to_none)
+        else:
+            self.module.zero_grad(set_to_none=set_to_none)
 
     def _require_optimizer(self, what: str) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -106,23 +196,41 @@ class Stage(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients this rank holds -- all of them,
         already averaged, for the reference and DDP.  Sharded stages override it."""
-        # Zero-size gradients add nothing to any norm, and torch refuses their inf-norm.
-        params = [p for _, p in self.trainable() if p.grad is not None and p.grad.numel() > 0]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        # Zero-size gradients add nothing to any norm, and torch refuses their inf-norm.  Under mixed
+        # precision the clipped gradients are the masters' (unscaled, fp32), as after GradScaler.unscale_.
+        params = self.master.unscaled_masters() if self.master else [p for _, p in self.trainable()]
+        return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None and p.grad.numel() > 0],
+                                              max_norm, norm_type)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The model state this rank keeps between steps, by kind -- what memory accounting walks."""
         params = [p for _, p in self.trainable()]
         return {"params": params,
                 "grads": [p.grad for p in params if p.grad is not None],
-                "optimizer": optimizer_tensors(self.optimizer)}
+                "master": self.master.masters if self.master else [],
+                "optimizer": optimizer_tensors(self.master_optimizer if self.master else self.optimizer)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unwrapped model's state_dict, every value whole (ZeRO-3 gathers it); every rank gets it."""
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        """The unwrapped model's state_dict, every value whole (ZeRO-3 gathers it); every rank gets it.
+        Under mixed precision the parameters are the fp32 masters -- the weights; the 16-bit copy is a cast."""
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return self._with_masters(state, self._master_values() if self.master else {})
+
+    def _master_values(self) -> dict[int, torch.Tensor]:
+        """``id(parameter)`` -> its whole fp32 master (the reference and ddp hold them whole)."""
+        return {id(w): m.detach().clone() for w, m in zip(self.master.working, self.master.masters)}
+
+    def _with_masters(self, state: dict, masters: dict[int, torch.Tensor]) -> dict:
+        if self.master is None:
+            return state
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            state[name] = masters[id(p)] if id(p) in masters else state[name].to(self.master.masters_dtype)
+        return state
 
     def full_optimizer_state_dict(self) -> dict:
         """What a plain torch optimizer over the unwrapped model would hold (ZeRO consolidates it)."""
+        if self.master is not None:
+            return in_users_order(self.master_optimizer, self.optimizer, self.master)
         return self.optimizer.state_dict() if self.optimizer is not None else {}
 
     def add_observer(self, observer) -> None:
@@ -157,10 +265,10 @@ class Synchronised(Stage):
     _sync_queued = False
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Comm,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
         if comm is None:
             raise ValueError(f"stage {self.name!r} communicates: pass a Comm (minizero.comm.make_comm)")
-        super().__init__(module, optimizer, comm)
+        super().__init__(module, optimizer, comm, precision)
         claim(module, self)
         check_wrappable(module, self.rank)
         self.find_unused_parameters = find_unused_parameters
@@ -174,12 +282,6 @@ class Synchronised(Stage):
         module.register_forward_pre_hook(self._refuse_direct_call)
         if optimizer is not None:
             self._route(optimizer)
-
-    def _route(self, optimizer: torch.optim.Optimizer) -> None:
-        """Whichever the user calls -- the stage's step()/zero_grad() or their optimizer's -- the stage's runs:
-        the optimizer's own would step on unsynchronised (or, under ZeRO, unsharded) gradients."""
-        self._optimizer_step, self._optimizer_zero_grad = optimizer.step, optimizer.zero_grad
-        optimizer.step, optimizer.zero_grad = self.step, self.zero_grad
 
     def tag(self, what: str) -> Tag:
         return Tag(what, self.steps_taken, self.backwards, int(self._syncing))
@@ -199,7 +301,7 @@ class Synchronised(Stage):
         """The wrapped model's forward, as the stage's own (see :meth:`_refuse_direct_call`)."""
         self._forwarding = True
         try:
-            return self.module(*args, **kwargs)
+            return self._cast_call(*args, **kwargs)
         finally:
             self._forwarding = False
 
@@ -265,7 +367,7 @@ class Synchronised(Stage):
         self.backwards = 0
 
     def _step(self) -> None:
-        self._optimizer_step()
+        self._update()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._local_grads = False
@@ -278,6 +380,17 @@ class Synchronised(Stage):
             self.module.zero_grad(set_to_none=set_to_none)
         else:
             self._optimizer_zero_grad(set_to_none=set_to_none)
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    """Every floating-point tensor in a nest of tuples, lists and dicts, cast to ``dtype``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_cast_floating(t, dtype) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _cast_floating(v, dtype) for k, v in tree.items()}
+    return tree
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

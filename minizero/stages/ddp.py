@@ -34,6 +34,7 @@ from ..comm import Comm, ReduceOp
 from ..compress import make_wire
 from ..flat import group_by_dtype, pack, unpack
 from ..formulas import all_reduce_bytes
+from ..precision import Precision
 from .base import Synchronised, agree_on_use, unused_error
 from .facts import Reduction
 from .wrap import broadcast_module, check_same_model
@@ -43,11 +44,13 @@ class DDP(Synchronised):
     name = "ddp"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
-        super().__init__(module, optimizer, comm, find_unused_parameters)
-        self.wire = make_wire(comm, compress, error_feedback, self.trainable())
+                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
+                 precision: str | Precision = "fp32"):
+        super().__init__(module, optimizer, comm, find_unused_parameters, precision)
+        self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision)
         check_same_model(module, comm)
         broadcast_module(module, comm)
+        self.keep_masters()  # mixed precision: fp32 masters of every parameter, the model in 16 bits
 
     def sync_gradients(self) -> None:
         """Average every gradient across ranks: one flat all-reduce per dtype, then divide by N."""

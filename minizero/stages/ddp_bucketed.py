@@ -42,6 +42,7 @@ from ..buckets import Bucket, BucketPipeline, assign_buckets
 from ..comm import Comm
 from ..compress import all_reduce_mean
 from ..flat import keep_grad_in
+from ..precision import Precision
 from .base import unused_error
 from .ddp import DDP
 from .facts import Reduction
@@ -52,8 +53,8 @@ class BucketedDDP(DDP):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  bucket_mb: float = 25.0, compress: str | None = None, error_feedback: bool = False,
-                 find_unused_parameters: bool = False):
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters)
+                 find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
+        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
         self.buckets: list[Bucket] = assign_buckets(self.trainable(), bucket_mb)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.pipeline = BucketPipeline(comm, [b.params for b in self.buckets], self._all_reduce)
@@ -103,7 +104,7 @@ class BucketedDDP(DDP):
             for p in b.params:
                 if id(p) not in self._has_grad:
                     p.grad = None
-        self._optimizer_step()
+        self._update()
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is None:

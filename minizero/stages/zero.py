@@ -29,6 +29,7 @@ from torch import nn
 from ..comm import Comm
 from ..compress import make_wire, reduce_scatter_mean
 from ..layout import FlatGroup
+from ..precision import MasterWeights, Precision, cast_parameters
 from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
 from .base import Synchronised, optimizer_tensors, unused_error
 from .wrap import broadcast_module, check_same_model
@@ -38,12 +39,14 @@ class ZeRO(Synchronised):
     shards = None  # each ZeRO stage states its own
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Comm,
-                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
-        super().__init__(module, optimizer, comm, find_unused_parameters)
+                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
+                 precision: str | Precision = "fp32"):
+        if optimizer is not None:  # before anything is changed: a refused wrap leaves the optimizer as it was
+            check_shardable(type(optimizer), comm.rank if comm else 0)
+        super().__init__(module, optimizer, comm, find_unused_parameters, precision)
         if optimizer is not None:
-            check_shardable(type(optimizer), self.rank)
             check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
-        self.wire = make_wire(comm, compress, error_feedback, self.trainable())
+        self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision)
         check_same_model(module, comm)
         broadcast_module(module, comm)
         self.user_optimizer = optimizer
@@ -64,11 +67,34 @@ class ZeRO(Synchronised):
         """Take ``groups`` as this stage's layout; the user's optimizer, if given, becomes its sharded twin
         (routed: whichever ``step`` the user calls, the stage's runs -- it shares the result too)."""
         self.groups = groups
+        if self.precision.mixed:
+            self._keep_sharded_masters()
         if not self.shards.parameters:  # full parameters kept: the all-gather after a step keeps them current
             self._shared_versions = [group.data._version for group in groups]
         if self.user_optimizer is not None:
-            self.optimizer = ShardedOptimizer.from_optimizer(self.user_optimizer, groups, self.comm)
+            self.optimizer = ShardedOptimizer.from_optimizer(self.user_optimizer, groups, self.comm, self.master)
             self.optimizer.step, self.optimizer.zero_grad = self.step, self.zero_grad
+
+    def _keep_sharded_masters(self) -> None:
+        """Mixed precision, ZeRO's way: fp32 masters of the *owned shard* only (12 bytes per parameter for
+        Adam, divided by N); the flat buffers -- parameters and what is all-gathered -- become 16-bit."""
+        dtype = self.precision.working_dtype
+        masters = [group.keep_master(dtype) for group in self.groups]
+        cast_parameters(self.module, dtype, skip={id(s.param) for g in self.groups for s in g.segments})
+        working = [piece.param for group in self.groups for piece in group.pieces]
+        pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
+                  for group, master in zip(self.groups, masters) for piece in group.pieces]
+        self.master = MasterWeights(working, pieces, self.precision, self.comm, self.tag)
+
+    def _master_values(self) -> dict[int, torch.Tensor]:
+        """Every parameter's whole fp32 master: each group's master shards all-gathered."""
+        values = {}
+        for g, group in enumerate(self.groups):
+            full = group.master.new_empty(group.shard_size * group.world_size)
+            self.comm.all_gather(full, group.master, tag=self.tag(f"group {g} masters"))
+            for segment, value in zip(group.segments, group.unpack_full(full)):
+                values[id(segment.param)] = value
+        return values
 
     # ------------------------------------------------------------ the pieces
     def pieces(self):
@@ -141,9 +167,12 @@ class ZeRO(Synchronised):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global-norm clipping over the pieces: each rank holds a disjoint part of the averaged gradient."""
-        grads = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
+        if self.master:  # mixed precision: the masters' unscaled fp32 gradients, as after GradScaler.unscale_
+            grads = [m.grad for m in self.master.unscaled_masters() if m.grad is not None]
+        else:
+            grads = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
         # The norm's dtype and device: the same on every rank, including one that owns no piece.
-        dtype = functools.reduce(torch.promote_types, [g.dtype for g in self.groups], torch.float32)
+        dtype = functools.reduce(torch.promote_types, [g.optimizer_dtype for g in self.groups], torch.float32)
         device = self.groups[0].shard.device if self.groups else torch.device("cpu")
         return clip_sharded_grad_norm_(grads, max_norm, norm_type, self.comm, dtype, device, self.tag("clip norm"))
 
@@ -153,6 +182,7 @@ class ZeRO(Synchronised):
         pieces = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
         return {"params": [p for _, p in self.trainable()],
                 "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None],
+                "master": [group.master for group in self.groups if group.master is not None],
                 "optimizer": optimizer_tensors(self.optimizer.local if self.optimizer is not None else None),
                 "error_feedback": list(self.wire.residuals.values()) if self.wire else []}
 
@@ -169,7 +199,6 @@ class ZeRO(Synchronised):
         if self._stepped_since_shared():
             self.share_parameters()
         return super().full_state_dict()
-
 
 def check_optimizer_owns_only_model_parameters(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int) -> None:
     """A parameter the optimizer holds but the model does not gets no gradient and no name: refuse it here."""

@@ -38,6 +38,7 @@ from ..compress import reduce_scatter_mean
 from ..flat import keep_grad_in
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
+from ..precision import Precision
 from .facts import Reduction, Shards
 from .zero import ZeRO
 
@@ -47,8 +48,9 @@ class ZeRO1(ZeRO):
     shards = Shards(optimizer_states=True)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False):
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters)
+                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
+                 precision: str | Precision = "fp32"):
+        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names()))
         # ZeRO-1 keeps full gradients, one flat buffer per group; each .grad is a view into it.
         self.grad_buffers = [torch.zeros_like(g.data) for g in self.groups]
@@ -109,8 +111,8 @@ class ZeRO1(ZeRO):
 
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:
-        self.optimizer.step_owned()  # pieces without a gradient are skipped, as torch.optim skips None
-        self.share_parameters()
+        if self.optimizer.step_owned():  # pieces without a gradient are skipped, as torch.optim skips None
+            self.share_parameters()  # (not after a step skipped for overflow: nothing changed)
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         super()._zero_grad(set_to_none)

@@ -36,6 +36,7 @@ from ..buckets import BucketPipeline, MiB, check_bucket_mb
 from ..comm import Comm
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
+from ..precision import Precision
 from .facts import Reduction, Shards
 from .zero import ZeRO
 
@@ -46,12 +47,12 @@ class ZeRO2(ZeRO):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  bucket_mb: float = 25.0, compress: str | None = None, error_feedback: bool = False,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
         check_bucket_mb(bucket_mb)
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters)
+        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
         self.bucket_mb = bucket_mb
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names(),
-                                max_numel=bucket_numel(bucket_mb, self.param_groups())))
+                                max_numel=bucket_numel(bucket_mb, self.param_groups(), self.precision)))
         self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
                                        self._reduce_scatter)
         self._zero_grad()
@@ -83,8 +84,8 @@ class ZeRO2(ZeRO):
 
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:
-        self.optimizer.step_owned()
-        self.share_parameters()
+        if self.optimizer.step_owned():
+            self.share_parameters()
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the pieces' gradients -- the ones this stage steps with -- and any full gradient left."""
@@ -102,11 +103,13 @@ class ZeRO2(ZeRO):
     def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:
         names = {id(p): n for n, p in model.named_parameters()}
         plan = plan_groups([g["params"] for g in optimizer.param_groups],
-                           bucket_numel(bucket_mb, optimizer.param_groups))
+                           bucket_numel(bucket_mb, optimizer.param_groups, options.get("precision")))
         return Reduction([[names[id(p)] for p in piece] for _, piece in plan], padded=True)
 
 
-def bucket_numel(bucket_mb: float, param_groups: list[dict]) -> int:
-    """The bucket cap in elements, for the dtype of the first parameter."""
-    element_size = next((p.element_size() for g in param_groups for p in g["params"]), 4)
+def bucket_numel(bucket_mb: float, param_groups: list[dict], precision=None) -> int:
+    """The bucket cap in elements, for the dtype gradients have: the first parameter's, or the working
+    copy's under mixed precision (the buckets are built before the model is cast)."""
+    element_size = Precision.of(precision).working_bytes(
+        next((p.element_size() for g in param_groups for p in g["params"]), 4))
     return max(1, int(bucket_mb * MiB // element_size))

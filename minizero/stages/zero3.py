@@ -40,6 +40,7 @@ from ..buckets import BucketPipeline
 from ..comm import Comm
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import ShardedFlatGroup
+from ..precision import Precision
 from ..units import Unit, plan_unit_groups, resolve_units
 from .facts import Reduction, Shards
 from .zero import ZeRO
@@ -51,10 +52,10 @@ class ZeRO3(ZeRO):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  units=None, reshard_after_forward: bool = True, prefetch: int = 1, compress: str | None = None,
-                 error_feedback: bool = False, find_unused_parameters: bool = False):
+                 error_feedback: bool = False, find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters)
+        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._observers: list = []
         # One sharded group per unit, param group and dtype; the last unit first (backward's order).
@@ -198,7 +199,7 @@ class ZeRO3(ZeRO):
                 unit.reshard()
         finally:
             self._observers = observers
-        return state
+        return self._with_masters(state, self._master_values() if self.master else {})
 
     def sharded_state_dict(self) -> dict:
         """This rank's parameter shards, by group: what a sharded checkpoint stores per rank."""
