@@ -1,4 +1,4 @@
-"""Command line: ``python -m minizero compare|soak|bench ...``.
+"""Command line: ``python -m minizero compare|soak|memory|bench ...``.
 
 Numbers are validated where they are parsed: a count must be a positive whole
 number, a size or a rate a finite positive number -- argparse then names the
@@ -15,9 +15,11 @@ from .comm import BACKENDS
 from .compress import WIRE_DTYPES
 from .lab.bench import BENCHES
 from .lab.equivalence import DTYPES
+from .lab.memory_table import MODELS as MEMORY_MODELS
 from .lab.optimizers import OPTIMIZERS
 from .lab.registry import LAB_STAGES
 from .lab.tasks import TASKS
+from .precision import PRECISIONS, REDUCE_DTYPES
 from .stages import DEFAULT_STAGE, STAGES, distributed
 
 
@@ -63,6 +65,14 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> Non
     p.add_argument("--accum", type=positive_int, default=1, help="K micro-batches per optimizer step")
     p.add_argument("--compress", choices=["none", *WIRE_DTYPES], default="none", help="send gradients in 16 bits")
     p.add_argument("--error-feedback", action="store_true", help="carry the compression error to the next step")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                   help="bf16/fp16: compute in 16 bits, fp32 master weights (fp16 with dynamic loss scaling)")
+    p.add_argument("--reduce-dtype", choices=list(REDUCE_DTYPES), default=None,
+                   help="mixed precision: reduce gradients in fp32 (default: in the 16-bit working precision)")
+    p.add_argument("--loss-scale", type=positive_float, default=None, help="fp16: the initial loss scale (2**16)")
+    p.add_argument("--loss-scale-window", type=positive_int, default=None,
+                   help="fp16: clean steps before the loss scale doubles (2000)")
+    p.add_argument("--min-loss-scale", type=positive_float, default=None, help="fp16: the loss scale's floor (1)")
     p.add_argument("--bucket-mb", type=positive_float, default=None,
                    help=f"bucket size of {', '.join(n for n, c in STAGES.items() if 'bucket_mb' in c.options())} "
                         f"(default 25)")
@@ -84,6 +94,18 @@ def parser() -> argparse.ArgumentParser:
     soak = sub.add_parser("soak", help="every stage against the reference for many steps; the largest deviation")
     _training_options(soak, steps=500, dtype="float64")
     soak.set_defaults(stages=",".join(distributed(STAGES)))
+    memory = sub.add_parser("memory", help="model-state bytes per rank of every stage (the ZeRO paper's Table 1)")
+    size = memory.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=positive_float, help="Psi, the number of parameters (7.5e9 for Table 1)")
+    size.add_argument("--model", choices=list(MEMORY_MODELS),
+                      help="a model minizero knows: its Psi, and the bytes measured from a live run at N <= 4")
+    memory.add_argument("--world-size", type=positive_int, default=64)
+    memory.add_argument("--precision", choices=list(PRECISIONS), default="fp16",
+                        help="fp16/bf16: the paper's mixed precision (default); fp32: one precision throughout")
+    memory.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
+    memory.add_argument("--micro-batch", type=positive_int, default=4, help="--model: for the activation estimate")
+    memory.add_argument("--timeout", type=positive_float, default=300.0)
+    memory.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="speed against torch's own implementation, as ratios")
     bench.add_argument("what", choices=list(BENCHES))
     bench.add_argument("--world-size", type=positive_int, default=2)
@@ -100,6 +122,8 @@ def main(argv=None) -> int:
             from .lab.compare import main as run
         elif args.command == "soak":
             from .lab.soak import main as run
+        elif args.command == "memory":
+            from .lab.memory_table import main as run
         else:
             from .lab.bench import main as run
         status, text = run(args)

@@ -146,7 +146,9 @@ def check_half_model(module: nn.Module, precision: Precision, rank: int) -> None
 def check_supported(dtype: torch.dtype, device: torch.device, rank: int) -> None:
     """Refuse a 16-bit dtype the device cannot compute with, before the model is touched."""
     problem = None
-    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and not torch.cuda.is_available():
+        problem = "this machine has no CUDA device"
+    elif device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
         problem = "this GPU has no bf16 arithmetic (it needs compute capability 8.0, Ampere, or newer)"
     else:
         try:

@@ -10,6 +10,7 @@ from minizero.lab.equivalence import bit_identical, judge, optimizer_state_viola
 from minizero.lab.experiment import Experiment, reference_of, run_experiment
 from minizero.lab.optimizers import OPTIMIZERS
 from minizero.lab.registry import stage_class
+from minizero.precision import Precision
 
 #: ``make test-deep`` sets MINIZERO_DEEP: every property draws 20 times as many, fresh, examples.
 DEEP = bool(os.environ.get("MINIZERO_DEEP"))
@@ -24,7 +25,8 @@ BUCKET_MB = [1e-9, 2e-4, 1e-3, 25.0]
 
 
 @st.composite
-def stage_options(draw, stage: str, task: str, compress: bool = False, stages: dict | None = None) -> dict:
+def stage_options(draw, stage: str, task: str, compress: bool = False, stages: dict | None = None,
+                  precision: bool = False) -> dict:
     """Options drawn for what the stage accepts (its constructor says)."""
     accepted, options = stage_class(stage, stages).options(), {}
     if "bucket_mb" in accepted:
@@ -35,15 +37,24 @@ def stage_options(draw, stage: str, task: str, compress: bool = False, stages: d
         options["reshard_after_forward"] = draw(st.booleans())
     if task == "edge":
         options["find_unused_parameters"] = True  # EdgeModel.unused never gets a gradient
-    if compress:
-        options["compress"] = draw(st.sampled_from(["fp16", "bf16"]))
+    if precision:
+        options["precision"] = draw(st.sampled_from(PRECISION_POLICIES))
+    if compress or (precision and options["precision"].reduce_dtype is None and draw(st.booleans())):
+        options["compress"] = draw(st.sampled_from(["fp16", "bf16"]))  # under mixed precision: composed
         options["error_feedback"] = draw(st.booleans())
     return options
 
 
+#: Mixed-precision policies drawn: each 16-bit dtype, reduced in it (the default) or in fp32, and fp16
+#: with a loss scale low enough that no step overflows as well as the default 2^16 that makes the first
+#: steps overflow and skip.
+PRECISION_POLICIES = [Precision("bf16"), Precision("fp16"), Precision("bf16", reduce_dtype="fp32"),
+                      Precision("fp16", reduce_dtype="fp32"), Precision("fp16", loss_scale=2.0 ** 4)]
+
+
 @st.composite
 def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: int = 3, compress: bool = False,
-                backends=("ring", "native"), stages: dict | None = None):
+                backends=("ring", "native"), stages: dict | None = None, precision: bool = False):
     """An experiment and its world size: model shape, batch split, optimizer, dtype..."""
     world_size = draw(st.sampled_from(world_sizes))
     task = draw(st.sampled_from(["mlp", "mlp", "edge", "gpt"]))
@@ -63,6 +74,8 @@ def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: i
     # rounding in any two summation orders, an O(lr) difference no tolerance on parameters can absorb.
     # So float32 draws the SGD family (1e-5 holds), and Adam/AdamW are proven in float64 (1e-9).
     optimizers = sorted(OPTIMIZERS) if dtype == "float64" else ["momentum", "nesterov", "sgd"]
+    if precision:  # the reference applies the same casts in the same order: no sign for Adam to flip
+        optimizers = sorted(OPTIMIZERS)
     exp = Experiment(
         stage=stage, task=task, model=model,
         optimizer=draw(st.sampled_from(optimizers)),
@@ -74,7 +87,7 @@ def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: i
         seed=draw(st.integers(0, 2**16)),
         backend=draw(st.sampled_from(backends)),
         rank_sizes=rank_sizes,
-        options=draw(stage_options(stage, task, compress, stages)),
+        options=draw(stage_options(stage, task, compress, stages, precision)),
         clip=draw(st.sampled_from([None, None, (0.05, 2.0), (0.02, float("inf"))])),
         param_groups=draw(st.booleans()),
         record_states=True,

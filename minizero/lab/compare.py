@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, replace
 import torch.distributed as dist
 
 from ..launch import RankPool, check_world_size
+from ..precision import Precision
 from ..stages import check_stage_names
 from ..torchrun import init_from_env, under_torchrun
 from .equivalence import RTOL, agrees, judge
-from .experiment import Experiment, exact_reference_of, reference_of, run_experiment
+from .experiment import Experiment, element_size, exact_reference_of, precision_of, reference_of, run_experiment
 from .optimizers import STATE_TENSORS
 from .registry import LAB_STAGES, stage_class
 
@@ -35,6 +36,7 @@ class Summary:
     backend: str
     accum: int
     compress: str
+    precision: str
     max_abs_diff: float
     max_rel_diff: float
     loss_rel_diff: float
@@ -46,10 +48,12 @@ class Summary:
     check_bytes_per_step: float  # fingerprints, apart
     state_bytes: float  # the most model state any rank held, counted from live tensors
     state_bytes_formula: float  # the stage's own formula (Stage.state_bytes)
+    state_formula: str  # the same in the paper's notation: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N
     memory_match: bool
     gathered_peak_bytes: int
     step_ms: float
     max_abs_diff_exact: float  # with compression: the change it made against exact training
+    skipped_steps: int  # fp16: steps skipped for overflow (the same on every rank, or the row fails)
 
 
 def summarise(stage: str, results: list, reference, exp: Experiment, world_size: int, exact=None) -> Summary:
@@ -61,19 +65,22 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
     sent = sum(r.sent_bytes for r in results) / (len(results) * exp.steps)
     sent_formula = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, first.param_bytes, **exp.options)
     state = max(r.held_bytes["total"] for r in results)
-    state_formula = cls.state_bytes(first.psi, world_size, first.param_bytes, STATE_TENSORS[exp.optimizer],
-                                    **exp.options)
+    formula_args = (element_size(exp), STATE_TENSORS[exp.optimizer])  # masters' bytes and states per parameter
+    state_formula = cls.state_bytes(first.psi, world_size, *formula_args, **exp.options)
+    skipped = {r.skipped_steps for r in results}
     return Summary(
         stage=stage, world_size=world_size, dtype=exp.dtype, backend=exp.backend, accum=exp.accum,
-        compress=exp.options.get("compress") or "none",
+        compress=exp.options.get("compress") or "none", precision=precision_of(exp).name,
         max_abs_diff=verdict.max_abs_diff, max_rel_diff=verdict.max_rel_diff, loss_rel_diff=verdict.loss_rel_diff,
-        within_tolerance=verdict.ok, nonfinite=verdict.nonfinite,
+        within_tolerance=verdict.ok and len(skipped) == 1, nonfinite=verdict.nonfinite,
         sent_bytes_per_step=sent, sent_bytes_formula=sent_formula, bytes_match=agrees(sent, sent_formula),
         check_bytes_per_step=sum(r.check_bytes for r in results) / (len(results) * exp.steps),
         state_bytes=state, state_bytes_formula=state_formula, memory_match=agrees(state, state_formula),
+        state_formula=cls.state_formula(*formula_args, **exp.options) if hasattr(cls, "state_formula") else "",
         gathered_peak_bytes=max(r.gathered_peak_bytes for r in results),
         step_ms=1000 * statistics.median(times),
-        max_abs_diff_exact=judge(results, exact, exp.dtype).max_abs_diff if exact else verdict.max_abs_diff)
+        max_abs_diff_exact=judge(results, exact, exp.dtype).max_abs_diff if exact else verdict.max_abs_diff,
+        skipped_steps=max(skipped))
 
 
 def stage_options(stage: str, stages: dict | None = None, **cli) -> dict:
@@ -101,7 +108,7 @@ def compare(world_size: int, stages: list[str], exp: Experiment, timeout_s: floa
     with RankPool(world_size, timeout_s=timeout_s) as pool:
         for e in experiments:
             results = pool.run(run_experiment, e)
-            reference = reference_of(e, world_size) if e.options.get("compress") else exact
+            reference = reference_of(e, world_size) if e.options.get("compress") or precision_of(e).mixed else exact
             rows.append(summarise(e.stage, results, reference, e, world_size, exact))
     return rows
 
@@ -122,15 +129,28 @@ def _compare_under_torchrun(experiments: list[Experiment], timeout_s: float) -> 
 
 def format_table(rows: list[Summary]) -> str:
     header = (f"{'stage':<14}{'max|Δparam|':>13}{'rel':>10}{'ok':>4}{'sent B/step/rank':>18}{'formula':>12}"
-              f"{'state B/rank':>14}{'formula':>12}{'step ms':>9}{'vs exact':>10}")
+              f"{'state B/rank':>14}{'formula':>12}  {'= (paper)':<12}{'step ms':>9}{'vs exact':>10}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r.stage:<14}{r.max_abs_diff:>13.3e}{r.max_rel_diff:>10.1e}"
                      f"{'yes' if r.within_tolerance else 'NO':>4}{r.sent_bytes_per_step:>18,.0f}"
                      f"{r.sent_bytes_formula:>12,.0f}{r.state_bytes:>14,.0f}{r.state_bytes_formula:>12,.0f}"
+                     f"  {r.state_formula:<12}"
                      f"{r.step_ms:>9.2f}{r.max_abs_diff_exact:>10.1e}")
     lines += [f"{r.stage}: NO -- {r.nonfinite} (NaN or inf is never a pass)" for r in rows if r.nonfinite]
+    lines += [f"{r.stage}: {r.skipped_steps} step(s) skipped for fp16 overflow, on every rank (dynamic loss scaling)"
+              for r in rows if r.skipped_steps]
     return "\n".join(lines)
+
+
+def precision_option(args) -> Precision | None:
+    """The command line's precision policy, or None for plain fp32 (so stages that lack the option run)."""
+    knobs = {"reduce_dtype": args.reduce_dtype, "loss_scale": args.loss_scale,
+             "loss_scale_window": args.loss_scale_window, "min_loss_scale": args.min_loss_scale}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    if args.precision == "fp32" and not knobs:
+        return None
+    return Precision(args.precision, **knobs)
 
 
 def experiment_of(args) -> Experiment:
@@ -143,7 +163,7 @@ def experiment_of(args) -> Experiment:
 def main(args) -> tuple[int, str]:
     stages = [s for s in args.stages.split(",") if s]
     rows = compare(args.world_size, stages, experiment_of(args), timeout_s=args.timeout, compress=args.compress,
-                   bucket_mb=args.bucket_mb, error_feedback=args.error_feedback)
+                   bucket_mb=args.bucket_mb, error_feedback=args.error_feedback, precision=precision_option(args))
     if not rows:  # a torchrun rank other than 0
         return 0, ""
     status = 0 if all(r.within_tolerance for r in rows) else 1
@@ -151,9 +171,15 @@ def main(args) -> tuple[int, str]:
         return status, json.dumps([asdict(r) for r in rows], indent=2)
     world_size = rows[0].world_size  # under torchrun: the ranks that really ran, not --world-size
     lines = [f"{args.task} model, {args.dtype}, {args.optimizer}, N={world_size}, {args.steps} steps of "
-             f"K={args.accum} micro-batches, {args.backend} collectives, compression {args.compress}; "
+             f"K={args.accum} micro-batches, {args.backend} collectives, precision {args.precision}, "
+             f"compression {args.compress}; "
              f"tolerance: relative {RTOL[args.dtype]:g}"]
-    if args.compress != "none":
+    if args.precision != "fp32":
+        lines.append(f"(precision {args.precision}: each stage is compared with a single-device reference applying the "
+                     f"same casts and the same recipe -- masters, loss scaler; 'vs exact' is the change mixed "
+                     f"precision made against fp32 single-device training; '(paper)' is the state formula in the ZeRO "
+                     f"paper's terms, Psi parameters over N ranks)")
+    elif args.compress != "none":
         lines.append("(compressed stages are compared with a reference applying the same casts; "
                      "'vs exact' is the change compression made)")
     lines.append(format_table(rows))

@@ -88,6 +88,9 @@ def soak(world_size: int, stages: list[str], exp: Experiment, timeout_s: float =
 
 
 def main(args) -> tuple[int, str]:
+    if args.precision != "fp32":
+        raise ValueError("soak compares with exact fp32 single-device training; mixed precision differs from it by "
+                         "design -- check it with `compare --precision ...` against the same-recipe reference")
     if args.compress != "none" or args.error_feedback:
         raise ValueError("soak compares with exact single-device training; compressed stages differ from it by "
                          "design -- check them with `compare --compress ...` against the same-casts reference")

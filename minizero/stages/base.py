@@ -136,12 +136,29 @@ class Stage(nn.Module):
         return 0.0
 
     @classmethod
-    def state_bytes(cls, psi: int, world_size: int, element_size: int, state_tensors: int, **options) -> float:
-        """Model-state bytes per rank (ZeRO paper, Table 1, one precision): parameters, gradients and
-        ``state_tensors`` optimizer states per parameter, each whole or divided by N as :attr:`shards` says."""
-        n, each = world_size, psi * element_size
-        return (each / (n if cls.shards.parameters else 1) + each / (n if cls.shards.gradients else 1)
-                + state_tensors * each / (n if cls.shards.optimizer_states else 1))
+    def state_terms(cls, element_size: int, state_tensors: int, precision=None) -> tuple[int, int]:
+        """Model-state bytes per parameter as ``(kept whole on every rank, divided by N)`` -- the ZeRO paper's
+        Table 1 from :attr:`shards`.  Parameters and gradients take the working precision's bytes (2 under
+        mixed precision); the optimizer's K bytes are its ``state_tensors`` states in ``element_size`` (the
+        model's precision), plus, under mixed precision, the fp32 master: Adam's K = 4 + 4 + 4 = 12."""
+        precision = Precision.of(precision)
+        working = precision.working_bytes(element_size)
+        k = (element_size if precision.mixed else 0) + state_tensors * element_size
+        kinds = [(working, cls.shards.parameters), (working, cls.shards.gradients), (k, cls.shards.optimizer_states)]
+        return (sum(b for b, divided in kinds if not divided), sum(b for b, divided in kinds if divided))
+
+    @classmethod
+    def state_bytes(cls, psi: int, world_size: int, element_size: int, state_tensors: int, precision=None,
+                    **options) -> float:
+        """Model-state bytes per rank (ZeRO paper, Table 1): Psi * (whole + divided / N), see :meth:`state_terms`."""
+        whole, divided = cls.state_terms(element_size, state_tensors, precision)
+        return psi * (whole + divided / world_size)
+
+    @classmethod
+    def state_formula(cls, element_size: int, state_tensors: int, precision=None, **options) -> str:
+        """:meth:`state_bytes` in the paper's notation: ``16Ψ``, ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N``, ``16Ψ/N``."""
+        whole, divided = cls.state_terms(element_size, state_tensors, precision)
+        return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/N"] * bool(divided)) or "0"
 
     @classmethod
     def reduction(cls, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, **options) -> Reduction:

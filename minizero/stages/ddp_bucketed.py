@@ -98,13 +98,20 @@ class BucketedDDP(DDP):
 
     # ------------------------------------------------------------- optimizer
     def _step(self) -> None:
+        self._drop_unused_grads()
+        self._update()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self._drop_unused_grads()  # before mixed precision's unscale: the masters get exactly the step's gradients
+        return super().clip_grad_norm_(max_norm, norm_type)
+
+    def _drop_unused_grads(self) -> None:
         """As on a single device: a parameter with no gradient -- unused everywhere, or no backward since
         zero_grad() -- is not stepped (no weight decay, no momentum).  Its .grad comes back at zero_grad()."""
         for b in self.buckets:
             for p in b.params:
                 if id(p) not in self._has_grad:
                     p.grad = None
-        self._update()
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is None:

@@ -1,0 +1,215 @@
+"""Mixed precision on every stage: the same recipe as single-device training, loss scaling that skips
+together, and the ZeRO paper's memory.
+
+The tolerance.  Against the reference that applies the same casts
+(:mod:`minizero.lab.casts_reference`: each rank's 16-bit gradient, the stage's
+buffers summed in the ring's order in the wire's dtype, the same masters and
+scaler), the stage does the same 16-bit arithmetic in the same order, so the
+parameters agree bit for bit in practice; fp32's tolerance (1e-5, normwise)
+leaves room only for fp32 sums taken in another order -- the sharded clipping
+norm -- never for a 16-bit rounding (2^-8 for bf16, 2^-11 for fp16, 400 and
+50 times larger), so a wrong cast, a missing unscale or a step on the wrong
+tensor fails it.  Against *plain* single-device training in the same precision
+the 16-bit sums differ in order and the bound would be a few 16-bit ulps; so
+that comparison is made where the arithmetic is exact -- dyadic data, N=2 --
+and must then be bit for bit.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minizero.__main__ import main as cli
+from minizero.lab.experiment import Experiment, exact_reference_of, reference_of, run_experiment
+from minizero.lab.models import MLP
+from minizero.precision import PRECISIONS, Precision, check_supported
+from minizero.stages import STAGES, make_stage
+from tests.equivalence import assert_equivalent, bit_identical, examples, experiments, run_and_check
+
+DISTRIBUTED = ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"]
+
+
+@pytest.mark.parametrize("stage", DISTRIBUTED)
+@settings(max_examples=examples(12))
+@given(data=st.data())
+def test_mixed_precision_matches_the_same_recipe_reference(pools, stage, data):
+    """bf16/fp16, reduced in 16 bits or fp32, composed with compression; K >= 2, uneven shards, N = 1..4,
+    unused parameters; the parameters *and* the optimizer states after every step (the masters' Adam)."""
+    exp, world_size = data.draw(experiments(stage, precision=True, backends=("ring",), max_accum=3))
+    results = run_and_check(pools, exp, world_size)
+    assert len({r.skipped_steps for r in results}) == 1, "ranks skipped different steps"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_reference_is_mixed_precision_training_written_out(precision):
+    """The recipe every stage is compared with is shared code (minizero.precision), so it is anchored here
+    against mixed-precision training written out by hand, independently: fp32 masters stepped by AdamW, a
+    16-bit copy computing, the loss scaled (from 2^24, so that fp16's first steps overflow) and halved on
+    overflow, unscaled in fp32.  Bit for bit, masters and optimizer states."""
+    exp = Experiment(stage="reference", task="gpt", optimizer="adamw", lr=1e-2, steps=8, micro_batch=8,
+                     dtype="float32", options={"precision": Precision(precision, loss_scale=2.0 ** 24)},
+                     record_states=True)
+    reference = exact_reference_of(exp, 1)
+    masters, states, skipped = _by_hand(exp, PRECISIONS[precision])
+    assert skipped == reference.skipped_steps and (skipped > 0) == (precision == "fp16")
+    for step, (got, want) in enumerate(zip(reference.params, masters)):
+        assert all(torch.equal(got[n], want[n]) for n in want), f"step {step}"
+    assert _same_states(reference.optimizer_states[-1], states)
+
+
+def _by_hand(exp: Experiment, dtype: torch.dtype):
+    from minizero.lab.tasks import TASKS
+    from minizero.train import sum_loss
+    task = TASKS[exp.task]
+    model = task.make_model(exp.seed, torch.float32, **exp.model)
+    names = [n for n, _ in model.named_parameters()]
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    optimizer = torch.optim.AdamW(masters, lr=exp.lr, weight_decay=0.1)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    scale, skipped, history = 2.0 ** 24 if dtype is torch.float16 else 1.0, 0, []
+    for step in range(exp.steps):
+        x, y = task.make_batch(exp.global_batch(1), exp.seed, step, torch.float32, **exp.model)
+        model.zero_grad()
+        loss = sum_loss(model(x).float(), y)
+        (loss * (1 / y.numel()) * scale).backward()
+        grads = [p.grad.float() / scale for p in model.parameters()]
+        if all(torch.isfinite(g).all() for g in grads):
+            for m, g in zip(masters, grads):
+                m.grad = g
+            optimizer.step()
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters):
+                    p.copy_(m)
+        else:
+            scale, skipped = scale / 2, skipped + 1
+        history.append({n: m.detach().clone() for n, m in zip(names, masters)})
+    return history, optimizer.state_dict(), skipped
+
+
+@pytest.mark.parametrize("stage", DISTRIBUTED)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_dyadic_mixed_precision_is_bit_exact_against_plain_single_device(pools, stage, precision):
+    """Dyadic weights and data with few significant bits: every 16-bit product and sum is exact, except the
+    one rounding of a two-term sum, which N=2 ranks and the single device both round once -- so the stage
+    must equal plain single-device training in the same precision bit for bit (masters, then 16-bit copy)."""
+    exp = Experiment(stage=stage, task="dyadic", model={"sizes": (2, 2)}, optimizer="sgd", lr=0.25, steps=2,
+                     micro_batch=1, dtype="float32",
+                     options={"precision": Precision(precision, loss_scale=2.0 ** 8)})  # no overflow: nothing skipped
+    results = pools.run(2, run_experiment, exp)
+    reference = exact_reference_of(exp, 2)
+    assert bit_identical(results, reference)
+    assert any(not torch.equal(reference.params[-1][n], start_value) for n, start_value in _initial(exp).items())
+
+
+@pytest.mark.parametrize("stage", DISTRIBUTED)
+def test_an_overflow_on_one_rank_is_skipped_by_every_rank(pools, stage):
+    """An inf in element 0 of one gradient on rank 1 at step 1 -- under ZeRO, after the reduce-scatter only
+    rank 0's shard holds it: the MAX-combined flag makes every rank skip that step, halve the scale and touch
+    no parameter and no optimizer state; training then goes on equal to the reference."""
+    exp = Experiment(stage=stage, task="gpt", optimizer="adamw", steps=4, accum=2, dtype="float32",
+                     options={"precision": Precision("fp16", loss_scale=2.0 ** 10)}, overflow_at=(1, 1),
+                     record_states=True)
+    results = pools.run(3, run_experiment, exp)
+    reference = reference_of(exp, 3)
+    assert_equivalent(results, reference, exp)
+    for r in results:
+        assert r.skipped_steps == reference.skipped_steps == 1
+        assert r.loss_scales == reference.loss_scales == [1024.0, 512.0, 512.0, 512.0]
+        assert all(torch.equal(r.params[1][n], r.params[0][n]) for n in r.params[0])  # untouched that step
+        assert _same_states(r.optimizer_states[1], r.optimizer_states[0])
+        assert any(not torch.equal(r.params[2][n], r.params[1][n]) for n in r.params[1])  # and then it moves
+
+
+def _initial(exp: Experiment) -> dict:
+    from minizero.lab.tasks import TASKS
+    model = TASKS[exp.task].make_model(exp.seed, torch.float32, **exp.model)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same_states(a: dict, b: dict) -> bool:
+    return a["state"].keys() == b["state"].keys() and all(
+        torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_measured_state_bytes_are_the_papers_formulas(pools, world_size, precision):
+    """Live tensors of each stage within 2% of 16Psi, 4Psi+12Psi/N, 2Psi+14Psi/N, 16Psi/N (mixed-precision
+    Adam, K = 12) -- what is left over is ZeRO's padding and Adam's step counters."""
+    for stage in DISTRIBUTED:
+        exp = Experiment(stage=stage, task="gpt", optimizer="adam", steps=2, dtype="float32",
+                         options={"precision": precision})
+        results = pools.run(world_size, run_experiment, exp)
+        psi, held = results[0].psi, max(r.held_bytes["total"] for r in results)
+        formula = STAGES[stage].state_bytes(psi, world_size, 4, 2, precision)
+        assert abs(held - formula) <= 0.02 * formula, (stage, held, formula)
+        assert max(r.held_bytes["master"] for r in results) >= 4 * psi / world_size  # fp32 masters, at least 1/N
+
+
+def test_the_memory_command_reproduces_the_papers_table_1(capsys):
+    """7.5B parameters, N = 64, mixed-precision Adam: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (ZeRO paper, Table 1)."""
+    assert cli(["memory", "--params", "7.5e9", "--world-size", "64", "--json"]) == 0
+    rows = {row["stage"]: row["bytes_per_rank"] for row in json.loads(capsys.readouterr().out)}
+    assert [round(rows[s] / 1e9, 1) for s in ("ddp", "zero1", "zero2", "zero3")] == [120.0, 31.4, 16.6, 1.9]
+    assert cli(["memory", "--params", "7.5e9", "--world-size", "64", "--precision", "fp32"]) == 0
+    assert "8Ψ + 8Ψ/N" in capsys.readouterr().out  # ZeRO-1 in one precision: not the paper's numbers
+
+
+def test_the_memory_command_measures_a_live_gpt_and_separates_activations(capsys):
+    assert cli(["memory", "--model", "gpt", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "measured at N=2" in out and "Activations of one micro-batch" in out and "Model states only" in out
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return MLP((3, 4, 2))
+
+
+def test_bad_precision_inputs_are_refused_with_what_to_do():
+    model = _mlp()
+    with pytest.raises(ValueError, match="precision must be one of fp32, bf16, fp16; got 'fp8'"):
+        make_stage("reference", model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp8")
+    with pytest.raises(TypeError, match="is already torch.bfloat16, but precision='bf16' keeps fp32 master"):
+        half = _mlp().to(torch.bfloat16)
+        make_stage("reference", half, torch.optim.SGD(half.parameters(), lr=0.1), precision="bf16")
+    with pytest.raises(ValueError, match="pass your optimizer to make_stage"):
+        make_stage("reference", _mlp(), precision="fp16")
+    lbfgs = _mlp()
+    with pytest.raises(TypeError, match="LBFGS cannot step fp32 master weights"):
+        make_stage("reference", lbfgs, torch.optim.LBFGS(lbfgs.parameters()), precision="bf16")
+    with pytest.raises(ValueError, match="loss_scale must be a finite number >= min_loss_scale"):
+        Precision("fp16", loss_scale=0.5)
+    with pytest.raises(ValueError, match="min_loss_scale must be a finite number > 0"):
+        Precision("fp16", min_loss_scale=-1.0)
+    with pytest.raises(ValueError, match="loss_scale_window .* must be a whole number >= 1"):
+        Precision("fp16", loss_scale_window=0)
+    with pytest.raises(ValueError, match="reduce_dtype only applies to mixed precision"):
+        Precision("fp32", reduce_dtype="fp32")
+
+
+def test_a_device_that_cannot_compute_the_precision_is_named():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for a device without it")
+    with pytest.raises(ValueError, match="Use precision='fp16' if the device computes it, or 'fp32'"):
+        check_supported(torch.bfloat16, torch.device("cuda"), 0)
+
+
+def test_compression_and_an_fp32_reduction_are_not_given_together(pools):
+    exp = Experiment(stage="ddp", task="mlp", steps=1,
+                     options={"precision": Precision("bf16", reduce_dtype="fp32"), "compress": "fp16"})
+    with pytest.raises(Exception, match="both choose the dtype gradients are reduced in"):
+        pools.run(2, run_experiment, exp)
+
+
+def test_fp16_that_overflows_at_the_floor_stops_instead_of_skipping_forever(pools):
+    """At the minimum loss scale an overflow is divergence, not a too-large scale: the run ends, naming it."""
+    exp = Experiment(stage="zero2", task="mlp", steps=2, dtype="float32", overflow_at=(0, 0),
+                     options={"precision": Precision("fp16", loss_scale=1.0)})
+    with pytest.raises(Exception, match="inf or NaN even at the minimum loss scale"):
+        pools.run(2, run_experiment, exp)
