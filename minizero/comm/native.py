@@ -52,28 +52,49 @@ class NativeComm(Comm):
         if nbytes:
             self._report_sent(nbytes)
 
+    def _staged(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """NCCL moves CUDA tensors only: the small CPU tensors of the bookkeeping (bitmaps, the overflow
+        flag, signatures, consolidated states) travel through the current CUDA device; :meth:`_unstage`
+        copies results back."""
+        if dist.get_backend(self.group) == "nccl" and any(t.device.type == "cpu" for t in tensors):
+            return tuple(t.to(f"cuda:{torch.cuda.current_device()}") for t in tensors)
+        return tensors
+
+    @staticmethod
+    def _unstage(staged: torch.Tensor, original: torch.Tensor) -> None:
+        if staged is not original:
+            original.copy_(staged)
+
     @collective("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        (staged,) = self._staged(tensor)
         with self._in_torch():
-            dist.all_reduce(tensor, op=_TORCH_OP[op], group=self.group)
+            dist.all_reduce(staged, op=_TORCH_OP[op], group=self.group)
+        self._unstage(staged, tensor)
         self._report_modelled("all_reduce", tensor)
 
     @collective("reduce_scatter")
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        staged_out, staged_in = self._staged(output, input)
         with self._in_torch():
-            _reduce_scatter_flat(output, input, op=_TORCH_OP[op], group=self.group)
+            _reduce_scatter_flat(staged_out, staged_in, op=_TORCH_OP[op], group=self.group)
+        self._unstage(staged_out, output)
         self._report_modelled("reduce_scatter", input)
 
     @collective("all_gather")
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        staged_out, staged_in = self._staged(output, input)
         with self._in_torch():
-            _all_gather_flat(output, input, group=self.group)
+            _all_gather_flat(staged_out, staged_in, group=self.group)
+        self._unstage(staged_out, output)
         self._report_modelled("all_gather", output)
 
     @collective("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        (staged,) = self._staged(tensor)
         with self._in_torch():
-            dist.broadcast(tensor, self.peer(src), group=self.group)
+            dist.broadcast(staged, self.peer(src), group=self.group)
+        self._unstage(staged, tensor)
         self._report_modelled("broadcast", tensor, src)
 
     @collective("root_all_reduce")

@@ -49,6 +49,7 @@ class Experiment:
     param_groups: bool = False  # two optimizer param groups with different lr and weight decay
     record_states: bool = False  # return the (consolidated) optimizer state after every step
     check: bool = True  # fingerprint every collective (minizero.comm.fingerprint)
+    device: str = "cpu"  # where the model and batches live ("cuda": the rank's current CUDA device)
     overflow_at: tuple | None = None  # (step, rank): an inf in one gradient element there (see poison_gradient)
     options: dict = field(default_factory=dict)  # stage options
     stages: dict | None = field(default=None, repr=False)  # a registry other than the lab's (mutants, new stages)
@@ -63,6 +64,7 @@ def build(me: Rank | None, exp: Experiment):
     uses rank 0's."""
     stage_class(exp.stage, exp.stages)  # an unknown name is refused before anything is built
     model = TASKS[exp.task].make_model(exp.seed + 1000 * (me.rank if me else 0), DTYPES[exp.dtype], **exp.model)
+    model.to(exp.device)
     optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
     comm = make_comm(exp.backend, check=exp.check) if me else None
@@ -77,6 +79,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     """
     rank, n = (me.rank, me.world_size) if me else (0, world_size or 1)
     task, dtype = TASKS[exp.task], DTYPES[exp.dtype]
+    if exp.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     stage, model, comm, psi = build(me, exp)
     ledger, gathered = Ledger(), GatheredMemory()
     stage.add_observer(gathered)
@@ -84,7 +88,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         comm.add_observer(ledger)  # after wrapping: count training traffic only
     params, losses, times, states, scales = [], [], [], [], []
     for s in range(exp.steps):
-        x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
+        x, y = (t.to(exp.device) for t in task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model))
         step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
             else shard_step(x, y, 0, 1, 1)
         start = time.perf_counter()
@@ -94,12 +98,13 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         scales.append(getattr(stage, "loss_scale", 1.0))
         if comm:
             comm.remove_observer(ledger)  # what follows is inspection, not training traffic
-        params.append(snapshot_parameters(stage, model))
+        params.append({k: v.cpu() for k, v in snapshot_parameters(stage, model).items()})  # off the GPU
         if exp.record_states:
             states.append(copy.deepcopy(stage.full_optimizer_state_dict()))
         if comm:
             comm.add_observer(ledger)
     held = held_bytes(stage.held_tensors())
+    cuda_peak = torch.cuda.max_memory_allocated() if exp.device.startswith("cuda") else 0
     if comm:
         comm.remove_observer(ledger)
     optimizer_state = copy.deepcopy(stage.full_optimizer_state_dict())
@@ -111,7 +116,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                       sent_bytes=sum(sent.values()), sent_by_kind=sent, check_bytes=check_bytes, psi=psi,
                       grad_bytes=wire_bytes(exp), param_bytes=precision_of(exp).working_bytes(element_size(exp)),
                       held_bytes=held, gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state,
-                      optimizer_states=states, loss_scales=scales, skipped_steps=getattr(stage, "skipped_steps", 0))
+                      optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak, skipped_steps=getattr(stage, "skipped_steps", 0))
 
 
 def element_size(exp: Experiment) -> int:
