@@ -25,6 +25,8 @@ STAGES ?= ddp,ddp-bucketed,zero1,zero2,zero3
 demo: install
 	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --accum 2
 	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --accum 2 --compress fp16
+	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --accum 2 --precision bf16
+	$(PY) -m minizero memory --params 7.5e9 --world-size 64
 	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --dtype float64 --backend native
 
 # Lint first (a second), then the suite and every lesson notebook.

@@ -50,7 +50,8 @@ def main() -> None:
                 "formula_bytes": STAGES[stage].state_bytes(result.psi, me.world_size, 4, STATE_TENSORS["adam"],
                                                            args.precision),
                 "formula": STAGES[stage].state_formula(4, STATE_TENSORS["adam"], args.precision),
-                "cuda_peak_bytes": result.cuda_peak_bytes, "cuda_baseline_bytes": baseline, "gathered_peak_bytes": result.gathered_peak_bytes,
+                "cuda_peak_bytes": result.cuda_peak_bytes,
+                "cuda_baseline_bytes": baseline, "gathered_peak_bytes": result.gathered_peak_bytes,
                 "final_loss": sum(result.losses[-1:]), "skipped_steps": result.skipped_steps}
         del result
         everyone = [None] * me.world_size

@@ -175,7 +175,8 @@ def test_bad_precision_inputs_are_refused_with_what_to_do():
     model = _mlp()
     with pytest.raises(ValueError, match="precision must be one of fp32, bf16, fp16; got 'fp8'"):
         make_stage("reference", model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp8")
-    with pytest.raises(TypeError, match="is already torch.bfloat16, but precision='bf16' keeps fp32 master"):
+    with pytest.raises(TypeError, match="(?s)is already torch.bfloat16, but precision='bf16' keeps fp32 master.*"
+                                        "Hand the stage the fp32 model"):
         half = _mlp().to(torch.bfloat16)
         make_stage("reference", half, torch.optim.SGD(half.parameters(), lr=0.1), precision="bf16")
     with pytest.raises(ValueError, match="pass your optimizer to make_stage"):

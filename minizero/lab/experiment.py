@@ -116,7 +116,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                       sent_bytes=sum(sent.values()), sent_by_kind=sent, check_bytes=check_bytes, psi=psi,
                       grad_bytes=wire_bytes(exp), param_bytes=precision_of(exp).working_bytes(element_size(exp)),
                       held_bytes=held, gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state,
-                      optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak, skipped_steps=getattr(stage, "skipped_steps", 0))
+                      optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak,
+                      skipped_steps=getattr(stage, "skipped_steps", 0))
 
 
 def element_size(exp: Experiment) -> int:

@@ -23,5 +23,5 @@ class RankResult:
     optimizer_state: dict | None = None  # consolidated, at the end
     optimizer_states: list = field(default_factory=list)  # consolidated, after each step (record_states)
     loss_scales: list[float] = field(default_factory=list)  # the loss scale after each step (fp16)
-    skipped_steps: int = 0
-    cuda_peak_bytes: int = 0  # torch.cuda.max_memory_allocated() at the end (device="cuda")  # steps skipped for overflow (fp16 dynamic loss scaling)
+    skipped_steps: int = 0  # steps skipped for overflow (fp16 dynamic loss scaling)
+    cuda_peak_bytes: int = 0  # torch.cuda.max_memory_allocated() over the run (device="cuda")
