@@ -47,6 +47,7 @@ bench: install
 	$(PY) -m minizero bench zero3 --world-size 2
 	$(PY) -m minizero bench overlap --world-size 2
 	$(PY) -m minizero bench check --world-size 2
+	$(PY) -m minizero bench precision --world-size 2
 
 # Every stage beside the reference for 500 steps: the largest deviation over the run (minutes, not CI).
 soak: install

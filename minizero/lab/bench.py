@@ -223,6 +223,32 @@ def bench_overlap(world_size: int, bucket_mb: float = 0.5, repeats: int = 7) -> 
 
 
 #: ``python -m minizero bench WHAT``: each benchmark, from the command line's arguments.
+def bench_precision(world_size: int, steps: int = 12, precision: str = "bf16") -> list[dict]:
+    """Every stage in mixed precision against FSDP2 with its own ``MixedPrecisionPolicy`` (16-bit compute and
+    reduction, fp32 shards), in one run; and each stage against itself in fp32.  On CPU 16-bit arithmetic
+    is emulated and often slower than fp32: the ratios say what the recipe costs here, not on a GPU."""
+    base = Experiment(task="gpt", model=BENCH_GPT, optimizer="adamw", steps=steps, micro_batch=8, dtype="float32",
+                      check=False, backend="native")
+    variants = [("torch-fsdp2", replace(base, stage="torch-fsdp2", options={"precision": precision}))]
+    for stage in distributed():
+        variants += [(stage, replace(base, stage=stage, options={"precision": precision})),
+                     (f"{stage}/fp32", replace(base, stage=stage))]
+    measured = _step_times(world_size, variants)
+    torch_ms = measured[0][1]
+    rows = []
+    for (name, ms, sent, _), (_, fp32_ms, fp32_sent, _) in zip(measured[1::2], measured[2::2]):
+        rows.append({"name": f"{name} {precision} step", "value": ms, "unit": "ms",
+                     "baseline": f"torch-fsdp2 {precision} step", "baseline_value": torch_ms, "ratio": ms / torch_ms,
+                     "world_size": world_size, "sent_bytes": sent})
+        rows.append({"name": f"{name} {precision} bytes sent per rank per step", "value": sent, "unit": "B",
+                     "baseline": "the same stage in fp32", "baseline_value": fp32_sent, "ratio": sent / fp32_sent,
+                     "world_size": world_size})
+        rows.append({"name": f"{name} {precision} step vs fp32", "value": ms, "unit": "ms",
+                     "baseline": "the same stage in fp32", "baseline_value": fp32_ms, "ratio": ms / fp32_ms,
+                     "world_size": world_size})
+    return rows
+
+
 BENCHES = {
     "collectives": lambda args: bench_collectives(args.world_size, repeats=args.repeats),
     "ddp": lambda args: bench_ddp(args.world_size),
@@ -230,6 +256,7 @@ BENCHES = {
     "zero3": lambda args: bench_zero3(args.world_size),
     "overlap": lambda args: bench_overlap(args.world_size, repeats=args.repeats),
     "check": lambda args: bench_check(args.world_size),
+    "precision": lambda args: bench_precision(args.world_size),
 }
 
 

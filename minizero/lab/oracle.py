@@ -14,10 +14,11 @@ import inspect
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from ..precision import Precision
 from ..units import resolve_units
 
 
@@ -100,15 +101,18 @@ class TorchFSDP2(TorchStage):
 
     name = "torch-fsdp2"
 
-    def __init__(self, module, optimizer, comm=None, units=None, reshard_after_forward: bool = True, **_):
+    def __init__(self, module, optimizer, comm=None, units=None, reshard_after_forward: bool = True,
+                 precision=None, **_):
         names = {id(p): n for n, p in module.named_parameters()}
         with torch.no_grad():  # FSDP2 shards each rank's own values: start from rank 0's, as every stage does
             for tensor in list(module.parameters()) + list(module.buffers()):
                 torch.distributed.broadcast(tensor, 0)
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        working = Precision.of(precision).working_dtype  # FSDP2's own mixed precision: fp32 shards, 16-bit compute
+        policy = MixedPrecisionPolicy(param_dtype=working, reduce_dtype=working) if working else MixedPrecisionPolicy()
         for unit in resolve_units(module, units):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         # fully_shard replaced the parameters by DTensors: rebuild the optimizer over them, group by group.
         new = dict(module.named_parameters())
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [new[names[id(p)]] for p in g["params"]]}
