@@ -17,7 +17,9 @@ ZeRO-1 saves memory, not communication -- and it is the *same* update as DDP
 and as single-device training, which the property suite proves.  (An
 all-reduce followed by an all-gather, seen in public code, costs 3Psi.)
 
-Memory per rank (fp32 Adam): parameters 4Psi + gradients 4Psi + states 8Psi/N.
+Memory per rank (fp32 Adam): parameters 4Psi + gradients 4Psi + states 8Psi/N;
+in mixed precision (the paper's setting) 2Psi + 2Psi + (4 + 8)Psi/N: the fp32
+masters are optimizer state, sharded with the moments.
 
 After the reduce-scatter the owned slice *is* the pieces' ``.grad`` and the
 other slices are zeroed -- they were the other ranks' to average.  A backward

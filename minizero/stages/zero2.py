@@ -17,7 +17,7 @@ slice of each bucket's averaged gradient -- the pieces' ``.grad``.
    all-gathered, as in ZeRO-1.
 
 Bytes: the same reduce-scatter + all-gather, 2(N-1)/N * Psi * b per step.
-Memory (fp32 Adam): 4Psi + (4 + 8)Psi/N.
+Memory (fp32 Adam): 4Psi + (4 + 8)Psi/N; mixed precision: 2Psi + (2 + 12)Psi/N.
 
 Gradient accumulation: the K-1 micro-batches inside ``no_sync()``
 accumulate full gradients locally and the last one reduce-scatters the sums.

@@ -22,7 +22,7 @@ backward.  Under gradient accumulation the micro-batches inside ``no_sync()``
 keep parameters and gradients unsharded and the last one reduces: still 3Psi
 per step, for the memory of unsharded state during accumulation -- the
 trade-off ZeRO-2 makes (FSDP2 exposes the same choice).  Memory: (4 + 4 + 8)Psi/N
-for fp32 Adam, plus the gathered working set: the root, the unit computing and
+for fp32 Adam, (2 + 2 + 12)Psi/N in mixed precision, plus the gathered working set: the root, the unit computing and
 ``prefetch`` units whose all-gather already runs on the communication thread,
 overlapping the computation.
 
