@@ -92,6 +92,7 @@ class Wire:
         self.pre, self.post = split_division(comm.world_size)
         self.residuals: dict = {}  # key -> rounding error carried to the next step
         self._pending: dict = {}  # residuals of the reduction under way, kept only if it succeeds
+        self._unsettled: dict = {}  # with loss scaling: residuals kept only if the step is taken (settle)
 
     def check_gradient_dtype(self, name: str, dtype: torch.dtype) -> None:
         if dtype not in (torch.float32, torch.float64):
@@ -134,10 +135,23 @@ class Wire:
                 f"rank {self.comm.rank}: gradients overflowed {self.wire_dtype} in the reduction "
                 f"(inf/NaN in {', '.join(names or ['a gradient buffer'])}); the weights were not touched. "
                 f"Lower the loss scale or learning rate, or use compress='bf16' (fp32's range).")
-        if pending is not None and finite:
+        if pending is not None and not self.overflow_raises:
+            self._unsettled[key] = pending  # the step's fate is decided on every rank together: settle()
+        elif pending is not None and finite:
             self.residuals[key] = pending
         # Divide in the wider dtype again: a wide wire's mean is rounded into ``out`` once.
         out.copy_(wire.to(torch.promote_types(out.dtype, self.wire_dtype)).div_(self.post))
+
+
+    def settle(self, stepped: bool, rescale: float = 1.0) -> None:
+        """Under dynamic loss scaling: keep this step's residuals if the step was taken on every rank (a
+        skipped step's may hold inf - inf), and carry all of them into the next loss scale's units."""
+        if stepped:
+            self.residuals.update(self._unsettled)
+        self._unsettled.clear()
+        if rescale != 1.0:
+            for residual in self.residuals.values():
+                residual.mul_(rescale)
 
 
 def all_reduce_mean(comm: Comm, wire: Wire | None, flat: torch.Tensor, key=None, names=None, tag=None) -> None:

@@ -162,12 +162,17 @@ def check_supported(dtype: torch.dtype, device: torch.device, rank: int) -> None
                          f"device computes it, or 'fp32'.")
 
 
-def cast_parameters(module: nn.Module, dtype: torch.dtype, skip: set[int] = frozenset()) -> None:
+def cast_parameters(module: nn.Module, dtype: torch.dtype, skip: set[int] = frozenset()) -> dict[int, torch.Tensor]:
     """The working copy: every floating parameter (frozen ones too -- one dtype per forward) in ``dtype``,
-    in place, so the parameters stay the objects hooks and optimizers refer to.  Buffers keep their dtype."""
+    in place, so the parameters stay the objects hooks and optimizers refer to.  Buffers keep their dtype.
+    Returns the values as they were, by ``id``: a frozen parameter has no master, and its full-precision
+    value must still be what a checkpoint holds."""
+    originals = {}
     for p in module.parameters():
-        if p.is_floating_point() and id(p) not in skip:
+        if p.is_floating_point() and id(p) not in skip and id(p) not in originals:
+            originals[id(p)] = p.detach().clone()
             p.data = p.data.to(dtype)
+    return originals
 
 
 def in_users_order(rebuilt: torch.optim.Optimizer, user: torch.optim.Optimizer, master: "MasterWeights") -> dict:
@@ -208,6 +213,12 @@ class MasterWeights:
                        if precision.scaled else None)
         self._master_of = {id(w): m for w, m in zip(working, masters)}
         self._overflow: bool | None = None  # this step's verdict, once unscaled
+
+    def reset(self) -> None:
+        """``zero_grad()``: an unscale whose step never came (clipped, then not stepped) is forgotten."""
+        for m in self.masters:
+            m.grad = None
+        self._overflow = None
 
     def master_of(self, working: torch.Tensor) -> nn.Parameter:
         return self._master_of[id(working)]

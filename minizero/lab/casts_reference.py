@@ -75,6 +75,7 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     params_by_name = dict(model.named_parameters())
     reduction = stage_class.reduction(model, optimizer, n, **exp.options)  # the stage's own buffers
     residuals: dict = {}
+    settling: dict = {}  # under loss scaling, residuals are kept only if the step is taken (Wire.settle)
     record = RankResult(params=[], losses=[])
     for s in range(exp.steps):
         x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
@@ -111,7 +112,9 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                     wires.append(scaled.to(wire))
                     pending[(r, key)] = scaled - wires[-1].to(wide)
                 summed = ring_sum(wires)
-                if error_feedback and bool(torch.isfinite(summed).all()):  # an overflow keeps the old error
+                if error_feedback and precision.scaled:
+                    settling.update(pending)
+                elif error_feedback and bool(torch.isfinite(summed).all()):  # an overflow keeps the old error
                     residuals.update(pending)
                 averaged = (summed.to(wide) / post).to(flats[0].dtype)
             grads = [torch.empty_like(params_by_name[name]) for name in packed]
@@ -121,7 +124,13 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                     params_by_name[name].grad = grad
         if exp.clip is not None:
             stage.clip_grad_norm_(*exp.clip)
+        scale, skipped = stage.loss_scale, stage.skipped_steps
         stage.step()
+        if stage.skipped_steps == skipped:
+            residuals.update(settling)
+        settling.clear()
+        for residual in residuals.values():  # the residuals are in units of the scaled gradients
+            residual.mul_(stage.loss_scale / scale)
         record.losses.append(loss_total)
         state = stage.full_state_dict()
         record.params.append({name: state[name] for name in params_by_name})

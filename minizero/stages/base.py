@@ -50,6 +50,7 @@ class Stage(nn.Module):
         self.require_backward_grad_sync = True  # torch DDP's name for "not inside no_sync()"
         self.precision = Precision.of(precision)
         self.master: MasterWeights | None = None  # mixed precision: the fp32 masters and the loss scaler
+        self._frozen: dict[int, torch.Tensor] = {}  # mixed precision: frozen parameters' values before the cast
         self._optimizer_step = optimizer.step if optimizer is not None else None
         self._optimizer_zero_grad = optimizer.zero_grad if optimizer is not None else None
         if self.precision.mixed:
@@ -82,7 +83,8 @@ class Stage(nn.Module):
             return
         optimizer, trainable = self.optimizer, [p for _, p in self.trainable()]
         masters = [nn.Parameter(p.detach().clone()) for p in trainable]
-        cast_parameters(self.module, self.precision.working_dtype)
+        originals = cast_parameters(self.module, self.precision.working_dtype)
+        self._frozen = {k: v for k, v in originals.items() if k not in {id(p) for p in trainable}}
         self.master = MasterWeights(trainable, masters, self.precision, self.comm,
                                     self.tag if self.comm else None)
         self.master_optimizer = rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
@@ -189,10 +191,23 @@ class Stage(nn.Module):
             self._optimizer_step()
         else:
             follow(self.master_optimizer, self.optimizer.param_groups)
-            self.master.step(self.master_optimizer.step)
+            self.settle(self.master.step, self.master_optimizer.step)
+
+    def settle(self, master_step, optimizer_step) -> bool:
+        """A mixed-precision step, and what compression's error feedback keeps of it: its residuals only if
+        the step was taken on every rank (the MAX-combined verdict, not this rank's shard), rescaled when the
+        loss scale changed -- they are in the units of the scaled gradients."""
+        before = self.master.loss_scale
+        stepped = master_step(optimizer_step)
+        wire = getattr(self, "wire", None)
+        if wire is not None:
+            wire.settle(stepped, self.master.loss_scale / before)
+        return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's zero_grad if the stage was given one, else the model's (as on nn.Module)."""
+        if self.master is not None:
+            self.master.reset()
         if self._optimizer_zero_grad is not None:
             self._optimizer_zero_grad(set_to_none=set_to_none)
         else:
@@ -241,7 +256,8 @@ class Stage(nn.Module):
         if self.master is None:
             return state
         for name, p in self.module.named_parameters(remove_duplicate=False):
-            state[name] = masters[id(p)] if id(p) in masters else state[name].to(self.master.masters_dtype)
+            value = masters.get(id(p), self._frozen.get(id(p)))  # a frozen parameter: its value before the cast
+            state[name] = value.clone() if value is not None else state[name]
         return state
 
     def full_optimizer_state_dict(self) -> dict:
@@ -390,6 +406,8 @@ class Synchronised(Stage):
         self._local_grads = False
         if set_to_none:  # as in torch: None is not stepped; set_to_none=False zeroes what exists (still stepped)
             self._has_grad.clear()
+        if self.master is not None:
+            self.master.reset()
         self._zero_grad(set_to_none)
 
     def _zero_grad(self, set_to_none: bool) -> None:

@@ -80,7 +80,7 @@ class ZeRO(Synchronised):
         Adam, divided by N); the flat buffers -- parameters and what is all-gathered -- become 16-bit."""
         dtype = self.precision.working_dtype
         masters = [group.keep_master(dtype) for group in self.groups]
-        cast_parameters(self.module, dtype, skip={id(s.param) for g in self.groups for s in g.segments})
+        self._frozen = cast_parameters(self.module, dtype, skip={id(s.param) for g in self.groups for s in g.segments})
         working = [piece.param for group in self.groups for piece in group.pieces]
         pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
                   for group, master in zip(self.groups, masters) for piece in group.pieces]
