@@ -34,7 +34,7 @@ DISTRIBUTED = ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"]
 
 
 @pytest.mark.parametrize("stage", DISTRIBUTED)
-@settings(max_examples=examples(10))
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_mixed_precision_matches_the_same_recipe_reference(pools, stage, data):
     """bf16/fp16, reduced in 16 bits or fp32, composed with compression; K >= 2, uneven shards, N = 1..4,
