@@ -213,6 +213,9 @@ class MasterWeights:
                        if precision.scaled else None)
         self._master_of = {id(w): m for w, m in zip(working, masters)}
         self._overflow: bool | None = None  # this step's verdict, once unscaled
+        #: ``listener(stepped, rescale)`` after every step: was it taken on every rank, and by what factor the
+        #: loss scale changed -- compression's error feedback keeps its residuals by it (``Wire.settle``).
+        self.settled: list[Callable[[bool, float], None]] = []
 
     def reset(self) -> None:
         """``zero_grad()``: an unscale whose step never came (clipped, then not stepped) is forgotten."""
@@ -266,7 +269,7 @@ class MasterWeights:
     @torch.no_grad()
     def step(self, optimizer_step: Callable[[], None]) -> bool:
         """Unscale, and step the masters with ``optimizer_step`` unless some rank overflowed; True if stepped."""
-        overflow = self.unscale_()
+        overflow, stepped, scale = self.unscale_(), False, self.loss_scale
         try:
             if overflow:
                 if self.scaler.scale <= self.scaler.floor:
@@ -280,6 +283,7 @@ class MasterWeights:
             for w, m in zip(self.working, self.masters):
                 if m.grad is not None:
                     w.copy_(m)  # the one rounding to 16 bits
+            stepped = True
             return True
         finally:
             for m in self.masters:
@@ -287,3 +291,5 @@ class MasterWeights:
             if self.scaler:
                 self.scaler.update(overflow)
             self._overflow = None
+            for listener in self.settled:
+                listener(stepped, self.loss_scale / scale)

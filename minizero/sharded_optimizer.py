@@ -90,13 +90,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.local.step()
         return True
 
-    def step_owned_through(self, stage) -> bool:
-        """:meth:`step_owned`, with the stage settling what its wire keeps of the step (mixed precision)."""
-        if not self.master:
-            return self.step_owned()
-        follow(self.local, self.param_groups)
-        return stage.settle(self.master.step, self.local.step)
-
     @torch.no_grad()
     def step(self, closure=None) -> None:
         """Alone (after gradients were averaged): slice, step, all-gather."""

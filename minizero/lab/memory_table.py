@@ -20,6 +20,7 @@ from ..stages import STAGES, distributed
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
 from .optimizers import STATE_TENSORS
+from .tasks import GPT_DEFAULTS
 
 #: Models ``--model`` knows: the lab's GPT, and the benchmarks' larger one.
 MODELS = {"gpt": {}, "bench-gpt": BENCH_GPT}
@@ -53,11 +54,16 @@ def measured_rows(model: str, world_size: int, precision: str, optimizer: str, t
     return rows
 
 
+def gpt_config(model: str) -> dict:
+    """The GPT's shape: the lab task's defaults (minizero.lab.tasks), overridden by the model's."""
+    return {**GPT_DEFAULTS, **MODELS[model]}
+
+
 def gpt_activation_bytes(model: str, micro_batch: int, precision: str) -> float:
     """Activations one GPT forward keeps for backward, per rank and micro-batch: Korthikanti et al. (2022),
     "Reducing Activation Recomputation in Large Transformer Models", eq. 1 -- s*b*h*(34 + 5*a*s/h) bytes per
     layer with 16-bit activations, no recomputation -- doubled for fp32.  Any ZeRO stage leaves it as it is."""
-    config = {"d_model": 32, "n_head": 4, "n_layer": 2, "block_size": 16, **MODELS[model]}
+    config = gpt_config(model)
     s, b, h, a = config["block_size"], micro_batch, config["d_model"], config["n_head"]
     per_layer = s * b * h * (34 + 5 * a * s / h)
     return config["n_layer"] * per_layer * (1 if Precision.of(precision).mixed else 2)
@@ -102,7 +108,7 @@ def main(args) -> tuple[int, str]:
                  "included: activations, communication buffers, ZeRO-3's gathered units, allocator overhead.")
     if args.model:
         act = rows[0]["activation_bytes_estimate"]
-        lines.append(f"Activations of one micro-batch of {args.micro_batch} x {({**MODELS[args.model]}).get('block_size', 16)} "
+        lines.append(f"Activations of one micro-batch of {args.micro_batch} x {gpt_config(args.model)['block_size']} "
                      f"tokens, per rank, any stage: about {act:,.0f} bytes ({gb(act)}) -- Korthikanti et al. 2022, "
                      f"eq. 1, no recomputation; they do not shrink with N.")
     return 0, "\n".join(lines)

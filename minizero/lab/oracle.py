@@ -19,6 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ..precision import Precision
+from ..rebuilt import rebuild
 from ..units import resolve_units
 
 
@@ -115,11 +116,8 @@ class TorchFSDP2(TorchStage):
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         # fully_shard replaced the parameters by DTensors: rebuild the optimizer over them, group by group.
         new = dict(module.named_parameters())
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [new[names[id(p)]] for p in g["params"]]}
-                  for g in optimizer.param_groups]
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        super().__init__(module, type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items()
-                                                            if k in accepted}))
+        super().__init__(module, rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
+                                         [[new[names[id(p)]] for p in g["params"]] for g in optimizer.param_groups]))
 
     @contextlib.contextmanager
     def no_sync(self):

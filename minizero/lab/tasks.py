@@ -47,8 +47,12 @@ class Task:
     make_batch: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (samples, seed, step, dtype, **model_kwargs)
 
 
+#: The lab's GPT, unless an experiment says otherwise.
+GPT_DEFAULTS = {"d_model": 32, "n_head": 4, "n_layer": 2, "block_size": 16}
+
+
 def _gpt_model(seed, dtype, **kw):
-    kw = {"d_model": 32, "n_head": 4, "n_layer": 2, "block_size": 16, **kw}
+    kw = {**GPT_DEFAULTS, **kw}
     return TinyGPT(vocab_size=len(vocabulary()), seed=seed, dtype=dtype, **kw)
 
 

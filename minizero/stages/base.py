@@ -87,10 +87,18 @@ class Stage(nn.Module):
         self._frozen = {k: v for k, v in originals.items() if k not in {id(p) for p in trainable}}
         self.master = MasterWeights(trainable, masters, self.precision, self.comm,
                                     self.tag if self.comm else None)
+        self._settle_wire()
         self.master_optimizer = rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
                                         [[self.master.master_of(p) for p in group["params"] if p.requires_grad]
                                          for group in optimizer.param_groups])
         self._route(optimizer)
+
+    def _settle_wire(self) -> None:
+        """Compression's error feedback keeps a step's residuals only if every rank took the step (the MAX
+        verdict, not this rank's shard: a skipped step's may hold inf - inf), rescaled as the loss scale moves."""
+        wire = getattr(self, "wire", None)
+        if wire is not None:
+            self.master.settled.append(wire.settle)
 
     def _route(self, optimizer: torch.optim.Optimizer) -> None:
         """Whichever the user calls -- the stage's step()/zero_grad() or their optimizer's -- the stage's runs:
@@ -191,18 +199,7 @@ class Stage(nn.Module):
             self._optimizer_step()
         else:
             follow(self.master_optimizer, self.optimizer.param_groups)
-            self.settle(self.master.step, self.master_optimizer.step)
-
-    def settle(self, master_step, optimizer_step) -> bool:
-        """A mixed-precision step, and what compression's error feedback keeps of it: its residuals only if
-        the step was taken on every rank (the MAX-combined verdict, not this rank's shard), rescaled when the
-        loss scale changed -- they are in the units of the scaled gradients."""
-        before = self.master.loss_scale
-        stepped = master_step(optimizer_step)
-        wire = getattr(self, "wire", None)
-        if wire is not None:
-            wire.settle(stepped, self.master.loss_scale / before)
-        return stepped
+            self.master.step(self.master_optimizer.step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's zero_grad if the stage was given one, else the model's (as on nn.Module)."""

@@ -85,6 +85,7 @@ class ZeRO(Synchronised):
         pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
                   for group, master in zip(self.groups, masters) for piece in group.pieces]
         self.master = MasterWeights(working, pieces, self.precision, self.comm, self.tag)
+        self._settle_wire()
 
     def _master_values(self) -> dict[int, torch.Tensor]:
         """Every parameter's whole fp32 master: each group's master shards all-gathered."""

@@ -113,7 +113,7 @@ class ZeRO1(ZeRO):
 
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:
-        if self.optimizer.step_owned_through(self):  # pieces without a gradient are skipped, as torch.optim skips None
+        if self.optimizer.step_owned():  # pieces without a gradient are skipped, as torch.optim skips None
             self.share_parameters()  # (not after a step skipped for overflow: nothing changed)
 
     def _zero_grad(self, set_to_none: bool = True) -> None:

@@ -84,7 +84,7 @@ class ZeRO2(ZeRO):
 
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:
-        if self.optimizer.step_owned_through(self):
+        if self.optimizer.step_owned():
             self.share_parameters()
 
     def _zero_grad(self, set_to_none: bool = True) -> None:

@@ -173,7 +173,7 @@ class ZeRO3(ZeRO):
         """Step the pieces; nothing to share: the next forward gathers what it needs."""
         for unit in self.units:
             unit.drop_prefetch()
-        self.optimizer.step_owned_through(self)
+        self.optimizer.step_owned()
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         super()._zero_grad(set_to_none)
