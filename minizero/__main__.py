@@ -19,6 +19,7 @@ from .lab.memory_table import MODELS as MEMORY_MODELS
 from .lab.optimizers import OPTIMIZERS
 from .lab.registry import LAB_STAGES
 from .lab.tasks import TASKS
+from .labs.cli import add_commands as add_lab_commands
 from .precision import PRECISIONS, REDUCE_DTYPES
 from .stages import DEFAULT_STAGE, STAGES, distributed
 
@@ -111,6 +112,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--world-size", type=positive_int, default=2)
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.add_argument("--json", action="store_true")
+    add_lab_commands(sub)
     return top
 
 
@@ -124,6 +126,10 @@ def main(argv=None) -> int:
             from .lab.soak import main as run
         elif args.command == "memory":
             from .lab.memory_table import main as run
+        elif args.command == "lab":
+            from .labs.cli import lab_main as run
+        elif args.command == "check":
+            from .labs.cli import check_main as run
         else:
             from .lab.bench import main as run
         status, text = run(args)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 from hypothesis import HealthCheck, settings
 
-from minizero.launch import RankPool
+from minizero.launch import RankPools
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -33,17 +33,11 @@ def _on_rank(me, action, name):
     getattr(patch_mutants, action)(name)
 
 
-class Pools:
-    """One live RankPool per world size; a pool broken by a failure is replaced."""
+class Pools(RankPools):
+    """The suite's pools, with mutants that can be put in place in every rank."""
 
     def __init__(self):
-        self._pools: dict[int, RankPool] = {}
-
-    def run(self, world_size: int, fn, *args, **kwargs):
-        pool = self._pools.get(world_size)
-        if pool is None or pool.broken:
-            pool = self._pools[world_size] = RankPool(world_size, timeout_s=TIMEOUT_S)
-        return pool.run(fn, *args, **kwargs)
+        super().__init__(timeout_s=TIMEOUT_S)
 
     @contextmanager
     def patched(self, name: str):
@@ -52,19 +46,13 @@ class Pools:
         from tests import patch_mutants
         patch_mutants.apply(name)
         try:
-            for world_size, pool in list(self._pools.items()):
-                if not pool.broken:
-                    pool.run(_on_rank, "apply", name)
+            for pool in self.live().values():
+                pool.run(_on_rank, "apply", name)
             yield
         finally:
             patch_mutants.undo(name)
-            for pool in self._pools.values():
-                if not pool.broken:
-                    pool.run(_on_rank, "undo", name)
-
-    def close(self):
-        for pool in self._pools.values():
-            pool.close()
+            for pool in self.live().values():
+                pool.run(_on_rank, "undo", name)
 
 
 @pytest.fixture(scope="session")

@@ -48,14 +48,15 @@ def judge(results: list, reference, dtype: str, rtol: float | None = None, state
             for name, err, scale in parameter_errors(result.params[step], ref_params, dtype):
                 worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, err / scale)
                 if violation is None and not err <= rtol * scale:
-                    violation = f"step {step}, rank {rank}, {name}: |Δ|={err:.3g} > {rtol:g} x {scale:.3g}"
+                    violation = (f"after step {step + 1}, rank {rank}'s {name} differs from the reference by {err:.3g} "
+                                     f"(tolerance {rtol:g} x {scale:.3g})")
         total = sum(r.losses[step] for r in results)
         ref_loss = reference.losses[step]
         loss_rel = abs(total - ref_loss) / max(abs(ref_loss), 1e-300)
         loss_rel = loss_rel if math.isfinite(loss_rel) else math.inf
         worst_loss = max(worst_loss, loss_rel)
         if violation is None and not loss_rel <= rtol:
-            violation = f"step {step}: global loss {total} != reference {ref_loss}"
+            violation = f"step {step + 1}: the global loss {total} differs from the reference's {ref_loss}"
         if violation is None and states and reference.optimizer_states:
             violation = optimizer_state_violation(results[0].optimizer_states[step],
                                                   reference.optimizer_states[step], rtol, f"step {step}")

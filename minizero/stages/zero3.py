@@ -49,6 +49,7 @@ from .zero import ZeRO
 class ZeRO3(ZeRO):
     name = "zero3"
     shards = Shards(optimizer_states=True, gradients=True, parameters=True)
+    unit_class = Unit  # what gathers and frees a unit's parameters (lesson 7's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  units=None, reshard_after_forward: bool = True, prefetch: int = 1, compress: str | None = None,
@@ -63,7 +64,7 @@ class ZeRO3(ZeRO):
         plan = plan_unit_groups(module, unit_modules, [g["params"] for g in self.param_groups()])
         self.shard([ShardedFlatGroup(named, self.rank, self.world_size, gi) for _, gi, named in plan])
         names = {id(m): n for n, m in module.named_modules()}
-        self.units = [Unit(u, names[id(m)] or "root", [g for g, (owner, _, _) in zip(self.groups, plan) if owner == u],
+        self.units = [self.unit_class(u, names[id(m)] or "root", [g for g, (owner, _, _) in zip(self.groups, plan) if owner == u],
                            comm, self.tag, self._observe)
                       for u, m in enumerate([module] + unit_modules)]
         self._unit_of = [self.units[owner] for owner, _, _ in plan]  # group index -> its unit

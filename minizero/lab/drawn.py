@@ -1,0 +1,94 @@
+"""Experiments drawn at random: what the equivalence suite and the labs' checker run.
+
+One strategy serves both, so a learner's stage faces exactly the properties
+the package's own stages pass (``tests/`` and ``python -m minizero check``).
+"""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from ..precision import Precision
+from .experiment import Experiment
+from .optimizers import OPTIMIZERS
+from .registry import stage_class
+
+#: Bucket caps that force one parameter per bucket, a few buckets, or one bucket.
+BUCKET_MB = [1e-9, 2e-4, 1e-3, 25.0]
+
+
+@st.composite
+def stage_options(draw, stage: str, task: str, compress: bool = False, stages: dict | None = None,
+                  precision: bool = False) -> dict:
+    """Options drawn for what the stage accepts (its constructor says)."""
+    accepted, options = stage_class(stage, stages).options(), {}
+    if "bucket_mb" in accepted:
+        options["bucket_mb"] = draw(st.sampled_from(BUCKET_MB))
+    if "prefetch" in accepted:
+        options["prefetch"] = draw(st.sampled_from([0, 1, 2]))
+    if "reshard_after_forward" in accepted:
+        options["reshard_after_forward"] = draw(st.booleans())
+    if task == "edge":
+        options["find_unused_parameters"] = True  # EdgeModel.unused never gets a gradient
+    if precision:
+        options["precision"] = draw(st.sampled_from(PRECISION_POLICIES))
+    if compress or (precision and options["precision"].reduce_dtype is None and draw(st.booleans())):
+        options["compress"] = draw(st.sampled_from(["fp16", "bf16"]))  # under mixed precision: composed
+        options["error_feedback"] = draw(st.booleans())
+    return options
+
+
+#: Mixed-precision policies drawn: each 16-bit dtype, reduced in it (the default) or in fp32, and fp16
+#: with a loss scale low enough that no step overflows as well as the default 2^16 that makes the first
+#: steps overflow and skip.
+PRECISION_POLICIES = [Precision("bf16"), Precision("fp16"), Precision("bf16", reduce_dtype="fp32"),
+                      Precision("fp16", reduce_dtype="fp32"), Precision("fp16", loss_scale=2.0 ** 4)]
+
+
+SIMPLEST_FIRST = ["sgd", "momentum", "nesterov", "adam", "adamw"]
+assert sorted(SIMPLEST_FIRST) == sorted(OPTIMIZERS)
+
+
+@st.composite
+def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: int = 3, compress: bool = False,
+                backends=("ring", "native"), stages: dict | None = None, precision: bool = False,
+                tasks=("mlp", "mlp", "edge", "gpt")):
+    """An experiment and its world size: model shape, batch split, optimizer, dtype..."""
+    world_size = draw(st.sampled_from(world_sizes))
+    task = draw(st.sampled_from(tasks))
+    model = {}
+    if task == "mlp":
+        model = {"sizes": tuple(draw(st.lists(st.integers(1, 9), min_size=2, max_size=4)))}
+    elif task == "gpt":
+        model = {"d_model": draw(st.sampled_from([8, 16])), "n_layer": draw(st.integers(1, 2)),
+                 "n_head": 2, "block_size": draw(st.sampled_from([4, 8]))}
+    accum = draw(st.integers(1, max_accum))
+    rank_sizes = None
+    if draw(st.booleans()):  # unequal samples per rank, some possibly empty
+        rank_sizes = tuple(draw(st.lists(st.integers(0, 5), min_size=world_size, max_size=world_size)
+                                .filter(lambda sizes: sum(sizes) > 0)))
+    dtype = draw(st.sampled_from(["float64", "float32"]))
+    # Adam's first steps are about lr * sign(g): a gradient element near zero flips sign under float32
+    # rounding in any two summation orders, an O(lr) difference no tolerance on parameters can absorb.
+    # So float32 draws the SGD family (1e-5 holds), and Adam/AdamW are proven in float64 (1e-9).
+    # Simplest first: a failure shrinks towards plain SGD, where a wrong gradient shows undamped.
+    optimizers = SIMPLEST_FIRST if dtype == "float64" else SIMPLEST_FIRST[:3]
+    if precision:  # the reference applies the same casts in the same order: no sign for Adam to flip
+        optimizers = SIMPLEST_FIRST
+    exp = Experiment(
+        stage=stage, task=task, model=model,
+        optimizer=draw(st.sampled_from(optimizers)),
+        lr=draw(st.sampled_from([1e-3, 1e-2, 1e-1])),
+        steps=draw(st.integers(1, 3)),
+        micro_batch=draw(st.integers(1, 3)),
+        accum=accum,
+        dtype=dtype,
+        seed=draw(st.integers(0, 2**16)),
+        backend=draw(st.sampled_from(backends)),
+        rank_sizes=rank_sizes,
+        options=draw(stage_options(stage, task, compress, stages, precision)),
+        clip=draw(st.sampled_from([None, None, (0.05, 2.0), (0.02, float("inf"))])),
+        param_groups=draw(st.booleans()),
+        record_states=True,
+        stages=stages,
+    )
+    return exp, world_size

@@ -1,0 +1,38 @@
+"""Labs: the learner writes each stage's idea, and the package's own properties judge it.
+
+One lab per lesson (:data:`LABS`): a skeleton file with the machinery given and
+the lesson's one or two methods left to write, and :func:`check`, which runs the
+same property tests the package's stages pass -- equivalence to single-device
+training, bytes and memory against the formulas, overlap where the lab is about
+overlap -- and reports the smallest failing case in plain words.
+
+    python -m minizero lab ddp my_ddp.py          # a copy of the skeleton to work in
+    python -m minizero check ddp --impl my_ddp.py  # judge it
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from .catalogue import LABS, Lab, check_lab_name
+from .check import Report, check
+
+
+def skeleton_path(lab: str) -> Path:
+    """The blank skeleton of ``lab`` (read it; copy it with :func:`start` to work in)."""
+    return check_lab_name(lab).skeleton
+
+
+def start(lab: str, to: str | Path | None = None) -> Path:
+    """Copy ``lab``'s skeleton to ``to`` (default ``lab_<name>.py`` here) and return the path; an existing file
+    is never overwritten -- it is your work."""
+    spec = check_lab_name(lab)
+    target = Path(to if to is not None else f"lab_{spec.name.replace('-', '_')}.py")
+    if target.exists():
+        raise FileExistsError(f"{target} exists; check it with python -m minizero check {spec.name} --impl {target}, "
+                              f"or name another file")
+    shutil.copyfile(spec.skeleton, target)
+    return target
+
+
+__all__ = ["LABS", "Lab", "Report", "check", "skeleton_path", "start"]

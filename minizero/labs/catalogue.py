@@ -1,0 +1,84 @@
+"""The labs: one per lesson, each a skeleton the learner completes and the properties that judge it.
+
+A lab names the package's own class that answers it (the answer key: the
+checker passes it, and CI proves that), the skeleton the learner starts from
+(``skeletons/``: the machinery given, the lesson's one or two methods left to
+write), the properties it must satisfy -- the same the package's stages are held
+to in ``tests/`` -- and the known mistakes the checker compares a failure with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..comm import Comm, RingComm
+from ..stages import DDP, STAGES, BucketedDDP, Stage, ZeRO1, ZeRO2, ZeRO3
+from . import mistakes
+
+SKELETONS = Path(__file__).parent / "skeletons"
+
+
+@dataclass(frozen=True)
+class Lab:
+    name: str
+    lesson: str  # the notebook that tells the story
+    title: str
+    answer: type  # the package's class: what a correct file behaves like
+    todo: tuple[str, ...]  # what the learner writes, as Class.method
+    properties: tuple[str, ...]  # names in minizero.labs.properties.PROPERTIES, checked in this order
+    mistakes: tuple[type, ...] = ()  # minizero.labs.mistakes: compared with a failure, to name it
+    options: dict = field(default_factory=dict)  # stage options every example uses
+    compress: bool = False  # draw compressed examples (the 16-bit wire)
+
+    @property
+    def kind(self) -> type:
+        """What the learner's file defines: a stage, or a communication layer."""
+        return Comm if issubclass(self.answer, Comm) else Stage
+
+    @property
+    def skeleton(self) -> Path:
+        return SKELETONS / f"{self.name.replace('-', '_')}.py"
+
+    @property
+    def stage(self) -> str:
+        """The package stage the lab's properties run -- its own stage, or for the ring a stage over it."""
+        return self.answer.name if issubclass(self.answer, Stage) else "zero2"
+
+
+def _labs(*labs: Lab) -> dict[str, Lab]:
+    return {lab.name: lab for lab in labs}
+
+
+STAGE_PROPERTIES = ("equivalence", "bytes")
+
+LABS: dict[str, Lab] = _labs(
+    Lab("ring", "lessons/01_collectives_from_send_recv.ipynb", "the ring reduce-scatter and all-gather from send/recv",
+        RingComm, ("Ring._ring_reduce_scatter", "Ring._ring_all_gather"),
+        ("collectives", "ring bytes and messages", "training over your ring")),
+    Lab("ddp", "lessons/02_ddp_allreduce.ipynb", "DDP's gradient synchronisation", DDP, ("DDP.sync_gradients",),
+        STAGE_PROPERTIES, (mistakes.SumInsteadOfMean, mistakes.SyncsWeights, mistakes.DropsLastParameter)),
+    Lab("ddp-bucketed", "lessons/03_bucketing_and_overlap.ipynb", "buckets launched during backward", BucketedDDP,
+        ("BucketDDP._on_gradient_ready", "BucketDDP._all_reduce"), STAGE_PROPERTIES + ("overlap",),
+        (mistakes.TensorHookDDP, mistakes.PostHookArgumentAsGradient)),
+    Lab("compress", "lessons/04_accumulation_and_compression.ipynb",
+        "accumulation with no_sync() and the 16-bit all-reduce", DDP, ("DDP.no_sync", "Wire.all_reduce_mean"),
+        ("equivalence", "one all-reduce per step", "compressed equivalence", "compressed bytes"),
+        (mistakes.SyncsEveryMicroBatch,), compress=True),
+    Lab("zero1", "lessons/05_zero1.ipynb", "ZeRO-1: reduce-scatter, step the owned shard, all-gather", ZeRO1,
+        ("ZeRO1.reduce_scatter_gradients", "ZeRO1.all_gather_parameters"), STAGE_PROPERTIES + ("memory",),
+        (mistakes.ShiftedShard, mistakes.AllReduceThenAllGather)),
+    Lab("zero2", "lessons/06_zero2.ipynb", "ZeRO-2: a reduce-scatter per bucket during backward", ZeRO2,
+        ("ZeRO2._on_gradient_ready", "ZeRO2._reduce_scatter"), STAGE_PROPERTIES + ("memory", "overlap"),
+        (mistakes.LastMicroBatchOnly,)),
+    Lab("zero3", "lessons/07_zero3.ipynb", "ZeRO-3: gather a unit around its forward and backward, free it after",
+        ZeRO3, ("Unit.unshard", "Unit.before_forward", "Unit.after_forward", "Unit.before_backward",
+                "Unit.after_backward"), STAGE_PROPERTIES + ("memory",)),
+)
+
+assert all(lab.stage in STAGES for lab in LABS.values())
+
+
+def check_lab_name(name: str) -> Lab:
+    if name not in LABS:
+        raise ValueError(f"unknown lab {name!r}; the labs: {', '.join(LABS)} (python -m minizero lab --list)")
+    return LABS[name]

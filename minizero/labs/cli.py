@@ -1,0 +1,39 @@
+"""``python -m minizero lab`` (start a lab) and ``python -m minizero check`` (judge it)."""
+from __future__ import annotations
+
+import functools
+
+from . import LABS, check, start
+
+
+def add_commands(sub) -> None:
+    lab = sub.add_parser("lab", help="copy a lab's skeleton to a file of yours; --list: the labs")
+    lab.add_argument("name", nargs="?", choices=list(LABS))
+    lab.add_argument("to", nargs="?", help="where to copy it (default lab_<name>.py here; never overwritten)")
+    lab.add_argument("--list", action="store_true")
+    judge = sub.add_parser("check", help="judge a lab with the package's own property tests; exit 1 if one fails")
+    judge.add_argument("name", choices=list(LABS))
+    judge.add_argument("--impl", help="your file (default: the package's own stage -- the answer key)")
+    judge.add_argument("--examples", type=int, default=25, help="drawn examples per property (derandomized)")
+
+
+def lab_main(args) -> tuple[int, str]:
+    if args.list or args.name is None:
+        return 0, "\n".join(f"{name:<13}{lab.title}  ({lab.lesson}; you write {', '.join(lab.todo)})"
+                            for name, lab in LABS.items())
+    try:
+        path = start(args.name, args.to)
+    except FileExistsError as error:
+        raise ValueError(str(error)) from None
+    return 0, f"{path}: lab {args.name}'s skeleton. Write {', '.join(LABS[args.name].todo)}, then:\n" \
+              f"  python -m minizero check {args.name} --impl {path}"
+
+
+def check_main(args) -> tuple[int, str]:
+    if args.examples < 1:
+        raise ValueError(f"--examples must be at least 1, got {args.examples}")
+    try:
+        report = check(args.name, args.impl, examples=args.examples, out=functools.partial(print, flush=True))
+    except FileNotFoundError as error:
+        raise ValueError(str(error)) from None
+    return (0 if report.ok else 1), ""

@@ -1,0 +1,107 @@
+"""The learner's file, loaded wherever it is needed: here, and in every rank of a pool.
+
+Pools fork once and live on, so a class defined in a file the learner wrote
+after the fork is unknown to them.  What travels to the ranks is therefore a
+:class:`Impl` -- a path, or an importable class -- and each process loads it
+itself (cached by the file's modification time: an edited file is reloaded).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..comm import BACKENDS
+from ..lab.registry import LAB_STAGES
+from .catalogue import Lab
+from .mistakes import MISTAKE_STAGES
+
+_loaded: dict[tuple[str, int], object] = {}
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A learner's implementation of a lab: a file (``path``) or a class (``module``:``qualname``)."""
+
+    lab: Lab
+    path: str | None = None
+    module: str | None = None
+    qualname: str | None = None
+
+    @classmethod
+    def of(cls, lab: Lab, impl) -> "Impl":
+        """``impl``: a path, a class, or None for the package's own (the answer key)."""
+        impl = lab.answer if impl is None else impl
+        if isinstance(impl, type):
+            return cls(lab, module=impl.__module__, qualname=impl.__qualname__)
+        path = Path(impl).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"no file {str(impl)!r} to check for lab {lab.name!r}; start one with "
+                                    f"python -m minizero lab {lab.name} FILE")
+        return cls(lab, path=str(path))
+
+    @property
+    def label(self) -> str:
+        return self.path or f"{self.module}.{self.qualname}"
+
+    def cls(self) -> type:
+        """The learner's class, loaded in this process."""
+        if self.path is None:
+            target = importlib.import_module(self.module)
+            for part in self.qualname.split("."):
+                target = getattr(target, part)
+            return target
+        return find_class(load_file(self.path), self.lab)
+
+    @property
+    def key(self) -> str:
+        """The learner's stage or backend, by this name, in a copy of the registry."""
+        return f"lab-{self.lab.name}"
+
+    def stages(self) -> dict:
+        """The lab's registry (with the known mistakes) plus the learner's stage -- or, for the ring lab,
+        the learner's ring installed as a collective backend, which any stage can run over."""
+        cls = self.cls()
+        if issubclass(cls, LAB_STAGES["reference"]):
+            return {**MISTAKE_STAGES, self.key: cls}
+        BACKENDS.setdefault(self.key, cls)  # a name of its own: the package's backends are untouched
+        BACKENDS[self.key] = cls
+        return MISTAKE_STAGES
+
+
+def load_file(path: str):
+    """Import the file at ``path`` as a module of its own (reloaded when the file changes)."""
+    mtime = os.stat(path).st_mtime_ns
+    module = _loaded.get((path, mtime))
+    if module is None:
+        name = "minizero_lab_" + hashlib.sha1(f"{path}:{mtime}".encode()).hexdigest()[:12]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception:
+            del sys.modules[name]
+            raise
+        _loaded[(path, mtime)] = module
+    return module
+
+
+def find_class(module, lab: Lab) -> type:
+    """The one class the file defines that is a :class:`Stage` (or, for the ring lab, a ``Comm``)."""
+    kind = lab.kind
+    own = [obj for _, obj in inspect.getmembers(module, inspect.isclass)
+           if obj.__module__ == module.__name__ and issubclass(obj, kind)]
+    if not own:
+        raise TypeError(f"{module.__file__} defines no subclass of {kind.__name__}: the lab {lab.name!r} checks the "
+                        f"{kind.__name__} it defines (start from the skeleton: python -m minizero lab {lab.name} FILE)")
+    leaves = [c for c in own if not any(o is not c and issubclass(o, c) for o in own)]
+    if len(leaves) > 1:
+        raise TypeError(f"{module.__file__} defines {len(leaves)} {kind.__name__} classes "
+                        f"({', '.join(c.__name__ for c in leaves)}); the lab {lab.name!r} checks one: keep one")
+    return leaves[0]

@@ -1,0 +1,216 @@
+"""The properties a lab is judged by -- the ones the package's own stages pass in ``tests/``.
+
+Each takes the :class:`~minizero.labs.check.Checker` and returns a one-line
+account of what it checked, or raises :class:`Failed` with the smallest case
+that fails (hypothesis shrinks drawn examples) and, in plain words, what went
+wrong there.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from ..comm import ring_bytes_sent
+from ..lab.drawn import experiments
+from ..lab.equivalence import agrees, judge
+from ..lab.experiment import Experiment, reference_of
+from ..lab.optimizers import STATE_TENSORS
+
+
+class Failed(Exception):
+    """A property failed: ``case`` is the smallest example, in words; ``why`` what went wrong there."""
+
+    def __init__(self, why: str, case: str = "", mistake: str | None = None):
+        super().__init__(why)
+        self.why, self.case, self.mistake = why, case, mistake
+
+
+def describe(exp: Experiment, world_size: int) -> str:
+    """An experiment as a learner reads it: 'world size 2, K = 2, sgd (lr 0.01), mlp (3, 1), float64, ...'."""
+    model = f"mlp {exp.model['sizes']}" if exp.task == "mlp" else \
+        f"gpt (d_model {exp.model['d_model']}, {exp.model['n_layer']} layer(s))" if exp.task == "gpt" and exp.model \
+        else exp.task
+    batch = f"samples per rank {list(exp.rank_sizes)}" if exp.rank_sizes else f"{exp.micro_batch} sample(s) per micro-batch"
+    extras = [f"{k}={v}" for k, v in sorted(exp.options.items())]
+    extras += [f"clip {exp.clip}"] if exp.clip else []
+    extras += ["two param groups"] if exp.param_groups else []
+    return (f"world size {world_size}, K = {exp.accum} micro-batch(es), {exp.optimizer} (lr {exp.lr}), {model}, "
+            f"{batch}, {exp.dtype}, {exp.steps} step(s), {exp.backend} collectives"
+            + (f", {', '.join(extras)}" if extras else ""))
+
+
+# ------------------------------------------------------------------ training equals single-device training
+def equivalence(checker, compress: bool = False) -> str:
+    lab = checker.lab
+    strategy = experiments(checker.key, world_sizes=(1, 2, 3, 4), max_accum=3, compress=compress,
+                           backends=("ring",) if compress else ("ring", "native"), stages=checker.stages,
+                           tasks=("mlp", "mlp", "gpt"))
+    if compress:  # the lab's wire has no error feedback: the plain 16-bit mean
+        strategy = strategy.map(lambda d: (replace(d[0], options={**d[0].options, "error_feedback": False}), d[1]))
+    strategy = strategy.map(lambda d: (replace(d[0], options={**d[0].options, **lab.options}), d[1]))
+
+    def examine(drawn):
+        exp, n = drawn
+        results = checker.run(n, exp)
+        verdict = judge(results, reference_of(replace(exp, stages=checker.stages), n), exp.dtype,
+                        states=exp.record_states)
+        if not verdict.ok:
+            return verdict.nonfinite or verdict.violation, results
+        return None
+
+    checker.search(strategy, examine, describe)
+    return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, "
+            f"SGD/momentum/Adam, float64 and float32" + (", fp16 and bf16 wires" if compress else ""))
+
+
+# ------------------------------------------------------------------ bytes, memory, overlap: the cost
+def sent_bytes(checker, options: dict | None = None) -> str:
+    """Bytes per step per rank as the ledger counted them, against the stage's formula; the kinds of collective
+    against the answer key's."""
+    options = {**checker.lab.options, **(options or {})}
+    for n in (2, 3):
+        exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=2, dtype="float32", optimizer="adamw",
+                         options=options)
+        results = checker.run(n, exp)
+        first = results[0]
+        sent = sum(r.sent_bytes for r in results) / (n * exp.steps)
+        formula = checker.lab.answer.sent_bytes_per_step(first.psi, n, first.grad_bytes, first.param_bytes, **options)
+        kinds = set(first.sent_by_kind)
+        want = set(checker.run(n, replace(exp, stage=checker.lab.stage))[0].sent_by_kind)
+        if not agrees(sent, formula) or kinds != want:
+            raise Failed(f"each rank sent {sent:,.0f} bytes per step as {sorted(kinds)}; the formula says "
+                         f"{formula:,.0f} as {sorted(want)}",
+                         describe(exp, n), checker.diagnose_cost(exp, n, sent))
+    return f"the ledger's bytes per step equal the formula ({checker.lab.answer.__name__}) at N = 2 and 3"
+
+
+def one_sync_per_step(checker) -> str:
+    for k in (1, 3):
+        exp = Experiment(stage=checker.key, task="mlp", steps=2, accum=k, dtype="float64")
+        results = checker.run(3, exp)
+        sent = sum(r.sent_bytes for r in results) / (3 * exp.steps)
+        formula = checker.lab.answer.sent_bytes_per_step(results[0].psi, 3, 8, 8)
+        if not agrees(sent, formula):
+            raise Failed(f"each rank sent {sent:,.0f} bytes per optimizer step ({sent / formula:.2g}x one "
+                         f"all-reduce of the gradients, {formula:,.0f})", describe(exp, 3),
+                         checker.diagnose_cost(exp, 3, sent))
+    return "K = 1 and K = 3 micro-batches each send one all-reduce per optimizer step"
+
+
+def memory(checker) -> str:
+    """Model state each rank holds after a step (live tensors), against the stage's formula."""
+    n = 4
+    exp = Experiment(stage=checker.key, task="gpt", steps=1, dtype="float32", optimizer="adamw",
+                     options=checker.lab.options)
+    results = checker.run(n, exp)
+    formula = checker.lab.answer.state_bytes(results[0].psi, n, 4, STATE_TENSORS["adamw"], **checker.lab.options)
+    for r, result in enumerate(results):
+        held = result.held_bytes
+        if not agrees(held["total"], formula):
+            parts = ", ".join(f"{k} {v:,}" for k, v in held.items() if k != "total")
+            raise Failed(f"rank {r} holds {held['total']:,} bytes of model state ({parts}); the formula says "
+                         f"{formula:,.0f} ({checker.lab.answer.state_formula(4, 2)})", describe(exp, n))
+    return f"model state per rank equals {checker.lab.answer.state_formula(4, 2)} (AdamW, fp32) at N = {n}"
+
+
+def overlap(checker) -> str:
+    """Backward keeps computing while the first bucket's collective is in flight."""
+    from .ranks import Raised, overlap_probe
+    exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (8, 16, 16, 4)}, steps=2, dtype="float32",
+                     optimizer="sgd", options={"bucket_mb": 1e-9})
+    case = describe(exp, 2) + " (one parameter per bucket)"
+    seen = checker.pools.run(2, overlap_probe, checker.impl, exp)
+    for r, backwards in enumerate(seen):
+        if isinstance(backwards, Raised):
+            raise Failed(str(backwards), case)
+        for b in backwards:
+            if b["blocking"]:
+                raise Failed(f"rank {r}: a {b['blocking'][0]} ran on the main thread during backward, so backward "
+                             f"waited for it -- return the collective from the launch instead, for the "
+                             f"communication thread to run", case)
+            if not b["launches"] or b["launches"][0] >= b["params"] - 1:
+                raise Failed(f"rank {r}: no bucket left while backward still had gradients to compute "
+                             f"(first launch after {b['launches'][0] if b['launches'] else 'none'} of "
+                             f"{b['params']} gradients): nothing overlapped", case)
+    return "the first bucket's collective leaves while backward is still computing"
+
+
+# ------------------------------------------------------------------ the ring
+def _collectives(checker, examine_case) -> None:
+    from .ranks import Raised, collectives_round
+    strategy = st.tuples(st.sampled_from([1, 2, 3, 4]), st.integers(0, 40), st.sampled_from(["float64", "float32"]),
+                         st.integers(0, 1000))
+
+    def examine(drawn):
+        n, numel, dtype, seed = drawn
+        rounds = checker.pools.run(n, collectives_round, checker.impl, numel, dtype, seed)
+        raised = [r for r in rounds if isinstance(r, Raised)]
+        if raised:
+            return str(raised[0]), None
+        for rank, cases in enumerate(rounds):
+            for name, case in cases.items():
+                problem = examine_case(name, case, rank, n)
+                if problem:
+                    return problem, None
+        return None
+
+    checker.search(strategy, examine, lambda n, numel, dtype, seed:
+                   f"world size {n}, tensors of {numel} element(s), {dtype}, data seed {seed}")
+
+
+def collectives(checker) -> str:
+    def wrong(name, case, rank, n):
+        got, want = case["got"], case["expected"]
+        if got.shape != want.shape or not got.eq(want).all():
+            bad = (got != want).nonzero()
+            i = int(bad[0]) if len(bad) else 0
+            return (f"{name} on rank {rank}: element {i} is {got.reshape(-1)[i].item() if got.numel() else 'missing'}"
+                    f", should be {want.reshape(-1)[i].item()}")
+        return None
+
+    _collectives(checker, wrong)
+    return (f"{checker.examples} drawn examples: all-reduce (SUM, AVG, MAX), reduce-scatter and all-gather give "
+            f"exact results at world sizes 1-4, tensors of 0-40 elements (fewer than N included)")
+
+
+def ring_cost(checker) -> str:
+    def wrong(name, case, rank, n):
+        elem = case["got"].element_size()
+        want = ring_bytes_sent(case["kind"], case["numel"], elem, n, rank)
+        steps = (2 if case["kind"] == "all_reduce" else 1) * (n - 1)
+        if case["sent"] != want:
+            return (f"{name}: rank {rank} sent {case['sent']} bytes of {case['numel']} x {elem}-byte elements; "
+                    f"the ring sends {want} ((N-1)/N of the tensor per phase)")
+        if case["messages"] > steps or (case["numel"] >= n and case["messages"] != steps):
+            return (f"{name}: rank {rank} sent {case['messages']} messages; the ring takes {steps} steps of one "
+                    f"message each -- the latency term that grows with N")
+        return None
+
+    _collectives(checker, wrong)
+    return "each rank sends (N-1)/N of the tensor per phase, in N-1 messages per phase: 2(N-1) per all-reduce"
+
+
+def over_your_ring(checker) -> str:
+    for stage in ("ddp", "zero2"):
+        exp = Experiment(stage=stage, task="gpt", steps=2, accum=2, dtype="float64", backend=checker.key)
+        results = checker.run(3, exp)
+        verdict = judge(results, reference_of(exp, 3), exp.dtype)
+        if not verdict.ok:
+            raise Failed(verdict.nonfinite or verdict.violation, describe(exp, 3))
+    return "ddp and zero2 over your ring equal single-device training (world size 3, K = 2)"
+
+
+PROPERTIES = {
+    "equivalence": ("equivalence to single-device training", equivalence),
+    "compressed equivalence": ("equivalence to a reference applying the same casts",
+                               lambda c: equivalence(c, compress=True)),
+    "bytes": ("bytes sent per step against the formula", sent_bytes),
+    "compressed bytes": ("bytes on the 16-bit wire: half of fp32's", lambda c: sent_bytes(c, {"compress": "fp16"})),
+    "one all-reduce per step": ("one all-reduce per optimizer step, whatever K", one_sync_per_step),
+    "memory": ("model state held per rank against the formula", memory),
+    "overlap": ("communication overlaps backward", overlap),
+    "collectives": ("every collective's result", collectives),
+    "ring bytes and messages": ("bytes and messages per rank: the ring's", ring_cost),
+    "training over your ring": ("stages trained over your ring equal single-device training", over_your_ring),
+}

@@ -1,0 +1,145 @@
+"""What runs on each rank for the checker: an experiment with the learner's class, a probe of
+overlap, one round of collectives.  A rank reports its own exception as a value -- when every rank
+raised the same way the pool lives on, so a blank skeleton costs no process spawn per example."""
+from __future__ import annotations
+
+import threading
+import traceback
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..comm import Ledger, ReduceOp
+from ..lab.experiment import build, run_experiment
+from ..lab.tasks import TASKS
+from ..launch import Rank
+from ..train import shard_step, train_step
+from .loading import Impl
+
+
+@dataclass
+class Raised:
+    """An exception on a rank, in words: its type, message and the last frame in the learner's file."""
+
+    rank: int
+    kind: str
+    message: str
+    where: str
+
+    @classmethod
+    def now(cls, rank: int, error: BaseException, path: str | None) -> "Raised":
+        frames = traceback.extract_tb(error.__traceback__)
+        mine = [f for f in frames if path and f.filename == path] or frames[-1:]
+        where = f"{mine[-1].filename}:{mine[-1].lineno} in {mine[-1].name}: {mine[-1].line}" if mine else ""
+        return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} raised {self.kind}: {self.message}" + (f"\n    at {self.where}" if self.where else "")
+
+
+def lab_experiment(me: Rank, impl: Impl, exp):
+    """This rank's result of ``exp`` with the learner's stage (``exp.stage`` names it) -- or what it raised."""
+    try:
+        return run_experiment(me, replace(exp, stages=impl.stages()))
+    except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
+        return Raised.now(me.rank, error, impl.path)
+
+
+def overlap_probe(me: Rank, impl: Impl, exp) -> list[dict] | Raised:
+    """Watch each synchronising backward: how many gradients were final when the first collective was
+    *submitted* to the communication thread, and whether a collective ran on the main thread -- blocking
+    backward -- before backward ended."""
+    try:
+        exp = replace(exp, stages=impl.stages())
+        stage, model, comm, _ = build(me, exp)
+        params = [p for _, p in stage.trainable()]
+        state = {"ready": 0, "in_backward": False, "launches": [], "blocking": []}
+        main = threading.main_thread()
+
+        def counted(param):
+            state["ready"] += 1
+            state["in_backward"] = True
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(counted)
+        submit = comm.submit
+
+        def spied_submit(fn):
+            if state["in_backward"]:
+                state["launches"].append(state["ready"])
+            return submit(fn)
+
+        comm.submit = spied_submit
+        for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+            original = getattr(comm, kind)
+
+            def spied(*args, _original=original, _kind=kind, **kwargs):
+                if state["in_backward"] and threading.current_thread() is main and not kwargs.get("async_op"):
+                    state["blocking"].append(_kind)
+                return _original(*args, **kwargs)
+
+            setattr(comm, kind, spied)
+        sync = stage.sync_gradients
+        seen = []
+
+        def spied_sync():
+            seen.append({"launches": list(state["launches"]), "blocking": list(state["blocking"]),
+                         "params": len(params)})
+            state.update(ready=0, in_backward=False, launches=[], blocking=[])
+            return sync()
+
+        stage.sync_gradients = spied_sync
+        task, n = TASKS[exp.task], me.world_size
+        for s in range(exp.steps):
+            x, y = task.make_batch(exp.global_batch(n), exp.seed, s, torch.float64 if exp.dtype == "float64"
+                                   else torch.float32, **exp.model)
+            train_step(stage, shard_step(x, y, me.rank, n, exp.accum))
+        comm.close()
+        return seen
+    except Exception as error:  # noqa: BLE001
+        return Raised.now(me.rank, error, impl.path)
+
+
+def collectives_round(me: Rank, impl: Impl, numel: int, dtype: str, seed: int) -> dict | Raised:
+    """The learner's ring on small integer-valued tensors (every sum exact): each collective's result,
+    expected result, bytes and messages, on this rank."""
+    try:
+        comm = impl.cls()(None, check=True)
+        n, r = me.world_size, me.rank
+        dt = getattr(torch, dtype)
+
+        def data(rank: int, size: int) -> torch.Tensor:
+            g = torch.Generator().manual_seed(seed * 131 + rank)
+            return torch.randint(-64, 64, (size,), generator=g).to(dt)
+
+        shard = -(-numel // n)  # reduce-scatter and all-gather: equal shards, the caller pads
+        cases = {}
+        everyone = [data(q, numel) for q in range(n)]
+        padded = [data(q, shard * n) for q in range(n)]
+        expected = {
+            "all_reduce SUM": torch.stack(everyone).sum(0),
+            "all_reduce AVG": torch.stack(everyone).sum(0) / n,
+            "all_reduce MAX": torch.stack(everyone).amax(0),
+            "reduce_scatter SUM": torch.stack(padded).sum(0)[r * shard:(r + 1) * shard],
+            "all_gather": torch.cat([p[q * shard:(q + 1) * shard] for q, p in enumerate(padded)]),
+        }
+        for name in expected:
+            ledger = Ledger()
+            comm.add_observer(ledger)
+            if name.startswith("all_reduce"):
+                got = everyone[r].clone()
+                comm.all_reduce(got, ReduceOp[name.split()[1]])
+            elif name.startswith("reduce_scatter"):
+                got = torch.full((shard,), float("nan"), dtype=dt)
+                comm.reduce_scatter(got, padded[r].clone(), ReduceOp.SUM)
+            else:
+                got = torch.full((shard * n,), float("nan"), dtype=dt)
+                comm.all_gather(got, padded[r][r * shard:(r + 1) * shard].clone())
+            comm.remove_observer(ledger)
+            kind = name.split()[0]
+            cases[name] = {"got": got, "expected": expected[name], "kind": kind, "sent": ledger.sent[kind],
+                           "messages": ledger.messages[kind], "numel": shard * n if kind != "all_reduce" else numel}
+        comm.close()
+        return cases
+    except Exception as error:  # noqa: BLE001
+        return Raised.now(me.rank, error, impl.path)
