@@ -63,7 +63,7 @@ LABS: dict[str, Lab] = _labs(
     Lab("compress", "lessons/04_accumulation_and_compression.ipynb",
         "accumulation with no_sync() and the 16-bit all-reduce", DDP, ("DDP.no_sync", "Wire.all_reduce_mean"),
         ("equivalence", "one all-reduce per step", "compressed equivalence", "compressed bytes"),
-        (mistakes.SyncsEveryMicroBatch,), compress=True),
+        (mistakes.SyncsEveryMicroBatch, mistakes.FP16HookDivision), compress=True),
     Lab("zero1", "lessons/05_zero1.ipynb", "ZeRO-1: reduce-scatter, step the owned shard, all-gather", ZeRO1,
         ("ZeRO1.reduce_scatter_gradients", "ZeRO1.all_gather_parameters"), STAGE_PROPERTIES + ("memory",),
         (mistakes.ShiftedShard, mistakes.AllReduceThenAllGather)),
@@ -72,7 +72,8 @@ LABS: dict[str, Lab] = _labs(
         (mistakes.LastMicroBatchOnly,)),
     Lab("zero3", "lessons/07_zero3.ipynb", "ZeRO-3: gather a unit around its forward and backward, free it after",
         ZeRO3, ("Unit.unshard", "Unit.before_forward", "Unit.after_forward", "Unit.before_backward",
-                "Unit.after_backward"), STAGE_PROPERTIES + ("memory",)),
+                "Unit.after_backward"), STAGE_PROPERTIES + ("memory",),
+        (mistakes.NeverReshards, mistakes.StaleAfterBackward)),
 )
 
 assert all(lab.stage in STAGES for lab in LABS.values())

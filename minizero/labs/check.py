@@ -46,11 +46,8 @@ class Checker:
     def run(self, world_size: int, exp) -> list:
         """Every rank's result of ``exp`` with the learner's class; a rank's exception, a stall or a death
         raises :class:`Failed` naming it."""
-        try:
-            # Without the registry: a class from the learner's file is loaded by each rank, not unpickled.
-            results = self.pools.run(world_size, lab_experiment, self.impl, replace(exp, stages=None))
-        except RankError as error:  # a stall or a death: the pool is replaced for the next example
-            raise Failed(str(error).split("\nThe run was stopped")[0].strip()) from None
+        # Without the registry: a class from the learner's file is loaded by each rank, not unpickled.
+        results = self.on_ranks(world_size, lab_experiment, self.impl, replace(exp, stages=None))
         raised = [r for r in results if isinstance(r, Raised)]
         if raised:
             if len({(r.kind, r.message.replace(str(r.rank), "#")) for r in raised}) > 1 or len(raised) < world_size:
@@ -59,6 +56,18 @@ class Checker:
                     pool.close(kill=True)
             raise Failed(str(raised[0]))
         return results
+
+    def on_ranks(self, world_size: int, fn, *args) -> list:
+        """``fn`` on every rank; a stall or a death -- the pool is replaced for the next example -- raises
+        :class:`Failed` naming the rank."""
+        try:
+            return self.pools.run(world_size, fn, *args)
+        except RankError as error:
+            why = str(error).split("\nThe run was stopped")[0].strip()
+            if "exit code -6" in why:  # gloo aborts a process whose receive does not match what was sent
+                why += (" -- gloo aborts a rank that receives a message of another size than it posted: each step's "
+                        "send must be the chunk its neighbour receives")
+            raise Failed(why) from None
 
     def search(self, strategy, examine, describe) -> None:
         """Draw examples until ``examine(drawn)`` returns ``(why, results)``; shrink; raise :class:`Failed`."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..comm import BACKENDS
 from ..lab.registry import LAB_STAGES
 from .catalogue import Lab
-from .mistakes import MISTAKE_STAGES
+from .mistakes import LAB_MISTAKES
 
 _loaded: dict[tuple[str, int], object] = {}
 
@@ -68,10 +68,9 @@ class Impl:
         the learner's ring installed as a collective backend, which any stage can run over."""
         cls = self.cls()
         if issubclass(cls, LAB_STAGES["reference"]):
-            return {**MISTAKE_STAGES, self.key: cls}
-        BACKENDS.setdefault(self.key, cls)  # a name of its own: the package's backends are untouched
-        BACKENDS[self.key] = cls
-        return MISTAKE_STAGES
+            return {**LAB_MISTAKES, self.key: cls}
+        BACKENDS[self.key] = cls  # a name of its own: the package's backends are untouched
+        return LAB_MISTAKES
 
 
 def load_file(path: str):

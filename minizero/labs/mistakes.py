@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 
 from ..comm import ReduceOp
+from ..compress import Wire
 from ..flat import group_by_dtype, pack, unpack
 from ..lab.registry import LAB_STAGES
-from ..stages import DDP, BucketedDDP, ZeRO1, ZeRO2, with_stages
+from ..stages import DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, with_stages
+from ..units import Unit
 
 
 class SumInsteadOfMean(DDP):
@@ -211,3 +213,55 @@ ZERO_MUTANTS = {c.name: c for c in (ShiftedShard, LastMicroBatchOnly, LocalNorm)
 #: The lab's registry plus every mistake: a copy; the package's registry never sees them.
 MISTAKE_STAGES = with_stages(*MUTANTS.values(), *HOOK_MUTANTS.values(), *ZERO_MUTANTS.values(), SyncsEveryMicroBatch,
                              AllReduceThenAllGather, base=LAB_STAGES)
+
+
+class _GathersOnceUnit(Unit):
+    def after_forward(self, reshard: bool) -> None:
+        pass  # keeps the full parameters from forward to backward
+
+
+class NeverReshards(ZeRO3):
+    """Keeps each unit gathered from its forward to its backward, whatever ``reshard_after_forward`` says."""
+
+    mistake = ("your units were not freed after their forward (reshard), so backward needed no second all-gather: "
+               "two-thirds of ZeRO-3's bytes, for the memory of the whole model between forward and backward")
+    name = "zero3-never-reshards"
+    unit_class = _GathersOnceUnit
+
+
+class _StaleUnit(Unit):
+    def after_backward(self, group) -> None:
+        pass  # the full buffer outlives the step: the next forward uses the old weights
+
+
+class StaleAfterBackward(ZeRO3):
+    """Never frees a group after its backward: the next forward finds it gathered and computes with the
+    weights of before the optimizer step."""
+
+    mistake = ("a unit's full parameters were not freed after its backward, so the next forward found them "
+               "gathered and computed with the weights of before the optimizer step")
+    name = "zero3-stale-after-backward"
+    unit_class = _StaleUnit
+
+
+class _DividesAfterCast(Wire):
+    def all_reduce_mean(self, flat, key=None, names=None, tag=None) -> None:
+        wire = flat.to(self.wire_dtype).div_(self.comm.world_size)  # 16-bit division by N: a rounding of its own
+        self.comm.all_reduce(wire, ReduceOp.SUM, tag=tag)
+        flat.copy_(wire.to(flat.dtype))
+
+
+class FP16HookDivision(DDP):
+    """Divides as torch's ``fp16_compress_hook`` does: cast, then divide by N in 16 bits, then sum."""
+
+    mistake = ("you cast to 16 bits and then divided by N in 16 bits (torch's fp16_compress_hook's order): a second "
+               "rounding before the sum, which the reference -- dividing by a power of two, exactly -- does not make")
+    name = "ddp-fp16-hook-division"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.wire is not None:
+            self.wire = _DividesAfterCast(self.comm, self.wire.wire_dtype)
+
+
+LAB_MISTAKES = with_stages(NeverReshards, StaleAfterBackward, FP16HookDivision, base=MISTAKE_STAGES)

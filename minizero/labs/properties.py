@@ -28,9 +28,7 @@ class Failed(Exception):
 
 def describe(exp: Experiment, world_size: int) -> str:
     """An experiment as a learner reads it: 'world size 2, K = 2, sgd (lr 0.01), mlp (3, 1), float64, ...'."""
-    model = f"mlp {exp.model['sizes']}" if exp.task == "mlp" else \
-        f"gpt (d_model {exp.model['d_model']}, {exp.model['n_layer']} layer(s))" if exp.task == "gpt" and exp.model \
-        else exp.task
+    model = f"{exp.task} {tuple(exp.model.values()) if exp.model else '(default sizes)'}"
     batch = f"samples per rank {list(exp.rank_sizes)}" if exp.rank_sizes else f"{exp.micro_batch} sample(s) per micro-batch"
     extras = [f"{k}={v}" for k, v in sorted(exp.options.items())]
     extras += [f"clip {exp.clip}"] if exp.clip else []
@@ -120,7 +118,7 @@ def overlap(checker) -> str:
     exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (8, 16, 16, 4)}, steps=2, dtype="float32",
                      optimizer="sgd", options={"bucket_mb": 1e-9})
     case = describe(exp, 2) + " (one parameter per bucket)"
-    seen = checker.pools.run(2, overlap_probe, checker.impl, exp)
+    seen = checker.on_ranks(2, overlap_probe, checker.impl, exp)
     for r, backwards in enumerate(seen):
         if isinstance(backwards, Raised):
             raise Failed(str(backwards), case)
@@ -144,7 +142,7 @@ def _collectives(checker, examine_case) -> None:
 
     def examine(drawn):
         n, numel, dtype, seed = drawn
-        rounds = checker.pools.run(n, collectives_round, checker.impl, numel, dtype, seed)
+        rounds = checker.on_ranks(n, collectives_round, checker.impl, numel, dtype, seed)
         raised = [r for r in rounds if isinstance(r, Raised)]
         if raised:
             return str(raised[0]), None

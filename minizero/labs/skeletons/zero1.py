@@ -31,8 +31,9 @@ class ZeRO1(GivenZeRO1):
            ``owned = group.shard_of(buffer)``, then
            ``minizero.compress.reduce_scatter_mean(self.comm, self.wire, buffer, owned, index, names, tag)``
            with ``names = [s.name for s in group.segments]`` and ``tag = self.tag(f"group {index} gradients")``;
-        2. zero the rest of the buffer -- the other ranks' slices: they own those averages, and what accumulates
-           next must start from zero;
+        2. zero the rest of the buffer -- the other ranks' slices: they own those averages.  (Only a backward
+           *without* ``zero_grad()`` before it would see them again -- torch allows that, the training loop the
+           checker runs never does it, so the checker cannot tell; the package's answer zeroes them.)
         3. give each piece its part of the averaged slice as ``.grad``: for ``piece in group.pieces`` whose
            ``id(piece.segment.param)`` is in ``used``,
            ``piece.param.grad = owned[piece.offset:piece.offset + piece.stop - piece.start]``.

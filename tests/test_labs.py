@@ -1,0 +1,76 @@
+"""The labs are tested: every blank skeleton fails, naming the property and the smallest case; the
+package's own stage -- the answer key -- passes every property; a known mistake is named."""
+from __future__ import annotations
+
+import pytest
+
+from minizero.__main__ import main
+from minizero.labs import LABS, check, skeleton_path, start
+from minizero.labs import mistakes as known
+
+
+def quiet(_):
+    pass
+
+
+@pytest.mark.parametrize("lab", list(LABS))
+def test_a_blank_skeleton_fails_naming_the_property_the_case_and_what_to_write(pools, lab):
+    report = check(lab, impl=skeleton_path(lab), examples=5, pools=pools, out=quiet)
+    assert not report.ok
+    assert report.failed == ("every collective's result" if lab == "ring" else "equivalence to single-device training")
+    assert report.case.startswith("world size 1")  # shrunk to the smallest world
+    first = LABS[lab].todo[0].split(".")
+    assert "NotImplementedError: write " in report.why and (first[0] in report.why or lab == "zero3"), report.why
+
+
+@pytest.mark.parametrize("lab", list(LABS))
+def test_the_answer_key_passes_every_property(pools, lab):
+    report = check(lab, examples=5, pools=pools, out=quiet)
+    assert report.ok, (report.failed, report.why, report.case)
+    assert len(report.passed) == len(LABS[lab].properties)
+
+
+@pytest.mark.parametrize("lab, mistake, failing", [
+    ("ddp-bucketed", known.TensorHookDDP, "equivalence to single-device training"),
+    ("zero1", known.AllReduceThenAllGather, "bytes sent per step against the formula"),
+    ("zero3", known.NeverReshards, "bytes sent per step against the formula"),
+    ("compress", known.FP16HookDivision, "equivalence to a reference applying the same casts"),
+])
+def test_a_known_mistake_is_named(pools, lab, mistake, failing):
+    report = check(lab, impl=mistake, examples=10, pools=pools, out=quiet)
+    assert report.failed == failing and report.mistake == mistake.mistake, report
+
+
+def test_check_command_exits_1_with_the_property_and_the_smallest_case(capsys):
+    assert main(["check", "ddp", "--impl", str(skeleton_path("ddp")), "--examples", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  equivalence to single-device training" in out
+    assert "smallest failing case: world size 1, K = 1" in out
+    assert "NotImplementedError: write DDP.sync_gradients" in out
+
+
+def test_lab_command_copies_the_skeleton_and_never_overwrites(tmp_path, capsys):
+    target = tmp_path / "mine.py"
+    assert main(["lab", "zero2", str(target)]) == 0
+    assert target.read_text() == skeleton_path("zero2").read_text()
+    assert main(["lab", "zero2", str(target)]) == 2
+    assert f"{target} exists" in capsys.readouterr().err
+    assert main(["lab", "--list"]) == 0
+
+
+def test_bad_input_is_named(tmp_path, capsys):
+    assert main(["check", "ddp", "--impl", str(tmp_path / "missing.py")]) == 2
+    assert "no file" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"unknown lab 'ddp3'; the labs: ring, ddp"):
+        start("ddp3")
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    report = check("ddp", impl=empty, out=quiet)
+    assert report.failed == "loading your file" and "defines no subclass of Stage" in report.why
+    two = tmp_path / "two.py"
+    two.write_text("from minizero.stages import DDP, ZeRO1\nclass A(DDP): pass\nclass B(ZeRO1): pass\n")
+    report = check("ddp", impl=two, out=quiet)
+    assert "defines 2 Stage classes (A, B)" in report.why
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    assert "SyntaxError" in check("ddp", impl=broken, out=quiet).why
