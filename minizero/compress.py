@@ -8,10 +8,13 @@ it) and the result lands back in the gradient's own precision.
 
 Where to divide by N.  The sum of N fp16 gradients can overflow (fp16 tops
 out at 65504), so part of the division must happen *before* the reduction;
-dividing all of it before (torch's ``fp16_compress_hook``) pushes small
-gradients into fp16's subnormals, where they lose bits or vanish.  Like
-FSDP2 we divide by ``pre`` = the largest power of two <= sqrt(N) before and by
-``post = N / pre`` after.  A power of two has a second virtue: dividing by it
+dividing by all of it before (torch's ``fp16_compress_hook`` casts to fp16,
+then divides by N in fp16) pushes small gradients into fp16's subnormals,
+where they lose bits or vanish.  We divide by ``pre`` = the largest power of
+two <= sqrt(N) before the cast and by ``post = N / pre`` after the sum.  FSDP2
+splits the division too, but its fp16 ``pre`` is the power of two reached by
+doubling while ``N / pre > pre`` (twice ours at N = 2, 8, 32, ...), applied
+after the cast.  A power of two has a second virtue: dividing by it
 is exact in binary, so the cast to 16 bits stays the only rounding before
 the sum -- which is what makes compressed runs reproducible bit for bit by a
 reference that applies the same casts.

@@ -59,19 +59,23 @@ def sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target, reduction="sum")
 
 
-def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[float, float] | None = None) -> float:
+def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[float, float] | None = None,
+               sync_every_micro_batch: bool = False) -> float:
     """One optimizer step; returns this rank's *summed* loss (add over ranks, divide by global_count).
 
     ``clip=(max_norm, norm_type)`` clips the averaged gradient by its global
     norm before the step, as ``torch.nn.utils.clip_grad_norm_`` would on one device.
+    ``sync_every_micro_batch=True`` leaves out ``no_sync()``: every micro-batch's backward synchronises and
+    adds its average to the averaged gradient -- the same update, K reductions per step instead of one
+    (under ZeRO-2 a rank then never holds full gradients between micro-batches: lesson 6 measures both).
     """
     stage.zero_grad()
     scale = stage.world_size / step.global_count
     total = 0.0
     last = len(step.micro_batches) - 1
     for k, (x, y) in enumerate(step.micro_batches):
-        # Only the last micro-batch's backward synchronises (torch's no_sync idiom).
-        with stage.no_sync() if k < last else contextlib.nullcontext():
+        # Only the last micro-batch's backward synchronises (torch's no_sync idiom), unless asked otherwise.
+        with stage.no_sync() if k < last and not sync_every_micro_batch else contextlib.nullcontext():
             loss = loss_fn(stage(x), y)
             stage.scale_loss(loss * scale).backward()  # times the loss scale, under fp16 mixed precision
         total += loss.item()

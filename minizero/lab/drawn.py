@@ -8,6 +8,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from ..precision import Precision
+from ..stages import DEFAULT_STAGE
 from .experiment import Experiment
 from .optimizers import OPTIMIZERS
 from .registry import stage_class
@@ -49,7 +50,7 @@ assert sorted(SIMPLEST_FIRST) == sorted(OPTIMIZERS)
 
 
 @st.composite
-def experiments(draw, stage: str = "ddp", world_sizes=(1, 2, 3, 4), max_accum: int = 3, compress: bool = False,
+def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_accum: int = 3, compress: bool = False,
                 backends=("ring", "native"), stages: dict | None = None, precision: bool = False,
                 tasks=("mlp", "mlp", "edge", "gpt")):
     """An experiment and its world size: model shape, batch split, optimizer, dtype..."""

@@ -41,6 +41,7 @@ class Experiment:
     steps: int = 3
     micro_batch: int = 4  # samples per rank per micro-batch
     accum: int = 1  # K micro-batches per optimizer step
+    sync_every_micro_batch: bool = False  # reduce every micro-batch, not once per step (no no_sync(); lesson 6)
     dtype: str = "float64"
     seed: int = 0
     backend: str = "ring"  # ring (send/recv) or native (torch collectives)
@@ -93,7 +94,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             else shard_step(x, y, 0, 1, 1)
         start = time.perf_counter()
         with poison_gradient(model, exp, s, rank, n if me else None):
-            losses.append(train_step(stage, step, clip=exp.clip))
+            losses.append(train_step(stage, step, clip=exp.clip, sync_every_micro_batch=exp.sync_every_micro_batch))
         times.append(time.perf_counter() - start)
         scales.append(getattr(stage, "loss_scale", 1.0))
         if comm:
@@ -145,6 +146,9 @@ def reference_of(exp: Experiment, world_size: int) -> RankResult:
     """Single-device training on the global batch -- or, for a compressed run, the
     reference that applies the same casts (:mod:`minizero.lab.casts_reference`)."""
     if check_compress(exp.options.get("compress")) is not None or precision_of(exp).mixed:
+        if exp.sync_every_micro_batch:  # the same-casts reference rounds one reduction per step
+            raise ValueError("sync_every_micro_batch has no same-casts reference: it rounds K reductions per "
+                             "step; compare it with exact_reference_of")
         return run_casts_reference(exp, world_size, stage_class(exp.stage, exp.stages))
     return exact_reference_of(exp, world_size)
 

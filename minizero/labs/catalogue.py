@@ -42,7 +42,7 @@ class Lab:
     @property
     def stage(self) -> str:
         """The package stage the lab's properties run -- its own stage, or for the ring a stage over it."""
-        return self.answer.name if issubclass(self.answer, Stage) else "zero2"
+        return self.answer.name if issubclass(self.answer, Stage) else ZeRO2.name
 
 
 def _labs(*labs: Lab) -> dict[str, Lab]:
@@ -55,22 +55,22 @@ LABS: dict[str, Lab] = _labs(
     Lab("ring", "lessons/01_collectives_from_send_recv.ipynb", "the ring reduce-scatter and all-gather from send/recv",
         RingComm, ("Ring._ring_reduce_scatter", "Ring._ring_all_gather"),
         ("collectives", "ring bytes and messages", "training over your ring")),
-    Lab("ddp", "lessons/02_ddp_allreduce.ipynb", "DDP's gradient synchronisation", DDP, ("DDP.sync_gradients",),
+    Lab(DDP.name, "lessons/02_ddp_allreduce.ipynb", "DDP's gradient synchronisation", DDP, ("DDP.sync_gradients",),
         STAGE_PROPERTIES, (mistakes.SumInsteadOfMean, mistakes.SyncsWeights, mistakes.DropsLastParameter)),
-    Lab("ddp-bucketed", "lessons/03_bucketing_and_overlap.ipynb", "buckets launched during backward", BucketedDDP,
+    Lab(BucketedDDP.name, "lessons/03_bucketing_and_overlap.ipynb", "buckets launched during backward", BucketedDDP,
         ("BucketDDP._on_gradient_ready", "BucketDDP._all_reduce"), STAGE_PROPERTIES + ("overlap",),
         (mistakes.TensorHookDDP, mistakes.PostHookArgumentAsGradient)),
     Lab("compress", "lessons/04_accumulation_and_compression.ipynb",
         "accumulation with no_sync() and the 16-bit all-reduce", DDP, ("DDP.no_sync", "Wire.all_reduce_mean"),
         ("equivalence", "one all-reduce per step", "compressed equivalence", "compressed bytes"),
         (mistakes.SyncsEveryMicroBatch, mistakes.FP16HookDivision), compress=True),
-    Lab("zero1", "lessons/05_zero1.ipynb", "ZeRO-1: reduce-scatter, step the owned shard, all-gather", ZeRO1,
+    Lab(ZeRO1.name, "lessons/05_zero1.ipynb", "ZeRO-1: reduce-scatter, step the owned shard, all-gather", ZeRO1,
         ("ZeRO1.reduce_scatter_gradients", "ZeRO1.all_gather_parameters"), STAGE_PROPERTIES + ("memory",),
         (mistakes.ShiftedShard, mistakes.AllReduceThenAllGather)),
-    Lab("zero2", "lessons/06_zero2.ipynb", "ZeRO-2: a reduce-scatter per bucket during backward", ZeRO2,
+    Lab(ZeRO2.name, "lessons/06_zero2.ipynb", "ZeRO-2: a reduce-scatter per bucket during backward", ZeRO2,
         ("ZeRO2._on_gradient_ready", "ZeRO2._reduce_scatter"), STAGE_PROPERTIES + ("memory", "overlap"),
         (mistakes.LastMicroBatchOnly,)),
-    Lab("zero3", "lessons/07_zero3.ipynb", "ZeRO-3: gather a unit around its forward and backward, free it after",
+    Lab(ZeRO3.name, "lessons/07_zero3.ipynb", "ZeRO-3: gather a unit around its forward and backward, free it after",
         ZeRO3, ("Unit.unshard", "Unit.before_forward", "Unit.after_forward", "Unit.before_backward",
                 "Unit.after_backward"), STAGE_PROPERTIES + ("memory",),
         (mistakes.NeverReshards, mistakes.StaleAfterBackward)),

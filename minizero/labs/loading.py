@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..comm import BACKENDS
-from ..lab.registry import LAB_STAGES
+from ..stages import Stage
 from .catalogue import Lab
 from .mistakes import LAB_MISTAKES
 
@@ -67,7 +67,7 @@ class Impl:
         """The lab's registry (with the known mistakes) plus the learner's stage -- or, for the ring lab,
         the learner's ring installed as a collective backend, which any stage can run over."""
         cls = self.cls()
-        if issubclass(cls, LAB_STAGES["reference"]):
+        if issubclass(cls, Stage):
             return {**LAB_MISTAKES, self.key: cls}
         BACKENDS[self.key] = cls  # a name of its own: the package's backends are untouched
         return LAB_MISTAKES

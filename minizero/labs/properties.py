@@ -16,6 +16,7 @@ from ..lab.drawn import experiments
 from ..lab.equivalence import agrees, judge
 from ..lab.experiment import Experiment, reference_of
 from ..lab.optimizers import STATE_TENSORS
+from ..stages import DDP, ZeRO2
 
 
 class Failed(Exception):
@@ -28,7 +29,7 @@ class Failed(Exception):
 
 def describe(exp: Experiment, world_size: int) -> str:
     """An experiment as a learner reads it: 'world size 2, K = 2, sgd (lr 0.01), mlp (3, 1), float64, ...'."""
-    model = f"{exp.task} {tuple(exp.model.values()) if exp.model else '(default sizes)'}"
+    model = exp.task + (" (" + ", ".join(f"{k} {v}" for k, v in exp.model.items()) + ")" if exp.model else "")
     batch = f"samples per rank {list(exp.rank_sizes)}" if exp.rank_sizes else f"{exp.micro_batch} sample(s) per micro-batch"
     extras = [f"{k}={v}" for k, v in sorted(exp.options.items())]
     extras += [f"clip {exp.clip}"] if exp.clip else []
@@ -190,7 +191,7 @@ def ring_cost(checker) -> str:
 
 
 def over_your_ring(checker) -> str:
-    for stage in ("ddp", "zero2"):
+    for stage in (DDP.name, ZeRO2.name):
         exp = Experiment(stage=stage, task="gpt", steps=2, accum=2, dtype="float64", backend=checker.key)
         results = checker.run(3, exp)
         verdict = judge(results, reference_of(exp, 3), exp.dtype)
