@@ -22,8 +22,8 @@ def test_matches_torch_ddp(pools, stage, world_size, backend):
 
 @pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed"])
 def test_fp16_matches_torch_fp16_compress_hook(pools, stage):
-    """N=2: torch divides by 2 before the cast, minizero after (pre=1, post=2); dividing by a
-    power of two commutes with rounding, and gloo adds two fp16 numbers in either order alike."""
+    """N=2: torch casts, then halves in fp16 before the sum; minizero halves after it (pre=1, post=2).
+    Halving commutes with rounding (outside the subnormals), and gloo adds two fp16 numbers in either order alike."""
     exp = Experiment(stage=stage, task="mlp", optimizer="adam", steps=3, accum=2, dtype="float32", backend="native",
                      options={"compress": "fp16"})
     ours = pools.run(2, run_experiment, exp)
@@ -32,7 +32,7 @@ def test_fp16_matches_torch_fp16_compress_hook(pools, stage):
 
 
 def test_fp16_with_three_ranks_is_close_to_torch(pools):
-    """N=3: torch divides by 3 before casting (a rounding of its own), minizero by 1 before and 3
+    """N=3: torch casts, then divides by 3 in fp16 (a rounding of its own), minizero by 1 before and 3
     after; the two differ by fp16 roundings only."""
     exp = Experiment(stage="ddp-bucketed", task="mlp", optimizer="sgd", lr=0.1, steps=3, dtype="float32",
                      backend="native", options={"compress": "fp16"})
