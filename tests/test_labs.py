@@ -74,3 +74,11 @@ def test_bad_input_is_named(tmp_path, capsys):
     broken = tmp_path / "broken.py"
     broken.write_text("def f(:\n")
     assert "SyntaxError" in check("ddp", impl=broken, out=quiet).why
+
+
+def test_a_lab_is_checked_in_mixed_precision_too(pools):
+    """Lesson 8's exercise: the learner's ZeRO in the paper's setting, against the same-recipe reference."""
+    report = check("zero2", precision="bf16", examples=3, pools=pools, out=quiet)
+    assert report.ok, report
+    with pytest.raises(ValueError, match=r"lab 'ring' is not checked under mixed precision; labs that are: ddp"):
+        check("ring", precision="bf16", pools=pools, out=quiet)

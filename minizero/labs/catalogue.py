@@ -29,6 +29,7 @@ class Lab:
     mistakes: tuple[type, ...] = ()  # minizero.labs.mistakes: compared with a failure, to name it
     options: dict = field(default_factory=dict)  # stage options every example uses
     compress: bool = False  # draw compressed examples (the 16-bit wire)
+    precision: bool = True  # can be checked under mixed precision (python -m minizero check LAB --precision bf16)
 
     @property
     def kind(self) -> type:
@@ -54,7 +55,7 @@ STAGE_PROPERTIES = ("equivalence", "bytes")
 LABS: dict[str, Lab] = _labs(
     Lab("ring", "lessons/01_collectives_from_send_recv.ipynb", "the ring reduce-scatter and all-gather from send/recv",
         RingComm, ("Ring._ring_reduce_scatter", "Ring._ring_all_gather"),
-        ("collectives", "ring bytes and messages", "training over your ring")),
+        ("collectives", "ring bytes and messages", "training over your ring"), precision=False),
     Lab(DDP.name, "lessons/02_ddp_allreduce.ipynb", "DDP's gradient synchronisation", DDP, ("DDP.sync_gradients",),
         STAGE_PROPERTIES, (mistakes.SumInsteadOfMean, mistakes.SyncsWeights, mistakes.DropsLastParameter)),
     Lab(BucketedDDP.name, "lessons/03_bucketing_and_overlap.ipynb", "buckets launched during backward", BucketedDDP,
@@ -63,7 +64,7 @@ LABS: dict[str, Lab] = _labs(
     Lab("compress", "lessons/04_accumulation_and_compression.ipynb",
         "accumulation with no_sync() and the 16-bit all-reduce", DDP, ("DDP.no_sync", "Wire.all_reduce_mean"),
         ("equivalence", "one all-reduce per step", "compressed equivalence", "compressed bytes"),
-        (mistakes.SyncsEveryMicroBatch, mistakes.FP16HookDivision), compress=True),
+        (mistakes.SyncsEveryMicroBatch, mistakes.FP16HookDivision), compress=True, precision=False),
     Lab(ZeRO1.name, "lessons/05_zero1.ipynb", "ZeRO-1: reduce-scatter, step the owned shard, all-gather", ZeRO1,
         ("ZeRO1.reduce_scatter_gradients", "ZeRO1.all_gather_parameters"), STAGE_PROPERTIES + ("memory",),
         (mistakes.ShiftedShard, mistakes.AllReduceThenAllGather)),

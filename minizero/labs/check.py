@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, Phase, given, reporting, settings
 from ..lab.equivalence import judge
 from ..lab.experiment import reference_of
 from ..launch import RankError, RankPools
-from .catalogue import Lab, check_lab_name
+from ..precision import Precision
+from .catalogue import LABS, Lab, check_lab_name
 from .loading import Impl
 from .properties import PROPERTIES, Failed
 from .ranks import Raised, lab_experiment
@@ -34,10 +35,19 @@ class Checker:
     pools: RankPools
     examples: int = 25
     shrink_s: float = 20.0  # at most this long shrinking a failure (each example is a distributed run)
+    precision: str = "fp32"  # mixed precision for every example: the stage in the ZeRO paper's setting (lesson 8)
     stages: dict = field(init=False)
 
     def __post_init__(self):
+        if self.precision != "fp32" and not self.lab.precision:
+            raise ValueError(f"lab {self.lab.name!r} is not checked under mixed precision; labs that are: "
+                             f"{', '.join(n for n, lab in LABS.items() if lab.precision)}")
         self.stages = self.impl.stages()  # loads the learner's file here (the ranks load it themselves)
+
+    @property
+    def options(self) -> dict:
+        """Stage options every example uses: the lab's, and the precision asked for."""
+        return {**self.lab.options, **({"precision": Precision(self.precision)} if self.precision != "fp32" else {})}
 
     @property
     def key(self) -> str:
@@ -143,19 +153,23 @@ class Report:
 
 
 def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = None, out=print,
-          shrink_s: float = 20.0) -> Report:
+          shrink_s: float = 20.0, precision: str = "fp32") -> Report:
     """Judge ``impl`` -- a file, a class, or None for the package's own (the answer key) -- by lab ``lab``'s
     properties, printing each as it passes; stop at the first that fails.  Returns the :class:`Report`."""
     spec = check_lab_name(lab)
     implementation = Impl.of(spec, impl)
     own = pools is None
     pools = RankPools(timeout_s=10.0) if own else pools
-    out(f"lab {spec.name}: {spec.title}  ({spec.lesson})")
+    Precision(precision)  # an unknown name is refused here, naming the valid ones
+    out(f"lab {spec.name}: {spec.title}  ({spec.lesson})" + (f", in {precision} mixed precision" if precision != "fp32"
+                                                              else ""))
     out(f"checking {implementation.label}")
     report = Report(spec.name, implementation.label, [])
     try:
         try:
-            checker = Checker(spec, implementation, pools, examples, shrink_s)
+            checker = Checker(spec, implementation, pools, examples, shrink_s, precision)
+        except ValueError:
+            raise
         except Exception as error:  # noqa: BLE001 -- the file does not load: say why, in its words
             report.failed, report.why = "loading your file", f"{type(error).__name__}: {error}"
             out(format_failure(report))

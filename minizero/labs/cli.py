@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 
+from ..precision import PRECISIONS
 from . import LABS, check, start
 
 
@@ -15,6 +16,8 @@ def add_commands(sub) -> None:
     judge.add_argument("name", choices=list(LABS))
     judge.add_argument("--impl", help="your file (default: the package's own stage -- the answer key)")
     judge.add_argument("--examples", type=int, default=25, help="drawn examples per property (derandomized)")
+    judge.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                       help="check the stage in mixed precision (bf16/fp16: fp32 masters, 16-bit working copy)")
 
 
 def lab_main(args) -> tuple[int, str]:
@@ -33,7 +36,8 @@ def check_main(args) -> tuple[int, str]:
     if args.examples < 1:
         raise ValueError(f"--examples must be at least 1, got {args.examples}")
     try:
-        report = check(args.name, args.impl, examples=args.examples, out=functools.partial(print, flush=True))
+        report = check(args.name, args.impl, examples=args.examples, out=functools.partial(print, flush=True),
+                       precision=args.precision)
     except FileNotFoundError as error:
         raise ValueError(str(error)) from None
     return (0 if report.ok else 1), ""
