@@ -19,7 +19,7 @@ from minizero.train import shard_step, train_step
 from tests.equivalence import examples, experiments, run_and_check
 
 
-@settings(max_examples=examples(60))
+@settings(max_examples=examples(40))
 @given(drawn=experiments("ddp-bucketed", max_accum=4))
 def test_bucketed_matches_reference(pools, drawn):
     exp, world_size = drawn

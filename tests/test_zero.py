@@ -15,7 +15,7 @@ from tests.equivalence import assert_same_optimizer_state, examples, experiments
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2"])
-@settings(max_examples=examples(45))
+@settings(max_examples=examples(30))
 @given(data=st.data())
 def test_zero_matches_reference(pools, stage, data):
     exp, world_size = data.draw(experiments(stage, max_accum=4))

@@ -16,7 +16,7 @@ from minizero.units import assign_parameters, default_units, resolve_units
 from tests.equivalence import examples, experiments, run_and_check
 
 
-@settings(max_examples=examples(45))
+@settings(max_examples=examples(30))
 @given(drawn=experiments("zero3", max_accum=4))
 def test_zero3_matches_reference(pools, drawn):
     exp, world_size = drawn

@@ -83,34 +83,36 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     if exp.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     stage, model, comm, psi = build(me, exp)
-    ledger, gathered = Ledger(), GatheredMemory()
-    stage.add_observer(gathered)
-    if comm:
-        comm.add_observer(ledger)  # after wrapping: count training traffic only
-    params, losses, times, states, scales = [], [], [], [], []
-    for s in range(exp.steps):
-        x, y = (t.to(exp.device) for t in task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model))
-        step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
-            else shard_step(x, y, 0, 1, 1)
-        start = time.perf_counter()
-        with poison_gradient(model, exp, s, rank, n if me else None):
-            losses.append(train_step(stage, step, clip=exp.clip, sync_every_micro_batch=exp.sync_every_micro_batch))
-        times.append(time.perf_counter() - start)
-        scales.append(getattr(stage, "loss_scale", 1.0))
+    try:  # the communication thread is closed even when training raised: nothing it ran outlives the run
+        ledger, gathered = Ledger(), GatheredMemory()
+        stage.add_observer(gathered)
         if comm:
-            comm.remove_observer(ledger)  # what follows is inspection, not training traffic
-        params.append({k: v.cpu() for k, v in snapshot_parameters(stage, model).items()})  # off the GPU
-        if exp.record_states:
-            states.append(copy.deepcopy(stage.full_optimizer_state_dict()))
+            comm.add_observer(ledger)  # after wrapping: count training traffic only
+        params, losses, times, states, scales = [], [], [], [], []
+        for s in range(exp.steps):
+            x, y = (t.to(exp.device) for t in task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model))
+            step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
+                else shard_step(x, y, 0, 1, 1)
+            start = time.perf_counter()
+            with poison_gradient(model, exp, s, rank, n if me else None):
+                losses.append(train_step(stage, step, clip=exp.clip, sync_every_micro_batch=exp.sync_every_micro_batch))
+            times.append(time.perf_counter() - start)
+            scales.append(getattr(stage, "loss_scale", 1.0))
+            if comm:
+                comm.remove_observer(ledger)  # what follows is inspection, not training traffic
+            params.append({k: v.cpu() for k, v in snapshot_parameters(stage, model).items()})  # off the GPU
+            if exp.record_states:
+                states.append(copy.deepcopy(stage.full_optimizer_state_dict()))
+            if comm:
+                comm.add_observer(ledger)
+        held = held_bytes(stage.held_tensors())
+        cuda_peak = torch.cuda.max_memory_allocated() if exp.device.startswith("cuda") else 0
         if comm:
-            comm.add_observer(ledger)
-    held = held_bytes(stage.held_tensors())
-    cuda_peak = torch.cuda.max_memory_allocated() if exp.device.startswith("cuda") else 0
-    if comm:
-        comm.remove_observer(ledger)
-    optimizer_state = copy.deepcopy(stage.full_optimizer_state_dict())
-    if comm:
-        comm.close()
+            comm.remove_observer(ledger)
+        optimizer_state = copy.deepcopy(stage.full_optimizer_state_dict())
+    finally:
+        if comm:
+            comm.close()
     sent = ledger.snapshot()
     check_bytes = sent.pop("check", 0)  # fingerprints: apart from the traffic the formulas describe
     return RankResult(params=params, losses=losses, global_count=step.global_count, step_s=times,

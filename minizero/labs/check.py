@@ -9,6 +9,7 @@ Examples run on persistent pools of ranks (one per world size), as in the suite.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field, replace
 
@@ -20,8 +21,10 @@ from ..launch import RankError, RankPools
 from ..precision import Precision
 from .catalogue import LABS, Lab, check_lab_name
 from .loading import Impl
-from .properties import PROPERTIES, Failed
+from .properties import PROPERTIES, Failed, describe
 from .ranks import Raised, lab_experiment
+
+SHRINK_S = 20.0  # at most this long shrinking a failure: each example is a distributed run
 
 
 class _Falsified(Exception):
@@ -34,14 +37,11 @@ class Checker:
     impl: Impl
     pools: RankPools
     examples: int = 25
-    shrink_s: float = 20.0  # at most this long shrinking a failure (each example is a distributed run)
+    shrink_s: float = SHRINK_S
     precision: str = "fp32"  # mixed precision for every example: the stage in the ZeRO paper's setting (lesson 8)
     stages: dict = field(init=False)
 
     def __post_init__(self):
-        if self.precision != "fp32" and not self.lab.precision:
-            raise ValueError(f"lab {self.lab.name!r} is not checked under mixed precision; labs that are: "
-                             f"{', '.join(n for n, lab in LABS.items() if lab.precision)}")
         self.stages = self.impl.stages()  # loads the learner's file here (the ranks load it themselves)
 
     @property
@@ -57,27 +57,36 @@ class Checker:
         """Every rank's result of ``exp`` with the learner's class; a rank's exception, a stall or a death
         raises :class:`Failed` naming it."""
         # Without the registry: a class from the learner's file is loaded by each rank, not unpickled.
-        results = self.on_ranks(world_size, lab_experiment, self.impl, replace(exp, stages=None))
-        raised = [r for r in results if isinstance(r, Raised)]
-        if raised:
-            if len({(r.kind, r.message.replace(str(r.rank), "#")) for r in raised}) > 1 or len(raised) < world_size:
-                pool = self.pools.live().get(world_size)  # ranks that failed apart may have left messages unread
-                if pool is not None:
-                    pool.close(kill=True)
-            raise Failed(str(raised[0]))
-        return results
+        return self.on_ranks(world_size, lab_experiment, self.impl, replace(exp, stages=None))
+
+    def run_case(self, world_size: int, exp) -> list:
+        """:meth:`run` for a fixed case: a failure names the case."""
+        try:
+            return self.run(world_size, exp)
+        except Failed as failed:
+            raise Failed(failed.why, describe(exp, world_size)) from None
 
     def on_ranks(self, world_size: int, fn, *args) -> list:
-        """``fn`` on every rank; a stall or a death -- the pool is replaced for the next example -- raises
-        :class:`Failed` naming the rank."""
+        """``fn`` on every rank.  A stall or a death -- the pool is replaced for the next example -- or an
+        exception a rank reported raises :class:`Failed` naming the rank.  When ranks failed apart (not all,
+        or not alike), messages one sent may be unread by another: the pool goes too."""
         try:
-            return self.pools.run(world_size, fn, *args)
+            results = self.pools.run(world_size, fn, *args)
         except RankError as error:
             why = str(error).split("\nThe run was stopped")[0].strip()
             if "exit code -6" in why:  # gloo aborts a process whose receive does not match what was sent
                 why += (" -- gloo aborts a rank that receives a message of another size than it posted: each step's "
                         "send must be the chunk its neighbour receives")
             raise Failed(why) from None
+        raised = [r for r in results if isinstance(r, Raised)]
+        if raised:
+            alike = {(r.kind, re.sub(r"\brank \d+\b", "rank #", r.message)) for r in raised}
+            if len(alike) > 1 or len(raised) < world_size:
+                pool = self.pools.live().get(world_size)
+                if pool is not None:
+                    pool.close(kill=True)
+            raise Failed(str(raised[0]))
+        return results
 
     def search(self, strategy, examine, describe) -> None:
         """Draw examples until ``examine(drawn)`` returns ``(why, results)``; shrink; raise :class:`Failed`."""
@@ -153,7 +162,7 @@ class Report:
 
 
 def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = None, out=print,
-          shrink_s: float = 20.0, precision: str = "fp32") -> Report:
+          shrink_s: float = SHRINK_S, precision: str = "fp32") -> Report:
     """Judge ``impl`` -- a file, a class, or None for the package's own (the answer key) -- by lab ``lab``'s
     properties, printing each as it passes; stop at the first that fails.  Returns the :class:`Report`."""
     spec = check_lab_name(lab)
@@ -161,6 +170,9 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
     own = pools is None
     pools = RankPools(timeout_s=10.0) if own else pools
     Precision(precision)  # an unknown name is refused here, naming the valid ones
+    if precision != "fp32" and not spec.precision:
+        raise ValueError(f"lab {spec.name!r} is not checked under mixed precision; labs that are: "
+                         f"{', '.join(n for n, lab in LABS.items() if lab.precision)}")
     out(f"lab {spec.name}: {spec.title}  ({spec.lesson})" + (f", in {precision} mixed precision" if precision != "fp32"
                                                               else ""))
     out(f"checking {implementation.label}")
@@ -168,8 +180,6 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
     try:
         try:
             checker = Checker(spec, implementation, pools, examples, shrink_s, precision)
-        except ValueError:
-            raise
         except Exception as error:  # noqa: BLE001 -- the file does not load: say why, in its words
             report.failed, report.why = "loading your file", f"{type(error).__name__}: {error}"
             out(format_failure(report))
@@ -199,5 +209,6 @@ def format_failure(report: Report) -> str:
     lines.append(f"        what went wrong: {report.why}")
     if report.mistake:
         lines.append(f"        a known mistake gives exactly these numbers: {report.mistake}")
-    lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it).")
+    lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it; "
+                 f"shrinking stops after {SHRINK_S:g} s: the smallest case found by then).")
     return "\n".join(lines)

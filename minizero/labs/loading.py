@@ -32,6 +32,7 @@ class Impl:
     path: str | None = None
     module: str | None = None
     qualname: str | None = None
+    given: str | None = None  # the path as the learner wrote it, for messages
 
     @classmethod
     def of(cls, lab: Lab, impl) -> "Impl":
@@ -43,11 +44,11 @@ class Impl:
         if not path.is_file():
             raise FileNotFoundError(f"no file {str(impl)!r} to check for lab {lab.name!r}; start one with "
                                     f"python -m minizero lab {lab.name} FILE")
-        return cls(lab, path=str(path))
+        return cls(lab, path=str(path), given=str(impl))
 
     @property
     def label(self) -> str:
-        return self.path or f"{self.module}.{self.qualname}"
+        return self.given or self.path or f"{self.module}.{self.qualname}"
 
     def cls(self) -> type:
         """The learner's class, loaded in this process."""

@@ -17,6 +17,7 @@ from ..lab.equivalence import agrees, judge
 from ..lab.experiment import Experiment, reference_of
 from ..lab.optimizers import STATE_TENSORS
 from ..stages import DDP, ZeRO2
+from .ranks import Raised, collectives_round, overlap_probe
 
 
 class Failed(Exception):
@@ -72,7 +73,7 @@ def sent_bytes(checker, options: dict | None = None) -> str:
     for n in (2, 3):
         exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=2, dtype="float32", optimizer="adamw",
                          options=options)
-        results = checker.run(n, exp)
+        results = checker.run_case(n, exp)
         first = results[0]
         sent = sum(r.sent_bytes for r in results) / (n * exp.steps)
         formula = checker.lab.answer.sent_bytes_per_step(first.psi, n, first.grad_bytes, first.param_bytes, **options)
@@ -88,7 +89,7 @@ def sent_bytes(checker, options: dict | None = None) -> str:
 def one_sync_per_step(checker) -> str:
     for k in (1, 3):
         exp = Experiment(stage=checker.key, task="mlp", steps=2, accum=k, dtype="float64")
-        results = checker.run(3, exp)
+        results = checker.run_case(3, exp)
         sent = sum(r.sent_bytes for r in results) / (3 * exp.steps)
         formula = checker.lab.answer.sent_bytes_per_step(results[0].psi, 3, 8, 8)
         if not agrees(sent, formula):
@@ -103,7 +104,7 @@ def memory(checker) -> str:
     n = 4
     exp = Experiment(stage=checker.key, task="gpt", steps=1, dtype="float32", optimizer="adamw",
                      options=checker.options)
-    results = checker.run(n, exp)
+    results = checker.run_case(n, exp)
     formula = checker.lab.answer.state_bytes(results[0].psi, n, 4, STATE_TENSORS["adamw"], **checker.options)
     for r, result in enumerate(results):
         held = result.held_bytes
@@ -118,14 +119,15 @@ def memory(checker) -> str:
 
 def overlap(checker) -> str:
     """Backward keeps computing while the first bucket's collective is in flight."""
-    from .ranks import Raised, overlap_probe
     exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (8, 16, 16, 4)}, steps=2, dtype="float32",
-                     optimizer="sgd", options={"bucket_mb": 1e-9})
+                     optimizer="sgd", options={**checker.options, "bucket_mb": 1e-9})
     case = describe(exp, 2) + " (one parameter per bucket)"
     seen = checker.on_ranks(2, overlap_probe, checker.impl, exp)
     for r, backwards in enumerate(seen):
         if isinstance(backwards, Raised):
             raise Failed(str(backwards), case)
+        if len(backwards) != exp.steps:
+            raise Failed(f"rank {r}: {len(backwards)} synchronising backward(s) seen in {exp.steps} steps", case)
         for b in backwards:
             if b["blocking"]:
                 raise Failed(f"rank {r}: a {b['blocking'][0]} ran on the main thread during backward, so backward "
@@ -140,7 +142,6 @@ def overlap(checker) -> str:
 
 # ------------------------------------------------------------------ the ring
 def _collectives(checker, examine_case) -> None:
-    from .ranks import Raised, collectives_round
     strategy = st.tuples(st.sampled_from([1, 2, 3, 4]), st.integers(0, 40), st.sampled_from(["float64", "float32"]),
                          st.integers(0, 1000))
 
@@ -196,7 +197,7 @@ def ring_cost(checker) -> str:
 def over_your_ring(checker) -> str:
     for stage in (DDP.name, ZeRO2.name):
         exp = Experiment(stage=stage, task="gpt", steps=2, accum=2, dtype="float64", backend=checker.key)
-        results = checker.run(3, exp)
+        results = checker.run_case(3, exp)
         verdict = judge(results, reference_of(exp, 3), exp.dtype)
         if not verdict.ok:
             raise Failed(verdict.nonfinite or verdict.violation, describe(exp, 3))

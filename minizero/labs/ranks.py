@@ -1,6 +1,7 @@
 """What runs on each rank for the checker: an experiment with the learner's class, a probe of
-overlap, one round of collectives.  A rank reports its own exception as a value -- when every rank
-raised the same way the pool lives on, so a blank skeleton costs no process spawn per example."""
+overlap, one round of collectives.  A rank reports its own exception as a value, so the checker can
+keep the pool when every rank raised alike (:meth:`~minizero.labs.check.Checker.on_ranks`): a blank
+skeleton then costs no process spawn per example."""
 from __future__ import annotations
 
 import threading
@@ -58,10 +59,15 @@ def overlap_probe(me: Rank, impl: Impl, exp) -> list[dict] | Raised:
 
         def counted(param):
             state["ready"] += 1
-            state["in_backward"] = True
 
         for p in params:
             p.register_post_accumulate_grad_hook(counted)
+
+        def backward_starts(module, args, output):  # the output's gradient comes before any parameter's
+            if output.requires_grad:
+                output.register_hook(lambda grad: state.update(in_backward=True))
+
+        model.register_forward_hook(backward_starts)
         submit = comm.submit
 
         def spied_submit(fn):

@@ -6,7 +6,7 @@ the division by N into ``self.pre`` (a power of two <= sqrt(N)) and ``self.post`
 Yours: ``DDP.no_sync`` and ``Wire.all_reduce_mean``.
 
 Check it:   python -m minizero check compress --impl THIS_FILE
-The checker trains with K = 1-4 micro-batches and counts the bytes (one
+The checker trains with K = 1-3 micro-batches and counts the bytes (one
 all-reduce per optimizer step, whatever K); then it trains with compress="fp16"
 and "bf16" against a single-device reference that applies the same casts in the
 same order, and counts half the bytes.

@@ -33,7 +33,9 @@ class Ring(RingComm):
           * ``op.combine(a, b, out=...)``: how two partial results meet (a sum, or a max for MAX);
           * ``torch.empty_like`` for a receive buffer.
         Hint: at step s, send chunk (r - s - 1) mod N and receive chunk (r - s - 2) mod N; the last chunk to
-        arrive is then chunk r itself.  With N = 1 there is nothing to send.
+        arrive is then chunk r itself.  From step 1 on, what you send is the partial sum you combined at the step
+        before, not your raw chunk.  With N = 1 there is nothing to send -- but ``out`` must still get
+        ``chunks[self.rank]`` (copy it, unless they are the same tensor).
         """
         raise NotImplementedError("write Ring._ring_reduce_scatter: N-1 ring steps, each a send right and a "
                                   "receive left, combining what arrives with your own chunk")

@@ -37,6 +37,10 @@ class ZeRO1(GivenZeRO1):
         3. give each piece its part of the averaged slice as ``.grad``: for ``piece in group.pieces`` whose
            ``id(piece.segment.param)`` is in ``used``,
            ``piece.param.grad = owned[piece.offset:piece.offset + piece.stop - piece.start]``.
+        (Left out here, as the training loop never needs them, and kept by the package's answer: a parameter
+        without a gradient on some rank is named; a piece's gradient left from before a backward without
+        ``zero_grad()`` is added back to its part.)  This rank's slice of ``buffer`` is
+        ``buffer[group.rank * group.shard_size:(group.rank + 1) * group.shard_size]``.
         """
         raise NotImplementedError("write ZeRO1.reduce_scatter_gradients: reduce-scatter each buffer into the "
                                   "owned slice and hand it to the pieces")

@@ -8,9 +8,9 @@ wait, add each bucket's averaged slice to the pieces' ``.grad``) and the step
 Yours: what happens when a gradient is ready, and what a complete bucket does.
 
 Check it:   python -m minizero check zero2 --impl THIS_FILE
-Besides equivalence and bytes, the checker measures the gradients each rank
-holds after backward -- 1/N of them: no full gradient may outlive its bucket --
-and watches a backward for overlap.
+Besides equivalence and bytes, the checker measures the model state each rank
+holds after a step against 4Psi + 12Psi/N -- a full gradient that outlives its
+bucket shows there -- and watches a backward for overlap.
 """
 from __future__ import annotations
 
