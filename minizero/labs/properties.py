@@ -100,7 +100,9 @@ def one_sync_per_step(checker) -> str:
 
 
 def memory(checker) -> str:
-    """Model state each rank holds after a step (live tensors), against the stage's formula."""
+    """Model state each rank holds after a step, against the stage's formula.  What is counted is what the
+    stage's ``held_tensors()`` accounts for -- the machinery's buffers, parameters, gradients and optimizer
+    states; a tensor a learner keeps on an attribute of their own is not seen."""
     n = 4
     exp = Experiment(stage=checker.key, task="gpt", steps=1, dtype="float32", optimizer="adamw",
                      options=checker.options)
