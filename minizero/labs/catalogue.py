@@ -42,7 +42,8 @@ class Lab:
 
     @property
     def stage(self) -> str:
-        """The package stage the lab's properties run -- its own stage, or for the ring a stage over it."""
+        """The name of the package's stage the learner's stands beside (the ring lab, which has none, names
+        ZeRO-2: ``sent_bytes`` compares kinds of collective with it)."""
         return self.answer.name if issubclass(self.answer, Stage) else ZeRO2.name
 
 

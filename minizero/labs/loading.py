@@ -70,7 +70,7 @@ class Impl:
         cls = self.cls()
         if issubclass(cls, Stage):
             return {**LAB_MISTAKES, self.key: cls}
-        BACKENDS[self.key] = cls  # a name of its own: the package's backends are untouched
+        BACKENDS[self.key] = cls  # under a name of its own, beside ring and native, which keep theirs
         return LAB_MISTAKES
 
 

@@ -5,8 +5,9 @@ catch every one (``tests/test_mutants.py``) -- and the labs' diagnoses: when a
 learner's stage fails, the checker runs the failing example through each
 mistake of the lab and, if one gives the same numbers, says which mistake it
 is (:mod:`minizero.labs.check`).  Each class's ``mistake`` is that sentence,
-in the second person.  They are never in the package's registry; a copy of it
-(:data:`MISTAKE_STAGES`) names them.
+in the second person.  They are never in the package's registry; copies of it
+name them: :data:`MISTAKE_STAGES` (the suite's mutants) and :data:`LAB_MISTAKES`
+(those and the ones only the labs compare with).
 """
 from __future__ import annotations
 
