@@ -1,36 +1,13 @@
-"""A filled-in skeleton, written from its docstrings alone (tests/test_labs.py checks it passes).
-
-Lab 3 -- buckets launched during backward (lessons/03_bucketing_and_overlap.ipynb).
-
-Given: the buckets (flat buffers filled last layer first, each ``.grad`` a view
-into its bucket), the pipeline that launches complete buckets in index order on
-the communication thread, and ``sync_gradients``, which at the end of backward
-launches what is left and waits for every bucket.
-Yours: what happens when one parameter's gradient is ready, and what a launched bucket does.
-
-Check it:   python -m minizero check ddp-bucketed --impl THIS_FILE
-Besides equivalence and bytes, the checker watches a backward: the first bucket's
-all-reduce must leave while backward still has gradients to compute (overlap).
-"""
+"""Lab ``ddp-bucketed`` filled in from the skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
-from minizero.stages import BucketedDDP
+from minizero.compress import all_reduce_mean
+from minizero.flat import keep_grad_in
+from minizero.labs.skeletons.ddp_bucketed import BucketDDP as Skeleton
 
 
-class BucketDDP(BucketedDDP):
+class BucketDDP(Skeleton):
     def _on_gradient_ready(self, param) -> None:
-        """A post-accumulate-grad hook: ``param.grad`` now holds this backward's final, accumulated value.
-
-        (Not a tensor hook on ``param``: that fires *before* accumulation, and syncing there averages the last
-        micro-batch only.  And the hook receives the *parameter*: it is ``param.grad`` that gets reduced.)
-        Do three things:
-          1. keep the gradient in its bucket: ``bucket, i = self._slot[id(param)]``, then
-             ``minizero.flat.keep_grad_in(param, bucket.views[i])`` (a user's ``zero_grad`` may have replaced it);
-          2. record that it has a gradient: ``self._used.add(id(param))``;
-          3. if this backward synchronises (``self._syncing``; False inside ``no_sync()``), tell the pipeline:
-             ``self.pipeline.mark(param)`` -- it launches every bucket that is now complete, in order.
-        """
-        from minizero.flat import keep_grad_in
         bucket, i = self._slot[id(param)]
         keep_grad_in(param, bucket.views[i])
         self._used.add(id(param))
@@ -38,14 +15,5 @@ class BucketDDP(BucketedDDP):
             self.pipeline.mark(param)
 
     def _all_reduce(self, index: int):
-        """Bucket ``index`` is complete: return a function of no arguments that averages it in place.
-
-        The pipeline runs what you return on the communication thread while backward goes on -- so do no
-        communication here, only in the returned function.  Use
-        ``minizero.compress.all_reduce_mean(self.comm, self.wire, bucket.buffer, index, bucket.names, tag)``
-        with ``bucket = self.buckets[index]`` and ``tag = self.tag(f"bucket {index}")``: the mean over ranks,
-        over the 16-bit wire when compression is on.
-        """
-        from minizero.compress import all_reduce_mean
         bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
         return lambda: all_reduce_mean(self.comm, self.wire, bucket.buffer, index, bucket.names, tag)

@@ -1,42 +1,13 @@
-"""A filled-in skeleton, written from its docstrings alone (tests/test_labs.py checks it passes).
-
-Lab 1 -- the ring reduce-scatter and all-gather, from send/recv (lessons/01_collectives_from_send_recv.ipynb).
-
-Write the two phases of the ring all-reduce.  Everything else is given:
-``all_reduce`` = your reduce-scatter, then (AVG) a division on 1/N of the data,
-then your all-gather; ``reduce_scatter`` and ``all_gather`` call your phases too.
-
-Check it:   python -m minizero check ring --impl THIS_FILE
-(or, in a notebook:  from minizero.labs import check; check("ring", impl="THIS_FILE"))
-The checker compares every result with the sum it must be, counts the bytes
-and messages each rank sent -- (N-1)/N of the tensor and N-1 messages per
-phase -- and finally trains a stage over your ring against single-device training.
-"""
+"""Lab ``ring`` filled in from the skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
 import torch
 
-from minizero.comm import ReduceOp, RingComm
+from minizero.labs.skeletons.ring import Ring as Skeleton
 
 
-class Ring(RingComm):
-    def _ring_reduce_scatter(self, chunks: list[torch.Tensor], out: torch.Tensor, op: ReduceOp) -> None:
-        """Leave in ``out`` the reduction over all ranks of ``chunks[self.rank]``.
-
-        ``chunks`` are this rank's N contributions (views into one flat tensor, sizes may differ by one);
-        read them, don't change them -- except that ``out`` may *be* ``chunks[self.rank]`` (all-reduce
-        works in place).  Ranks sit on a ring: in each of N-1 steps, send one partially reduced chunk to the
-        right and receive one from the left, combining what arrives with your own contribution to that chunk.
-
-        You may use:
-          * ``self.rank``, ``self.world_size`` (N);
-          * ``self._send_right_recv_left(send, recv, "reduce-scatter", step)``: sends tensor ``send`` to rank
-            r+1 while receiving into tensor ``recv`` from rank r-1 (both at once: no deadlock);
-          * ``op.combine(a, b, out=...)``: how two partial results meet (a sum, or a max for MAX);
-          * ``torch.empty_like`` for a receive buffer.
-        Hint: at step s, send chunk (r - s - 1) mod N and receive chunk (r - s - 2) mod N; the last chunk to
-        arrive is then chunk r itself.  With N = 1 there is nothing to send.
-        """
+class Ring(Skeleton):
+    def _ring_reduce_scatter(self, chunks, out, op) -> None:
         n, r = self.world_size, self.rank
         if n == 1:
             if out is not chunks[r]:
@@ -52,13 +23,7 @@ class Ring(RingComm):
             else:
                 send = op.combine(incoming, chunks[index], out=incoming)
 
-    def _ring_all_gather(self, chunks: list[torch.Tensor]) -> None:
-        """``chunks[self.rank]`` is complete on this rank (and chunk k on rank k); fill in all the others, in place.
-
-        In each of N-1 steps, forward to the right the complete chunk you received last (at the first step:
-        your own), receiving the next one from the left, with
-        ``self._send_right_recv_left(send, recv, "all-gather", step)``.
-        """
+    def _ring_all_gather(self, chunks) -> None:
         n, r = self.world_size, self.rank
         for step in range(n - 1):
             self._send_right_recv_left(chunks[(r - step) % n], chunks[(r - step - 1) % n], "all-gather", step)
