@@ -28,6 +28,7 @@ import enum
 import functools
 import inspect
 import threading
+import time
 import weakref
 from typing import Callable
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from . import progress
 from .fingerprint import DTYPES, Call, CollectiveMismatch, Tag, exchange
+from .network import Network, Port
 from .thread import CommThread, Work
 
 
@@ -118,13 +120,16 @@ class Comm:
 
     name = "abstract"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False):
+    def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False, network: Network | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.check = check
         self.board = progress.installed()
         self._observers: list[Callable[[str, int], None]] = []
+        self._span_observers: list[Callable] = []
+        self._wait_observers: list[Callable[[float, float], None]] = []
+        self.port = Port(network) if network is not None else None  # a dialled wire (see .network), or none
         self._local = threading.local()
         self._thread: CommThread | None = None
         self._lock = threading.Lock()
@@ -138,6 +143,23 @@ class Comm:
 
     def remove_observer(self, observer: Callable[[str, int], None]) -> None:
         self._observers.remove(observer)
+
+    def add_span_observer(self, observer: Callable) -> None:
+        """``observer(call, start, end, thread_name)`` after every collective (``time.perf_counter``
+        seconds), and ``observer(None, start, end, thread_name)`` for every wait that blocked on the
+        communication thread: what a timeline draws (:mod:`minizero.timeline`)."""
+        self._span_observers.append(observer)
+        self._wait_observers.append(lambda start, end: observer(None, start, end, threading.current_thread().name))
+
+    def _leaving(self, nbytes: int) -> None:
+        """A message of ``nbytes`` is about to leave this rank: a dialled wire holds it first."""
+        if self.port is not None:
+            self.port.send(nbytes, getattr(self._local, "kind", None) or "exchange")
+
+    def _arrived(self, nbytes: int) -> None:
+        """A message of ``nbytes`` arrived from one peer (not a ring step): a dialled port takes it in."""
+        if self.port is not None:
+            self.port.receive(nbytes)
 
     def _report_sent(self, nbytes: int) -> None:
         kind = getattr(self._local, "kind", None) or "exchange"
@@ -159,6 +181,7 @@ class Comm:
                                f"stage over a fresh model.")
         call = self._describe(kind, arguments, tag or Tag())
         self.board.enter(call)
+        start = time.perf_counter()
         try:
             if self.check and self.world_size > 1:
                 self._local.kind = "check"
@@ -176,6 +199,8 @@ class Comm:
         finally:
             self._local.kind = None
             self.board.leave()
+            for observer in self._span_observers:
+                observer(call, start, time.perf_counter(), threading.current_thread().name)
 
     def _describe(self, kind: str, arguments: dict, tag: Tag) -> Call:
         """Check the tensors (naming this rank and the tag) and say what the call is."""
@@ -209,7 +234,7 @@ class Comm:
     def _background(self) -> CommThread:
         with self._lock:
             if self._thread is None:
-                self._thread = CommThread(f"comm-rank{self.rank}")
+                self._thread = CommThread(f"comm-rank{self.rank}", self._wait_observers)
                 weakref.finalize(self, self._thread.stop)  # a Comm nobody closed does not leave its thread behind
             return self._thread
 

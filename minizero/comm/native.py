@@ -11,26 +11,35 @@ import torch
 import torch.distributed as dist
 
 from .base import Comm, ReduceOp, chunk_bounds, collective
+from .ring import broadcast_piece
 from .progress import ANYONE
 
 
-def ring_bytes_sent(kind: str, numel: int, element_size: int, world_size: int, rank: int, src: int = 0) -> int:
-    """Bytes rank ``rank`` sends in minizero's ring version of ``kind`` on a
-    full tensor of ``numel`` elements."""
-    n = world_size
+def ring_messages(kind: str, numel: int, element_size: int, world_size: int, rank: int, src: int = 0) -> list[int]:
+    """The bytes of each message rank ``rank`` sends in minizero's ring version of ``kind`` on a full
+    tensor of ``numel`` elements, in order (empty chunks send nothing)."""
+    n, r = world_size, rank
     if n == 1:
-        return 0
+        return []
     if kind in ("reduce_scatter", "all_gather"):
-        return (n - 1) * (numel // n) * element_size
-    if kind == "all_reduce":
-        sizes = [b - a for a, b in chunk_bounds(numel, n)]
-        # reduce-scatter sends every chunk but chunk r; all-gather every chunk but chunk r+1.
-        return (numel - sizes[rank] + numel - sizes[(rank + 1) % n]) * element_size
-    if kind == "broadcast":
-        return 0 if (rank - src) % n == n - 1 else numel * element_size
-    if kind == "root_all_reduce":
-        return (n - 1) * numel * element_size if rank == 0 else numel * element_size
-    raise ValueError(f"unknown collective kind {kind!r}")
+        sizes = [numel // n] * (n - 1)
+    elif kind == "all_reduce":
+        chunks = [b - a for a, b in chunk_bounds(numel, n)]
+        # reduce-scatter step s sends chunk r-s-1, all-gather step s chunk r-s: every chunk but r, then but r+1.
+        sizes = [chunks[(r - s - 1) % n] for s in range(n - 1)] + [chunks[(r - s) % n] for s in range(n - 1)]
+    elif kind == "broadcast":
+        piece = broadcast_piece(element_size)
+        sizes = [] if (r - src) % n == n - 1 else [min(piece, numel - a) for a in range(0, numel, piece)]
+    elif kind == "root_all_reduce":
+        sizes = [numel] * (n - 1 if r == 0 else 1)
+    else:
+        raise ValueError(f"unknown collective kind {kind!r}")
+    return [k * element_size for k in sizes if k > 0]
+
+
+def ring_bytes_sent(kind: str, numel: int, element_size: int, world_size: int, rank: int, src: int = 0) -> int:
+    """Bytes rank ``rank`` sends in minizero's ring version of ``kind``."""
+    return sum(ring_messages(kind, numel, element_size, world_size, rank, src))
 
 
 _TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG, ReduceOp.MAX: dist.ReduceOp.MAX}
@@ -48,9 +57,13 @@ class NativeComm(Comm):
         return self.board.waiting_for(ANYONE)
 
     def _report_modelled(self, kind: str, tensor: torch.Tensor, src: int = 0) -> None:
-        nbytes = ring_bytes_sent(kind, tensor.numel(), tensor.element_size(), self.world_size, self.rank, src)
-        if nbytes:
-            self._report_sent(nbytes)
+        """Book the ring version's bytes; on a dialled wire, wait for its messages (after torch's transfer:
+        the step's wall time is the same, and torch's collective cannot be paused half-way)."""
+        messages = ring_messages(kind, tensor.numel(), tensor.element_size(), self.world_size, self.rank, src)
+        for nbytes in messages:
+            self._leaving(nbytes)
+        if messages:
+            self._report_sent(sum(messages))
 
     def _staged(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """NCCL moves CUDA tensors only: the small CPU tensors of the bookkeeping (bitmaps, the overflow

@@ -27,11 +27,16 @@ from .base import Comm, ReduceOp, chunk_bounds, collective
 from .progress import ANYONE
 
 
+def broadcast_piece(element_size: int) -> int:
+    """Elements per message of the pipelined broadcast: 1 MiB."""
+    return max(1, (1 << 20) // element_size)
+
+
 class RingComm(Comm):
     name = "ring"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False):
-        super().__init__(group, check)
+    def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False, network=None):
+        super().__init__(group, check, network)
         self._scratch_buffers: dict[tuple, torch.Tensor] = {}
 
     # ---------------------------------------------------------------- p2p
@@ -49,6 +54,7 @@ class RingComm(Comm):
         self._at(part, step)
         request = None
         if send is not None and send.numel() > 0:
+            self._leaving(send.numel() * send.element_size())
             request = dist.isend(send, self.peer(right), group=self.group)
         if recv is not None and recv.numel() > 0:
             with self.board.waiting_for(self.peer(left)):  # the board is indexed by global rank
@@ -73,6 +79,7 @@ class RingComm(Comm):
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         if tensor.numel() > 0:
+            self._leaving(tensor.numel() * tensor.element_size())
             with self.board.waiting_for(self.peer(dst)):
                 dist.send(tensor, self.peer(dst), group=self.group)
             self._report_sent(tensor.numel() * tensor.element_size())
@@ -81,6 +88,7 @@ class RingComm(Comm):
         if tensor.numel() > 0:
             with self.board.waiting_for(self.peer(src)):
                 dist.recv(tensor, self.peer(src), group=self.group)
+            self._arrived(tensor.numel() * tensor.element_size())
 
     def _chunks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         flat = tensor.view(-1)
@@ -153,7 +161,7 @@ class RingComm(Comm):
         if n == 1:
             return
         position = (self.rank - src) % n
-        pieces = tensor.view(-1).split(max(1, (1 << 20) // tensor.element_size()))
+        pieces = tensor.view(-1).split(broadcast_piece(tensor.element_size()))
         requests = []
         right = self.peer((self.rank + 1) % n)
         self._at("broadcast")
@@ -161,6 +169,7 @@ class RingComm(Comm):
             if position > 0:
                 self._recv(piece, (self.rank - 1) % n)
             if position < n - 1 and piece.numel() > 0:
+                self._leaving(piece.numel() * piece.element_size())
                 requests.append((dist.isend(piece, right, group=self.group), piece))
         for request, piece in requests:
             with self.board.waiting_for(ANYONE):  # whoever is downstream in the chain

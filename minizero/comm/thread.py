@@ -14,28 +14,41 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable
 
 
 class Work:
-    """Handle of an asynchronous collective; ``wait()`` re-raises its error."""
+    """Handle of an asynchronous collective; ``wait()`` re-raises its error.
 
-    def __init__(self, future: Future):
+    ``waits``: observers told ``(start, end)`` of every wait that blocked -- the exposed
+    communication a timeline draws (:mod:`minizero.timeline`)."""
+
+    def __init__(self, future: Future, waits: list | None = None):
         self._future = future
+        self._waits = waits
 
     def wait(self) -> None:
-        self._future.result()
+        self.result()
 
     def result(self):
         """Wait, and return what the submitted function returned."""
-        return self._future.result()
+        if not self._waits or self._future.done():
+            return self._future.result()
+        start = time.perf_counter()
+        try:
+            return self._future.result()
+        finally:
+            for observer in self._waits:
+                observer(start, time.perf_counter())
 
 
 class CommThread:
     """A single daemon worker running submitted functions in submission order."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, waits: list | None = None):
+        self._waits = waits
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -47,7 +60,7 @@ class CommThread:
     def submit(self, fn: Callable, *args) -> Work:
         future: Future = Future()
         self._queue.put((future, fn, args))
-        return Work(future)
+        return Work(future, self._waits)
 
     def _serve(self) -> None:
         while True:

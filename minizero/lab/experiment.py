@@ -50,6 +50,7 @@ class Experiment:
     param_groups: bool = False  # two optimizer param groups with different lr and weight decay
     record_states: bool = False  # return the (consolidated) optimizer state after every step
     check: bool = True  # fingerprint every collective (minizero.comm.fingerprint)
+    network: str | None = None  # a dialled wire: "alpha=2ms,bandwidth=50MB/s" or a preset (minizero.comm.network)
     device: str = "cpu"  # where the model and batches live ("cuda": the rank's current CUDA device)
     overflow_at: tuple | None = None  # (step, rank): an inf in one gradient element there (see poison_gradient)
     options: dict = field(default_factory=dict)  # stage options
@@ -68,7 +69,7 @@ def build(me: Rank | None, exp: Experiment):
     model.to(exp.device)
     optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
-    comm = make_comm(exp.backend, check=exp.check) if me else None
+    comm = make_comm(exp.backend, check=exp.check, network=exp.network) if me else None
     return build_stage(exp.stage, model, optimizer, comm, exp.stages, **exp.options), model, comm, psi
 
 

@@ -171,6 +171,13 @@ class Stage(nn.Module):
         return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/N"] * bool(divided)) or "0"
 
     @classmethod
+    def schedule(cls, s, **options) -> None:
+        """One step as the scaling model replays it (:class:`minizero.cost_model.Schedule`): what computes,
+        what communicates, and what waits for what.  Single-device training only computes."""
+        s.forward()
+        s.backward()
+
+    @classmethod
     def reduction(cls, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, **options) -> Reduction:
         """How gradients are laid out for reduction; the reference reduces nothing."""
         return Reduction([])

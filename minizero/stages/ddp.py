@@ -95,6 +95,13 @@ class DDP(Synchronised):
         return all_reduce_bytes(psi * grad_bytes, world_size)  # once per step, however many micro-batches
 
     @classmethod
+    def schedule(cls, s, **options) -> None:
+        """One all-reduce after backward: nothing hides."""
+        s.forward()
+        s.backward()
+        s.blocking("all_reduce", s.plan.psi, s.plan.grad_bytes)
+
+    @classmethod
     def reduction(cls, model, optimizer, world_size, **options) -> Reduction:
         """One buffer per dtype; with ``find_unused_parameters`` only what has a gradient on some rank."""
         by_dtype: dict = {}

@@ -127,6 +127,12 @@ class BucketedDDP(DDP):
 
     # ------------------------------------------------------------------ facts
     @classmethod
+    def schedule(cls, s, bucket_mb: float = 25.0, **options) -> None:
+        """Each bucket's all-reduce leaves as its last gradient is ready; backward goes on meanwhile."""
+        s.forward()
+        s.backward_in_buckets("all_reduce", bucket_mb)
+
+    @classmethod
     def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         return Reduction([b.names for b in assign_buckets(trainable, bucket_mb)])

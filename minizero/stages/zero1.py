@@ -135,6 +135,14 @@ class ZeRO1(ZeRO):
         return reduce_scatter_bytes(psi * grad_bytes, world_size) + all_gather_bytes(psi * param_bytes, world_size)
 
     @classmethod
+    def schedule(cls, s, **options) -> None:
+        """Reduce-scatter after backward, all-gather after the step: neither hides."""
+        s.forward()
+        s.backward()
+        s.blocking("reduce_scatter", s.plan.psi, s.plan.grad_bytes)
+        s.blocking("all_gather", s.plan.psi, s.plan.param_bytes)
+
+    @classmethod
     def reduction(cls, model, optimizer, world_size, **options) -> Reduction:
         names = {id(p): n for n, p in model.named_parameters()}
         return Reduction([[names[id(p)] for p in piece]

@@ -100,6 +100,14 @@ class ZeRO2(ZeRO):
         return reduce_scatter_bytes(psi * grad_bytes, world_size) + all_gather_bytes(psi * param_bytes, world_size)
 
     @classmethod
+    def schedule(cls, s, bucket_mb: float = 25.0, **options) -> None:
+        """ZeRO-2's reduce-scatters leave bucket by bucket during backward; the all-gather after the step
+        has nothing to hide behind."""
+        s.forward()
+        s.backward_in_buckets("reduce_scatter", bucket_mb)
+        s.blocking("all_gather", s.plan.psi, s.plan.param_bytes)
+
+    @classmethod
     def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:
         names = {id(p): n for n, p in model.named_parameters()}
         plan = plan_groups([g["params"] for g in optimizer.param_groups],

@@ -217,6 +217,41 @@ class ZeRO3(ZeRO):
                                                                                                world_size)
 
     @classmethod
+    def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:
+        """Units in call order, as :meth:`_before_forward` and :meth:`_before_backward` run them: a unit waits
+        for its all-gather, then starts the next ``prefetch`` ones, then computes.  The root (unit 0) is
+        gathered first and computes last in forward (the head); in backward its hook fires first and
+        prefetches nothing; each unit's reduce-scatter leaves when its backward is done, the root's last."""
+        blocks, plan = s.plan.blocks, s.plan
+        per_param_f, per_param_b = plan.forward_s / plan.psi, plan.backward_s / plan.psi
+
+        def gather(u: int, when: str) -> None:
+            if not s.launched((when, u)):
+                s.launch((when, u), "all_gather", blocks[u], plan.param_bytes)
+
+        def run(order: list[int], when: str, compute, after=None) -> None:
+            for i, u in enumerate(order):
+                gather(u, when)
+                s.wait((when, u))
+                for k in range(1, prefetch + 1):
+                    if i + k < len(order) and (u != 0 or when == "forward"):  # the root's hook prefetches only forward
+                        gather(order[i + k], when)
+                compute(u)
+                if after:
+                    after(u)
+
+        root_share = blocks[0] * per_param_f
+        run(list(range(len(blocks))), "forward", lambda u: s.compute(blocks[u] * per_param_f * (u > 0)))
+        s.compute(root_share)  # the head, after the blocks
+        order = [0] + list(range(len(blocks) - 1, 0, -1))
+        when = "backward" if reshard_after_forward else "forward"
+        run(order, when, lambda u: s.compute(blocks[u] * per_param_b * (u > 0) + (u == 0) * blocks[0] * per_param_b / 2),
+            lambda u: u and s.launch(("rs", u), "reduce_scatter", blocks[u], plan.grad_bytes))
+        s.compute(blocks[0] * per_param_b / 2)  # the embeddings' backward, last
+        s.launch(("rs", 0), "reduce_scatter", blocks[0], plan.grad_bytes)
+        s.wait_all()
+
+    @classmethod
     def reduction(cls, model, optimizer, world_size, units=None, **options) -> Reduction:
         plan = plan_unit_groups(model, resolve_units(model, units), [g["params"] for g in optimizer.param_groups])
         return Reduction([[n for n, _ in named] for _, _, named in plan], padded=True)

@@ -1,0 +1,179 @@
+"""A network you can dial: every message waits ``alpha + bytes / bandwidth`` of wall time.
+
+On a laptop the ranks talk over loopback, where moving bytes costs the same
+CPU that backward needs: overlap hides "between nothing and half" of the
+communication, run to run, and nobody can tell what a stage would do over a
+100 Gb/s network.  Real wires are described by the Hockney model that NCCL's
+tuning and the ZeRO paper's reasoning use: a message of ``n`` bytes costs a
+latency ``alpha`` plus ``n / beta``.  A :class:`Network` puts exactly that on
+every message, on top of the real transfer:
+
+* **per message, once.**  The sender's port holds each message for
+  ``alpha + n/beta`` before it leaves (so the receiver cannot have it
+  earlier).  A ring step is one message per port each way, so a ring
+  all-reduce of ``S`` bytes costs ``2(N-1) * (alpha + S/(N beta))``, the
+  textbook figure.  Where many ranks send to one (the parameter server's
+  root, :meth:`RingComm._recv`), the receiving port also takes in at most
+  ``beta`` bytes a second: ``N-1`` messages arriving together stream in one
+  after another, as they would through one NIC.
+* **no CPU.**  The wait is ``time.sleep`` on whichever thread runs the
+  collective -- the communication thread, for the overlapped ones -- which
+  releases the GIL: backward goes on computing, exactly as it would while a
+  NIC moved the bytes.
+* **outside the algorithms.**  A :class:`Port` is attached to a
+  :class:`~minizero.comm.base.Comm` like the byte ledger; no stage and no ring
+  step knows it is there.  With the native backend, torch's collective runs
+  and then the port waits for the messages the ring version would have sent
+  (:func:`~minizero.comm.native.ring_messages`).
+
+Presets are real links, with the source of their numbers.  They are for the
+scaling model (:mod:`minizero.scaling`): on a laptop their delays are far
+below what loopback already costs.  The measured runs use slow dials
+(``"lesson"``, or ``alpha=2ms,bandwidth=50MB/s``), where the wire, not the
+CPU, is what a step waits for -- so an effect shows the same on every run.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Network:
+    """``alpha`` seconds per message, ``bandwidth`` bytes per second per direction of each rank's port."""
+
+    alpha: float
+    bandwidth: float
+    name: str = "custom"
+    source: str = ""
+
+    def __post_init__(self):
+        if not (isinstance(self.alpha, (int, float)) and 0 <= self.alpha < float("inf")):
+            raise ValueError(f"network alpha must be a finite time >= 0 seconds, got {self.alpha!r}")
+        if not (isinstance(self.bandwidth, (int, float)) and 0 < self.bandwidth < float("inf")):
+            raise ValueError(f"network bandwidth must be a finite rate > 0 bytes/s, got {self.bandwidth!r}")
+
+    def message_s(self, nbytes: float) -> float:
+        """Seconds one message of ``nbytes`` holds its sender: the Hockney model."""
+        return self.alpha + nbytes / self.bandwidth
+
+    def describe(self) -> str:
+        text = f"alpha={format_time(self.alpha)}, bandwidth={format_rate(self.bandwidth)}"
+        return text if self.name == "custom" else f"{self.name} ({text})"
+
+
+# NCCL's tuning model (src/graph/tuning.cc, hwLat, Ring/Simple protocol) charges 3.4 us per ring step
+# over NVLink, 5.7 us over PCI and 9.6 us over the network; bandwidths are per direction.
+PRESETS: dict[str, Network] = {n.name: n for n in [
+    Network(3.4e-6, 450e9, "nvlink",
+            "H100 SXM NVLink 4: 900 GB/s both directions (NVIDIA H100 datasheet); alpha: NCCL tuning.cc hwLat"),
+    Network(5.7e-6, 32e9, "pcie4",
+            "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s per direction; alpha: NCCL tuning.cc hwLat"),
+    Network(9.6e-6, 12.5e9, "ethernet-100g",
+            "100 Gb/s Ethernet = 12.5 GB/s (IEEE 802.3); alpha: NCCL tuning.cc hwLat (network, best case: "
+            "RDMA; TCP sockets add tens of microseconds)"),
+    Network(9.6e-6, 50e9, "infiniband-ndr",
+            "InfiniBand NDR 400 Gb/s = 50 GB/s per port (NVIDIA ConnectX-7); alpha: NCCL tuning.cc hwLat"),
+    Network(2e-3, 50e6, "lesson",
+            "not a real link: a deliberately slow wire (2 ms, 50 MB/s) so that the lessons' small models, on a "
+            "laptop, wait for the wire rather than for loopback's CPU"),
+]}
+
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_network(spec: "str | Network | None") -> Network | None:
+    """``"alpha=50us,bandwidth=1GB/s"`` or a preset's name (``"ethernet-100g"``); None stays None.
+
+    Bandwidth takes bytes (``B/s``) or bits (``b/s``, ``bit/s``) with decimal (``k M G T``) or binary
+    (``Ki Mi Gi``) prefixes; time takes ``s ms us ns``.  A bare number is refused: the unit is the
+    point of the dial, and a guessed one is off by a factor of a thousand."""
+    if spec is None or isinstance(spec, Network):
+        return spec
+    text = spec.strip()
+    if text in PRESETS:
+        return PRESETS[text]
+    if "=" not in text:
+        raise ValueError(f"unknown network preset {text!r}; presets: {', '.join(PRESETS)} -- or give "
+                         f"'alpha=50us,bandwidth=1GB/s'")
+    values: dict[str, str] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        if key not in ("alpha", "bandwidth"):
+            raise ValueError(f"network: unknown key {key!r} in {spec!r}; give alpha=TIME,bandwidth=RATE")
+        values[key] = value.strip()
+    if "bandwidth" not in values:
+        raise ValueError(f"network {spec!r} has no bandwidth; e.g. 'alpha=50us,bandwidth=1GB/s'")
+    return Network(parse_time(values.get("alpha", "0s")), parse_rate(values["bandwidth"]))
+
+
+def parse_time(text: str) -> float:
+    match = re.fullmatch(r"\s*([-+0-9.eE]+)\s*(s|ms|us|µs|ns)\s*", text)
+    if not match:
+        raise ValueError(f"network alpha {text!r}: give a time with its unit, e.g. 50us, 2ms, 0s")
+    value = float(match.group(1)) * _TIME_UNITS[match.group(2)]
+    if value < 0:
+        raise ValueError(f"network alpha {text!r} is negative; a latency is 0 or more")
+    return value
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from ``1GB/s``, ``100Gb/s``, ``100 Gbit/s``, ``512MiB/s``."""
+    match = re.fullmatch(r"\s*([-+0-9.eE]+)\s*([kKmMgGtT]i?)?(B|b|bit)/s\s*", text)
+    if not match:
+        raise ValueError(f"network bandwidth {text!r}: give a rate with its unit, e.g. 1GB/s, 100Gb/s, 512MiB/s")
+    value = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+    value = value / 8 if match.group(3) in ("b", "bit") else value
+    if not value > 0:
+        raise ValueError(f"network bandwidth {text!r} must be greater than 0")
+    return value
+
+
+def format_time(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:g}{unit}"
+    return f"{seconds * 1e9:g}ns"
+
+
+def format_rate(rate: float) -> str:
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if rate >= scale:
+            return f"{rate / scale:g}{unit}"
+    return f"{rate:g}B/s"
+
+
+class Port:
+    """One rank's connection to a dialled :class:`Network`.
+
+    ``record=True`` keeps every message's wait as ``(start, end, kind, nbytes, thread)`` in
+    :attr:`messages` -- the wire's side of a timeline."""
+
+    def __init__(self, network: Network, record: bool = False):
+        self.network = network
+        self.messages: list[tuple[float, float, str, int, str]] | None = [] if record else None
+        self._inbound_done = float("-inf")  # when this port finished taking in the last message
+
+    def send(self, nbytes: int, kind: str) -> None:
+        """Before a message leaves: hold it for ``alpha + nbytes/bandwidth``."""
+        start = time.perf_counter()
+        _sleep_until(start + self.network.message_s(nbytes))
+        if self.messages is not None:
+            self.messages.append((start, time.perf_counter(), kind, nbytes, threading.current_thread().name))
+
+    def receive(self, nbytes: int) -> None:
+        """After a message arrived: a port takes in ``bandwidth`` bytes a second at most, so a message
+        arriving while the last one still streams in waits its turn (the parameter server's root)."""
+        done = max(time.perf_counter(), self._inbound_done + nbytes / self.network.bandwidth)
+        _sleep_until(done)
+        self._inbound_done = done
+
+
+def _sleep_until(deadline: float) -> None:
+    """Sleep, without using the CPU, until ``deadline`` (``time.perf_counter``)."""
+    while (left := deadline - time.perf_counter()) > 0:
+        time.sleep(left)

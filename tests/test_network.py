@@ -1,0 +1,125 @@
+"""The dialled wire: alpha + bytes/bandwidth per message, once, costing no CPU, outside the algorithms."""
+import time
+
+import pytest
+import torch
+
+from minizero.comm import PRESETS, Ledger, Network, ReduceOp, make_comm, parse_network, ring_messages
+from minizero.launch import RankPool
+
+WIRE = "alpha=15ms,bandwidth=4MB/s"  # a 40 KB chunk is 10 ms on the wire: both terms count
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    with RankPool(3) as pool:
+        yield pool
+
+
+def _all_reduce(me, backend: str, network, numel: int, kind: str = "all_reduce"):
+    comm = make_comm(backend, network=network)
+    tensor = torch.ones(numel)
+    ledger = Ledger()
+    try:
+        getattr(comm, kind)(tensor.clone())  # warm-up: connections
+        torch.distributed.barrier()  # every rank starts together (after a root all-reduce, rank 1 is ahead)
+        with ledger.attached(comm):
+            wall, cpu = time.perf_counter(), time.process_time()
+            getattr(comm, kind)(tensor, ReduceOp.SUM)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        comm.close()
+    return {"wall": wall, "cpu": cpu, "sent": ledger.total, "messages": ledger.messages.total(), "value": tensor[0].item()}
+
+
+def test_presets_and_units_parse():
+    net = parse_network("alpha=50us,bandwidth=1GB/s")
+    assert (net.alpha, net.bandwidth) == (pytest.approx(50e-6), 1e9)
+    assert parse_network("alpha=2ms, bandwidth=100Gb/s").bandwidth == 12.5e9  # bits
+    assert parse_network("bandwidth=512MiB/s") == Network(0.0, 512 * 2**20)
+    assert parse_network("ethernet-100g").bandwidth == 12.5e9 and PRESETS["ethernet-100g"].source
+    assert all(p.source for p in PRESETS.values())
+    assert parse_network(None) is None
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("alpha=1ms,bandwidth=0GB/s", "greater than 0"),
+    ("alpha=1ms,bandwidth=-5MB/s", "greater than 0"),
+    ("alpha=-1ms,bandwidth=5MB/s", "negative"),
+    ("alpha=1ms,bandwidth=5", "with its unit"),
+    ("alpha=1,bandwidth=5MB/s", "with its unit"),
+    ("alpha=1ms", "no bandwidth"),
+    ("latency=1ms,bandwidth=1GB/s", "unknown key 'latency'"),
+    ("fast", "presets: nvlink, pcie4, ethernet-100g, infiniband-ndr, lesson"),
+])
+def test_bad_networks_are_refused_in_one_line(spec, words):
+    with pytest.raises(ValueError, match=words) as error:
+        parse_network(spec)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("backend", ["ring", "native"])
+def test_the_delay_is_per_message_once_and_costs_no_cpu(pool3, backend):
+    """A 3-rank all-reduce of 30,000 fp32 (40 KB chunks) is 4 messages per rank: 4 x (15 ms + 10 ms) = 100 ms
+    on top of the undialled run -- not 200 ms (bytes charged twice), not 60 ms (per collective) -- and
+    the waiting costs no CPU."""
+    network, numel = parse_network(WIRE), 30_000
+    plain = pool3.run(_all_reduce, backend, None, numel)
+    dialled = pool3.run(_all_reduce, backend, network, numel)
+    sizes = ring_messages("all_reduce", numel, 4, 3, 0)
+    expected = sum(network.message_s(b) for b in sizes)
+    assert len(sizes) == 4 and expected == pytest.approx(0.1)
+    extra = max(d["wall"] for d in dialled) - max(p["wall"] for p in plain)  # as slow as the slowest rank
+    assert 0.9 * expected < extra < 1.45 * expected, (extra, expected)
+    for r, (p, d) in enumerate(zip(plain, dialled)):
+        assert d["value"] == p["value"] == 3.0  # ones, summed over 3 ranks
+        assert d["sent"] == p["sent"] and d["messages"] == p["messages"]  # the ledger does not see the dial
+        assert d["cpu"] < 0.25 * expected, f"rank {r} used {d['cpu']:.3f} s of CPU waiting {expected:.3f} s"
+
+
+def test_each_message_holds_its_sender_for_alpha_plus_bytes_over_bandwidth():
+    from minizero.comm import Port
+    port = Port(Network(0.004, 1e6), record=True)
+    for nbytes in (0, 2000, 8000):
+        port.send(nbytes, "all_reduce")
+    held = [end - start for start, end, *_ in port.messages]
+    for h, want in zip(held, (0.004, 0.006, 0.012)):
+        assert want <= h < want + 0.004
+
+
+def test_a_port_takes_in_bandwidth_bytes_a_second_at_most():
+    """The parameter server's root: messages that arrive together stream in one after another."""
+    from minizero.comm import Port
+    port = Port(Network(0.0, 1e6))
+    start = time.perf_counter()
+    for _ in range(3):
+        port.receive(5000)  # 5 ms each on the wire: the first is in when it arrives, the others queue
+    assert 0.010 <= time.perf_counter() - start < 0.018
+
+
+def test_the_parameter_server_root_waits_for_n_minus_1_messages_each_way(pool3):
+    """The root takes in N-1 full tensors through one port, then sends N-1 back: alpha + (N-1) S/beta +
+    (N-1)(alpha + S/beta) -- with 400 KB at 4 MB/s, 445 ms at N=3, against the ring's 4 x (15 + 33) ms."""
+    numel, n = 100_000, 3
+    network = parse_network(WIRE)
+    plain = pool3.run(_all_reduce, "ring", None, numel, "root_all_reduce")
+    ps = pool3.run(_all_reduce, "ring", network, numel, "root_all_reduce")
+    s = numel * 4 / network.bandwidth
+    expected = network.alpha + (n - 1) * s + (n - 1) * (network.alpha + s)
+    root_extra = ps[0]["wall"] - plain[0]["wall"]  # (the barrier let rank 0 start last, or with the others)
+    assert 0.9 * expected < root_extra < 1.3 * expected, (root_extra, expected)
+    ring = sum(network.message_s(b) for b in ring_messages("all_reduce", numel, 4, n, 0))
+    assert ring < 0.5 * expected
+
+
+def _unknown_preset(me) -> str:
+    try:
+        make_comm("ring", network="warp-drive")
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_make_comm_names_the_presets_for_an_unknown_one(pool3):
+    build = _unknown_preset
+    assert all("unknown network preset 'warp-drive'; presets: nvlink" in text for text in pool3.run(build))
