@@ -1,0 +1,95 @@
+"""Overlap as a property of the timeline, on a dialled wire: backward keeps computing while a bucket's or a
+unit's communication is in flight -- so a change that serialises communication with compute fails here.
+
+The wire holds every message 20 ms (costing no CPU), far longer than the small model's backward: a
+collective that overlaps backward shows as one whose span starts before the last gradient, and a backward
+that waited for its collectives shows as a last gradient no earlier than the transfers' sum."""
+import pytest
+
+from minizero.lab.experiment import Experiment
+from minizero.lab.timelines import timeline_on_rank
+from minizero.launch import RankPool
+from minizero.stages import BucketedDDP, ZeRO2, with_stages
+
+WIRE = "alpha=20ms,bandwidth=100MB/s"
+GPT = {"n_layer": 3, "d_model": 128, "block_size": 32}  # a block's forward takes milliseconds
+MLP = {"sizes": (64, 768, 768, 768, 4)}  # backward ~10 ms: far longer than a GIL switch (5 ms)
+
+
+class BlockingBuckets(BucketedDDP):
+    """Each bucket's all-reduce runs inside the gradient hook: backward waits for every one."""
+    name = "blocking-buckets"
+
+    def _all_reduce(self, index: int):
+        done = super()._all_reduce(index)()
+        return lambda: done
+
+
+class BucketsAfterBackward(ZeRO2):
+    """No bucket leaves before backward ends (sync_gradients launches them all)."""
+    name = "buckets-after-backward"
+
+    def _on_gradient_ready(self, param) -> None:
+        self._used.add(id(param))
+
+
+STAGES = with_stages(BlockingBuckets, BucketsAfterBackward)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2) as pool:
+        yield pool
+
+
+def _backward_overlap(pool, stage: str) -> list[str]:
+    """Violations of: a bucket's collective is in flight while backward computes, and the last gradient is
+    ready long before the transfers could have run one after another."""
+    exp = Experiment(stage=stage, task="mlp", model=MLP, steps=3, dtype="float32", optimizer="sgd", check=False,
+                     network=WIRE, options={"bucket_mb": 1e-9}, stages=STAGES, micro_batch=64)
+    problems = []
+    for r, steps in enumerate(pool.run(timeline_on_rank, exp)):
+        for s, step in enumerate(steps[1:], start=1):  # step 0 starts the communication thread
+            first_gradient, last_gradient = step.backward
+            during = [c for c in step.comm if c[1] < last_gradient]
+            transfers = sum(e - b for _, b, e in step.comm)
+            if not during:
+                problems.append(f"rank {r} step {s}: no collective started before backward's last gradient")
+            if last_gradient - first_gradient > 0.5 * transfers:
+                problems.append(f"rank {r} step {s}: backward took {last_gradient - first_gradient:.3f} s of "
+                                f"{transfers:.3f} s of transfers: it waited for them")
+    return problems
+
+
+@pytest.mark.parametrize("stage", ["ddp-bucketed", "zero2"])
+def test_buckets_communicate_while_backward_computes(pool, stage):
+    assert _backward_overlap(pool, stage) == []
+
+
+@pytest.mark.parametrize("stage, words", [("blocking-buckets", "waited for them"),
+                                          ("buckets-after-backward", "no collective started")])
+def test_a_serialising_stage_fails_the_property(pool, stage, words):
+    problems = _backward_overlap(pool, stage)
+    assert problems and all(words in p for p in problems), problems
+
+
+def _prefetch_overlap(pool, prefetch: int) -> float:
+    """The share of the blocks' forward time during which the next unit's all-gather was in flight (the
+    blocks that have a next one; summed over ranks and steps, since the communication thread takes up to a
+    few ms to wake, and a block computes for about that long)."""
+    exp = Experiment(stage="zero3", task="gpt", model=GPT, steps=3, dtype="float32", optimizer="sgd", check=False,
+                     network=WIRE, options={"prefetch": prefetch}, micro_batch=16)
+    inside = total = 0.0
+    for steps in pool.run(timeline_on_rank, exp):
+        for step in steps[1:]:
+            for i in range(2):  # blocks 0 and 1 have a next block, whose all-gather prefetch starts early
+                mine = [(b, e) for w, b, e in step.compute if w == f"forward unit {i}"]
+                gather = [(b, e) for w, b, e in step.comm if w.startswith(f"all_gather unit {i + 2} ")]
+                total += sum(e - b for b, e in mine)
+                inside += sum(max(0.0, min(e, ge) - max(b, gb)) for b, e in mine for gb, ge in gather)
+    return inside / total
+
+
+def test_zero3_prefetch_gathers_the_next_unit_while_this_one_computes(pool):
+    assert _prefetch_overlap(pool, 1) > 0.5
+    assert _prefetch_overlap(pool, 0) == 0.0  # without prefetch the gather waits for the unit before it
