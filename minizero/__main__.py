@@ -1,4 +1,4 @@
-"""Command line: ``python -m minizero compare|soak|memory|bench ...``.
+"""Command line: ``python -m minizero compare|soak|memory|bench|scale|lab|check ...``.
 
 Numbers are validated where they are parsed: a count must be a positive whole
 number, a size or a rate a finite positive number -- argparse then names the
@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from .comm import BACKENDS
+from .comm import BACKENDS, PRESETS
 from .compress import WIRE_DTYPES
 from .lab.bench import BENCHES
 from .lab.equivalence import DTYPES
@@ -82,6 +82,8 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> Non
     p.add_argument("--seed", type=natural_int, default=0)
     p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds a collective may go without progress before the run is ended as stalled")
+    p.add_argument("--network", default=None, help="dial the wire: 'alpha=2ms,bandwidth=50MB/s' or a preset ("
+                   + ", ".join(PRESETS) + "); every message then waits alpha + bytes/bandwidth")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="fingerprint every collective, so ranks that disagree stop with an error (default: on)")
     p.add_argument("--json", action="store_true")
@@ -111,7 +113,26 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=list(BENCHES))
     bench.add_argument("--world-size", type=positive_int, default=2)
     bench.add_argument("--repeats", type=positive_int, default=5)
+    bench.add_argument("--network", default=None,
+                       help="dial the wire: 'alpha=2ms,bandwidth=50MB/s' or a preset (" + ", ".join(PRESETS) + "); "
+                            "overlap, buckets, prefetch and compress measure on it (default for the last three: lesson)")
     bench.add_argument("--json", action="store_true")
+    scale = sub.add_parser("scale", help="predicted step time, exposed communication and efficiency, N = 1 to 1024+")
+    scale.add_argument("--stage", default="all", help=f"comma-separated, from: {', '.join(distributed())}; or all")
+    scale.add_argument("--params", type=positive_float, required=True, help="Psi, the number of parameters")
+    scale.add_argument("--world-size", default="1..1024", help="'1,2,4,8' or '1..1024' (powers of two)")
+    scale.add_argument("--network", default="ethernet-100g", help="a preset (" + ", ".join(PRESETS) + ") or "
+                       "'alpha=10us,bandwidth=12.5GB/s'")
+    timing = scale.add_mutually_exclusive_group(required=True)
+    timing.add_argument("--compute-ms", type=positive_float, help="forward+backward per rank per step, in ms")
+    timing.add_argument("--measure", action="store_true", help="measure forward+backward here (the bench GPT, "
+                        "scaled to --params)")
+    scale.add_argument("--layers", type=positive_int, default=12, help="blocks the parameters are split into (ZeRO-3 units)")
+    scale.add_argument("--bucket-mb", type=positive_float, default=25.0)
+    scale.add_argument("--prefetch", type=natural_int, default=1)
+    scale.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                       help="bytes per element on the wire: 4 (fp32) or 2 (bf16/fp16)")
+    scale.add_argument("--json", action="store_true")
     add_lab_commands(sub)
     return top
 
@@ -130,6 +151,8 @@ def main(argv=None) -> int:
             from .labs.cli import lab_main as run
         elif args.command == "check":
             from .labs.cli import check_main as run
+        elif args.command == "scale":
+            from .lab.scale import main as run
         else:
             from .lab.bench import main as run
         status, text = run(args)

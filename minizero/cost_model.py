@@ -20,8 +20,8 @@ A collective launched during backward runs while backward computes; a wait
 blocks the main thread until it ends.  Backward produces gradients at a
 uniform rate per parameter, last registered first (compute proportional to
 parameters: the 6 Psi FLOPs per token rule), so a bucket is ready when
-backward has reached its last parameter.  Not modelled: the optimizer step's
-compute and the host's own overheads (the measured check states what that costs).
+backward has reached its last parameter.  The optimizer step is a given
+compute time (``StepPlan.step_s``); host overheads are not modelled.
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class StepPlan:
     param_bytes: int = 4
     buckets: tuple[float, ...] | None = None
     options: dict = field(default_factory=dict)
+    step_s: float = 0.0  # the optimizer step's compute (measured; 0 when not given)
 
     @property
     def psi(self) -> float:
@@ -143,6 +144,9 @@ class Schedule:
 
     def backward(self) -> None:
         self.compute(self.plan.backward_s)
+
+    def optimizer_step(self) -> None:
+        self.compute(self.plan.step_s)
 
     def backward_in_buckets(self, kind: str, bucket_mb: float = 25.0) -> None:
         """Backward, launching ``kind`` of each bucket as its last gradient is ready (then wait for all)."""

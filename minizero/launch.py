@@ -216,10 +216,14 @@ class RankPools:
         self._pools: dict[int, RankPool] = {}
 
     def run(self, world_size: int, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
+        return self.pool(world_size).run(fn, *args, **kwargs)
+
+    def pool(self, world_size: int) -> RankPool:
+        """The live pool of ``world_size`` ranks, started now if there is none."""
         pool = self._pools.get(world_size)
         if pool is None or pool.broken:
             pool = self._pools[world_size] = RankPool(world_size, timeout_s=self.timeout_s)
-        return pool.run(fn, *args, **kwargs)
+        return pool
 
     def live(self) -> dict[int, RankPool]:
         return {n: pool for n, pool in self._pools.items() if not pool.broken}

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from .base import Comm, ReduceOp, chunk_bounds, collective
-from .ring import broadcast_piece
 from .progress import ANYONE
+from .ring import broadcast_piece
 
 
 def ring_messages(kind: str, numel: int, element_size: int, world_size: int, rank: int, src: int = 0) -> list[int]:

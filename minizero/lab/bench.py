@@ -13,10 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from ..comm import NativeComm, ReduceOp, RingComm, make_comm
+from ..comm import NativeComm, ReduceOp, RingComm, make_comm, parse_network
 from ..launch import Rank, RankPool
 from ..stages import STAGES, Shards, distributed
 from ..train import shard_step, sum_loss
+from .bench_network import bench_buckets, bench_compress, bench_overlap_dialled, bench_prefetch, format_rows
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
 from .optimizers import make_optimizer
@@ -249,21 +250,37 @@ def bench_precision(world_size: int, steps: int = 12, precision: str = "bf16") -
     return rows
 
 
+DIALLED = ("overlap", "buckets", "prefetch", "compress")  # measured on a dialled wire (--network)
 BENCHES = {
     "collectives": lambda args: bench_collectives(args.world_size, repeats=args.repeats),
     "ddp": lambda args: bench_ddp(args.world_size),
     "zero": lambda args: bench_zero(args.world_size),
     "zero3": lambda args: bench_zero3(args.world_size),
-    "overlap": lambda args: bench_overlap(args.world_size, repeats=args.repeats),
+    "overlap": lambda args: (bench_overlap_dialled(args.world_size, args.network) if args.network
+                             else bench_overlap(args.world_size, repeats=args.repeats)),
+    "buckets": lambda args: bench_buckets(args.world_size, _dial(args)),
+    "prefetch": lambda args: bench_prefetch(args.world_size, _dial(args)),
+    "compress": lambda args: bench_compress(args.world_size, _dial(args)),
     "check": lambda args: bench_check(args.world_size),
     "precision": lambda args: bench_precision(args.world_size),
 }
 
 
+def _dial(args) -> str:
+    """The dialled benches measure on a wire: the one given, else the lessons' slow one."""
+    return args.network or "lesson"
+
+
 def main(args) -> tuple[int, str]:
+    if args.network is not None:
+        parse_network(args.network)  # a bad dial is refused before any rank starts
+        if args.what not in DIALLED:
+            raise ValueError(f"bench {args.what} does not take --network; the dialled benches are {', '.join(DIALLED)}")
     rows = BENCHES[args.what](args)
     if args.json:
         return 0, json.dumps(rows, indent=2)
+    if args.what in DIALLED and (args.what != "overlap" or args.network):
+        return 0, format_rows(args.what, args.world_size, _dial(args), rows)
     if args.what == "collectives":
         lines = [f"all-reduce bus bandwidth, N={args.world_size} ranks, gloo on CPU (higher is better)",
                  f"{'size':>6}{'ring (send/recv)':>18}{'native':>10}{'ratio':>8}"]

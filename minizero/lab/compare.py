@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch.distributed as dist
 
+from ..comm import parse_network
 from ..launch import RankPool, check_world_size
 from ..precision import Precision
 from ..stages import check_stage_names
@@ -157,7 +158,8 @@ def experiment_of(args) -> Experiment:
     """The command line's run, as an :class:`Experiment` (shared with ``soak``)."""
     return Experiment(task=args.task, dtype=args.dtype, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                       micro_batch=args.micro_batch, accum=args.accum, backend=args.backend, seed=args.seed,
-                      clip=(args.clip, 2.0) if args.clip else None, check=args.check)
+                      clip=(args.clip, 2.0) if args.clip else None, check=args.check,
+                      network=args.network if parse_network(args.network) else None)  # refused here if bad
 
 
 def main(args) -> tuple[int, str]:

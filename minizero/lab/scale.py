@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import torch
 
-from ..comm.network import Network, format_rate, format_time, parse_network
-from ..cost_model import StepPlan, predict
+from ..comm.network import Network, parse_network
+from ..cost_model import RING_STEPS, StepPlan, predict
 from ..launch import RankPool
 from ..precision import Precision
 from ..stages import STAGES, distributed
 from ..units import resolve_units
-from .experiment import Experiment, build, precision_of, wire_bytes
+from .experiment import Experiment, precision_of, wire_bytes
 from .models import BENCH_GPT, count_params
 from .tasks import TASKS
 from .timelines import timeline_on_rank
@@ -109,8 +109,8 @@ def main(args) -> tuple[int, str]:
 
 
 # ---------------------------------------------------------------- the model against measured runs
-def measured_plan(exp: Experiment, world_size: int, network: Network, forward_s: float,
-                  backward_s: float) -> StepPlan:
+def measured_plan(exp: Experiment, world_size: int, network: Network, forward_s: float, backward_s: float,
+                  step_s: float = 0.0) -> StepPlan:
     """The plan of ``exp``'s own model: its units (root first) and, for a bucketed stage, its buckets."""
     model = TASKS[exp.task].make_model(0, torch.float32, **exp.model)
     units = resolve_units(model, exp.options.get("units"))
@@ -125,28 +125,40 @@ def measured_plan(exp: Experiment, world_size: int, network: Network, forward_s:
         buckets = tuple(float(sum(numel[n] for n in names)) for names in layout.buffers)
     element = precision_of(exp).working_bytes(4)
     return StepPlan(world_size, network, forward_s, backward_s, blocks, wire_bytes(exp), element, buckets,
-                    {k: v for k, v in exp.options.items() if k in stage.options()})
+                    {k: v for k, v in exp.options.items() if k in stage.options()}, step_s)
 
 
-def model_against_measured(pool: RankPool, exp: Experiment, network: str) -> dict:
-    """Run ``exp`` without a dial (its compute: forward and backward, the slowest rank's median), then on
-    ``network`` (its step time); predict the second from the first."""
+def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeats: int = 1) -> dict:
+    """Run ``exp`` without a dial, then ``repeats`` times on ``network``; predict the dialled step from the
+    undialled run.
+
+    From the undialled run: forward, backward and optimizer-step compute (the slowest rank's median), and
+    the loopback's own cost per ring message -- the dial waits *on top of* the real transfer, so the
+    model's latency is the dial's alpha plus loopback's (measured, not assumed).  Each dialled run gives
+    its step time and hidden fraction (the slowest rank's median over steps after the first)."""
     quiet = pool.run(timeline_on_rank, replace(exp, network=None))
-    dialled = pool.run(timeline_on_rank, replace(exp, network=network))
+    runs = [pool.run(timeline_on_rank, replace(exp, network=network)) for _ in range(repeats)]
 
     def median(per_rank, what) -> float:
         return max(statistics.median(what(step) for step in steps[1:]) for steps in per_rank)
 
     span = lambda name: lambda st: sum(e - s for w, s, e in st.compute if w == name)  # noqa: E731
     forward_s, backward_s = median(quiet, span("forward")), median(quiet, span("backward"))
-    measured = median(dialled, lambda st: st.end)
-    plan = measured_plan(exp, pool.world_size, parse_network(network), forward_s, backward_s)
+    step_s = median(quiet, span("optimizer step"))
+    messages = lambda st: sum(RING_STEPS[w.split()[0]] for w, _, _ in st.comm) * (pool.world_size - 1)  # noqa: E731
+    loopback = median(quiet, lambda st: sum(e - s for _, s, e in st.comm) / max(messages(st), 1))
+    wire = parse_network(network)
+    plan = measured_plan(exp, pool.world_size, replace(wire, alpha=wire.alpha + loopback), forward_s, backward_s,
+                         step_s)
     predicted = predict(STAGES[exp.stage], plan)
-    return {"stage": exp.stage, "world_size": pool.world_size, "options": exp.options,
-            "measured_ms": measured * 1e3, "predicted_ms": predicted.step_s * 1e3,
-            "error": predicted.step_s / measured - 1, "compute_ms": (forward_s + backward_s) * 1e3,
-            "comm_ms": predicted.comm_s * 1e3, "network": network}
-
-
-def describe_network(network: Network) -> str:
-    return f"alpha {format_time(network.alpha)}, bandwidth {format_rate(network.bandwidth)}"
+    measured = [median(run, lambda st: st.end) for run in runs]
+    hidden = [min(statistics.median(st.hidden() for st in steps[1:]) for steps in run) for run in runs]
+    exposed = [median(run, lambda st: st.exposed_s()) for run in runs]
+    return {"stage": exp.stage, "world_size": pool.world_size, "options": exp.options, "network": network,
+            "measured_ms": statistics.median(measured) * 1e3, "runs_ms": [m * 1e3 for m in measured],
+            "predicted_ms": predicted.step_s * 1e3, "error": predicted.step_s / statistics.median(measured) - 1,
+            "hidden": statistics.median(hidden), "runs_hidden": hidden,
+            "predicted_hidden": 1 - predicted.exposed_s / predicted.comm_s if predicted.comm_s else 0.0,
+            "exposed_ms": statistics.median(exposed) * 1e3, "predicted_exposed_ms": predicted.exposed_s * 1e3,
+            "compute_ms": (forward_s + backward_s + step_s) * 1e3, "comm_ms": predicted.comm_s * 1e3,
+            "loopback_ms_per_message": loopback * 1e3}

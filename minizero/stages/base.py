@@ -176,6 +176,7 @@ class Stage(nn.Module):
         what communicates, and what waits for what.  Single-device training only computes."""
         s.forward()
         s.backward()
+        s.optimizer_step()
 
     @classmethod
     def reduction(cls, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, **options) -> Reduction:

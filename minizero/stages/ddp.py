@@ -100,6 +100,7 @@ class DDP(Synchronised):
         s.forward()
         s.backward()
         s.blocking("all_reduce", s.plan.psi, s.plan.grad_bytes)
+        s.optimizer_step()
 
     @classmethod
     def reduction(cls, model, optimizer, world_size, **options) -> Reduction:

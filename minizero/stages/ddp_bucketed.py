@@ -131,6 +131,7 @@ class BucketedDDP(DDP):
         """Each bucket's all-reduce leaves as its last gradient is ready; backward goes on meanwhile."""
         s.forward()
         s.backward_in_buckets("all_reduce", bucket_mb)
+        s.optimizer_step()
 
     @classmethod
     def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:

@@ -140,6 +140,7 @@ class ZeRO1(ZeRO):
         s.forward()
         s.backward()
         s.blocking("reduce_scatter", s.plan.psi, s.plan.grad_bytes)
+        s.optimizer_step()
         s.blocking("all_gather", s.plan.psi, s.plan.param_bytes)
 
     @classmethod

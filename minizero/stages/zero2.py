@@ -101,11 +101,14 @@ class ZeRO2(ZeRO):
 
     @classmethod
     def schedule(cls, s, bucket_mb: float = 25.0, **options) -> None:
-        """ZeRO-2's reduce-scatters leave bucket by bucket during backward; the all-gather after the step
-        has nothing to hide behind."""
+        """ZeRO-2's reduce-scatters leave bucket by bucket during backward; after the step each bucket's
+        all-gather (:meth:`share_parameters`: one per flat group, and a bucket is a group) has nothing to
+        hide behind -- small buckets pay their latency twice."""
         s.forward()
         s.backward_in_buckets("reduce_scatter", bucket_mb)
-        s.blocking("all_gather", s.plan.psi, s.plan.param_bytes)
+        s.optimizer_step()
+        for numel in s.plan.bucket_sizes(bucket_mb):
+            s.blocking("all_gather", numel, s.plan.param_bytes)
 
     @classmethod
     def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:

@@ -250,6 +250,7 @@ class ZeRO3(ZeRO):
         s.compute(blocks[0] * per_param_b / 2)  # the embeddings' backward, last
         s.launch(("rs", 0), "reduce_scatter", blocks[0], plan.grad_bytes)
         s.wait_all()
+        s.optimizer_step()
 
     @classmethod
     def reduction(cls, model, optimizer, world_size, units=None, **options) -> Reduction:

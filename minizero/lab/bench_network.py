@@ -1,0 +1,100 @@
+"""Benchmarks on a dialled wire (``--network``): what overlap, bucket size, prefetch and compression buy,
+measured three times each and set beside the scaling model's prediction (:mod:`minizero.cost_model`).
+
+On loopback these effects drown in the CPU that moving bytes costs; on a dialled wire a transfer is a wait
+that costs no CPU, as on a real NIC, so each figure comes out the same run to run -- the spread over the
+repeats is printed with it."""
+from __future__ import annotations
+
+import statistics
+
+from ..launch import RankPool
+from .experiment import Experiment
+from .models import BENCH_GPT
+from .scale import model_against_measured
+
+REPEATS = 3
+
+
+def _base(network: str, steps: int = 5, **changes) -> Experiment:
+    return Experiment(task="gpt", model=BENCH_GPT, optimizer="sgd", steps=steps, micro_batch=8, dtype="float32",
+                      check=False, network=network, **changes)
+
+
+def _spread(values: list[float]) -> float:
+    """(max - min) / median: how far apart the repeats landed."""
+    middle = statistics.median(values)
+    return (max(values) - min(values)) / middle if middle else 0.0
+
+
+def _row(name: str, r: dict, **extra) -> dict:
+    return {"name": name, "value": r["measured_ms"], "unit": "ms", "baseline": "model", "baseline_value":
+            r["predicted_ms"], "ratio": r["measured_ms"] / r["predicted_ms"], "runs_ms": r["runs_ms"],
+            "spread": _spread(r["runs_ms"]), "hidden": r["hidden"], "runs_hidden": r["runs_hidden"],
+            "hidden_spread": max(r["runs_hidden"]) - min(r["runs_hidden"]), "predicted_hidden": r["predicted_hidden"],
+            "exposed_ms": r["exposed_ms"], "predicted_exposed_ms": r["predicted_exposed_ms"],
+            "compute_ms": r["compute_ms"], "comm_ms": r["comm_ms"], "world_size": r["world_size"],
+            "network": r["network"], **extra}
+
+
+def bench_overlap_dialled(world_size: int, network: str, bucket_mb: float = 0.5, repeats: int = REPEATS) -> list[dict]:
+    """ddp-bucketed on the bench GPT: the share of communication hidden behind backward, measured against
+    the model's prediction."""
+    with RankPool(world_size) as pool:
+        r = model_against_measured(pool, _base(network, stage="ddp-bucketed", options={"bucket_mb": bucket_mb}),
+                                   network, repeats)
+    return [_row(f"ddp-bucketed step, {bucket_mb:g} MiB buckets", r, bucket_mb=bucket_mb)]
+
+
+def bench_buckets(world_size: int, network: str, sizes=(0.01, 0.05, 0.25, 1.0, 8.0),
+                  repeats: int = REPEATS) -> list[dict]:
+    """ddp-bucketed across bucket sizes: tiny buckets pay alpha per bucket (latency-bound), one huge
+    bucket cannot leave before backward ends (nothing hides); the best lies between."""
+    rows = []
+    with RankPool(world_size) as pool:
+        for mb in sizes:
+            r = model_against_measured(pool, _base(network, stage="ddp-bucketed", options={"bucket_mb": mb}),
+                                       network, repeats)
+            rows.append(_row(f"ddp-bucketed step, {mb:g} MiB buckets", r, bucket_mb=mb))
+    return rows
+
+
+def bench_prefetch(world_size: int, network: str, depths=(0, 1, 2), repeats: int = REPEATS) -> list[dict]:
+    """zero3 with prefetch 0, 1, 2: the exposed all-gather wait shrinks as gathers start earlier."""
+    rows = []
+    with RankPool(world_size) as pool:
+        for depth in depths:
+            r = model_against_measured(pool, _base(network, stage="zero3", options={"prefetch": depth}), network,
+                                       repeats)
+            rows.append(_row(f"zero3 step, prefetch={depth}", r, prefetch=depth))
+    return rows
+
+
+def bench_compress(world_size: int, network: str, repeats: int = REPEATS) -> list[dict]:
+    """ddp and ddp-bucketed with fp16 compression against fp32: the step falls by the communication saved
+    (half the bytes; the same number of messages, so not half the latency) -- and no more."""
+    rows = []
+    with RankPool(world_size) as pool:
+        for stage in ("ddp", "ddp-bucketed"):
+            for compress in (None, "fp16"):
+                options = {"compress": compress} if compress else {}
+                r = model_against_measured(pool, _base(network, stage=stage, options=options), network, repeats)
+                rows.append(_row(f"{stage} step, {compress or 'fp32'} gradients", r, compress=compress or "fp32"))
+    for fp32, fp16 in zip(rows[::2], rows[1::2]):
+        fp16["saved_ms"] = fp32["value"] - fp16["value"]
+        fp16["predicted_saved_ms"] = fp32["baseline_value"] - fp16["baseline_value"]
+        fp16["step_ratio"] = fp16["value"] / fp32["value"]
+    return rows
+
+
+def format_rows(what: str, world_size: int, network: str, rows: list[dict]) -> str:
+    lines = [f"{what} on a dialled wire ({network}), N={world_size}: median step of {REPEATS} runs "
+             f"(spread = (max-min)/median), beside the scaling model",
+             f"  {'':<40}{'measured':>10}{'model':>9}{'spread':>8}{'hidden':>8}{'model':>7}{'exposed':>9}"]
+    for r in rows:
+        lines.append(f"  {r['name']:<40}{r['value']:>8.1f}ms{r['baseline_value']:>7.1f}ms{r['spread']:>8.1%}"
+                     f"{r['hidden']:>8.0%}{r['predicted_hidden']:>7.0%}{r['exposed_ms']:>7.1f}ms")
+        if "saved_ms" in r:
+            lines.append(f"    saved {r['saved_ms']:.1f} ms (model {r['predicted_saved_ms']:.1f} ms): the step is "
+                         f"{r['step_ratio']:.2f}x fp32's, not 0.5x")
+    return "\n".join(lines)
