@@ -15,26 +15,16 @@ import torch
 
 from ..comm import NativeComm, ReduceOp, RingComm, make_comm, parse_network
 from ..launch import Rank, RankPool
-from ..stages import STAGES, Shards, distributed
+from ..stages import distributed
 from ..train import shard_step, sum_loss
 from .bench_network import bench_buckets, bench_compress, bench_overlap_dialled, bench_prefetch, format_rows
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
 from .optimizers import make_optimizer
-from .registry import build_stage, stage_class
+from .registry import accepting, build_stage, sharding, stage_class
 from .tasks import TASKS
 
 MB = 1 << 20
-
-
-def sharding(**what) -> list[str]:
-    """The stages that shard exactly ``what`` (their own ``shards`` fact): each bench measures every stage
-    of a kind against torch's implementation of that kind, so a new stage is benchmarked with its kind."""
-    return [name for name in distributed() if STAGES[name].shards == Shards(**what)]
-
-
-def accepting(option: str) -> list[str]:
-    return [name for name in distributed() if option in STAGES[name].options()]
 
 
 def _time_all_reduce(comm, tensor: torch.Tensor, repeats: int) -> float:

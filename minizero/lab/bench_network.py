@@ -11,6 +11,7 @@ import statistics
 from ..launch import RankPool
 from .experiment import Experiment
 from .models import BENCH_GPT
+from .registry import accepting, sharding
 from .scale import model_against_measured
 
 REPEATS = 3
@@ -40,22 +41,27 @@ def _row(name: str, r: dict, **extra) -> dict:
 def bench_overlap_dialled(world_size: int, network: str, bucket_mb: float = 0.5, repeats: int = REPEATS) -> list[dict]:
     """ddp-bucketed on the bench GPT: the share of communication hidden behind backward, measured against
     the model's prediction."""
+    stage = _bucketed()
     with RankPool(world_size) as pool:
-        r = model_against_measured(pool, _base(network, stage="ddp-bucketed", options={"bucket_mb": bucket_mb}),
-                                   network, repeats)
-    return [_row(f"ddp-bucketed step, {bucket_mb:g} MiB buckets", r, bucket_mb=bucket_mb)]
+        r = model_against_measured(pool, _base(network, stage=stage, options={"bucket_mb": bucket_mb}), network,
+                                   repeats)
+    return [_row(f"{stage} step, {bucket_mb:g} MiB buckets", r, bucket_mb=bucket_mb)]
+
+
+def _bucketed() -> str:
+    """The stage that all-reduces in buckets: unsharded, with a bucket size (its own facts)."""
+    return next(s for s in sharding() if s in accepting("bucket_mb"))
 
 
 def bench_buckets(world_size: int, network: str, sizes=(0.01, 0.05, 0.25, 1.0, 8.0),
                   repeats: int = REPEATS) -> list[dict]:
     """ddp-bucketed across bucket sizes: tiny buckets pay alpha per bucket (latency-bound), one huge
     bucket cannot leave before backward ends (nothing hides); the best lies between."""
-    rows = []
+    rows, stage = [], _bucketed()
     with RankPool(world_size) as pool:
         for mb in sizes:
-            r = model_against_measured(pool, _base(network, stage="ddp-bucketed", options={"bucket_mb": mb}),
-                                       network, repeats)
-            rows.append(_row(f"ddp-bucketed step, {mb:g} MiB buckets", r, bucket_mb=mb))
+            r = model_against_measured(pool, _base(network, stage=stage, options={"bucket_mb": mb}), network, repeats)
+            rows.append(_row(f"{stage} step, {mb:g} MiB buckets", r, bucket_mb=mb))
     return rows
 
 
@@ -63,10 +69,11 @@ def bench_prefetch(world_size: int, network: str, depths=(0, 1, 2), repeats: int
     """zero3 with prefetch 0, 1, 2: the exposed all-gather wait shrinks as gathers start earlier."""
     rows = []
     with RankPool(world_size) as pool:
-        for depth in depths:
-            r = model_against_measured(pool, _base(network, stage="zero3", options={"prefetch": depth}), network,
-                                       repeats)
-            rows.append(_row(f"zero3 step, prefetch={depth}", r, prefetch=depth))
+        for stage in accepting("prefetch"):
+            for depth in depths:
+                r = model_against_measured(pool, _base(network, stage=stage, options={"prefetch": depth}), network,
+                                           repeats)
+                rows.append(_row(f"{stage} step, prefetch={depth}", r, prefetch=depth))
     return rows
 
 
@@ -75,7 +82,7 @@ def bench_compress(world_size: int, network: str, repeats: int = REPEATS) -> lis
     (half the bytes; the same number of messages, so not half the latency) -- and no more."""
     rows = []
     with RankPool(world_size) as pool:
-        for stage in ("ddp", "ddp-bucketed"):
+        for stage in sharding():  # the unsharded stages: their one reduction is what compression halves
             for compress in (None, "fp16"):
                 options = {"compress": compress} if compress else {}
                 r = model_against_measured(pool, _base(network, stage=stage, options=options), network, repeats)

@@ -5,7 +5,7 @@ loop drives them alike and nothing needs to probe what a stage can do.
 """
 from __future__ import annotations
 
-from ..stages import STAGES, Stage, check_stage_names, make_stage
+from ..stages import STAGES, Shards, Stage, check_stage_names, distributed, make_stage
 from .oracle import ORACLES
 
 LAB_STAGES = {**STAGES, **ORACLES}
@@ -23,3 +23,13 @@ def build_stage(name: str, model, optimizer, comm, stages: dict | None = None, *
     if not issubclass(cls, Stage):  # torch's own, over the default process group
         return cls(model, optimizer, **options)
     return make_stage(name, model, optimizer, comm, stages=LAB_STAGES if stages is None else stages, **options)
+
+
+def sharding(**what) -> list[str]:
+    """The stages that shard exactly ``what`` (their own ``shards`` fact): each bench measures every stage
+    of a kind against torch's implementation of that kind, so a new stage is benchmarked with its kind."""
+    return [name for name in distributed() if STAGES[name].shards == Shards(**what)]
+
+
+def accepting(option: str) -> list[str]:
+    return [name for name in distributed() if option in STAGES[name].options()]
