@@ -56,7 +56,7 @@ def test_the_model_predicts_a_dialled_run(pools, n, stage, options):
     checked, not the CPU."""
     exp = Experiment(stage=stage, task="gpt", steps=4, dtype="float32", optimizer="sgd", check=False,
                      micro_batch=8, options=options)
-    r = model_against_measured(pools.pool(n), exp, "alpha=5ms,bandwidth=20MB/s")
+    r = model_against_measured(pools.pool(n), exp, "alpha=10ms,bandwidth=10MB/s")
     assert r["comm_ms"] > 0.6 * r["predicted_ms"]
     assert abs(r["error"]) < 0.30, r
 
