@@ -49,11 +49,13 @@ def test_what_hides_behind_what():
 @pytest.mark.parametrize("n, stage, options", [
     (2, "ddp", {}), (2, "ddp-bucketed", {"bucket_mb": 0.05}), (2, "zero1", {}), (2, "zero2", {"bucket_mb": 0.05}),
     (2, "zero3", {"prefetch": 1}), (3, "ddp-bucketed", {"bucket_mb": 0.05}), (3, "zero3", {"prefetch": 0}),
+    (4, "zero2", {"bucket_mb": 0.05}),
 ])
 def test_the_model_predicts_a_dialled_run(pools, n, stage, options):
-    """Within 30% of the measured step (seen: -17% to +11% on a 2-core machine), on a wire slow enough that
-    communication is most of the step -- so the alpha-beta terms and the overlap structure are what is
-    checked, not the CPU."""
+    """Within 30% of the measured step (seen: -20% to +22% on a 2-core machine under load, N = 2-4), on a
+    wire slow enough that communication is most of the step -- so the alpha-beta terms and the overlap
+    structure are what is checked, not the CPU.  (The zero2 model with one all-gather after the step, not
+    one per bucket, is off by 42% here.)"""
     exp = Experiment(stage=stage, task="gpt", steps=4, dtype="float32", optimizer="sgd", check=False,
                      micro_batch=8, options=options)
     r = model_against_measured(pools.pool(n), exp, "alpha=10ms,bandwidth=10MB/s")
