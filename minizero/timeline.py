@@ -42,14 +42,14 @@ class StepTimeline:
     end: float = 0.0  # the step's end
 
     def compute_s(self) -> float:
-        return _length(_union([(s, e) for _, s, e in self.compute]))
+        return length(union([(s, e) for _, s, e in self.compute]))
 
     def comm_s(self) -> float:
-        return _length(_union([(s, e) for _, s, e in self.comm]))
+        return length(union([(s, e) for _, s, e in self.comm]))
 
     def exposed_s(self) -> float:
         """Communication while nothing computed."""
-        return _length(_minus(_union([(s, e) for _, s, e in self.comm]), _union([(s, e) for _, s, e in self.compute])))
+        return length(minus(union([(s, e) for _, s, e in self.comm]), union([(s, e) for _, s, e in self.compute])))
 
     def hidden(self) -> float:
         comm = self.comm_s()
@@ -57,9 +57,9 @@ class StepTimeline:
 
     def overlap_s(self, compute_what: str, comm_kind: str = "") -> float:
         """Seconds during which a compute span named ``compute_what`` and a collective of ``comm_kind`` ran."""
-        a = _union([(s, e) for w, s, e in self.compute if w.startswith(compute_what)])
-        b = _union([(s, e) for w, s, e in self.comm if w.startswith(comm_kind)])
-        return _length(a) - _length(_minus(a, b))
+        a = union([(s, e) for w, s, e in self.compute if w.startswith(compute_what)])
+        b = union([(s, e) for w, s, e in self.comm if w.startswith(comm_kind)])
+        return length(a) - length(minus(a, b))
 
     def as_dict(self) -> dict:
         return {"compute": self.compute, "comm": self.comm, "waits": self.waits, "backward": self.backward, "end": self.end,
@@ -144,15 +144,15 @@ class Timeline:
         now = self._now
         if now.backward is not None:
             now.compute.append(("backward", *now.backward))
-        waits = _union(now.waits)
-        now.compute = [(what, s, e) for what, a, b in now.compute for s, e in _minus([(a, b)], waits)]
+        waits = union(now.waits)
+        now.compute = [(what, s, e) for what, a, b in now.compute for s, e in minus([(a, b)], waits)]
         now.end = self._t()
         self.steps.append(now)
         self._now = None
 
 
 # ---------------------------------------------------------------- interval arithmetic
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for s, e in sorted(spans):
         if merged and s <= merged[-1][1]:
@@ -162,7 +162,7 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(s, e) for s, e in merged]
 
 
-def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The parts of the (disjoint, sorted) spans ``a`` outside the (disjoint, sorted) spans ``b``."""
     out = []
     for s, e in a:
@@ -179,5 +179,5 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[t
     return out
 
 
-def _length(spans: list[tuple[float, float]]) -> float:
+def length(spans: list[tuple[float, float]]) -> float:
     return sum(e - s for s, e in spans)

@@ -38,9 +38,9 @@ LANES = {"compute": ("compute", "#4c72b0"), "comm": ("communication", "#dd8452")
 
 def plot_step(ax, step: StepTimeline, title: str = "") -> None:
     """Three lanes in milliseconds: compute, communication (one bar per collective) and the exposed wait."""
-    from ..timeline import _minus, _union
+    from ..timeline import minus, union
     rows = {"compute": [(s, e) for _, s, e in step.compute], "comm": [(s, e) for _, s, e in step.comm]}
-    rows["exposed"] = _minus(_union(rows["comm"]), _union(rows["compute"]))
+    rows["exposed"] = minus(union(rows["comm"]), union(rows["compute"]))
     for y, lane in enumerate(("exposed", "comm", "compute")):
         label, color = LANES[lane]
         ax.broken_barh([(s * 1e3, (e - s) * 1e3) for s, e in rows[lane]], (y - 0.35, 0.7), color=color,
