@@ -6,7 +6,7 @@ reads hidden fractions, overlaps and waits from them, or plots them."""
 from __future__ import annotations
 
 from ..launch import Rank
-from ..timeline import StepTimeline, Timeline
+from ..timeline import StepTimeline, Timeline, minus, union
 from ..train import shard_step, train_step
 from ..units import resolve_units
 from .equivalence import DTYPES
@@ -38,7 +38,6 @@ LANES = {"compute": ("compute", "#4c72b0"), "comm": ("communication", "#dd8452")
 
 def plot_step(ax, step: StepTimeline, title: str = "") -> None:
     """Three lanes in milliseconds: compute, communication (one bar per collective) and the exposed wait."""
-    from ..timeline import minus, union
     rows = {"compute": [(s, e) for _, s, e in step.compute], "comm": [(s, e) for _, s, e in step.comm]}
     rows["exposed"] = minus(union(rows["comm"]), union(rows["compute"]))
     for y, lane in enumerate(("exposed", "comm", "compute")):
