@@ -43,6 +43,13 @@ def ring_latency_s(kind: str, world_size: int, network: Network) -> float:
     return RING_STEPS[kind] * (world_size - 1) * network.alpha
 
 
+def root_all_reduce_s(nbytes: float, world_size: int, network: Network) -> float:
+    """The parameter server's all-reduce at its root: N-1 tensors stream in through one port (their
+    latencies overlap), then N-1 go out one after another -- ``alpha + (N-1)S/beta + (N-1)(alpha + S/beta)``."""
+    n = world_size - 1
+    return network.alpha + n * nbytes / network.bandwidth + n * network.message_s(nbytes) if n else 0.0
+
+
 def tree_latency_s(kind: str, world_size: int, network: Network) -> float:
     """A binary tree's latency for the same collective, for contrast: up and down, ``log2 N`` hops each."""
     return RING_STEPS[kind] * (world_size - 1).bit_length() * network.alpha

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from minizero.comm import PRESETS, Ledger, Network, ReduceOp, make_comm, parse_network, ring_messages
+from minizero.cost_model import root_all_reduce_s
 from minizero.launch import RankPool
 
 WIRE = "alpha=15ms,bandwidth=4MB/s"  # a 40 KB chunk is 10 ms on the wire: both terms count
@@ -104,8 +105,7 @@ def test_the_parameter_server_root_waits_for_n_minus_1_messages_each_way(pool3):
     network = parse_network(WIRE)
     plain = pool3.run(_all_reduce, "ring", None, numel, "root_all_reduce")
     ps = pool3.run(_all_reduce, "ring", network, numel, "root_all_reduce")
-    s = numel * 4 / network.bandwidth
-    expected = network.alpha + (n - 1) * s + (n - 1) * (network.alpha + s)
+    expected = root_all_reduce_s(numel * 4, n, network)
     root_extra = ps[0]["wall"] - plain[0]["wall"]  # (the barrier let rank 0 start last, or with the others)
     assert 0.9 * expected < root_extra < 1.3 * expected, (root_extra, expected)
     ring = sum(network.message_s(b) for b in ring_messages("all_reduce", numel, 4, n, 0))

@@ -135,7 +135,8 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
     From the undialled run: forward, backward and optimizer-step compute (the slowest rank's median), and
     the loopback's own cost per ring message -- the dial waits *on top of* the real transfer, so the
     model's latency is the dial's alpha plus loopback's (measured, not assumed).  Each dialled run gives
-    its step time and hidden fraction (the slowest rank's median over steps after the first)."""
+    its step time and hidden fraction (the slowest rank's median over steps after the first); ``steps``
+    is rank 0's timeline of the last run, to draw."""
     quiet = pool.run(timeline_on_rank, replace(exp, network=None))
     runs = [pool.run(timeline_on_rank, replace(exp, network=network)) for _ in range(repeats)]
 
@@ -146,7 +147,9 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
     forward_s, backward_s = median(quiet, span("forward")), median(quiet, span("backward"))
     step_s = median(quiet, span("optimizer step"))
     messages = lambda st: sum(RING_STEPS[w.split()[0]] for w, _, _ in st.comm) * (pool.world_size - 1)  # noqa: E731
-    loopback = median(quiet, lambda st: sum(e - s for _, s, e in st.comm) / max(messages(st), 1))
+    # The rank that arrives last at a collective does not wait for the others: its spans are the transfer.
+    loopback = min(statistics.median(sum(e - s for _, s, e in st.comm) / max(messages(st), 1) for st in steps[1:])
+                   for steps in quiet)
     wire = parse_network(network)
     plan = measured_plan(exp, pool.world_size, replace(wire, alpha=wire.alpha + loopback), forward_s, backward_s,
                          step_s)
@@ -161,4 +164,4 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
             "predicted_hidden": 1 - predicted.exposed_s / predicted.comm_s if predicted.comm_s else 0.0,
             "exposed_ms": statistics.median(exposed) * 1e3, "predicted_exposed_ms": predicted.exposed_s * 1e3,
             "compute_ms": (forward_s + backward_s + step_s) * 1e3, "comm_ms": predicted.comm_s * 1e3,
-            "loopback_ms_per_message": loopback * 1e3}
+            "loopback_ms_per_message": loopback * 1e3, "steps": runs[-1][0]}  # rank 0's timeline, last run
