@@ -1,4 +1,5 @@
 """The dialled wire: alpha + bytes/bandwidth per message, once, costing no CPU, outside the algorithms."""
+import re
 import time
 
 import pytest
@@ -44,17 +45,17 @@ def test_presets_and_units_parse():
 
 
 @pytest.mark.parametrize("spec, words", [
-    ("alpha=1ms,bandwidth=0GB/s", "greater than 0"),
-    ("alpha=1ms,bandwidth=-5MB/s", "greater than 0"),
-    ("alpha=-1ms,bandwidth=5MB/s", "negative"),
-    ("alpha=1ms,bandwidth=5", "with its unit"),
-    ("alpha=1,bandwidth=5MB/s", "with its unit"),
-    ("alpha=1ms", "no bandwidth"),
+    ("alpha=1ms,bandwidth=0MB/s", "network bandwidth '0MB/s' must be greater than 0"),
+    ("alpha=1ms,bandwidth=-5MB/s", "network bandwidth '-5MB/s' must be greater than 0"),
+    ("alpha=-1ms,bandwidth=5MB/s", "network alpha '-1ms' is negative; a latency is 0 or more"),
+    ("alpha=1ms,bandwidth=5", "give a rate with its unit, e.g. 1GB/s, 100Gb/s, 512MiB/s"),
+    ("alpha=1,bandwidth=5MB/s", "give a time with its unit, e.g. 50us, 2ms, 0s"),
+    ("alpha=1ms", "has no bandwidth"),
     ("latency=1ms,bandwidth=1GB/s", "unknown key 'latency'"),
-    ("fast", "presets: nvlink, pcie4, ethernet-100g, infiniband-ndr, lesson"),
+    ("fast", "unknown network preset 'fast'; presets: nvlink, pcie4, ethernet-100g, infiniband-ndr, lesson"),
 ])
 def test_bad_networks_are_refused_in_one_line(spec, words):
-    with pytest.raises(ValueError, match=words) as error:
+    with pytest.raises(ValueError, match=re.escape(words)) as error:
         parse_network(spec)
     assert "\n" not in str(error.value)
 
