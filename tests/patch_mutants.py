@@ -30,7 +30,7 @@ MUTANTS: dict[str, Mutant] = {
                                               cost=True),
     "ring: sends unreported to the ledger": Mutant("minizero.comm.ring:RingComm._send_right_recv_left",
                                                    comm_bugs.p2p_unreported, comm_catch, cost=True),
-    "native: byte model ignores uneven chunks": Mutant("minizero.comm.native:ring_bytes_sent",
+    "native: byte model ignores uneven chunks": Mutant("minizero.comm.native:ring_messages",
                                                        comm_bugs.modelled_bytes_ignore_uneven_chunks, comm_catch, cost=True),
     "fingerprint: tag left out": Mutant("minizero.comm.fingerprint:encode", comm_bugs.fingerprint_without_tag,
                                         test_catch(B, "test_no_sync_on_some_ranks_is_caught_at_the_first_bucket")),

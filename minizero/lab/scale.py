@@ -161,7 +161,7 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
             "measured_ms": statistics.median(measured) * 1e3, "runs_ms": [m * 1e3 for m in measured],
             "predicted_ms": predicted.step_s * 1e3, "error": predicted.step_s / statistics.median(measured) - 1,
             "hidden": statistics.median(hidden), "runs_hidden": hidden,
-            "predicted_hidden": 1 - predicted.exposed_s / predicted.comm_s if predicted.comm_s else 0.0,
+            "predicted_hidden": max(0.0, 1 - predicted.exposed_s / predicted.comm_s) if predicted.comm_s else 0.0,
             "exposed_ms": statistics.median(exposed) * 1e3, "predicted_exposed_ms": predicted.exposed_s * 1e3,
             "compute_ms": (forward_s + backward_s + step_s) * 1e3, "comm_ms": predicted.comm_s * 1e3,
             "loopback_ms_per_message": loopback * 1e3, "steps": runs[-1][0]}  # rank 0's timeline, last run
