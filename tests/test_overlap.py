@@ -1,7 +1,7 @@
 """Overlap as a property of the timeline, on a dialled wire: backward keeps computing while a bucket's or a
 unit's communication is in flight -- so a change that serialises communication with compute fails here.
 
-The wire holds every message 20 ms (costing no CPU), far longer than the small model's backward: a
+The wire holds every message 10 ms (costing no CPU), far longer than the small model's backward: a
 collective that overlaps backward shows as one whose span starts before the last gradient, and a backward
 that waited for its collectives shows as a last gradient no earlier than the transfers' sum."""
 import pytest
@@ -11,7 +11,7 @@ from minizero.lab.timelines import timeline_on_rank
 from minizero.launch import RankPool
 from minizero.stages import BucketedDDP, ZeRO2, with_stages
 
-WIRE = "alpha=20ms,bandwidth=100MB/s"
+WIRE = "alpha=10ms,bandwidth=100MB/s"
 GPT = {"n_layer": 3, "d_model": 128, "block_size": 32}  # a block's forward takes milliseconds
 MLP = {"sizes": (64, 768, 768, 768, 4)}  # backward ~10 ms: far longer than a GIL switch (5 ms)
 
