@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from .comm.network import Network
 
 RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+MAX_COLLECTIVES = 100_000  # buckets or units one step may replay: beyond, the model would take minutes
 
 
 def ring_s(kind: str, nbytes: float, world_size: int, network: Network) -> float:
@@ -81,8 +82,11 @@ class StepPlan:
     def bucket_sizes(self, bucket_mb: float = 25.0) -> list[float]:
         if self.buckets is not None:
             return list(self.buckets)
-        cap = bucket_mb * (1 << 20) / self.param_bytes
+        cap = max(1.0, float(int(bucket_mb * (1 << 20) / self.param_bytes)))  # whole parameters, at least one
         full, rest = divmod(self.psi, cap)
+        if full > MAX_COLLECTIVES:
+            raise ValueError(f"bucket_mb={bucket_mb:g} cuts {self.psi:.3g} parameters into {int(full):,} buckets, more "
+                             f"than the model replays ({MAX_COLLECTIVES:,}); give a larger bucket size")
         return [cap] * int(full) + ([rest] if rest else [])
 
 

@@ -130,13 +130,14 @@ class Timeline:
 
     def _collective(self, call, start: float, end: float, thread: str) -> None:
         """A collective ran (``call``), or the main thread waited for one (``call`` None)."""
-        if self._now is None:
+        now = self._now  # read once: the communication thread calls this while the main thread may close the step
+        if now is None:
             return
         span = (start - self._origin, end - self._origin)
         if call is not None:
-            self._now.comm.append((f"{call.kind} {call.tag.what}", *span))
+            now.comm.append((f"{call.kind} {call.tag.what}", *span))
         if call is None or thread == threading.main_thread().name:  # a collective on the main thread blocks it
-            self._now.waits.append(span)
+            now.waits.append(span)
 
     def _close(self) -> None:
         """The step ends: backward's compute becomes a span, and every span loses the times the main

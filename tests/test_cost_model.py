@@ -52,7 +52,7 @@ def test_what_hides_behind_what():
     (4, "zero2", {"bucket_mb": 0.05}),
 ])
 def test_the_model_predicts_a_dialled_run(pools, n, stage, options):
-    """Within 30% of the measured step (seen: -20% to +22% on a 2-core machine under load, N = 2-4), on a
+    """Within 35% of the measured step (seen: -20% to +22% on a 2-core machine under load, N = 2-4), on a
     wire slow enough that communication is most of the step -- so the alpha-beta terms and the overlap
     structure are what is checked, not the CPU.  (The zero2 model with one all-gather after the step, not
     one per bucket, is off by 42% here.)"""
@@ -60,7 +60,7 @@ def test_the_model_predicts_a_dialled_run(pools, n, stage, options):
                      micro_batch=8, options=options)
     r = model_against_measured(pools.pool(n), exp, "alpha=10ms,bandwidth=10MB/s")
     assert r["comm_ms"] > 0.6 * r["predicted_ms"]
-    assert abs(r["error"]) < 0.30, r
+    assert abs(r["error"]) < 0.35, r
 
 
 def test_scale_prints_the_table_and_json(capsys):
@@ -84,6 +84,8 @@ def test_scale_prints_the_table_and_json(capsys):
     (["--network", "fast"], "unknown network preset 'fast'; presets: nvlink"),
     (["--network", "alpha=1ms,bandwidth=-1GB/s"], "must be greater than 0"),
     (["--stage", "zero4"], "'zero4' is not a stage"),
+    (["--stage", "ddp-bucketed", "--bucket-mb", "1e-9"], "more than the model replays (100,000); give a larger bucket size"),
+    (["--params", "100", "--layers", "200"], "must be between 1 and the number of parameters"),
 ])
 def test_scale_refuses_bad_input_in_one_line(capsys, argv, words):
     base = {"--params": "1e6", "--world-size": "2", "--network": "nvlink", "--stage": "ddp"}

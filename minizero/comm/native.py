@@ -57,13 +57,32 @@ class NativeComm(Comm):
         return self.board.waiting_for(ANYONE)
 
     def _report_modelled(self, kind: str, tensor: torch.Tensor, src: int = 0) -> None:
-        """Book the ring version's bytes; on a dialled wire, wait for its messages (after torch's transfer:
-        the step's wall time is the same, and torch's collective cannot be paused half-way)."""
+        """Book the ring version's bytes; on a dialled wire, wait as the ring version would (after torch's
+        transfer: the step's wall time is the same, and torch's collective cannot be paused half-way)."""
         messages = ring_messages(kind, tensor.numel(), tensor.element_size(), self.world_size, self.rank, src)
-        for nbytes in messages:
-            self._leaving(nbytes)
+        if self.port is not None:
+            self._wait_like_the_ring(kind, tensor, src, messages)
         if messages:
             self._report_sent(sum(messages))
+
+    def _wait_like_the_ring(self, kind: str, tensor: torch.Tensor, src: int, messages: list[int]) -> None:
+        """In a ring step every rank sends one message and waits for one, so each rank's own messages are its
+        time.  The root all-reduce and the chain broadcast are not symmetric: a rank's time is where it
+        sits on the critical path (the root: N-1 tensors in through one port, N-1 out in turn; position p
+        of the chain: p hops behind the source, then every piece)."""
+        net, n, nbytes = self.port.network, self.world_size, tensor.numel() * tensor.element_size()
+        if kind == "root_all_reduce" and n > 1:
+            gathered = net.alpha + (n - 1) * nbytes / net.bandwidth
+            self.port.hold(gathered + (self.rank if self.rank else n - 1) * net.message_s(nbytes), kind)
+        elif kind == "broadcast" and n > 1:
+            position = (self.rank - src) % n
+            pieces = ring_messages(kind, tensor.numel(), tensor.element_size(), n, src, src)
+            hops = [net.message_s(b) for b in pieces]
+            if hops:
+                self.port.hold(position * hops[0] + sum(hops) - (hops[-1] if position == n - 1 else 0.0), kind)
+        else:
+            for message in messages:
+                self._leaving(message)
 
     def _staged(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """NCCL moves CUDA tensors only: the small CPU tensors of the bookkeeping (bitmaps, the overflow

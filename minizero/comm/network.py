@@ -12,10 +12,12 @@ every message, on top of the real transfer:
   ``alpha + n/beta`` before it leaves (so the receiver cannot have it
   earlier).  A ring step is one message per port each way, so a ring
   all-reduce of ``S`` bytes costs ``2(N-1) * (alpha + S/(N beta))``, the
-  textbook figure.  Where many ranks send to one (the parameter server's
-  root, :meth:`RingComm._recv`), the receiving port also takes in at most
-  ``beta`` bytes a second: ``N-1`` messages arriving together stream in one
-  after another, as they would through one NIC.
+  textbook figure.  Where a rank receives from one peer at a time
+  (:meth:`RingComm._recv`: the parameter server's root, the broadcast
+  chain), its port also takes in at most ``beta`` bytes a second: ``N-1``
+  messages arriving together at the root stream in one after another, as
+  they would through one NIC (in the chain the pieces already arrive that
+  far apart, so the rule adds nothing there).
 * **no CPU.**  The wait is ``time.sleep`` on whichever thread runs the
   collective -- the communication thread, for the overlapped ones -- which
   releases the GIL: backward goes on computing, exactly as it would while a
@@ -23,11 +25,12 @@ every message, on top of the real transfer:
 * **outside the algorithms.**  A :class:`Port` is attached to a
   :class:`~minizero.comm.base.Comm` like the byte ledger; no stage and no ring
   step knows it is there.  With the native backend, torch's collective runs
-  and then the port waits for the messages the ring version would have sent
-  (:func:`~minizero.comm.native.ring_messages`).
+  and then the port waits as the ring version would have: its messages
+  (:func:`~minizero.comm.native.ring_messages`), or for the root all-reduce
+  and the broadcast chain, the rank's place on their critical path.
 
 Presets are real links, with the source of their numbers.  They are for the
-scaling model (:mod:`minizero.scaling`): on a laptop their delays are far
+scaling model (:mod:`minizero.cost_model`, ``python -m minizero scale``): on a laptop their delays are far
 below what loopback already costs.  The measured runs use slow dials
 (``"lesson"``, or ``alpha=2ms,bandwidth=50MB/s``), where the wire, not the
 CPU, is what a step waits for -- so an effect shows the same on every run.
@@ -105,6 +108,8 @@ def parse_network(spec: "str | Network | None") -> Network | None:
         key = key.strip().lower()
         if key not in ("alpha", "bandwidth"):
             raise ValueError(f"network: unknown key {key!r} in {spec!r}; give alpha=TIME,bandwidth=RATE")
+        if key in values:
+            raise ValueError(f"network: {key} given twice in {spec!r}; give each once")
         values[key] = value.strip()
     if "bandwidth" not in values:
         raise ValueError(f"network {spec!r} has no bandwidth; e.g. 'alpha=50us,bandwidth=1GB/s'")
@@ -112,7 +117,7 @@ def parse_network(spec: "str | Network | None") -> Network | None:
 
 
 def parse_time(text: str) -> float:
-    match = re.fullmatch(r"\s*([-+0-9.eE]+)\s*(s|ms|us|µs|ns)\s*", text)
+    match = re.fullmatch(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(s|ms|us|µs|ns)\s*", text)
     if not match:
         raise ValueError(f"network alpha {text!r}: give a time with its unit, e.g. 50us, 2ms, 0s")
     value = float(match.group(1)) * _TIME_UNITS[match.group(2)]
@@ -123,7 +128,7 @@ def parse_time(text: str) -> float:
 
 def parse_rate(text: str) -> float:
     """Bytes per second from ``1GB/s``, ``100Gb/s``, ``100 Gbit/s``, ``512MiB/s``."""
-    match = re.fullmatch(r"\s*([-+0-9.eE]+)\s*([kKmMgGtT]i?)?(B|b|bit)/s\s*", text)
+    match = re.fullmatch(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([kKmMgGtT]i?)?(B|b|bit)/s\s*", text)
     if not match:
         raise ValueError(f"network bandwidth {text!r}: give a rate with its unit, e.g. 1GB/s, 100Gb/s, 512MiB/s")
     value = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
@@ -160,8 +165,12 @@ class Port:
 
     def send(self, nbytes: int, kind: str) -> None:
         """Before a message leaves: hold it for ``alpha + nbytes/bandwidth``."""
+        self.hold(self.network.message_s(nbytes), kind, nbytes)
+
+    def hold(self, seconds: float, kind: str, nbytes: int = 0) -> None:
+        """Wait ``seconds`` of modelled wire time (the native backend's critical paths use it directly)."""
         start = time.perf_counter()
-        _sleep_until(start + self.network.message_s(nbytes))
+        _sleep_until(start + seconds)
         if self.messages is not None:
             self.messages.append((start, time.perf_counter(), kind, nbytes, threading.current_thread().name))
 

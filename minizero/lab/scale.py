@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from ..comm.network import Network, parse_network
-from ..cost_model import RING_STEPS, StepPlan, predict
+from ..cost_model import MAX_COLLECTIVES, RING_STEPS, StepPlan, predict
 from ..launch import RankPool
 from ..precision import Precision
 from ..stages import STAGES, distributed
@@ -39,6 +39,9 @@ def world_sizes(text: str) -> list[int]:
 def uniform_plan(params: float, world_size: int, network: Network, compute_s: float, layers: int = 12,
                  precision: str = "fp32", **options) -> StepPlan:
     """A model of ``params`` parameters in ``layers`` equal blocks; backward takes twice forward's time."""
+    if not 1 <= layers <= min(params, MAX_COLLECTIVES):
+        raise ValueError(f"--layers {layers} must be between 1 and the number of parameters ({params:g}), and at "
+                         f"most {MAX_COLLECTIVES:,}: a block holds at least one parameter")
     if world_size > params:
         raise ValueError(f"world size {world_size} is more ranks than the model has parameters ({params:g}): "
                          f"a rank's shard would hold less than one; use fewer ranks or more --params")
@@ -137,6 +140,10 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
     model's latency is the dial's alpha plus loopback's (measured, not assumed).  Each dialled run gives
     its step time and hidden fraction (the slowest rank's median over steps after the first); ``steps``
     is rank 0's timeline of the last run, to draw."""
+    if exp.accum != 1 or exp.sync_every_micro_batch:
+        raise ValueError(f"the model replays one forward and backward per step; got accum={exp.accum}: compare "
+                         f"a run with accum=1")
+    exp = replace(exp, check=False)  # a fingerprint is (N-1) more messages per collective, which the model leaves out
     quiet = pool.run(timeline_on_rank, replace(exp, network=None))
     runs = [pool.run(timeline_on_rank, replace(exp, network=network)) for _ in range(repeats)]
 

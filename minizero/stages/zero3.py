@@ -220,8 +220,10 @@ class ZeRO3(ZeRO):
     def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:
         """Units in call order, as :meth:`_before_forward` and :meth:`_before_backward` run them: a unit waits
         for its all-gather, then starts the next ``prefetch`` ones, then computes.  The root (unit 0) is
-        gathered first and computes last in forward (the head); in backward its hook fires first and
-        prefetches nothing; each unit's reduce-scatter leaves when its backward is done, the root's last."""
+        gathered first; its compute is half before the blocks (embeddings) and half after (the head), and
+        in backward the reverse; its backward hook fires first and prefetches nothing; each unit's
+        reduce-scatter leaves when its backward is done, the root's last.  (With find_unused_parameters
+        every reduce-scatter waits for the end of backward: not modelled.)"""
         blocks, plan = s.plan.blocks, s.plan
         per_param_f, per_param_b = plan.forward_s / plan.psi, plan.backward_s / plan.psi
 
@@ -233,16 +235,16 @@ class ZeRO3(ZeRO):
             for i, u in enumerate(order):
                 gather(u, when)
                 s.wait((when, u))
-                for k in range(1, prefetch + 1):
+                for k in range(1, min(prefetch, len(order)) + 1):
                     if i + k < len(order) and (u != 0 or when == "forward"):  # the root's hook prefetches only forward
                         gather(order[i + k], when)
                 compute(u)
                 if after:
                     after(u)
 
-        root_share = blocks[0] * per_param_f
-        run(list(range(len(blocks))), "forward", lambda u: s.compute(blocks[u] * per_param_f * (u > 0)))
-        s.compute(root_share)  # the head, after the blocks
+        half_root = blocks[0] * per_param_f / 2  # the embeddings before the blocks, the head after them
+        run(list(range(len(blocks))), "forward", lambda u: s.compute(blocks[u] * per_param_f if u else half_root))
+        s.compute(half_root)
         order = [0] + list(range(len(blocks) - 1, 0, -1))
         when = "backward" if reshard_after_forward else "forward"
         run(order, when, lambda u: s.compute(blocks[u] * per_param_b * (u > 0) + (u == 0) * blocks[0] * per_param_b / 2),
