@@ -61,11 +61,6 @@ class StepTimeline:
         b = union([(s, e) for w, s, e in self.comm if w.startswith(comm_kind)])
         return length(a) - length(minus(a, b))
 
-    def as_dict(self) -> dict:
-        return {"compute": self.compute, "comm": self.comm, "waits": self.waits, "backward": self.backward, "end": self.end,
-                "compute_s": self.compute_s(), "comm_s": self.comm_s(), "exposed_s": self.exposed_s(),
-                "hidden": self.hidden()}
-
 
 class Timeline:
     """Record each step of ``stage`` over ``comm``; ``units``: modules whose forwards are timed one by one
