@@ -90,10 +90,10 @@ MUTANTS: dict[str, Mutant] = {
                                                       test_catch(Z3, "test_a_prefetch_left_from_the_last_forward_is_dropped_at_the_step")),
     "zero3: tied weight in the first unit": Mutant("minizero.units:assign_parameters", training_bugs.tied_weight_in_first_unit,
                                                    test_catch(Z3, "test_weights_tied_across_units_under_uneven_sharding", 3)),
-    "zero: no bitmap for unused parameters": Mutant("minizero.stages.base:Synchronised._agree_on_use", training_bugs.agrees_on_nothing,
+    "zero: no bitmap for unused parameters": Mutant("minizero.stages.synchronised:Synchronised._agree_on_use", training_bugs.agrees_on_nothing,
                                                     test_catch(SEM, "test_a_parameter_without_a_gradient_is_not_stepped",
                                                                "zero1", "c on rank 0", "stage.zero_grad()")),
-    "stage: steps on local gradients after no_sync": Mutant("minizero.stages.base:Synchronised.step",
+    "stage: steps on local gradients after no_sync": Mutant("minizero.stages.synchronised:Synchronised.step",
                                                             training_bugs.steps_on_local_gradients,
                                                             test_catch(SEM, "test_step_after_no_sync_only_is_refused", "ddp")),
     # the one training loop

@@ -11,7 +11,7 @@ import minizero.lab.experiment as _experiment
 from minizero import buckets as _buckets
 from minizero import compress as _compress
 from minizero import layout as _layout
-from minizero.stages import base as _base
+from minizero.stages import synchronised as _base
 from minizero.stages import zero3 as _zero3
 from minizero.train import Step
 

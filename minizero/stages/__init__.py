@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from .base import Stage, Synchronised
+from .base import Stage
 from .ddp import DDP
 from .ddp_bucketed import BucketedDDP
 from .facts import Reduction, Shards
 from .protocol import DataParallel
+from .synchronised import Synchronised
 from .wrap import broadcast_module, check_same_model
 from .zero import ZeRO
 from .zero1 import ZeRO1

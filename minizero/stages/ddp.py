@@ -35,8 +35,8 @@ from ..compress import make_wire
 from ..flat import group_by_dtype, pack, unpack
 from ..formulas import all_reduce_bytes
 from ..precision import Precision
-from .base import Synchronised, agree_on_use, unused_error
 from .facts import Reduction
+from .synchronised import Synchronised, agree_on_use, unused_error
 from .wrap import broadcast_module, check_same_model
 
 

@@ -43,9 +43,9 @@ from ..comm import Comm
 from ..compress import all_reduce_mean
 from ..flat import keep_grad_in
 from ..precision import Precision
-from .base import unused_error
 from .ddp import DDP
 from .facts import Reduction
+from .synchronised import unused_error
 
 
 class BucketedDDP(DDP):

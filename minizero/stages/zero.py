@@ -31,7 +31,8 @@ from ..compress import make_wire, reduce_scatter_mean
 from ..layout import FlatGroup
 from ..precision import MasterWeights, Precision, cast_parameters
 from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
-from .base import Synchronised, optimizer_tensors, unused_error
+from .base import optimizer_tensors
+from .synchronised import Synchronised, unused_error
 from .wrap import broadcast_module, check_same_model
 
 
