@@ -145,6 +145,22 @@ class FlatGroup:
         return out
 
 
+    def flatten(self, values: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The reverse of :meth:`unpack_full`: per-parameter values laid into one padded flat tensor."""
+        full = torch.zeros(self.shard_size * self.world_size, dtype=dtype, device=self.shard.device)
+        for s, value in zip(self.segments, values):
+            full[s.start:s.stop].copy_(value.reshape(-1))
+        return full
+
+    @torch.no_grad()
+    def load_full(self, full: torch.Tensor) -> None:
+        """Take the values of a full flat tensor (a checkpoint's, in fp32): the master shard keeps its slice,
+        the buffer -- in place, so every view stays valid -- their cast."""
+        if self.master is not None:
+            self.master.copy_(self.shard_of(full))
+        self.data.copy_(full)
+
+
 def plan_groups(param_groups: list[list[nn.Parameter]], max_numel: int | None = None) -> list[tuple[int, list]]:
     """Which parameters go into which flat group: ``(param group index, parameters)``.
 
@@ -210,6 +226,13 @@ class ShardedFlatGroup(FlatGroup):
         full = torch.empty(self.shard_size * self.world_size, dtype=self.shard.dtype, device=self.shard.device)
         comm.all_gather(full, self.shard, tag=tag)
         return full
+
+    @torch.no_grad()
+    def load_full(self, full: torch.Tensor) -> None:
+        """Only the owned shard persists: it (and the master) keep their slice; nothing else is held."""
+        if self.master is not None:
+            self.master.copy_(self.shard_of(full))
+        self.shard.copy_(self.shard_of(full))
 
     def use(self, full: torch.Tensor) -> None:
         """Point the parameters into a gathered buffer (main thread)."""

@@ -132,6 +132,14 @@ class LossScaler:
                 self.clean_steps = 0
 
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the scale, and where the window and the count of skipped steps stand."""
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps, self.skipped_steps = state["scale"], state["clean_steps"], state["skipped_steps"]
+
+
 def check_half_model(module: nn.Module, precision: Precision, rank: int) -> None:
     """Mixed precision makes the 16-bit copy itself, from the fp32 values that become the masters."""
     for name, p in module.named_parameters():

@@ -33,8 +33,9 @@ import torch
 
 from .comm import Comm, ReduceOp, Tag
 from .layout import FlatGroup, build_groups
+from .parts import flat_range
 from .precision import MasterWeights
-from .rebuilt import follow, rebuild
+from .rebuilt import follow, rebuild, settings
 
 #: Optimizers whose update is element-wise, so a 1-D piece is as good as the parameter.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
@@ -120,6 +121,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def full_state_dict(self) -> dict:
         """The state_dict of a plain torch optimizer over the whole parameters; every rank gets it."""
         return full_state_dict(self.local, self.param_groups, self.groups, self.comm, self.stepped)
+
+
+    def load_full_state_dict(self, saved: dict) -> None:
+        """The reverse of :meth:`full_state_dict`: from a plain optimizer's state_dict over the whole
+        parameters (any stage's, any world size's), keep each piece's range of each per-element state, and
+        the user's hyper-parameters.  No communication: every rank reads what it owns."""
+        for group, kept in zip(self.param_groups, saved["param_groups"]):
+            group.update(settings(kept))
+        index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        self.local.state.clear()
+        for group in self.groups:
+            for piece in group.pieces:
+                entry = saved["state"].get(index[id(piece.segment.param)])
+                if entry:
+                    target = self.stepped(piece)
+                    self.local.state[target] = flat_range(entry, piece.start, piece.stop, like=target)
 
 
 def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, comm: Comm,

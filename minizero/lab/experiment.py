@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .. import checkpoint
 from ..comm import Ledger, make_comm
 from ..compress import check_compress
 from ..launch import Rank
@@ -54,6 +55,10 @@ class Experiment:
     device: str = "cpu"  # where the model and batches live ("cuda": the rank's current CUDA device)
     overflow_at: tuple | None = None  # (step, rank): an inf in one gradient element there (see poison_gradient)
     options: dict = field(default_factory=dict)  # stage options
+    first_step: int = 0  # the data position: step s trains on batch s (a resumed run starts where it stopped)
+    resume: str | None = None  # a checkpoint to load before the first step (minizero.checkpoint)
+    save: str | None = None  # save a checkpoint here after the last step
+    consolidated: bool = False  # ... consolidated (one torch.load-able file) instead of sharded
     stages: dict | None = field(default=None, repr=False)  # a registry other than the lab's (mutants, new stages)
 
     def global_batch(self, world_size: int) -> int:
@@ -90,7 +95,9 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         if comm:
             comm.add_observer(ledger)  # after wrapping: count training traffic only
         params, losses, times, states, scales = [], [], [], [], []
-        for s in range(exp.steps):
+        if exp.resume:
+            checkpoint.load(stage, exp.resume)
+        for s in range(exp.first_step, exp.first_step + exp.steps):
             x, y = (t.to(exp.device) for t in task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model))
             step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
                 else shard_step(x, y, 0, 1, 1)
@@ -110,6 +117,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         cuda_peak = torch.cuda.max_memory_allocated() if exp.device.startswith("cuda") else 0
         if comm:
             comm.remove_observer(ledger)
+        if exp.save:  # not training traffic either
+            checkpoint.save(stage, exp.save, exp.first_step + exp.steps, consolidated=exp.consolidated)
         optimizer_state = copy.deepcopy(stage.full_optimizer_state_dict())
     finally:
         if comm:

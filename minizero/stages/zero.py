@@ -29,6 +29,7 @@ from torch import nn
 from ..comm import Comm
 from ..compress import make_wire, reduce_scatter_mean
 from ..layout import FlatGroup
+from ..parts import Part, flat_range
 from ..precision import MasterWeights, Precision, cast_parameters
 from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
 from .base import optimizer_tensors
@@ -201,6 +202,41 @@ class ZeRO(Synchronised):
         if self._stepped_since_shared():
             self.share_parameters()
         return super().full_state_dict()
+
+    # ------------------------------------------------------------ checkpoints
+    def sharded_names(self) -> list[str]:
+        return [s.name for group in self.groups for s in group.segments]
+
+    def _full_shape(self, tensor: torch.Tensor) -> tuple[list[int], str]:
+        """A grouped parameter's shape is its segment's (ZeRO-3's parameter is an empty placeholder), its
+        dtype what the optimizer steps (the fp32 master under mixed precision)."""
+        for group in self.groups:
+            for s in group.segments:
+                if s.param is tensor:
+                    return list(s.shape), str(group.optimizer_dtype)
+        return super()._full_shape(tensor)
+
+    def owned_parts(self) -> list[Part]:
+        """This rank's pieces, each a range of one parameter: its value (fp32 master under mixed precision)
+        and the sharded optimizer's state for it -- what a sharded checkpoint stores, with no communication."""
+        optimizer = self._require_optimizer("a checkpoint")
+        return [Part(piece.segment.name, piece.start, piece.stop, optimizer.stepped(piece).detach().clone(),
+                     flat_range(optimizer.local.state.get(optimizer.stepped(piece)), 0, piece.stop - piece.start))
+                for piece in self.pieces()]
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Each group takes its flat values (fp32 masters under mixed precision; the buffer their cast);
+        ZeRO-1/2 keep them whole, ZeRO-3 only its shard.  Buffers and frozen parameters load as they are."""
+        grouped = set(self.sharded_names())
+        self._load_module_tensors(state, skip=grouped)
+        for group in self.groups:
+            group.load_full(group.flatten([state[s.name] for s in group.segments], group.optimizer_dtype))
+        if not self.shards.parameters:  # loading is not a step: nothing to all-gather before the next forward
+            self._shared_versions = [group.data._version for group in self.groups]
+
+    def load_full_optimizer_state_dict(self, saved: dict) -> None:
+        self._require_optimizer("load_full_optimizer_state_dict").load_full_state_dict(saved)
+
 
 def check_optimizer_owns_only_model_parameters(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int) -> None:
     """A parameter the optimizer holds but the model does not gets no gradient and no name: refuse it here."""
