@@ -80,14 +80,16 @@ def _rendezvous(rank: int, port, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port.value, None, False, timeout=timeout)
 
 
-def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, text):
+def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, text, backend="gloo"):
     """Body of each pool process: put up its board row, join the group, then run tasks until None."""
     torch.set_num_threads(threads)  # N ranks share the cores; oversubscribing them is slower
     progress.install(progress.ProgressBoard(rank, row, text))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank on this machine
     store = _rendezvous(rank, port, backstop_s(timeout_s))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=backstop_s(timeout_s)))
-    me = Rank(rank, world_size)
+    me = Rank(rank, world_size, local_rank=rank, backend=backend)
     while True:
         task = tasks.get()
         if task is None:
@@ -109,17 +111,18 @@ class RankPool:
     """``world_size`` ranks on this machine, kept alive between :meth:`run` calls.
 
     ``timeout_s``: how long a collective may go without progress before the
-    run is stopped as stalled."""
+    run is stopped as stalled.  ``backend="nccl"``: rank r on GPU r, started with
+    ``spawn`` (CUDA cannot be used in a forked child)."""
 
     def __init__(self, world_size: int, *, timeout_s: float = 300.0, threads_per_rank: int = 1,
-                 start_method: str | None = None):
+                 start_method: str | None = None, backend: str = "gloo"):
         check_world_size(world_size)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         self.world_size = world_size
         self.timeout_s = timeout_s
         if start_method is None:
-            start_method = "fork" if sys.platform.startswith("linux") else "spawn"
+            start_method = "fork" if sys.platform.startswith("linux") and backend == "gloo" else "spawn"
         context = mp.get_context(start_method)
         port = context.Value("i", 0)  # filled in by rank 0, see _rendezvous
         self._results = context.Queue()
@@ -132,7 +135,7 @@ class RankPool:
         self._processes = [
             context.Process(target=_rank_main, name=f"minizero-rank{r}", daemon=True,
                             args=(r, world_size, port, self._tasks[r], self._results, threads_per_rank, timeout_s,
-                                  self._rows[r], self._texts[r]))
+                                  self._rows[r], self._texts[r], backend))
             for r in range(world_size)
         ]
         for process in self._processes:

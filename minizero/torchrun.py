@@ -33,8 +33,36 @@ from .rank import Rank, backstop_s
 KEY = "minizero/progress/{}"
 
 
+VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def check_environment(backend: str) -> None:
+    """Refuse, before joining anything, an environment that is half torchrun's or contradicts itself --
+    a hand-set ``RANK`` left in a shell, or a ``LOCAL_RANK`` with no GPU to go with it."""
+    present = [v for v in VARIABLES if v in os.environ]
+    if not present:
+        return
+    missing = [v for v in VARIABLES if v not in os.environ]
+    if missing:
+        raise ValueError(f"{', '.join(present)} set but {', '.join(missing)} not: launch with torchrun (which sets all "
+                         f"of {', '.join(VARIABLES)}), or unset them and use --world-size to start ranks here")
+    try:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        raise ValueError(f"RANK={os.environ['RANK']!r}, WORLD_SIZE={os.environ['WORLD_SIZE']!r}, LOCAL_RANK="
+                         f"{os.environ.get('LOCAL_RANK')!r}: torchrun sets whole numbers; launch with torchrun") from None
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} with WORLD_SIZE={world_size}: a rank must be 0 to WORLD_SIZE-1; launch with "
+                         f"torchrun, which numbers the ranks itself")
+    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+        raise ValueError(f"rank {rank}: LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPU(s); "
+                         f"NCCL needs one GPU per rank: set torchrun's --nproc-per-node to at most "
+                         f"{torch.cuda.device_count()}")
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> Rank:

@@ -26,7 +26,7 @@ from ..comm import Tag
 from ..parts import Part
 from .files import CONSOLIDATED, CheckpointError, find, load_file, rank_file, read_manifest, save_tensors, step_dir, write_manifest
 
-__all__ = ["CheckpointError", "save", "load", "find"]
+__all__ = ["CheckpointError", "save", "load", "inspect", "find"]
 
 
 def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data: dict | None = None) -> Path:
@@ -66,11 +66,12 @@ def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data
 def load(stage, path: str | Path) -> dict:
     """Load the checkpoint ``path`` names (a step directory, or a --save directory: its latest) into
     ``stage``, on every rank; no communication.  Returns the manifest, with ``notes`` on what did not carry
-    over (error-feedback residuals, kept only by a sharded checkpoint loaded in the same layout).  Refuses, naming the file or the tensor, a checkpoint
-    that is incomplete, damaged, of another format version, another model or another precision."""
+    over (error-feedback residuals: only a sharded checkpoint loaded in the same layout keeps them).
+    Refuses, naming the file or the tensor, a checkpoint that is incomplete, damaged, of another format
+    version, another model or another precision."""
     directory = find(path)
     manifest = read_manifest(directory)
-    _check_fits(stage, manifest, directory)
+    _check_fits(manifest, directory, stage.full_state_shapes(), stage.precision.name)
     if manifest["kind"] == "consolidated":
         payload = load_file(directory / CONSOLIDATED)
         model = payload["model"]
@@ -98,18 +99,28 @@ def load(stage, path: str | Path) -> dict:
 
 
 # ---------------------------------------------------------------------- what is checked before loading
-def _check_fits(stage, manifest: dict, directory: Path) -> None:
-    if manifest["precision"] != stage.precision.name:
+def inspect(path: str | Path, shapes: dict | None = None, precision: str | None = None) -> dict:
+    """The manifest of the checkpoint ``path`` names, checked as :func:`load` checks it -- complete, ours, and
+    (if given) of a model with these ``name -> (shape, dtype)`` and this precision -- without loading it:
+    what a launcher runs before it starts any rank.  Adds ``directory``."""
+    directory = find(path)
+    manifest = read_manifest(directory)
+    if shapes is not None:
+        _check_fits(manifest, directory, shapes, precision or manifest["precision"])
+    return {**manifest, "directory": str(directory)}
+
+
+def _check_fits(manifest: dict, directory: Path, mine: dict, precision: str) -> None:
+    if manifest["precision"] != precision:
         raise CheckpointError(f"{directory}: saved with precision {manifest['precision']}, this run uses "
-                              f"{stage.precision.name}; resume with --precision {manifest['precision']} (a run "
+                              f"{precision}; resume with --precision {manifest['precision']} (a run "
                               f"cannot change precision while resuming)")
-    mine = stage.full_state_shapes()
     for name in [*mine, *(n for n in manifest["state"] if n not in mine)]:
-        theirs = manifest["state"].get(name)
-        if theirs is None or name not in mine or tuple(theirs[0]) != tuple(mine[name][0]) or theirs[1] != mine[name][1]:
+        theirs, ours = manifest["state"].get(name), mine.get(name)
+        if theirs is None or ours is None or tuple(theirs[0]) != tuple(ours[0]) or theirs[1] != ours[1]:
             raise CheckpointError(
                 f"{directory}: a checkpoint of another model: '{name}' is {_describe(theirs)} in the checkpoint "
-                f"and {_describe(mine.get(name))} in this model; resume with the --model (and --dtype) it was saved with")
+                f"and {_describe(ours)} in this model; resume with the --model it was saved with")
 
 
 def _describe(entry) -> str:
