@@ -1,0 +1,126 @@
+"""``python -m minizero train``: a run prints progress and a summary whose measurements agree with the
+formulas; it resumes from its checkpoints exactly, or on another number of ranks by another stage; it
+runs unchanged under torchrun; and what cannot run is refused in one line before any rank starts."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minizero.__main__ import main
+
+TINY = ["--model", "tiny", "--batch-size", "12", "--log-every", "2"]
+
+
+def train(capsys, *args) -> tuple[int, str, str]:
+    status = main(["train", *TINY, *args])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """zero2 on 2 ranks, 4 steps, saved at steps 2 and 4 (sharded); the JSON summary and the progress."""
+    root = tmp_path_factory.mktemp("train")
+    with pytest.MonkeyPatch.context() as patch:
+        out, err = io.StringIO(), io.StringIO()
+        patch.setattr(sys, "stdout", out)
+        patch.setattr(sys, "stderr", err)
+        status = main(["train", *TINY, "--stage", "zero2", "--world-size", "2", "--steps", "4", "--save",
+                       str(root / "ck"), "--save-every", "2", "--json", "--plot", str(root / "loss.png")])
+    assert status == 0, err.getvalue()
+    return json.loads(out.getvalue()), err.getvalue(), root
+
+
+def test_a_run_reports_progress_and_measurements_beside_the_formulas(first_run):
+    summary, _, root = first_run  # (the ranks' progress lines go to the process's own stdout: see the torchrun test)
+    assert summary["steps"] == [0, 4] and len(summary["losses"]) == 4
+    assert summary["losses"][-1] < summary["losses"][0]  # it learns
+    assert all(abs(s - summary["sent_bytes_formula"]) <= 1e-9 * s for s in summary["sent_bytes_per_step"])
+    assert all(abs(b - summary["model_state_formula"]) < 200 for b in summary["model_state_bytes"])  # padding
+    assert all(p["bytes"] > 0 for p in summary["peak_memory"])
+    assert (root / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in (root / "ck").iterdir()) == ["latest", "step-00000002", "step-00000004"]
+
+
+def test_resume_in_place_repeats_the_run_exactly(capsys, first_run):
+    summary, _, root = first_run
+    status, out, _ = train(capsys, "--stage", "zero2", "--world-size", "2", "--steps", "4",
+                           "--resume", str(root / "ck" / "step-00000002"), "--json")
+    assert status == 0
+    resumed = json.loads(out)
+    assert resumed["steps"] == [2, 4] and resumed["losses"] == summary["losses"]  # bit for bit, history included
+
+
+def test_resume_on_three_ranks_by_another_stage_continues_the_run(capsys, first_run):
+    summary, _, root = first_run
+    status, out, _ = train(capsys, "--stage", "zero3", "--world-size", "3", "--steps", "4",
+                           "--resume", str(root / "ck" / "step-00000002"), "--json")
+    assert status == 0
+    resumed = json.loads(out)
+    for a, b in zip(resumed["losses"][2:], summary["losses"][2:]):
+        assert abs(a - b) <= 1e-5 * abs(b)  # float32, another summation order
+
+
+def test_torchrun_runs_the_same_command(tmp_path):
+    """Progress lines and the summary from rank 0 alone; each rank writes its own checkpoint file."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "minizero",
+           "train", *TINY, "--stage", "zero2", "--backend", "gloo", "--steps", "3", "--timeout", "30", "--save", "ck"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("trained zero2 on 2 rank(s) (gloo, cpu)") == 1, out.stdout
+    assert "step 2/3 | loss" in out.stdout and "tok/s | sent" in out.stdout and out.stdout.count("saved ") == 1
+    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000003").iterdir()) == [
+        "manifest.json", "rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cuda"], "--device cuda: no CUDA GPU here"),
+    (["--backend", "nccl"], "--backend nccl: no CUDA GPU here"),
+    (["--stage", "ddp", "--prefetch", "2"], "--stage ddp takes no --prefetch"),
+    (["--save-every", "5"], "--save-every 5 needs --save DIR"),
+    (["--stage", "nonesuch"], "--stage 'nonesuch': choose one of"),
+])
+def test_bad_options_are_refused_before_any_rank_starts(capsys, args, message):
+    if "CUDA" in message and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    status, _, err = train(capsys, *args)
+    assert status == 2 and message in err, err
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0"}, "RANK set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not: launch with torchrun"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=2 with WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "torchrun sets whole numbers"),
+])
+def test_a_broken_torchrun_environment_is_refused(capsys, monkeypatch, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    status, _, err = train(capsys, "--stage", "zero2")
+    assert status == 2 and message in err, err
+
+
+def test_world_size_that_contradicts_torchrun_is_refused(capsys, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    status, _, err = train(capsys, "--world-size", "4")
+    assert status == 2 and "--world-size 4, but torchrun started WORLD_SIZE=2" in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "8"], "saved by a run with --batch-size 12, this one has 8; resume with --batch-size 12"),
+    (["--steps", "2"], "is at step 2 and --steps is 2: nothing to train"),
+    (["--precision", "bf16"], "saved with precision fp32, this run uses bf16; resume with --precision fp32"),
+    (["--model", "small"], "a checkpoint of another model: 'token_embedding.weight' is float32 [56, 32] in the "
+                           "checkpoint and float32 [56, 128] in this model"),
+])
+def test_a_checkpoint_this_run_cannot_continue_is_refused(capsys, first_run, args, message):
+    _, _, root = first_run
+    status, _, err = train(capsys, "--resume", str(root / "ck" / "step-00000002"), "--steps", "4", *args)
+    assert status == 2 and message in err, err
