@@ -132,6 +132,8 @@ class Wire:
 
     def _from_wire(self, wire: torch.Tensor, out: torch.Tensor, names, key) -> None:
         pending = self._pending.pop(key, None)
+        # A host synchronisation per bucket -- on the communication thread, not in a backward hook: whether
+        # this bucket overflowed decides, before anything is written, to refuse the step or keep the residual.
         finite = bool(torch.isfinite(wire).all())
         if not finite and self.overflow_raises:  # the step is lost; the carried error is not poisoned
             raise FloatingPointError(

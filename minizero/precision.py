@@ -257,12 +257,15 @@ class MasterWeights:
         return self._overflow
 
     def _agree_on_overflow(self) -> bool:
-        local = any(not bool(torch.isfinite(m.grad).all()) for m in self.masters if m.grad is not None)
-        if self.comm is None:
-            return local
+        # The flag is built on the device and all-reduced there; the one host synchronisation of the step is
+        # reading the verdict, which the algorithm needs: whether to step at all is decided on the host.
         device = self.masters[0].device if self.masters else torch.device("cpu")
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
-        self.comm.all_reduce(flag, ReduceOp.MAX, tag=self.tag("overflow flag"))
+        flag = torch.zeros(1, device=device)
+        for m in self.masters:
+            if m.grad is not None:
+                flag = torch.maximum(flag, (~torch.isfinite(m.grad).all()).to(flag.dtype).reshape(1))
+        if self.comm is not None:
+            self.comm.all_reduce(flag, ReduceOp.MAX, tag=self.tag("overflow flag"))
         return bool(flag.item() > 0)
 
     @property

@@ -38,6 +38,7 @@ class RingComm(Comm):
     def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False, network=None):
         super().__init__(group, check, network)
         self._scratch_buffers: dict[tuple, torch.Tensor] = {}
+        self._nccl = dist.get_backend(self.group) == "nccl"  # each ring step's send and receive paired (_paired)
 
     # ---------------------------------------------------------------- p2p
     def _send_right_recv_left(self, send: torch.Tensor | None, recv: torch.Tensor | None, part: str,
@@ -52,6 +53,8 @@ class RingComm(Comm):
         """
         right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         self._at(part, step)
+        if self._nccl:
+            return self._paired(send, recv, right, left)
         request = None
         if send is not None and send.numel() > 0:
             self._leaving(send.numel() * send.element_size())
@@ -62,6 +65,23 @@ class RingComm(Comm):
         if request is not None:
             with self.board.waiting_for(self.peer(right)):
                 request.wait()
+            self._report_sent(send.numel() * send.element_size())
+
+    def _paired(self, send: torch.Tensor | None, recv: torch.Tensor | None, right: int, left: int) -> None:
+        """NCCL: the send and the receive of a step go in one group (``batch_isend_irecv``).  Issued one by
+        one, each rank's send would queue on its NCCL stream ahead of its receive, and every send waits for
+        a receive queued behind its neighbour's send: the ring deadlocks."""
+        ops = []
+        if send is not None and send.numel() > 0:
+            self._leaving(send.numel() * send.element_size())
+            ops.append(dist.P2POp(dist.isend, send, self.peer(right), group=self.group))
+        if recv is not None and recv.numel() > 0:
+            ops.append(dist.P2POp(dist.irecv, recv, self.peer(left), group=self.group))
+        if ops:
+            with self.board.waiting_for(self.peer(left)):
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+        if send is not None and send.numel() > 0:
             self._report_sent(send.numel() * send.element_size())
 
     def _scratch(self, numel: int, like: torch.Tensor) -> list[torch.Tensor]:

@@ -18,6 +18,8 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
+import torch
+
 
 class Work:
     """Handle of an asynchronous collective; ``wait()`` re-raises its error.
@@ -49,6 +51,10 @@ class CommThread:
 
     def __init__(self, name: str, waits: list | None = None):
         self._waits = waits
+        # The CUDA device is per host thread: a new thread starts on GPU 0, whatever the rank's is.  The
+        # thread runs on the device current where it was made (the rank's: torchrun set it from LOCAL_RANK).
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -63,6 +69,11 @@ class CommThread:
         return Work(future, self._waits)
 
     def _serve(self) -> None:
+        # Collectives run here on the thread's current stream, which is the device's default stream -- the
+        # one the main thread computes on -- so NCCL orders each collective after the kernels that produced
+        # its tensors, and the kernels after it wait for it, with no host synchronisation.
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         while True:
             item = self._queue.get()
             if item is None:

@@ -170,7 +170,7 @@ def agree_on_use(comm: Comm, used: list[bool], tag: Tag) -> list[bool]:
     others -- the gradient single-device training computes; one used nowhere is not stepped."""
     bitmap = torch.tensor([1.0 if u else 0.0 for u in used])
     comm.all_reduce(bitmap, ReduceOp.MAX, tag=tag)
-    return [bool(u) for u in bitmap.tolist()]
+    return [bool(u) for u in bitmap.tolist()]  # on the host by nature: which parameters to step is a host decision
 
 
 def unused_error(rank: int, names: list[str], why: str) -> RuntimeError:
