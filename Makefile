@@ -28,6 +28,8 @@ demo: install
 	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --accum 2 --precision bf16
 	$(PY) -m minizero memory --params 7.5e9 --world-size 64
 	$(PY) -m minizero compare --world-size $(WORLD) --stages $(STAGES) --dtype float64 --backend native
+	$(PY) -m minizero train --stage zero3 --world-size 2 --steps 20 --save .demo-run --save-every 10
+	$(PY) -m minizero train --stage ddp --world-size 3 --steps 20 --resume .demo-run/step-00000010
 
 # Lint first (a second), then the suite and every lesson notebook.
 lint: install
@@ -62,4 +64,4 @@ soak: install
 	$(PY) -m minizero soak --world-size 4 --steps 500
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info .demo-run
