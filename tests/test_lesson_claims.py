@@ -5,8 +5,12 @@
   its gradient shard.
 * Lesson 4: minizero's split of the division by N around a 16-bit sum is not FSDP2's -- checked against
   torch's own ``_get_gradient_divide_factors`` -- and accumulation equals a large batch only without BatchNorm.
+* Lesson 10: what a ZeRO-2 rank holds beyond the formula is Adam's ``step`` scalars, and a checkpoint's files
+  load with ``torch.load``'s defaults.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -111,3 +115,20 @@ def test_accumulation_equals_the_large_batch_only_without_batch_norm(batch_norm)
     accumulated = _one_step(build(), x, y, 4)
     diff = max((large[k] - accumulated[k]).abs().max().item() for k in large)
     assert (diff > 1e-3) if batch_norm else (diff < 1e-14)
+
+
+def test_zero2_holds_the_formula_plus_adams_step_scalars_and_its_files_load_with_torch_load(pools, tmp_path):
+    """Lesson 10: a ZeRO-2 rank holds 4Ψ + 12Ψ/N plus Adam's ``step``, a float32 scalar per parameter it holds
+    part of (one per part of its checkpoint file) -- the whole excess when Ψ divides by N; and a checkpoint's
+    files, sharded and consolidated, load with ``torch.load``'s defaults (``weights_only=True``)."""
+    n = 2
+    exp = Experiment(stage="zero2", task="gpt", optimizer="adamw", steps=1, dtype="float32", save=str(tmp_path / "s"))
+    results = pools.run(n, run_experiment, exp)
+    psi = results[0].psi
+    assert psi % n == 0  # no padding
+    for r, result in enumerate(results):
+        parts = torch.load(tmp_path / "s" / "step-00000001" / f"rank-{r:05d}-of-{n:05d}.pt")["parts"]
+        assert result.held_bytes["total"] - (4 * psi + 12 * psi // n) == 4 * len(parts)
+    pools.run(n, run_experiment, replace(exp, save=str(tmp_path / "c"), consolidated=True))
+    state = torch.load(tmp_path / "c" / "step-00000001" / "consolidated.pt")
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {1}

@@ -42,7 +42,7 @@ def test_a_run_reports_progress_and_measurements_beside_the_formulas(first_run):
     assert summary["steps"] == [0, 4] and len(summary["losses"]) == 4
     assert summary["losses"][-1] < summary["losses"][0]  # it learns
     assert all(abs(s - summary["sent_bytes_formula"]) <= 1e-9 * s for s in summary["sent_bytes_per_step"])
-    assert all(abs(b - summary["model_state_formula"]) < 200 for b in summary["model_state_bytes"])  # padding
+    assert all(abs(b - summary["model_state_formula"]) < 200 for b in summary["model_state_bytes"])  # Adam's 4-byte steps
     assert all(p["bytes"] > 0 for p in summary["peak_memory"])
     assert (root / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in (root / "ck").iterdir()) == ["latest", "step-00000002", "step-00000004"]

@@ -88,6 +88,8 @@ def load(stage, path: str | Path) -> dict:
     sharded = manifest["kind"] == "sharded"
     mine = payloads[stage.rank] if same_layout and sharded else payloads[0]
     torch.set_rng_state(mine["rng"]["cpu"])
+    if "cuda" in mine["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["rng"]["cuda"])
     notes = []
     if _wire(stage) and same_layout and sharded:
         stage.wire.residuals.update(mine["residuals"])
