@@ -53,6 +53,7 @@ bench: install
 	$(PY) -m minizero bench overlap --world-size 2
 	$(PY) -m minizero bench check --world-size 2
 	$(PY) -m minizero bench precision --world-size 2
+	$(PY) -m minizero bench all --world-size 2 --plot bench_all.png
 	$(PY) -m minizero bench overlap --world-size 2 --network lesson
 	$(PY) -m minizero bench buckets --world-size 2 --network lesson
 	$(PY) -m minizero bench prefetch --world-size 2 --network lesson

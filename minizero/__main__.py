@@ -1,4 +1,4 @@
-"""Command line: ``python -m minizero compare|soak|memory|bench|scale|lab|check ...``.
+"""Command line: ``python -m minizero train|compare|soak|memory|bench|scale|lab|check ...``.
 
 Numbers are validated where they are parsed: a count must be a positive whole
 number, a size or a rate a finite positive number -- argparse then names the
@@ -19,6 +19,7 @@ from .lab.memory_table import MODELS as MEMORY_MODELS
 from .lab.optimizers import OPTIMIZERS
 from .lab.registry import LAB_STAGES
 from .lab.tasks import TASKS
+from .lab.train_command import add_parser as add_train_command
 from .labs.cli import add_commands as add_lab_commands
 from .precision import PRECISIONS, REDUCE_DTYPES
 from .stages import DEFAULT_STAGE, STAGES, distributed
@@ -116,6 +117,14 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--network", default=None,
                        help="dial the wire: 'alpha=2ms,bandwidth=50MB/s' or a preset (" + ", ".join(PRESETS) + "); "
                             "overlap, buckets, prefetch and compress measure on it (default for the last three: lesson)")
+    from .lab.models import GPT_SIZES  # bench all's options: refused by the other benches (minizero.lab.bench_all)
+    bench.add_argument("--model", choices=list(GPT_SIZES), default=None, help="bench all: the GPT's size (small)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default=None, help="bench all: where the ranks compute (cpu)")
+    bench.add_argument("--collectives", choices=list(BACKENDS), default=None,
+                       help="bench all: minizero's collectives, torch's (native, default) or the send/recv ring")
+    bench.add_argument("--steps", type=positive_int, default=None, help="bench all: steps per run, 2 untimed (8)")
+    bench.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="bench all: step-time ratio and memory per rank per stage against torch, as a PNG")
     bench.add_argument("--json", action="store_true")
     scale = sub.add_parser("scale", help="predicted step time, exposed communication and efficiency, N = 1 to 1024+")
     scale.add_argument("--stage", default="all", help=f"comma-separated, from: {', '.join(distributed())}; or all")
@@ -133,6 +142,7 @@ def parser() -> argparse.ArgumentParser:
     scale.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                        help="bytes per element on the wire: 4 (fp32) or 2 (bf16/fp16)")
     scale.add_argument("--json", action="store_true")
+    add_train_command(sub, positive_int, natural_int, positive_float)
     add_lab_commands(sub)
     return top
 
@@ -153,6 +163,8 @@ def main(argv=None) -> int:
             from .labs.cli import check_main as run
         elif args.command == "scale":
             from .lab.scale import main as run
+        elif args.command == "train":
+            from .lab.train_command import main as run
         else:
             from .lab.bench import main as run
         status, text = run(args)

@@ -124,7 +124,7 @@ class RankPool:
         if start_method is None:
             start_method = "fork" if sys.platform.startswith("linux") and backend == "gloo" else "spawn"
         context = mp.get_context(start_method)
-        port = context.Value("i", 0)  # filled in by rank 0, see _rendezvous
+        port = self._port = context.Value("i", 0)  # filled in by rank 0, see _rendezvous; kept: spawn unpickles it
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(world_size)]
         # The progress board: one row per rank in shared memory, written by the rank, read here.

@@ -182,3 +182,14 @@ def test_a_ring_step_whose_message_never_comes_is_reported_as_that():
     assert "Stopped making progress: rank 1 -- it already left collective #1 without sending the message" in message
     assert "rank 0 waits for: a bug inside the collective, not a disagreement" in message
     assert "rank 0: in all_reduce #1 of 4 elements, in its all-gather step 1, waiting for rank 1" in message
+
+
+def _where(me):
+    return me.rank, me.world_size
+
+
+def test_a_spawned_pool_starts(tmp_path):
+    """``spawn`` -- what a CUDA pool uses, since CUDA cannot be used in a forked child -- pickles the
+    rendezvous port to each child; the pool must keep it alive until they have it."""
+    with RankPool(2, start_method="spawn", timeout_s=60) as pool:
+        assert pool.run(_where) == [(0, 2), (1, 2)]

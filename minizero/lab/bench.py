@@ -17,6 +17,7 @@ from ..comm import NativeComm, ReduceOp, RingComm, make_comm, parse_network
 from ..launch import Rank, RankPool
 from ..stages import distributed
 from ..train import shard_step, sum_loss
+from . import bench_all
 from .bench_network import bench_buckets, bench_compress, bench_overlap_dialled, bench_prefetch, format_rows
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
@@ -253,6 +254,7 @@ BENCHES = {
     "compress": lambda args: bench_compress(args.world_size, _dial(args)),
     "check": lambda args: bench_check(args.world_size),
     "precision": lambda args: bench_precision(args.world_size),
+    "all": bench_all.main,  # every stage beside its torch counterpart: step, bytes, memory
 }
 
 
@@ -262,6 +264,7 @@ def _dial(args) -> str:
 
 
 def main(args) -> tuple[int, str]:
+    bench_all.refuse_elsewhere(args)  # --model, --device, ...: before any rank starts
     if args.network is not None:
         parse_network(args.network)  # a bad dial is refused before any rank starts
         if args.what not in DIALLED:
@@ -269,6 +272,8 @@ def main(args) -> tuple[int, str]:
     rows = BENCHES[args.what](args)
     if args.json:
         return 0, json.dumps(rows, indent=2)
+    if args.what == "all":
+        return 0, bench_all.format_table(rows)
     if args.what in DIALLED and (args.what != "overlap" or args.network):
         return 0, format_rows(args.what, args.world_size, _dial(args), rows)
     if args.what == "collectives":

@@ -182,3 +182,15 @@ class ReuseModel(nn.Module):
 
 #: The benchmarks' GPT: big enough that a step is mostly compute and communication, small enough for 2 CPU cores.
 BENCH_GPT = {"d_model": 128, "n_layer": 4, "n_head": 4, "block_size": 32}
+
+
+#: GPT sizes ``train`` and ``bench all`` know, by name (``--model``); Psi is printed by ``count_params``.
+#: From the lab's GPT (tiny) through the benchmarks' (small) to ones where communication and memory
+#: dominate a step (large, 100m).
+GPT_SIZES = {
+    "tiny": {"d_model": 32, "n_layer": 2, "n_head": 4, "block_size": 16},
+    "small": BENCH_GPT,
+    "medium": {"d_model": 384, "n_layer": 6, "n_head": 6, "block_size": 64},
+    "large": {"d_model": 512, "n_layer": 12, "n_head": 8, "block_size": 128},
+    "100m": {"d_model": 768, "n_layer": 14, "n_head": 12, "block_size": 256},
+}

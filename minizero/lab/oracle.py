@@ -58,8 +58,11 @@ class TorchStage:
 
     def held_tensors(self) -> dict:
         params = [self._local(p) for p in self.module.parameters()]
+        # ZeroRedundancyOptimizer keeps this rank's states in its local optimizer (``.optim``); its own
+        # ``.state`` stays empty, which would count torch's ZeRO-1 as holding no optimizer state at all.
+        states = getattr(self.optimizer, "optim", self.optimizer).state
         return {"params": params, "grads": [self._local(p.grad) for p in self.module.parameters() if p.grad is not None],
-                "optimizer": [self._local(t) for state in self.optimizer.state.values() for t in state.values()
+                "optimizer": [self._local(t) for state in states.values() for t in state.values()
                               if torch.is_tensor(t)]}
 
     def add_observer(self, observer) -> None:
@@ -98,7 +101,7 @@ class TorchZeRO(TorchDDP):
 
 
 class TorchFSDP2(TorchStage):
-    """torch's FSDP2: ``fully_shard`` on each unit and on the root, over a CPU device mesh (gloo)."""
+    """torch's FSDP2: ``fully_shard`` on each unit and on the root, over a device mesh of the model's device."""
 
     name = "torch-fsdp2"
 
@@ -108,7 +111,9 @@ class TorchFSDP2(TorchStage):
         with torch.no_grad():  # FSDP2 shards each rank's own values: start from rank 0's, as every stage does
             for tensor in list(module.parameters()) + list(module.buffers()):
                 torch.distributed.broadcast(tensor, 0)
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        # The mesh on the model's device: on a "cpu" mesh FSDP2 would move a CUDA model's shards to the CPU.
+        device = next(iter(module.parameters()), torch.empty(0)).device.type
+        mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
         working = Precision.of(precision).working_dtype  # FSDP2's own mixed precision: fp32 shards, 16-bit compute
         policy = MixedPrecisionPolicy(param_dtype=working, reduce_dtype=working) if working else MixedPrecisionPolicy()
         for unit in resolve_units(module, units):
