@@ -78,7 +78,7 @@ def test_resume_carries_error_feedback(pools, tmp_path, stage):
     assert_bit_exact(whole, resumed(pools, exp, 2, 1, tmp_path), 1)
 
 
-@settings(max_examples=examples(8))
+@settings(max_examples=examples(6))
 @given(drawn=st.sampled_from(STAGES).flatmap(lambda stage: experiments(stage, precision=True)),
        split=st.integers(1, 3), consolidated=st.booleans())
 def test_resume_property(pools, tmp_path_factory, drawn, split, consolidated):

@@ -54,7 +54,9 @@ def test_three_ranks_a_stall_in_a_ring_step_is_traced_to_the_rank_that_stopped()
     assert "Stopped making progress: rank 1 -- it is inside the collective but not waiting" in str(info.value)
 
 
-TORCHRUN = [("raise", "bucket"), ("kill", "forward"), ("sleep", "gather")]  # exit: as kill, for torchrun
+# Under torchrun a killed rank and one that raised both end as an exiting process, which torchrun's agent
+# sees the same way: the raise stands for both (the local pool's tests kill ranks too).
+TORCHRUN = [("raise", "bucket"), ("sleep", "gather")]
 
 
 @pytest.mark.parametrize("fault, place", TORCHRUN)
@@ -74,8 +76,6 @@ def test_under_torchrun_a_failed_rank_ends_every_rank(fault, place):
     assert "finished" not in out.stdout
     if fault == "sleep":
         assert "[minizero watchdog, rank" in text and "Stopped making progress: rank 1 --" in text, text
-    elif fault == "raise":
-        assert "injected fault" in text and "rank      : 1" in text, text
     else:
-        assert "rank      : 1" in text, text
+        assert "injected fault" in text and "rank      : 1" in text, text
     assert elapsed < 60, elapsed

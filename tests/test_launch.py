@@ -139,13 +139,14 @@ def test_function_defined_in_main_runs_with_fork(tmp_path):
 
 def test_same_code_runs_under_torchrun(tmp_path):
     """env:// rendezvous: `python -m minizero compare` unchanged under torchrun (--standalone picks a free
-    port).  The header reports the ranks that really ran (3), not --world-size's default (2), and
-    --timeout reaches the ranks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "-m", "minizero", "compare", "--stages", "ddp,zero2", "--steps", "2", "--task", "mlp", "--timeout", "30"]
+    port).  The header reports the ranks that really ran (2), not --world-size (3), and --timeout reaches
+    the ranks.  (`train` under torchrun: tests/test_train_command.py.)"""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "minizero", "compare", "--stages", "ddp,zero2", "--steps", "2", "--task", "mlp", "--timeout", "30",
+           "--world-size", "3"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "N=3," in out.stdout, out.stdout
+    assert "N=2," in out.stdout, out.stdout
     assert out.stdout.count("ddp ") == 1 and out.stdout.count(" yes ") == 2  # only rank 0 prints
 
 
