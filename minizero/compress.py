@@ -124,6 +124,10 @@ class Wire:
         if self.error_feedback:
             residual = self.residuals.get(key)
             if residual is not None:
+                if residual.shape != scaled.shape:  # residuals loaded from another layout's buckets
+                    raise ValueError(f"rank {self.comm.rank}: the error-feedback residual of bucket {key!r} has "
+                                     f"{residual.numel()} elements and the bucket {scaled.numel()}: the checkpoint was "
+                                     f"saved with another bucket size; resume with the --bucket-mb it was saved with")
                 scaled += residual
         wire = scaled.to(self.wire_dtype)
         if self.error_feedback:

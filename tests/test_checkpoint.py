@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from minizero import checkpoint
 from minizero.checkpoint import CheckpointError
 from minizero.lab.equivalence import judge
-from minizero.lab.experiment import Experiment, exact_reference_of, run_experiment
+from minizero.lab.experiment import Experiment, build, exact_reference_of, run_experiment
 from minizero.lab.tasks import TASKS
 from minizero.launch import RankError
 from minizero.precision import Precision
@@ -42,7 +42,17 @@ def assert_bit_exact(whole, rest, split: int) -> None:
                 assert torch.equal(value, a.params[split + i][name]), f"rank {rank}, step {split + i}, {name}"
         assert b.losses == a.losses[split:], f"rank {rank}: losses"
         assert b.loss_scales == a.loss_scales[split:], f"rank {rank}: loss scales"
-        assert b.optimizer_state.keys() == a.optimizer_state.keys()
+        assert_same_optimizer_state(b.optimizer_state, a.optimizer_state, f"rank {rank}")
+
+
+def assert_same_optimizer_state(got: dict, want: dict, where: str) -> None:
+    """Every state tensor (Adam's moments and step) bit for bit, and every hyper-parameter."""
+    assert got["param_groups"] == want["param_groups"], where
+    assert got["state"].keys() == want["state"].keys(), where
+    for i, entry in want["state"].items():
+        for key, value in entry.items():
+            same = torch.equal(got["state"][i][key], value) if torch.is_tensor(value) else got["state"][i][key] == value
+            assert same, f"{where}: optimizer state {key} of parameter {i}"
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -219,3 +229,53 @@ def test_not_a_checkpoint(tmp_path):
         checkpoint.find(tmp_path)
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         checkpoint.find(tmp_path / "nowhere")
+
+
+def _save_with_a_fault(me, exp, root, fault):
+    """Build and save a stage with ``fault`` injected on one rank; return what each rank raised."""
+    import minizero.checkpoint as ck
+    stage, _, comm, _ = build(me, exp)
+    kept = ck.save_tensors, ck.write_manifest
+    if fault == "disk full" and me.rank == 1:
+        ck.save_tensors = lambda path, payload: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    if fault == "death before the manifest" and me.rank == 0:
+        ck.write_manifest = lambda directory, manifest: os._exit(1)  # the process dies mid-save
+    try:
+        checkpoint.save(stage, root, 2)
+        return None
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+    finally:
+        ck.save_tensors, ck.write_manifest = kept  # the pool's ranks live on: leave nothing patched
+        comm.close()
+
+
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(pools, saved, tmp_path):
+    """Disk full on rank 1: every rank hears of it at once (no one waits for a manifest that never comes)."""
+    exp, _ = saved
+    errors = pools.pool(2).run(_save_with_a_fault, exp, str(tmp_path), "disk full")
+    assert "No space left on device" in errors[1]
+    assert "rank(s) [1] could not write their file, so this save was not completed" in errors[0]
+    assert not (tmp_path / "step-00000002" / "manifest.json").exists()
+
+
+def test_an_interrupted_save_over_an_old_one_never_loads_as_a_mix(pools, saved, tmp_path):
+    """Saving step 2 again (a rerun into the same directory) and dying before the manifest: the old manifest
+    went first, so neither the old nor a mix of old and new files loads; the newest complete save does."""
+    exp, root = saved
+    os.system(f"cp -r {root} {tmp_path / 'run'}")
+    with pytest.raises(RankError, match="rank 0 died"):
+        pools.pool(2).run(_save_with_a_fault, exp, str(tmp_path / "run"), "death before the manifest")
+    assert "step-00000002: no manifest.json, so this save did not finish" in load_error(
+        pools, exp, tmp_path / "run" / "step-00000002")
+    assert checkpoint.find(tmp_path / "run") == tmp_path / "run" / "step-00000001"  # latest names step 2: skipped
+
+
+def test_a_file_from_another_save_is_refused(pools, saved, tmp_path):
+    """Same sizes, another save: a rank file copied from another run is named."""
+    exp, root = saved
+    os.system(f"cp -r {root} {tmp_path / 'a'}")
+    pools.run(2, run_experiment, replace(exp, steps=2, save=str(tmp_path / "b")))
+    step = "step-00000002/rank-00001-of-00002.pt"
+    os.system(f"cp {tmp_path / 'b' / step} {tmp_path / 'a' / step}")
+    assert "rank-00001-of-00002.pt: written by another save than the manifest's" in load_error(pools, exp, tmp_path / "a")

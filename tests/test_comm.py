@@ -25,7 +25,7 @@ def _collective_on_rank(me, case):
     kind, numel, dtype, op, backend, seed, src = case
     comm = make_comm(backend.removesuffix("-paired"))
     if backend == "ring-paired":  # the path NCCL takes: each step's send and receive in one batch_isend_irecv
-        comm._nccl = True
+        comm._pair_steps = True
     ledger = Ledger()
     n = me.world_size
     with ledger.attached(comm):

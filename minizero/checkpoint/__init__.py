@@ -17,6 +17,7 @@ from exactly: the step, the precision and loss-scaler state, each rank's RNG, th
 """
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 
@@ -24,7 +25,18 @@ import torch
 
 from ..comm import Tag
 from ..parts import Part
-from .files import CONSOLIDATED, CheckpointError, find, load_file, rank_file, read_manifest, save_tensors, step_dir, write_manifest
+from .files import (
+    CONSOLIDATED,
+    MANIFEST,
+    CheckpointError,
+    find,
+    load_file,
+    rank_file,
+    read_manifest,
+    save_tensors,
+    step_dir,
+    write_manifest,
+)
 
 __all__ = ["CheckpointError", "save", "load", "inspect", "find"]
 
@@ -32,31 +44,42 @@ __all__ = ["CheckpointError", "save", "load", "inspect", "find"]
 def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data: dict | None = None) -> Path:
     """Save ``stage`` (every rank calls this) as checkpoint ``step`` under ``root``; returns its directory.
     ``data``: what the training loop needs to continue (its position, seed, batch size), kept in the manifest."""
+    _require_optimizer(stage)  # before anything is written
     comm, rank, world_size = stage.comm, stage.rank, stage.world_size
     directory = step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)  # every rank: nodes need not share a file system
-    stage._require_optimizer("a checkpoint")
+    if rank == 0:  # saving a step again: its old manifest goes first, so an interrupted save never loads
+        (directory / MANIFEST).unlink(missing_ok=True)
+    save_id = _everyones(comm, secrets.randbits(52) if rank == 0 else 0)[0]  # also the barrier after the unlink
     if consolidated:
         model, optimizer = stage.full_state_dict(), stage.full_optimizer_state_dict()  # collectives: every rank
-        files = {}
-        if rank == 0:
-            files[CONSOLIDATED] = save_tensors(directory / CONSOLIDATED, {
-                "model": model, "optimizer": optimizer, "param_names": _optimizer_names(stage),
-                "rng": _rng_state(), "residuals": {}})
+        name, payload = CONSOLIDATED, {"model": model, "optimizer": optimizer, "param_names": _optimizer_names(stage)}
     else:
+        name = rank_file(rank, world_size)
         payload = {"parts": [(p.name, p.start, p.stop, p.value, p.state) for p in stage.owned_parts()],
-                   "rng": _rng_state(), "residuals": dict(stage.wire.residuals) if _wire(stage) else {}}
+                   "residuals": dict(stage.wire.residuals) if _wire(stage) else {}}
         if rank == 0:
             payload["rest"] = _rest(stage)
             payload["optimizer_groups"] = _optimizer_groups(stage)
-        size = save_tensors(directory / rank_file(rank, world_size), payload)
-        files = dict(zip([rank_file(r, world_size) for r in range(world_size)], _everyones(comm, size)))
-    _barrier(comm, "checkpoint files written")
+    failure, size = None, 0
+    if rank == 0 or not consolidated:
+        try:
+            size = save_tensors(directory / name, {**payload, "save_id": save_id, "rng": _rng_state()})
+        except Exception as error:  # noqa: BLE001 -- the others must hear of it, not wait for it
+            failure, size = error, -1
+    sizes = _everyones(comm, size)
+    if failure is not None:
+        raise failure
+    if min(sizes) < 0:
+        raise CheckpointError(f"{directory}: rank(s) {[r for r, s in enumerate(sizes) if s < 0]} could not write their "
+                              f"file, so this save was not completed; the previous checkpoint stands")
+    files = {CONSOLIDATED: sizes[0]} if consolidated else {rank_file(r, world_size): s for r, s in enumerate(sizes)}
     if rank == 0:
         scaler = stage.master.scaler if stage.master and stage.master.scaler else None
         write_manifest(directory, {
             "kind": "consolidated" if consolidated else "sharded", "stage": stage.name, "world_size": world_size,
             "step": step, "precision": stage.precision.name, "loss_scaler": scaler.state_dict() if scaler else None,
+            "wire": str(stage.wire.wire_dtype) if _wire(stage) else None, "save_id": save_id,
             "data": data or {}, "state": stage.full_state_shapes(), "sharded": stage.sharded_names(),
             "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     _barrier(comm, "checkpoint manifest written")  # nobody moves on (or loads it) before it is complete
@@ -69,31 +92,37 @@ def load(stage, path: str | Path) -> dict:
     over (error-feedback residuals: only a sharded checkpoint loaded in the same layout keeps them).
     Refuses, naming the file or the tensor, a checkpoint that is incomplete, damaged, of another format
     version, another model or another precision."""
+    _require_optimizer(stage)
     directory = find(path)
     manifest = read_manifest(directory)
     _check_fits(manifest, directory, stage.full_state_shapes(), stage.precision.name)
+    payloads = [load_file(directory / name) for name in manifest["files"]]
+    for name, payload in zip(manifest["files"], payloads):
+        if payload.get("save_id") != manifest["save_id"]:
+            raise CheckpointError(f"{directory / name}: written by another save than the manifest's (a save into this "
+                                  f"directory was interrupted); resume from an earlier checkpoint")
     if manifest["kind"] == "consolidated":
-        payload = load_file(directory / CONSOLIDATED)
-        model = payload["model"]
-        optimizer = _by_name(payload["optimizer"], payload["param_names"])
-        payloads = [payload]
+        model = payloads[0]["model"]
+        optimizer = _by_name(payloads[0]["optimizer"], payloads[0]["param_names"])
     else:
-        payloads = [load_file(directory / name) for name in manifest["files"]]
         model, optimizer = _assemble(stage, manifest, payloads, directory)
     stage.load_full_state_dict(model)
     stage.load_full_optimizer_state_dict(_indexed(optimizer, _optimizer_names(stage), directory))
     if manifest["loss_scaler"] and stage.master and stage.master.scaler:
         stage.master.scaler.load_state_dict(manifest["loss_scaler"])
-    same_layout = manifest["stage"] == stage.name and manifest["world_size"] == stage.world_size
+    wire = _wire(stage)
+    same_layout = (manifest["stage"], manifest["world_size"], manifest["wire"]) == (
+        stage.name, stage.world_size, str(wire.wire_dtype) if wire else None)
     sharded = manifest["kind"] == "sharded"
     mine = payloads[stage.rank] if same_layout and sharded else payloads[0]
     torch.set_rng_state(mine["rng"]["cpu"])
     if "cuda" in mine["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(mine["rng"]["cuda"])
     notes = []
-    if _wire(stage) and same_layout and sharded:
-        stage.wire.residuals.update(mine["residuals"])
-    elif _wire(stage):  # per-rank state of one layout: it has no meaning in another
+    if wire and same_layout and sharded:
+        device = next(stage.module.parameters()).device
+        wire.residuals.update({key: value.to(device) for key, value in mine["residuals"].items()})
+    elif wire:  # per-rank state of one layout: it has no meaning in another
         notes.append("error-feedback residuals start again from zero: " + (
             f"they belong to {manifest['stage']}'s buckets on {manifest['world_size']} ranks" if sharded else
             "a consolidated checkpoint holds no rank's own state (save sharded to resume them exactly)"))
@@ -217,6 +246,12 @@ def _indexed(saved: dict, names: list[list[str]], directory: Path) -> dict:
 
 
 # ---------------------------------------------------------------------- small things
+def _require_optimizer(stage) -> None:
+    if stage.optimizer is None:
+        raise CheckpointError(f"rank {stage.rank}: a checkpoint keeps the optimizer's state, and this stage was wrapped "
+                              f"without one; pass your optimizer to make_stage(name, model, optimizer, comm)")
+
+
 def _wire(stage):
     wire = getattr(stage, "wire", None)
     return wire if wire is not None and wire.error_feedback else None

@@ -49,6 +49,11 @@ def write_atomic(path: Path, write) -> int:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)  # the rename itself reaches the disk, in order
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
     return path.stat().st_size
 
 
@@ -69,9 +74,9 @@ def find(path: str | Path) -> Path:
                               f"one of its step-* directories")
     if (path / MANIFEST).exists() or path.name.startswith("step-"):  # read_manifest refuses one without
         return path
-    if (path / LATEST).exists():
+    if (path / LATEST).exists() and (path / (path / LATEST).read_text().strip() / MANIFEST).exists():
         return path / (path / LATEST).read_text().strip()
-    complete = sorted(d for d in path.glob("step-*") if (d / MANIFEST).exists())
+    complete = sorted(d for d in path.glob("step-*") if (d / MANIFEST).exists())  # latest's save was interrupted
     if complete:
         return complete[-1]
     started = sorted(path.glob("step-*"))

@@ -289,7 +289,7 @@ class Stage(nn.Module):
     def owned_parts(self) -> list[Part]:
         """What this rank writes to a sharded checkpoint.  Every rank of the reference and ddp holds every
         parameter whole, so rank 0 writes them and the others nothing (DCP deduplicates replicas the same way)."""
-        optimizer = self._require_optimizer("a checkpoint")
+        optimizer = self._require_optimizer("owned_parts")
         if self.rank != 0:
             return []
         stepped = self.master.master_of if self.master else (lambda p: p)

@@ -219,7 +219,7 @@ class ZeRO(Synchronised):
     def owned_parts(self) -> list[Part]:
         """This rank's pieces, each a range of one parameter: its value (fp32 master under mixed precision)
         and the sharded optimizer's state for it -- what a sharded checkpoint stores, with no communication."""
-        optimizer = self._require_optimizer("a checkpoint")
+        optimizer = self._require_optimizer("owned_parts")
         return [Part(piece.segment.name, piece.start, piece.stop, optimizer.stepped(piece).detach().clone(),
                      flat_range(optimizer.local.state.get(optimizer.stepped(piece)), 0, piece.stop - piece.start))
                 for piece in self.pieces()]
