@@ -116,6 +116,7 @@ def test_world_size_that_contradicts_torchrun_is_refused(capsys, monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--batch-size", "8"], "saved by a run with --batch-size 12, this one has 8; resume with --batch-size 12"),
     (["--steps", "2"], "is at step 2 and --steps is 2: nothing to train"),
+    (["--schedule", "cosine"], "saved by a run with --schedule constant, this one has cosine; resume with --schedule"),
     (["--precision", "bf16"], "saved with precision fp32, this run uses bf16; resume with --precision fp32"),
     (["--model", "small"], "a checkpoint of another model: 'token_embedding.weight' is float32 [56, 32] in the "
                            "checkpoint and float32 [56, 128] in this model"),

@@ -95,11 +95,14 @@ def check_resume(run: Run) -> None:
     model = run.make_model()
     shapes = {k: (list(v.shape), str(v.dtype)) for k, v in model.state_dict().items()}
     manifest = checkpoint.inspect(run.resume, shapes, dict(run.options)["precision"])
-    for key, flag in [("batch_size", "--batch-size"), ("seed", "--seed")]:
-        saved, given = manifest["data"].get(key), getattr(run, key)
-        if saved is not None and saved != given:
-            raise ValueError(f"{manifest['directory']}: saved by a run with {flag} {saved}, this one has {given}; resume "
-                             f"with {flag} {saved} (step s trains on batch s of that run's data)")
+    for key, value in run.data().items():
+        saved = manifest["data"].get(key)
+        if key in manifest["data"] and saved != value:
+            flag = "--" + key.replace("_", "-")
+            why = ("step s trains on batch s of that run's data" if key in ("batch_size", "seed") else
+                   "the learning rate at each step follows from them")
+            raise ValueError(f"{manifest['directory']}: saved by a run with {flag} {saved}, this one has {value}; "
+                             f"resume with {flag} {saved} ({why})")
     if manifest["step"] >= run.steps:
         raise ValueError(f"{manifest['directory']} is at step {manifest['step']} and --steps is {run.steps}: nothing "
                          f"to train; pass --steps greater than {manifest['step']}")
@@ -125,7 +128,9 @@ def main(args) -> tuple[int, str]:
         if me.rank != 0:
             return 0, ""
     else:
-        with RankPool(world_size, timeout_s=args.timeout, backend=backend) as pool:
+        # CUDA cannot be used in a forked child once the parent asked torch.cuda anything: spawn for GPU runs.
+        with RankPool(world_size, timeout_s=args.timeout, backend=backend,
+                      start_method="spawn" if args.device == "cuda" else None) as pool:
             ranks = pool.run(train_on_rank, run)
     result = summary(run, ranks, world_size, backend)
     if args.plot:

@@ -84,8 +84,11 @@ class Run:
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
     def data(self) -> dict:
-        """What a checkpoint must agree with for step ``s`` to mean batch ``s`` again."""
-        return {"model": self.model, "seed": self.seed, "batch_size": self.batch_size}
+        """What a resumed run must agree with: for step ``s`` to mean batch ``s`` again, and the learning rate at
+        ``s`` to be the one the saved run would have used (a cosine schedule's length is ``--steps``)."""
+        kept = {"model": self.model, "seed": self.seed, "batch_size": self.batch_size, "lr": self.lr,
+                "schedule": self.schedule, "warmup": self.warmup}
+        return {**kept, "steps": self.steps} if self.schedule == "cosine" else kept
 
 
 def rank_sizes(batch_size: int, world_size: int) -> list[int]:
