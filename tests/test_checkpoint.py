@@ -279,3 +279,17 @@ def test_a_file_from_another_save_is_refused(pools, saved, tmp_path):
     step = "step-00000002/rank-00001-of-00002.pt"
     os.system(f"cp {tmp_path / 'b' / step} {tmp_path / 'a' / step}")
     assert "rank-00001-of-00002.pt: written by another save than the manifest's" in load_error(pools, exp, tmp_path / "a")
+
+
+def test_a_stage_without_its_optimizer_is_refused_before_anything_is_written(tmp_path):
+    """A checkpoint keeps the optimizer's state; a stage wrapped without one (its optimizer built afterwards
+    over stage.parameters()) cannot be saved or loaded -- and nothing is written or overwritten trying."""
+    from minizero.stages import Stage
+    stage = Stage(TASKS["mlp"].make_model(0, torch.float32))
+    before = {k: v.clone() for k, v in stage.module.state_dict().items()}
+    for attempt in (lambda: checkpoint.save(stage, tmp_path, 1), lambda: checkpoint.load(stage, tmp_path)):
+        with pytest.raises(CheckpointError, match="a checkpoint keeps the optimizer's state, and this stage was "
+                                                  "wrapped without one; pass your optimizer to make_stage"):
+            attempt()
+    assert list(tmp_path.iterdir()) == []
+    assert all(torch.equal(v, before[k]) for k, v in stage.module.state_dict().items())
