@@ -125,3 +125,17 @@ def test_a_checkpoint_this_run_cannot_continue_is_refused(capsys, first_run, arg
     _, _, root = first_run
     status, _, err = train(capsys, "--resume", str(root / "ck" / "step-00000002"), "--steps", "4", *args)
     assert status == 2 and message in err, err
+
+
+def test_more_nccl_ranks_than_gpus_is_refused(monkeypatch):
+    """On one node NCCL needs a GPU per rank (checked with torch.cuda pretending to see one GPU)."""
+    from types import SimpleNamespace
+
+    from minizero.lab.train_command import check_hardware
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="--world-size 4 with NCCL needs one GPU per rank, and this machine has 1"):
+        check_hardware(SimpleNamespace(device="cuda"), "nccl", 4)
+    with pytest.raises(ValueError, match="--backend nccl moves CUDA tensors only"):
+        check_hardware(SimpleNamespace(device="cpu"), "nccl", 1)
+    check_hardware(SimpleNamespace(device="cuda"), "gloo", 4)  # gloo ranks may share the GPU
