@@ -103,6 +103,29 @@ def collective(kind: str):
     return decorate
 
 
+def on_device(method):
+    """Under a collective's :func:`collective` wrapper, on every backend: NCCL moves CUDA tensors only, so the
+    small CPU tensors of the bookkeeping (a loss for the log, bitmaps, the overflow flag, signatures, a
+    checkpoint's barrier, consolidated states) travel through the rank's current device and back."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapper(self: "Comm", *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        on_cpu = [k for k in ("tensor", "input", "output") if k in bound.arguments
+                  and bound.arguments[k].device.type == "cpu"]
+        if not self._nccl or not on_cpu:
+            return method(*bound.args, **bound.kwargs)
+        originals = {k: bound.arguments[k] for k in on_cpu}
+        for k in on_cpu:
+            bound.arguments[k] = originals[k].to(torch.device("cuda", torch.cuda.current_device()))
+        method(*bound.args, **bound.kwargs)
+        for k in on_cpu:
+            originals[k].copy_(bound.arguments[k])
+
+    return wrapper
+
+
 def _tensors(arguments: dict) -> list[torch.Tensor]:
     """The tensors of one collective call, by the names every collective uses."""
     return [arguments[k] for k in ("tensor", "input", "output") if k in arguments]
@@ -124,6 +147,7 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self._nccl = dist.get_backend(group) == "nccl"  # see on_device
         self.check = check
         self.board = progress.installed()
         self._observers: list[Callable[[str, int], None]] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Comm, ReduceOp, chunk_bounds, collective
+from .base import Comm, ReduceOp, chunk_bounds, collective, on_device
 from .progress import ANYONE
 from .ring import broadcast_piece
 
@@ -84,52 +84,36 @@ class NativeComm(Comm):
             for message in messages:
                 self._leaving(message)
 
-    def _staged(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """NCCL moves CUDA tensors only: the small CPU tensors of the bookkeeping (bitmaps, the overflow
-        flag, signatures, consolidated states) travel through the current CUDA device; :meth:`_unstage`
-        copies results back."""
-        if dist.get_backend(self.group) == "nccl" and any(t.device.type == "cpu" for t in tensors):
-            return tuple(t.to(f"cuda:{torch.cuda.current_device()}") for t in tensors)
-        return tensors
-
-    @staticmethod
-    def _unstage(staged: torch.Tensor, original: torch.Tensor) -> None:
-        if staged is not original:
-            original.copy_(staged)
-
     @collective("all_reduce")
+    @on_device
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        (staged,) = self._staged(tensor)
         with self._in_torch():
-            dist.all_reduce(staged, op=_TORCH_OP[op], group=self.group)
-        self._unstage(staged, tensor)
+            dist.all_reduce(tensor, op=_TORCH_OP[op], group=self.group)
         self._report_modelled("all_reduce", tensor)
 
     @collective("reduce_scatter")
+    @on_device
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        staged_out, staged_in = self._staged(output, input)
         with self._in_torch():
-            _reduce_scatter_flat(staged_out, staged_in, op=_TORCH_OP[op], group=self.group)
-        self._unstage(staged_out, output)
+            _reduce_scatter_flat(output, input, op=_TORCH_OP[op], group=self.group)
         self._report_modelled("reduce_scatter", input)
 
     @collective("all_gather")
+    @on_device
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        staged_out, staged_in = self._staged(output, input)
         with self._in_torch():
-            _all_gather_flat(staged_out, staged_in, group=self.group)
-        self._unstage(staged_out, output)
+            _all_gather_flat(output, input, group=self.group)
         self._report_modelled("all_gather", output)
 
     @collective("broadcast")
+    @on_device
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        (staged,) = self._staged(tensor)
         with self._in_torch():
-            dist.broadcast(staged, self.peer(src), group=self.group)
-        self._unstage(staged, tensor)
+            dist.broadcast(tensor, self.peer(src), group=self.group)
         self._report_modelled("broadcast", tensor, src)
 
     @collective("root_all_reduce")
+    @on_device
     def root_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         with self._in_torch():
             dist.reduce(tensor, self.peer(0), op=dist.ReduceOp.MAX if op is ReduceOp.MAX else dist.ReduceOp.SUM,

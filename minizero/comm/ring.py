@@ -20,13 +20,10 @@ rank that waits for it (a deadlock with blocking ``send`` on both sides).
 """
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 import torch.distributed as dist
 
-from .base import Comm, ReduceOp, chunk_bounds, collective
+from .base import Comm, ReduceOp, chunk_bounds, collective, on_device
 from .progress import ANYONE
 
 
@@ -35,35 +32,12 @@ def broadcast_piece(element_size: int) -> int:
     return max(1, (1 << 20) // element_size)
 
 
-def _on_device(method):
-    """NCCL moves CUDA tensors only: the small CPU tensors of the bookkeeping (a loss for the log, a
-    checkpoint's barrier, consolidation's scalars) travel through the rank's current device and back."""
-    signature = inspect.signature(method)
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        on_cpu = [k for k in ("tensor", "input", "output") if k in bound.arguments
-                  and bound.arguments[k].device.type == "cpu"]
-        if not self._nccl or not on_cpu:
-            return method(*bound.args, **bound.kwargs)
-        originals = {k: bound.arguments[k] for k in on_cpu}
-        for k in on_cpu:
-            bound.arguments[k] = originals[k].to(torch.device("cuda", torch.cuda.current_device()))
-        method(*bound.args, **bound.kwargs)
-        for k in on_cpu:
-            originals[k].copy_(bound.arguments[k])
-
-    return wrapper
-
-
 class RingComm(Comm):
     name = "ring"
 
     def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False, network=None):
         super().__init__(group, check, network)
         self._scratch_buffers: dict[tuple, torch.Tensor] = {}
-        self._nccl = dist.get_backend(self.group) == "nccl"
         self._pair_steps = self._nccl  # each ring step's send and receive in one group (_paired)
 
     # ---------------------------------------------------------------- p2p
@@ -177,7 +151,7 @@ class RingComm(Comm):
 
     # -------------------------------------------------------- collectives
     @collective("all_reduce")
-    @_on_device
+    @on_device
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         chunks = self._chunks(tensor)
         mine = chunks[self.rank]
@@ -187,21 +161,21 @@ class RingComm(Comm):
         self._ring_all_gather(chunks)
 
     @collective("reduce_scatter")
-    @_on_device
+    @on_device
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         self._ring_reduce_scatter(self._chunks(input), output.view(-1), op)
         if op is ReduceOp.AVG:
             output.div_(self.world_size)
 
     @collective("all_gather")
-    @_on_device
+    @on_device
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         chunks = self._chunks(output)
         chunks[self.rank].copy_(input.view(-1))
         self._ring_all_gather(chunks)
 
     @collective("broadcast")
-    @_on_device
+    @on_device
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """A pipelined chain ``src -> src+1 -> ... -> src-1``: pieces are
         forwarded as soon as they arrive, so the chain costs about one tensor
@@ -227,7 +201,7 @@ class RingComm(Comm):
             self._report_sent(piece.numel() * piece.element_size())
 
     @collective("root_all_reduce")
-    @_on_device
+    @on_device
     def root_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         """The naive all-reduce, for contrast: everyone sends to rank 0, rank 0
         adds, then sends the result back to everyone.  The root sends
