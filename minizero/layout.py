@@ -144,7 +144,6 @@ class FlatGroup:
         unpack(full[: self.numel], out)
         return out
 
-
     def flatten(self, values: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The reverse of :meth:`unpack_full`: per-parameter values laid into one padded flat tensor."""
         full = torch.zeros(self.shard_size * self.world_size, dtype=dtype, device=self.shard.device)

@@ -131,7 +131,6 @@ class LossScaler:
                 self.scale *= 2.0
                 self.clean_steps = 0
 
-
     def state_dict(self) -> dict:
         """What a checkpoint keeps: the scale, and where the window and the count of skipped steps stand."""
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}

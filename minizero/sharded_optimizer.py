@@ -35,7 +35,7 @@ from .comm import Comm, ReduceOp, Tag
 from .layout import FlatGroup, build_groups
 from .parts import flat_range
 from .precision import MasterWeights
-from .rebuilt import follow, rebuild, settings
+from .rebuilt import follow, rebuild
 
 #: Optimizers whose update is element-wise, so a 1-D piece is as good as the parameter.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
@@ -122,13 +122,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The state_dict of a plain torch optimizer over the whole parameters; every rank gets it."""
         return full_state_dict(self.local, self.param_groups, self.groups, self.comm, self.stepped)
 
-
     def load_full_state_dict(self, saved: dict) -> None:
         """The reverse of :meth:`full_state_dict`: from a plain optimizer's state_dict over the whole
         parameters (any stage's, any world size's), keep each piece's range of each per-element state, and
         the user's hyper-parameters.  No communication: every rank reads what it owns."""
-        for group, kept in zip(self.param_groups, saved["param_groups"]):
-            group.update(settings(kept))
+        follow(self, saved["param_groups"])
         index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         self.local.state.clear()
         for group in self.groups:

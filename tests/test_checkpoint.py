@@ -297,3 +297,25 @@ def test_a_stage_without_its_optimizer_is_refused_before_anything_is_written(tmp
             attempt()
     assert list(tmp_path.iterdir()) == []
     assert all(torch.equal(v, before[k]) for k, v in stage.module.state_dict().items())
+
+
+def _lr_after_resume(me, exp, root):
+    """Save with the learning rate a scheduler left (0.25), load into a fresh stage built with 1e-3."""
+    stage, _, comm, _ = build(me, exp)
+    for group in stage.optimizer.param_groups:
+        group["lr"] = 0.25
+    checkpoint.save(stage, root, 1)
+    comm.close()
+    fresh, _, comm, _ = build(me, exp)
+    checkpoint.load(fresh, root)
+    comm.close()
+    return [group["lr"] for group in fresh.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("stage, precision", [("ddp", "fp32"), ("ddp", "bf16"), ("zero2", "fp32"), ("zero3", "bf16")])
+def test_the_optimizers_hyper_parameters_come_back(pools, tmp_path, stage, precision):
+    """What a scheduler changed is part of the state: every path -- the plain optimizer, the one rebuilt over
+    fp32 masters, ZeRO's sharded one -- takes the saved settings, not the fresh optimizer's."""
+    exp = Experiment(stage=stage, dtype="float32", optimizer="adamw", lr=1e-3, model=SMALL_GPT,
+                     options={"precision": precision})
+    assert pools.run(2, _lr_after_resume, exp, str(tmp_path)) == [[0.25], [0.25]]

@@ -48,21 +48,22 @@ def test_a_run_reports_progress_and_measurements_beside_the_formulas(first_run):
     assert sorted(p.name for p in (root / "ck").iterdir()) == ["latest", "step-00000002", "step-00000004"]
 
 
+def resume_at_step_2(capsys, root, stage: str, world_size: int) -> dict:
+    status, out, err = train(capsys, "--stage", stage, "--world-size", str(world_size), "--steps", "4",
+                             "--resume", str(root / "ck" / "step-00000002"), "--json")
+    assert status == 0, err
+    return json.loads(out)
+
+
 def test_resume_in_place_repeats_the_run_exactly(capsys, first_run):
     summary, _, root = first_run
-    status, out, _ = train(capsys, "--stage", "zero2", "--world-size", "2", "--steps", "4",
-                           "--resume", str(root / "ck" / "step-00000002"), "--json")
-    assert status == 0
-    resumed = json.loads(out)
+    resumed = resume_at_step_2(capsys, root, "zero2", 2)
     assert resumed["steps"] == [2, 4] and resumed["losses"] == summary["losses"]  # bit for bit, history included
 
 
 def test_resume_on_three_ranks_by_another_stage_continues_the_run(capsys, first_run):
     summary, _, root = first_run
-    status, out, _ = train(capsys, "--stage", "zero3", "--world-size", "3", "--steps", "4",
-                           "--resume", str(root / "ck" / "step-00000002"), "--json")
-    assert status == 0
-    resumed = json.loads(out)
+    resumed = resume_at_step_2(capsys, root, "zero3", 3)
     for a, b in zip(resumed["losses"][2:], summary["losses"][2:]):
         assert abs(a - b) <= 1e-5 * abs(b)  # float32, another summation order
 

@@ -14,7 +14,7 @@ import torch
 
 from ..parts import Part, flat_range
 from ..precision import in_users_order
-from ..rebuilt import settings
+from ..rebuilt import follow, settings
 
 
 class StateDicts:
@@ -100,8 +100,7 @@ class StateDicts:
             optimizer.load_state_dict(saved)
             return
         # The rebuilt optimizer steps the masters, one group per user group: re-index the saved state by them.
-        for group, kept in zip(optimizer.param_groups, saved["param_groups"]):
-            group.update(settings(kept))
+        follow(optimizer, saved["param_groups"])
         order = [p for group in optimizer.param_groups for p in group["params"]]
         position = {id(self.master.master_of(p)): i for i, p in enumerate(order) if p.requires_grad}
         masters = [m for group in self.master_optimizer.param_groups for m in group["params"]]

@@ -195,7 +195,8 @@ class ZeRO(Synchronised):
         return self._require_optimizer("full_optimizer_state_dict").full_state_dict()
 
     def shard_optimizer_state_dict(self) -> dict:
-        """This rank's pieces only: what a sharded checkpoint stores per rank."""
+        """This rank's local optimizer's state_dict, over its pieces (ZeroRedundancyOptimizer's local state);
+        a checkpoint stores :meth:`owned_parts`, which any stage at any N can read."""
         return self._require_optimizer("shard_optimizer_state_dict").state_dict()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -202,11 +202,6 @@ class ZeRO3(ZeRO):
             self._observers = observers
         return self._with_masters(state, self._master_values() if self.master else {})
 
-    def sharded_state_dict(self) -> dict:
-        """This rank's parameter shards, by group: what a sharded checkpoint stores per rank."""
-        return {f"group{g}:" + ",".join(s.name for s in group.segments): group.shard.detach().clone()
-                for g, group in enumerate(self.groups)}
-
     # ------------------------------------------------------------------ facts
     @classmethod
     def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, reshard_after_forward: bool = True,
