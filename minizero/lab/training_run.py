@@ -22,10 +22,9 @@ import torch
 
 from .. import checkpoint
 from ..comm import Ledger, Tag, make_comm
-from ..compress import check_compress
 from ..memory import GatheredMemory, held_bytes
-from ..precision import Precision
 from ..train import shard_step, train_step
+from .experiment import Experiment, precision_of, wire_bytes
 from .models import GPT_SIZES, count_params
 from .optimizers import STATE_TENSORS, make_optimizer
 from .registry import build_stage, stage_class
@@ -174,10 +173,9 @@ def summary(run: Run, ranks: list[dict], world_size: int, backend: str) -> dict:
     cls, options = stage_class(run.stage), dict(run.options)
     first, psi = ranks[0], ranks[0]["psi"]
     steps = len(first["step_s"])
-    precision = Precision.of(options.get("precision"))
-    wire = check_compress(options.get("compress"))
-    grad_bytes = torch.empty(0, dtype=wire).element_size() if wire else precision.reduce_bytes(4)
-    formula_bytes = cls.sent_bytes_per_step(psi, world_size, grad_bytes, precision.working_bytes(4), **options)
+    exp = Experiment(dtype="float32", options=options)  # the lab's one definition of the bytes per element
+    precision = precision_of(exp)
+    formula_bytes = cls.sent_bytes_per_step(psi, world_size, wire_bytes(exp), precision.working_bytes(4), **options)
     median = statistics.median(max(r["step_s"][i] for r in ranks) for i in range(steps)) if steps else math.nan
     state_formula = cls.state_bytes(psi, world_size, 4, STATE_TENSORS["adamw"], **options)
     return {"stage": run.stage, "world_size": world_size, "backend": backend, "device": run.device,
