@@ -111,10 +111,12 @@ def on_device(method):
 
     @functools.wraps(method)
     def wrapper(self: "Comm", *args, **kwargs):
+        if not self._nccl:  # gloo takes any tensor: nothing to look at on the way
+            return method(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         on_cpu = [k for k in ("tensor", "input", "output") if k in bound.arguments
                   and bound.arguments[k].device.type == "cpu"]
-        if not self._nccl or not on_cpu:
+        if not on_cpu:
             return method(*bound.args, **bound.kwargs)
         originals = {k: bound.arguments[k] for k in on_cpu}
         for k in on_cpu:
