@@ -111,11 +111,15 @@ class Wire:
         self._from_wire(wire, flat, names, key)
 
     def reduce_scatter_mean(self, full: torch.Tensor, shard: torch.Tensor, key=None, names: list[str] | None = None,
-                            tag: Tag | None = None) -> None:
-        """Reduce-scatter: ``shard`` gets this rank's slice of the mean of ``full`` (ZeRO)."""
+                            tag: Tag | None = None, servers: int | None = None) -> None:
+        """Reduce-scatter: ``shard`` gets this rank's slice of the mean of ``full`` (ZeRO); with ``servers``,
+        a push to the parameter servers (:mod:`minizero.comm.star`), whose workers' shards are empty."""
         wire = self._to_wire(full, key)
         wire_shard = torch.empty(shard.numel(), dtype=self.wire_dtype, device=shard.device)
-        self.comm.reduce_scatter(wire_shard, wire, ReduceOp.SUM, tag=tag)
+        if servers is None:
+            self.comm.reduce_scatter(wire_shard, wire, ReduceOp.SUM, tag=tag)
+        else:
+            self.comm.push(wire_shard, wire, servers, ReduceOp.SUM, tag=tag)
         self._from_wire(wire_shard, shard, names, key)
 
     def _to_wire(self, flat: torch.Tensor, key) -> torch.Tensor:
@@ -172,9 +176,12 @@ def all_reduce_mean(comm: Comm, wire: Wire | None, flat: torch.Tensor, key=None,
 
 
 def reduce_scatter_mean(comm: Comm, wire: Wire | None, full: torch.Tensor, shard: torch.Tensor, key=None, names=None,
-                        tag=None) -> None:
-    """``shard`` = this rank's slice of the mean of ``full`` over ranks: over the wire if there is one."""
-    if wire is None:
+                        tag=None, servers: int | None = None) -> None:
+    """``shard`` = this rank's slice of the mean of ``full`` over ranks: over the wire if there is one.
+    With ``servers``: the slices go to the parameter servers by a push instead of a reduce-scatter."""
+    if wire is not None:
+        wire.reduce_scatter_mean(full, shard, key, names, tag, servers)
+    elif servers is None:
         comm.reduce_scatter(shard, full, ReduceOp.AVG, tag=tag)  # SUM, then divide by N
     else:
-        wire.reduce_scatter_mean(full, shard, key, names, tag)
+        comm.push(shard, full, servers, ReduceOp.AVG, tag=tag)

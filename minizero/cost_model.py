@@ -51,6 +51,22 @@ def root_all_reduce_s(nbytes: float, world_size: int, network: Network) -> float
     return network.alpha + n * nbytes / network.bandwidth + n * network.message_s(nbytes) if n else 0.0
 
 
+def push_s(nbytes: float, world_size: int, servers: int, network: Network) -> float:
+    """The parameter server's push (:mod:`minizero.comm.star`): each server takes ``N-1`` slices of ``S``
+    bytes``/servers`` in through one port (their latencies overlap), while a worker sends one slice to
+    each server in turn; the step waits for the slower."""
+    n, piece = world_size - 1, nbytes / servers
+    if not n:
+        return 0.0
+    sends = servers if servers < world_size else n  # a pure worker's messages, or a server's (its own stays)
+    return max(network.alpha + n * piece / network.bandwidth, sends * network.message_s(piece))
+
+
+def pull_s(nbytes: float, world_size: int, servers: int, network: Network) -> float:
+    """The pull: each server sends its slice to the ``N-1`` other ranks, one message after another."""
+    return (world_size - 1) * network.message_s(nbytes / servers)
+
+
 def tree_latency_s(kind: str, world_size: int, network: Network) -> float:
     """A binary tree's latency for the same collective, for contrast: up and down, ``log2 N`` hops each."""
     return RING_STEPS[kind] * (world_size - 1).bit_length() * network.alpha
@@ -145,6 +161,14 @@ class Schedule:
         key = ("blocking", len(self._ends))
         self.launch(key, kind, numel, element_bytes)
         self.wait(key)
+
+    def blocking_s(self, seconds: float, latency_s: float) -> None:
+        """A blocking exchange whose time the stage models itself (the parameter server's push and pull)."""
+        self.wait_all()
+        self.t = self._free = self.t + seconds
+        self.comm_s += seconds
+        self.latency_s += latency_s
+        self.tree_latency_s += latency_s
 
     def wait_all(self) -> None:
         self.t = max(self.t, self._free)

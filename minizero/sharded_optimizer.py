@@ -235,6 +235,8 @@ def _gather_element_state(sharded, group: FlatGroup, key: str, dtype: torch.dtyp
         piece_state = sharded.state.get(stepped(piece))
         if piece_state and key in piece_state:
             mine[piece.offset:piece.offset + piece.stop - piece.start] = piece_state[key]
-    full = mine.new_empty(group.shard_size * group.world_size)
+    # Every rank sends a shard, even one that owns none (a parameter server's worker): its zeros land past
+    # the group's end, in slots no segment reads.
+    full = mine.new_empty(group.shard_size * comm.world_size)
     comm.all_gather(full, mine, tag=tag)
-    return full
+    return full[:group.shard_size * group.world_size]

@@ -242,14 +242,26 @@ class Comm:
         if op is not None and not (tensors[0].is_floating_point() or op is not ReduceOp.AVG and tensors[0].dtype != torch.bool):
             raise TypeError(f"{where}: {op.name} of {tensors[0].dtype} is not defined; reduce a floating-point tensor")
         if "output" in arguments:
-            self._check_shards(arguments["output"], arguments["input"], kind, where)
+            self._check_shards(arguments["output"], arguments["input"], kind, where, arguments.get("servers"))
         return Call(self._calls, kind, max(t.numel() for t in tensors), tensors[0].dtype,
                     op.value if op is not None else f"from rank {arguments['src']}" if "src" in arguments else "", tag)
 
-    def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str) -> None:
-        full, shard = (input, output) if kind == "reduce_scatter" else (output, input)
+    def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str,
+                      servers: int | None = None) -> None:
+        full, shard = (input, output) if kind in ("reduce_scatter", "push") else (output, input)
         if output.dtype != input.dtype:
             raise TypeError(f"{where}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        if servers is not None:  # the parameter server's push and pull (.star): S slices, workers own none
+            if not (isinstance(servers, int) and 1 <= servers <= self.world_size):
+                raise ValueError(f"{where}: servers must be a whole number from 1 to world_size "
+                                 f"{self.world_size}, got {servers!r}")
+            slice_size = full.numel() // servers if self.rank < servers else 0
+            if full.numel() % servers or shard.numel() != slice_size:
+                raise ValueError(
+                    f"{where}: the full tensor must hold servers x slice elements ({servers} servers; a worker's "
+                    f"slice is empty), got {full.numel()} and {shard.numel()}; pad it to a multiple of servers "
+                    f"(see minizero.layout)")
+            return
         if full.numel() != shard.numel() * self.world_size:
             raise ValueError(
                 f"{where}: the full tensor must hold world_size x shard elements, got {full.numel()} and "

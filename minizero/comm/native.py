@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .base import Comm, ReduceOp, chunk_bounds, collective, on_device
 from .progress import ANYONE
 from .ring import broadcast_piece
+from .star import StarExchanges
 
 
 def ring_messages(kind: str, numel: int, element_size: int, world_size: int, rank: int, src: int = 0) -> list[int]:
@@ -48,7 +49,7 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class NativeComm(Comm):
+class NativeComm(StarExchanges, Comm):
     name = "native"
 
     def _in_torch(self):

@@ -36,7 +36,7 @@ FIELDS = ("state", "seq", "kind", "numel", "part", "step", "waiting_on", "entere
           "tag_step", "tag_backward", "tag_syncing", "collectives")
 TEXT = 120
 PARTS = ("fingerprint exchange", "reduce-scatter", "all-gather", "broadcast", "gather to root",
-         "broadcast from root", "torch collective", "")
+         "broadcast from root", "torch collective", "push to servers", "pull from servers", "")
 _F = {name: i for i, name in enumerate(FIELDS)}
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .base import Comm, ReduceOp, chunk_bounds, collective, on_device
 from .progress import ANYONE
+from .star import StarExchanges
 
 
 def broadcast_piece(element_size: int) -> int:
@@ -32,7 +33,7 @@ def broadcast_piece(element_size: int) -> int:
     return max(1, (1 << 20) // element_size)
 
 
-class RingComm(Comm):
+class RingComm(StarExchanges, Comm):
     name = "ring"
 
     def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False, network=None):

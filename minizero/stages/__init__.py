@@ -15,6 +15,7 @@ from .ddp import DDP
 from .ddp_bucketed import BucketedDDP
 from .facts import Reduction, Shards
 from .protocol import DataParallel
+from .ps import ParameterServer
 from .synchronised import Synchronised
 from .wrap import broadcast_module, check_same_model
 from .zero import ZeRO
@@ -28,7 +29,7 @@ def registry(*stages: type[Stage]) -> dict[str, type[Stage]]:
     return {stage.name: stage for stage in stages}
 
 
-STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3)
+STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, ParameterServer)
 REFERENCE = Stage.name  # single-device training: what every stage is compared with
 DEFAULT_STAGE = DDP.name  # what a command runs when no stage is named
 
@@ -69,6 +70,6 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | 
     return Stage(module, optimizer, **options) if cls is Stage else cls(module, optimizer, comm, **options)
 
 
-__all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "BucketedDDP", "DDP", "DataParallel", "Reduction", "Shards", "Stage",
-           "Synchronised", "ZeRO", "ZeRO1", "ZeRO2", "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names",
-           "distributed", "make_stage", "registry", "with_stages"]
+__all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "BucketedDDP", "DDP", "DataParallel", "ParameterServer", "Reduction",
+           "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2", "ZeRO3", "broadcast_module", "check_same_model",
+           "check_stage_names", "distributed", "make_stage", "registry", "with_stages"]

@@ -94,7 +94,7 @@ class ZeRO(Synchronised):
         values = {}
         for g, group in enumerate(self.groups):
             full = group.master.new_empty(group.shard_size * group.world_size)
-            self.comm.all_gather(full, group.master, tag=self.tag(f"group {g} masters"))
+            self.gather(full, group.master, tag=self.tag(f"group {g} masters"))
             for segment, value in zip(group.segments, group.unpack_full(full)):
                 values[id(segment.param)] = value
         return values
@@ -157,9 +157,12 @@ class ZeRO(Synchronised):
         """All-gather every group's updated shard: stages that keep full parameters (ZeRO-1, -2)."""
         for g, group in enumerate(self.groups):
             if any(id(s.param) in self._has_grad for s in group.segments):
-                self.comm.all_gather(group.data, group.shard.detach().clone(),
-                                     tag=self.tag(f"group {g} parameters after step"))
+                self.gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
         self._shared_versions = [group.data._version for group in self.groups]
+
+    def gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:
+        """Every rank's ``full`` from the owners' shards: an all-gather (a parameter server pulls instead)."""
+        self.comm.all_gather(full, shard, tag=tag)
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         for piece in self.pieces():

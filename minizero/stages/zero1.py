@@ -53,7 +53,7 @@ class ZeRO1(ZeRO):
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
                  precision: str | Precision = "fp32"):
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
-        self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names()))
+        self.shard(self.layout())
         # ZeRO-1 keeps full gradients, one flat buffer per group; each .grad is a view into it.
         self.grad_buffers = [torch.zeros_like(g.data) for g in self.groups]
         self._slot = {id(s.param): (g, s) for g, group in enumerate(self.groups) for s in group.segments}
@@ -62,6 +62,10 @@ class ZeRO1(ZeRO):
         for group in self.groups:
             for s in group.segments:
                 s.param.register_post_accumulate_grad_hook(self._on_gradient_ready)
+
+    def layout(self) -> list:
+        """The flat groups, sharded over the N ranks (a parameter server shards them over its S servers)."""
+        return build_groups(self.param_groups(), self.rank, self.world_size, self.names())
 
     # ------------------------------------------------------------ backward
     def forward(self, *args, **kwargs):
@@ -97,8 +101,7 @@ class ZeRO1(ZeRO):
             self._used.clear()
         for index, (group, buffer) in enumerate(zip(self.groups, self.grad_buffers)):
             owned = group.shard_of(buffer)
-            reduce_scatter_mean(self.comm, self.wire, buffer, owned, index, [s.name for s in group.segments],
-                                tag=self.tag(f"group {index} gradients"))
+            self.reduce(buffer, owned, index, [s.name for s in group.segments], tag=self.tag(f"group {index} gradients"))
             lo, hi = group.rank * group.shard_size, (group.rank + 1) * group.shard_size
             buffer[:lo].zero_()  # the other ranks' slices: they averaged them; what accumulates next is new
             buffer[hi:].zero_()
@@ -110,6 +113,11 @@ class ZeRO1(ZeRO):
                 elif id(piece.segment.param) in used:
                     piece.param.grad = view
         self._window_open = False
+
+    def reduce(self, buffer: torch.Tensor, owned: torch.Tensor, index: int, names: list[str], tag) -> None:
+        """``owned`` gets this rank's slice of the mean of ``buffer``: a reduce-scatter (a parameter server
+        pushes instead)."""
+        reduce_scatter_mean(self.comm, self.wire, buffer, owned, index, names, tag=tag)
 
     # ------------------------------------------------------------ optimizer
     def _step(self) -> None:

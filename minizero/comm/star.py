@@ -1,0 +1,103 @@
+"""The parameter server's two exchanges, built from point-to-point messages: **push** and **pull**.
+
+A flat tensor is cut into ``S`` equal slices; slice ``j`` belongs to *server*
+``j`` (ranks ``0 .. S-1``).  Every rank is also a *worker* -- servers are
+co-located with workers, as in MXNet's and BytePS's deployments -- so the
+global batch is the same as every other stage's.
+
+* **push**: every rank sends slice ``j`` of its gradients to server ``j``;
+  server ``j`` adds the ``N`` contributions.  A star, not a ring: each
+  message goes straight to its owner.
+* **pull**: server ``j`` sends its slice to every other rank.
+
+Bytes.  A worker sends ``Psi`` (push) and nothing else; a server sends
+``(S-1)/S * Psi`` (push) and ``(N-1)/S * Psi`` (pull).  Summed over ranks that
+is ``2(N-1) Psi``, exactly a ring all-reduce's: a parameter server moves no
+more bytes than DDP.  What differs is *where* they go: with ``S = 1`` the
+server sends ``(N-1) Psi``, growing with ``N`` -- the bottleneck the ring
+all-reduce was invented to remove -- and with ``S = N`` every rank sends
+``2(N-1)/N Psi``, the ring's figure (it *is* a reduce-scatter and an
+all-gather, done with direct messages instead of a ring).
+
+The server adds the contributions in the ring's order -- slice ``j`` starts
+with rank ``j+1``'s and ends with its own -- so 16-bit sums round exactly as
+a reduce-scatter's do, and the same-casts reference
+(:mod:`minizero.lab.casts_reference`) serves both.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .base import ReduceOp, collective, on_device
+
+
+class StarExchanges:
+    """Push and pull, for every :class:`~minizero.comm.base.Comm` (both backends: a parameter server is
+    point-to-point by definition, so ``native`` runs the same messages as ``ring``)."""
+
+    @collective("push")
+    @on_device
+    def push(self, output: torch.Tensor, input: torch.Tensor, servers: int, op: ReduceOp = ReduceOp.SUM) -> None:
+        """``input``: this rank's full flat tensor (``S`` slices).  On server ``j``, ``output`` (its slice's
+        size; it may view ``input``) gets slice ``j`` reduced over every rank; on a worker it is empty."""
+        size, n = input.numel() // servers, self.world_size
+        own = input[self.rank * size:(self.rank + 1) * size].clone() if self.rank < servers else None
+        sends = [(input[j * size:(j + 1) * size], j) for j in range(servers) if j != self.rank]
+        order = [(self.rank + k) % n for k in range(1, n)]  # the ring's order: rank j+1 first, our own last
+        received = [torch.empty_like(own) for _ in order] if own is not None else []
+        self._at("push to servers")
+        self._exchange(sends, list(zip(received, order)))
+        if own is None:
+            return
+        for i, contribution in enumerate(received + [own]):
+            if i == 0:
+                output.copy_(contribution)
+            else:
+                op.combine(output, contribution, out=output)
+        if op is ReduceOp.AVG:
+            output.div_(n)
+
+    @collective("pull")
+    @on_device
+    def pull(self, output: torch.Tensor, input: torch.Tensor, servers: int,
+             stale: list[torch.Tensor] | None = None) -> None:
+        """``output``: the full flat tensor every rank fills from the servers' slices; ``input``: this
+        server's slice (empty on a worker).  ``stale`` (``ps-async``): per destination rank, the slice to
+        send it instead -- an older version of ``input``."""
+        size = output.numel() // servers
+        sends = []
+        if self.rank < servers:
+            outgoing = stale if stale is not None else [input] * self.world_size
+            output[self.rank * size:(self.rank + 1) * size].copy_(outgoing[self.rank])
+            sends = [(outgoing[dst].contiguous(), dst) for dst in range(self.world_size) if dst != self.rank]
+        recvs = [(output[j * size:(j + 1) * size], j) for j in range(servers) if j != self.rank]
+        self._at("pull from servers")
+        self._exchange(sends, recvs)
+
+    def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+        """Post every send, then take the receives in order.  Under NCCL all of them go in one group
+        (``batch_isend_irecv``), which NCCL needs to pair sends and receives issued in different orders."""
+        sends = [(t, dst) for t, dst in sends if t.numel() > 0]
+        recvs = [(t, src) for t, src in recvs if t.numel() > 0]
+        for tensor, _ in sends:  # a dialled wire holds each message before it leaves: the sender's port
+            self._leaving(tensor.numel() * tensor.element_size())
+        if self._nccl:
+            ops = [dist.P2POp(dist.isend, t, self.peer(dst), group=self.group) for t, dst in sends]
+            ops += [dist.P2POp(dist.irecv, t, self.peer(src), group=self.group) for t, src in recvs]
+            requests = dist.batch_isend_irecv(ops) if ops else []
+            for request, (tensor, src) in zip(requests[len(sends):], recvs):
+                with self.board.waiting_for(self.peer(src)):
+                    request.wait()
+                self._arrived(tensor.numel() * tensor.element_size())
+            requests = list(zip(requests[:len(sends)], sends))
+        else:
+            requests = [(dist.isend(t, self.peer(dst), group=self.group), (t, dst)) for t, dst in sends]
+            for tensor, src in recvs:  # one at a time, through one port: a server's incast
+                with self.board.waiting_for(self.peer(src)):
+                    dist.recv(tensor, self.peer(src), group=self.group)
+                self._arrived(tensor.numel() * tensor.element_size())
+        for request, (tensor, dst) in requests:
+            with self.board.waiting_for(self.peer(dst)):
+                request.wait()
+            self._report_sent(tensor.numel() * tensor.element_size())
