@@ -181,12 +181,13 @@ def plan_groups(param_groups: list[list[nn.Parameter]], max_numel: int | None = 
 
 
 def build_groups(param_groups: list[dict], rank: int, world_size: int, names: dict[int, str] | None = None,
-                 max_numel: int | None = None) -> list[FlatGroup]:
+                 max_numel: int | None = None, group_class: type | None = None) -> list[FlatGroup]:
     """The flat groups of an optimizer's ``param_groups`` (see :func:`plan_groups`); ``names`` maps
     ``id(param)`` to its name in the model, for error messages and state dicts."""
     names = names or {}
     plan = plan_groups([g["params"] for g in param_groups], max_numel)
-    return [FlatGroup([(names.get(id(p), f"param {i}"), p) for i, p in enumerate(piece)], rank, world_size, index)
+    return [(group_class or FlatGroup)([(names.get(id(p), f"param {i}"), p) for i, p in enumerate(piece)], rank,
+                                       world_size, index)
             for index, piece in plan]
 
 

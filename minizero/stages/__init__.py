@@ -14,8 +14,10 @@ from .base import Stage
 from .ddp import DDP
 from .ddp_bucketed import BucketedDDP
 from .facts import Reduction, Shards
+from .local_sgd import LocalSGD
 from .protocol import DataParallel
 from .ps import ParameterServer
+from .ps_async import AsyncParameterServer
 from .synchronised import Synchronised
 from .wrap import broadcast_module, check_same_model
 from .zero import ZeRO
@@ -29,7 +31,8 @@ def registry(*stages: type[Stage]) -> dict[str, type[Stage]]:
     return {stage.name: stage for stage in stages}
 
 
-STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, ParameterServer)
+STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, ParameterServer,
+                                             AsyncParameterServer, LocalSGD)
 REFERENCE = Stage.name  # single-device training: what every stage is compared with
 DEFAULT_STAGE = DDP.name  # what a command runs when no stage is named
 
@@ -70,6 +73,7 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | 
     return Stage(module, optimizer, **options) if cls is Stage else cls(module, optimizer, comm, **options)
 
 
-__all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "BucketedDDP", "DDP", "DataParallel", "ParameterServer", "Reduction",
-           "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2", "ZeRO3", "broadcast_module", "check_same_model",
-           "check_stage_names", "distributed", "make_stage", "registry", "with_stages"]
+__all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "AsyncParameterServer", "BucketedDDP", "DDP", "DataParallel",
+           "LocalSGD", "ParameterServer", "Reduction", "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2",
+           "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "distributed", "make_stage",
+           "registry", "with_stages"]

@@ -38,6 +38,9 @@ class Stage(StateDicts, nn.Module):
 
     name = "reference"
     shards = Shards()  # nothing divided: every rank (here, the only one) holds everything
+    #: Takes the same step as single-device training.  False for the designs the lessons set beside DDP
+    #: and ZeRO to show what breaks it (stale gradients, local steps): compare measures how far they go.
+    equivalent = True
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  precision: str | Precision = "fp32"):
@@ -144,6 +147,12 @@ class Stage(StateDicts, nn.Module):
     def sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int, **options) -> float:
         """Bytes each rank sends per optimizer step (Psi parameters, b bytes per element on the wire)."""
         return 0.0
+
+    @classmethod
+    def busiest_sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int,
+                                    **options) -> float:
+        """Bytes the busiest rank sends per step: every rank's share alike, but for a parameter server."""
+        return cls.sent_bytes_per_step(psi, world_size, grad_bytes, param_bytes, **options)
 
     @classmethod
     def state_terms(cls, element_size: int, state_tensors: int, precision=None) -> tuple[int, int]:

@@ -21,6 +21,10 @@ class StateDicts:
     """Mixed into :class:`~minizero.stages.base.Stage`: its ``module``, ``optimizer``, ``master`` (mixed
     precision), ``master_optimizer`` and ``_frozen`` are what is read and written."""
 
+    def check_checkpointable(self) -> None:
+        """Raise if this stage's state is not what one device would hold (a stage whose ranks hold
+        different models says why); every stage that takes the same step as single-device training is."""
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped model's state_dict, every value whole (ZeRO-3 gathers it); every rank gets it.
         Under mixed precision the parameters are the fp32 masters -- the weights; the 16-bit copy is a cast."""

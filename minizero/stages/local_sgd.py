@@ -1,0 +1,130 @@
+"""Stage ``local-sgd``: every rank trains alone, and the ranks average their parameters every H steps.
+
+DDP averages *gradients* every step, so the replicas never differ.  Local SGD
+(Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019; the
+"parameter averaging" of the older literature) lets each rank step its own
+replica on its own data for ``H`` steps, then averages the *parameters*:
+``H`` times fewer bytes, at the price of replicas that drift apart in between.
+
+When is it single-device training?  With ``H = 1`` and plain SGD:
+``mean_r(p - lr g_r) = p - lr mean_r(g_r)`` -- DDP's step (tested, to 1e-9).
+Anything else breaks it: with ``H > 1`` each rank's later gradients are
+taken at its own parameters, and with momentum or Adam each rank's state
+sees only its own gradients (those states are never averaged here, as in
+DiLoCo).  ``compare`` measures how far a run goes; lesson 11 plots it
+against ``H``.
+
+**DiLoCo** (Douillard et al., arXiv:2311.08105) adds an *outer optimizer*:
+the averaged change ``anchor - mean_r(p_r)`` is treated as a gradient of the
+parameters at the last average (the anchor), and stepped by Nesterov SGD --
+the paper's outer learning rate 0.7, momentum 0.9.  ``outer_lr=1`` with
+``outer_momentum=0`` is plain averaging again.
+
+Bytes: one all-reduce of the parameters every ``H`` steps,
+``2(N-1)/N Psi b / H`` per step.  Memory: DDP's, plus the anchor and the
+outer momentum with DiLoCo.  Checkpoints are refused: between averages the
+ranks hold different models, and their optimizer states always differ.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import Comm, ReduceOp
+from ..cost_model import ring_latency_s, ring_s
+from ..flat import group_by_dtype, pack, unpack
+from ..formulas import all_reduce_bytes
+from .synchronised import Synchronised
+from .wrap import broadcast_module, check_same_model
+
+
+class LocalSGD(Synchronised):
+    name = "local-sgd"
+    equivalent = False  # local steps: by design not single-device training, except H = 1 with plain SGD
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
+                 average_every: int = 4, outer_lr: float | None = None, outer_momentum: float = 0.9):
+        super().__init__(module, optimizer, comm)
+        if optimizer is None:
+            raise ValueError(f"rank {self.rank}: stage {self.name!r} averages the parameters after every "
+                             f"{average_every} optimizer steps, so it must own the optimizer: pass yours to "
+                             f"make_stage(name, model, optimizer, comm)")
+        if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 1:
+            raise ValueError(f"rank {self.rank}: stage {self.name!r} takes average_every as a whole number of "
+                             f"steps >= 1 (1 averages every step), got {average_every!r}")
+        if outer_lr is not None and not (outer_lr > 0 and 0 <= outer_momentum < 1):
+            raise ValueError(f"rank {self.rank}: stage {self.name!r}: the outer optimizer needs outer_lr > 0 and "
+                             f"0 <= outer_momentum < 1, got {outer_lr!r} and {outer_momentum!r}")
+        self.average_every = average_every
+        check_same_model(module, comm)
+        broadcast_module(module, comm)
+        self.outer = None  # DiLoCo: Nesterov SGD over the anchor -- the parameters at the last average
+        if outer_lr is not None:
+            self.anchor = [nn.Parameter(p.detach().clone()) for _, p in self.trainable()]
+            self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
+                                         nesterov=outer_momentum > 0)
+
+    def sync_gradients(self) -> None:
+        """Nothing to synchronise after backward: each rank steps on its own gradient."""
+
+    def _step(self) -> None:
+        self._update()  # this rank's own step, on its own gradient
+        if (self.steps_taken + 1) % self.average_every == 0:
+            self.average()
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Every replica becomes the mean of all of them -- or, with DiLoCo, the anchor stepped by that mean."""
+        params = [p for _, p in self.trainable()]
+        tag = self.tag("parameters, averaged")
+        for dtype, group in group_by_dtype(params).items():
+            flat = pack([p.detach() for p in group])
+            self.comm.all_reduce(flat, ReduceOp.AVG, tag=tag)
+            unpack(flat, group)
+        if self.outer is not None:
+            for anchor, p in zip(self.anchor, params):
+                anchor.grad = anchor.detach() - p  # the outer gradient: how far the average moved, reversed
+            self.outer.step()
+            for anchor, p in zip(self.anchor, params):
+                p.copy_(anchor)
+
+    def check_checkpointable(self) -> None:
+        raise ValueError(
+            f"rank {self.rank}: stage {self.name!r} cannot be checkpointed: between averages the ranks hold different "
+            f"models, and their optimizer states always differ, which no single-device state describes. Train it "
+            f"without --save.")
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held = super().held_tensors()
+        held["outer"] = [] if self.outer is None else self.anchor + [
+            t for state in self.outer.state.values() for t in state.values() if torch.is_tensor(t)]
+        return held
+
+    # ------------------------------------------------------------------ facts
+    @classmethod
+    def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, average_every: int = 4,
+                            **options) -> float:
+        """One all-reduce of the parameters every H steps (exact over a multiple of H steps)."""
+        return all_reduce_bytes(psi * param_bytes, world_size) / average_every
+
+    @classmethod
+    def state_bytes(cls, psi, world_size, element_size, state_tensors, precision=None, outer_lr=None,
+                    **options) -> float:
+        """DDP's, plus the anchor and the outer momentum with DiLoCo."""
+        return super().state_bytes(psi, world_size, element_size, state_tensors) + (
+            2 * element_size * psi if outer_lr is not None else 0)
+
+    @classmethod
+    def state_formula(cls, element_size, state_tensors, precision=None, outer_lr=None, **options) -> str:
+        base = super().state_formula(element_size, state_tensors)
+        return base if outer_lr is None else f"{base} + {2 * element_size}Ψ (outer)"
+
+    @classmethod
+    def schedule(cls, s, average_every: int = 4, **options) -> None:
+        """Local steps; the all-reduce of the parameters, once every H steps, charged as 1/H per step."""
+        plan = s.plan
+        s.forward()
+        s.backward()
+        s.optimizer_step()
+        s.blocking_s(ring_s("all_reduce", plan.psi * plan.param_bytes, plan.world_size, plan.network) / average_every,
+                     ring_latency_s("all_reduce", plan.world_size, plan.network) / average_every)
