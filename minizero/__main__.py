@@ -19,6 +19,7 @@ from .lab.memory_table import MODELS as MEMORY_MODELS
 from .lab.optimizers import OPTIMIZERS
 from .lab.registry import LAB_STAGES
 from .lab.tasks import TASKS
+from .lab.train_command import add_design_options
 from .lab.train_command import add_parser as add_train_command
 from .labs.cli import add_commands as add_lab_commands
 from .precision import PRECISIONS, REDUCE_DTYPES
@@ -79,6 +80,7 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> Non
                    help=f"bucket size of {', '.join(n for n, c in STAGES.items() if 'bucket_mb' in c.options())} "
                         f"(default 25)")
     p.add_argument("--clip", type=positive_float, default=None, help="clip the global L2 gradient norm to this")
+    add_design_options(p, positive_int, natural_int, positive_float)
     p.add_argument("--backend", choices=list(BACKENDS), default="ring")
     p.add_argument("--seed", type=natural_int, default=0)
     p.add_argument("--timeout", type=positive_float, default=300.0,
@@ -97,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     _training_options(compare, steps=5, dtype="float32")
     soak = sub.add_parser("soak", help="every stage against the reference for many steps; the largest deviation")
     _training_options(soak, steps=500, dtype="float64")
-    soak.set_defaults(stages=",".join(distributed(STAGES)))
+    soak.set_defaults(stages=",".join(n for n in distributed(STAGES) if STAGES[n].equivalent))
     memory = sub.add_parser("memory", help="model-state bytes per rank of every stage (the ZeRO paper's Table 1)")
     size = memory.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=positive_float, help="Psi, the number of parameters (7.5e9 for Table 1)")

@@ -45,7 +45,7 @@ def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data
     """Save ``stage`` (every rank calls this) as checkpoint ``step`` under ``root``; returns its directory.
     ``data``: what the training loop needs to continue (its position, seed, batch size), kept in the manifest."""
     _require_optimizer(stage)  # before anything is written
-    stage.check_checkpointable()
+    stage.check_checkpointable(stage.rank)
     comm, rank, world_size = stage.comm, stage.rank, stage.world_size
     directory = step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)  # every rank: nodes need not share a file system

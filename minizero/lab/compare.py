@@ -25,6 +25,7 @@ from .equivalence import RTOL, agrees, judge
 from .experiment import Experiment, element_size, exact_reference_of, precision_of, reference_of, run_experiment
 from .optimizers import STATE_TENSORS
 from .registry import LAB_STAGES, stage_class
+from .train_command import design_options
 
 
 @dataclass
@@ -189,7 +190,8 @@ def experiment_of(args) -> Experiment:
 def main(args) -> tuple[int, str]:
     stages = [s for s in args.stages.split(",") if s]
     rows = compare(args.world_size, stages, experiment_of(args), timeout_s=args.timeout, compress=args.compress,
-                   bucket_mb=args.bucket_mb, error_feedback=args.error_feedback, precision=precision_option(args))
+                   bucket_mb=args.bucket_mb, error_feedback=args.error_feedback, precision=precision_option(args),
+                   **{key: value for _, key, value in design_options(args)})
     if not rows:  # a torchrun rank other than 0
         return 0, ""
     status = 0 if all(passed(r) for r in rows) else 1

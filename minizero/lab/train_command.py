@@ -33,6 +33,7 @@ def add_parser(sub, positive_int, natural_int, positive_float) -> None:
     p.add_argument("--compress", choices=["none", *WIRE_DTYPES], default="none")
     p.add_argument("--bucket-mb", type=positive_float, default=None, help="bucket size of the stages with buckets")
     p.add_argument("--prefetch", type=natural_int, default=None, help="zero3: units gathered ahead")
+    add_design_options(p, positive_int, natural_int, positive_float)
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="torch.distributed backend "
                    "(default: nccl with --device cuda, else gloo)")
     p.add_argument("--collectives", choices=list(BACKENDS), default="native",
@@ -59,17 +60,22 @@ def make_run(args) -> Run:
     """The run, with each stage option checked against what the stage accepts."""
     if args.stage not in distributed():
         raise ValueError(f"--stage {args.stage!r}: choose one of {', '.join(distributed())}")
-    accepted = stage_class(args.stage).options()
-    options = {"precision": args.precision}
-    if args.compress != "none":
-        options["compress"] = args.compress
-    for flag, key, value in [("--bucket-mb", "bucket_mb", args.bucket_mb), ("--prefetch", "prefetch", args.prefetch)]:
+    cls = stage_class(args.stage)
+    accepted = cls.options()
+    options = {}
+    given = [("--precision", "precision", args.precision if args.precision != "fp32" or "precision" in accepted
+              else None),
+             ("--compress", "compress", None if args.compress == "none" else args.compress),
+             ("--bucket-mb", "bucket_mb", args.bucket_mb), ("--prefetch", "prefetch", args.prefetch)]
+    for flag, key, value in given + design_options(args):
         if value is not None:
             if key not in accepted:
                 raise ValueError(f"--stage {args.stage} takes no {flag} (its options: {', '.join(accepted)})")
             options[key] = value
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR: where the checkpoints go")
+    if args.save:
+        cls.check_checkpointable()  # before training, not after it
     return Run(stage=args.stage, model=args.model, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
                lr=args.lr, schedule=args.schedule, warmup=args.warmup, seed=args.seed,
                options=tuple(options.items()), collectives=args.collectives, device=args.device, save=args.save,
@@ -94,7 +100,7 @@ def check_resume(run: Run) -> None:
     """Refuse a checkpoint this run cannot continue, before any rank starts (each rank checks again)."""
     model = run.make_model()
     shapes = {k: (list(v.shape), str(v.dtype)) for k, v in model.state_dict().items()}
-    manifest = checkpoint.inspect(run.resume, shapes, dict(run.options)["precision"])
+    manifest = checkpoint.inspect(run.resume, shapes, dict(run.options).get("precision", "fp32"))
     for key, value in run.data().items():
         saved = manifest["data"].get(key)
         if key in manifest["data"] and saved != value:
@@ -138,3 +144,24 @@ def main(args) -> tuple[int, str]:
         print(f"loss curve: {args.plot}", file=sys.stderr if args.json else sys.stdout, flush=True)
     return 0, as_json(result) if args.json else format_summary(result)
 
+
+
+#: The contrast stages' options (parameter server, async, local SGD): flag, the stage's keyword, help.
+DESIGN_OPTIONS = [("--servers", "servers", "ps, ps-async: ranks 0..S-1 serve a slice each (1: one server)"),
+                  ("--staleness", "staleness", "ps-async: pulls at most this many updates old (0: ps)"),
+                  ("--schedule-seed", "schedule_seed", "ps-async: the seed of the staleness schedule"),
+                  ("--average-every", "average_every", "local-sgd: average the parameters every H steps"),
+                  ("--outer-lr", "outer_lr", "local-sgd: DiLoCo's outer Nesterov SGD with this lr (0.7 in the paper)"),
+                  ("--outer-momentum", "outer_momentum", "local-sgd: the outer momentum (0.9)")]
+
+
+def add_design_options(p, positive_int, natural_int, positive_float) -> None:
+    """``--servers`` and the others: given only to a stage that takes them (else refused, named)."""
+    types = {"servers": positive_int, "staleness": natural_int, "schedule_seed": natural_int,
+             "average_every": positive_int, "outer_lr": positive_float, "outer_momentum": float}
+    for flag, key, text in DESIGN_OPTIONS:
+        p.add_argument(flag, type=types[key], default=None, help=text)
+
+
+def design_options(args) -> list[tuple[str, str, object]]:
+    return [(flag, key, getattr(args, key)) for flag, key, _ in DESIGN_OPTIONS]

@@ -88,11 +88,12 @@ class LocalSGD(Synchronised):
             for anchor, p in zip(self.anchor, params):
                 p.copy_(anchor)
 
-    def check_checkpointable(self) -> None:
+    @classmethod
+    def check_checkpointable(cls, rank: int = 0) -> None:
         raise ValueError(
-            f"rank {self.rank}: stage {self.name!r} cannot be checkpointed: between averages the ranks hold different "
+            f"rank {rank}: stage {cls.name!r} cannot be checkpointed: between averages the ranks hold different "
             f"models, and their optimizer states always differ, which no single-device state describes. Train it "
-            f"without --save.")
+            f"without --save (it can resume from another stage's checkpoint).")
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()

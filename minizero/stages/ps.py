@@ -95,7 +95,7 @@ class ParameterServer(ZeRO1):
     @classmethod
     def state_formula(cls, element_size, state_tensors, precision=None, **options) -> str:
         whole, divided = ZeRO1.state_terms(element_size, state_tensors, precision)
-        return f"{whole}Ψ + {divided}Ψ/S"
+        return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/S"] * bool(divided)) or "0"
 
     @classmethod
     def schedule(cls, s, servers: int = 1, **options) -> None:

@@ -115,11 +115,12 @@ class AsyncParameterServer(ParameterServer):
                 for group, copy in zip(self.groups, worker_copies):
                     group.data.copy_(copy)
 
-    def check_checkpointable(self) -> None:
+    @classmethod
+    def check_checkpointable(cls, rank: int = 0) -> None:
         raise ValueError(
-            f"rank {self.rank}: stage {self.name!r} cannot be checkpointed: its workers hold parameters of different "
-            f"ages (staleness {self.staleness}), which no single-device state describes. Train it without --save, or "
-            f"save a synchronous run (ps) and resume it as ps-async.")
+            f"rank {rank}: stage {cls.name!r} cannot be checkpointed: its workers hold parameters of different ages, "
+            f"which no single-device state describes. Train it without --save, or save a synchronous run (ps) and "
+            f"resume it as {cls.name}.")
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()

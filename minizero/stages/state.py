@@ -21,9 +21,11 @@ class StateDicts:
     """Mixed into :class:`~minizero.stages.base.Stage`: its ``module``, ``optimizer``, ``master`` (mixed
     precision), ``master_optimizer`` and ``_frozen`` are what is read and written."""
 
-    def check_checkpointable(self) -> None:
+    @classmethod
+    def check_checkpointable(cls, rank: int = 0) -> None:
         """Raise if this stage's state is not what one device would hold (a stage whose ranks hold
-        different models says why); every stage that takes the same step as single-device training is."""
+        different models says why); every stage that takes the same step as single-device training is.
+        A class method: ``train --save`` refuses such a stage before it trains, not after."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped model's state_dict, every value whole (ZeRO-3 gathers it); every rank gets it.
