@@ -213,8 +213,12 @@ class MasterWeights:
     """
 
     def __init__(self, working: list[torch.Tensor], masters: list[nn.Parameter], precision: Precision,
-                 comm: Comm | None = None, tag: Callable[[str], Tag] | None = None):
+                 comm: Comm | None = None, tag: Callable[[str], Tag] | None = None,
+                 masters_dtype: torch.dtype | None = None):
         self.working, self.masters, self.precision = working, masters, precision
+        # Said by the caller where this rank may hold no master at all (a ZeRO rank with an empty shard, a
+        # parameter server's worker): the loss must still be computed in the model's dtype, as elsewhere.
+        self._masters_dtype = masters_dtype
         self.comm, self.tag = comm, tag or Tag
         self.scaler = (LossScaler(precision.loss_scale, precision.loss_scale_window, precision.min_loss_scale)
                        if precision.scaled else None)
@@ -269,7 +273,7 @@ class MasterWeights:
 
     @property
     def masters_dtype(self) -> torch.dtype:
-        return self.masters[0].dtype if self.masters else torch.float32
+        return self._masters_dtype or (self.masters[0].dtype if self.masters else torch.float32)
 
     def unscaled_masters(self) -> list[nn.Parameter]:
         """The masters, their ``.grad`` unscaled: what clipping clips (before the step)."""

@@ -19,16 +19,18 @@ BUCKET_MB = [1e-9, 2e-4, 1e-3, 25.0]
 
 @st.composite
 def stage_options(draw, stage: str, task: str, compress: bool = False, stages: dict | None = None,
-                  precision: bool = False) -> dict:
+                  precision: bool = False, world_size: int = 1) -> dict:
     """Options drawn for what the stage accepts (its constructor says)."""
     accepted, options = stage_class(stage, stages).options(), {}
+    if "servers" in accepted:  # a parameter server: ranks 0..S-1 serve
+        options["servers"] = draw(st.integers(1, world_size))
     if "bucket_mb" in accepted:
         options["bucket_mb"] = draw(st.sampled_from(BUCKET_MB))
     if "prefetch" in accepted:
         options["prefetch"] = draw(st.sampled_from([0, 1, 2]))
     if "reshard_after_forward" in accepted:
         options["reshard_after_forward"] = draw(st.booleans())
-    if task == "edge":
+    if task == "edge" and "find_unused_parameters" in accepted:
         options["find_unused_parameters"] = True  # EdgeModel.unused never gets a gradient
     if precision:
         options["precision"] = draw(st.sampled_from(PRECISION_POLICIES))
@@ -86,7 +88,7 @@ def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_
         seed=draw(st.integers(0, 2**16)),
         backend=draw(st.sampled_from(backends)),
         rank_sizes=rank_sizes,
-        options=draw(stage_options(stage, task, compress, stages, precision)),
+        options=draw(stage_options(stage, task, compress, stages, precision, world_size)),
         clip=draw(st.sampled_from([None, None, (0.05, 2.0), (0.02, float("inf"))])),
         param_groups=draw(st.booleans()),
         record_states=True,

@@ -86,7 +86,8 @@ class ZeRO(Synchronised):
         working = [piece.param for group in self.groups for piece in group.pieces]
         pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
                   for group, master in zip(self.groups, masters) for piece in group.pieces]
-        self.master = MasterWeights(working, pieces, self.precision, self.comm, self.tag)
+        self.master = MasterWeights(working, pieces, self.precision, self.comm, self.tag,
+                                    masters[0].dtype if masters else None)
         self._settle_wire()
 
     def _master_values(self) -> dict[int, torch.Tensor]:

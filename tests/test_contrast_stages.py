@@ -1,0 +1,187 @@
+"""The designs set beside DDP and ZeRO: the parameter server (equivalent), async and local SGD (not, by design).
+
+``ps`` faces the same properties as every stage.  ``ps-async`` and ``local-sgd`` are tested where they *are*
+single-device training (staleness 0; H = 1 with plain SGD) and to differ, finitely and reproducibly, where
+they are not.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minizero.lab.equivalence import judge
+from minizero.lab.experiment import Experiment, reference_of, run_experiment
+from minizero.stages import STAGES
+from minizero.stages.ps_async import delay
+from tests.equivalence import examples, experiments, run_and_check
+
+
+def _with(exp: Experiment, stage: str, **options) -> Experiment:
+    return replace(exp, stage=stage, options={**exp.options, **options})
+
+
+def _same_parameters(a: list, b: list) -> bool:
+    """Every rank, every step, every parameter: bit for bit."""
+    return all(torch.equal(pa[k], pb[k]) for ra, rb in zip(a, b) for pa, pb in zip(ra.params, rb.params) for k in pa)
+
+
+# ------------------------------------------------------------------ ps: a stage like any other
+@settings(max_examples=examples(24))
+@given(data=st.data())
+def test_ps_matches_reference(pools, data):
+    """Drawn world sizes 1-4, S from 1 to N (uneven slices, workers that own nothing), K up to 3, uneven
+    and empty batches, frozen, unused and tied parameters, clipping, two param groups."""
+    exp, world_size = data.draw(experiments("ps"))
+    run_and_check(pools, exp, world_size)
+
+
+@settings(max_examples=examples(10))
+@given(data=st.data())
+def test_ps_matches_the_same_casts_reference_under_compression_and_mixed_precision(pools, data):
+    """The servers add the 16-bit contributions in the ring's order: the same-casts reference holds tightly."""
+    exp, world_size = data.draw(experiments("ps", precision=True, world_sizes=(2, 3, 4)))
+    run_and_check(pools, exp, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ps_bytes_mean_is_the_rings_and_the_busiest_rank_is_a_server(pools, world_size):
+    """The ledger: push and pull only.  The mean over ranks is ZeRO-1's; the busiest rank's load grows with N
+    for one server and is the ring's per-rank load when every rank serves."""
+    busiest = {}
+    for servers in sorted({1, 2 if world_size > 2 else 1, world_size}):
+        exp = Experiment(stage="ps", task="gpt", steps=2, accum=2, dtype="float32", options={"servers": servers})
+        results = pools.run(world_size, run_experiment, exp)
+        psi, cls = results[0].psi, STAGES["ps"]
+        per_rank = [r.sent_bytes / exp.steps for r in results]
+        assert set().union(*(r.sent_by_kind for r in results)) == {"push", "pull"}
+        slack = 4 * servers * world_size  # padding to a multiple of S: < S elements per group, two groups at most
+        mean = cls.sent_bytes_per_step(psi, world_size, 4, 4, servers=servers)
+        assert mean <= sum(per_rank) / world_size <= mean + slack, (per_rank, mean)
+        busiest[servers] = max(per_rank)
+        formula = cls.busiest_sent_bytes_per_step(psi, world_size, 4, 4, servers=servers)
+        assert formula <= busiest[servers] <= formula + slack, (servers, per_rank, formula)
+        assert per_rank.index(max(per_rank)) < servers  # a server, not a worker
+    assert busiest[1] >= (world_size - 1) * psi * 4  # one server sends every other rank the whole model
+    assert busiest[world_size] <= 2 * psi * 4 + 4 * world_size ** 2  # every rank serving: the ring's 2(N-1)/N
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_ps_memory_matches_its_formula(pools, servers):
+    exp = Experiment(stage="ps", task="gpt", steps=1, dtype="float32", optimizer="adamw", options={"servers": servers})
+    results = pools.run(3, run_experiment, exp)
+    formula = STAGES["ps"].state_bytes(results[0].psi, 3, 4, 2, servers=servers)
+    assert abs(results[0].held_bytes["total"] - formula) <= 0.02 * formula, (results[0].held_bytes, formula)
+    assert results[-1].held_bytes["optimizer"] == 0  # rank 2 is a pure worker: no optimizer state
+    assert (results[0].held_bytes["optimizer"] > 0) and (results[1].held_bytes["optimizer"] > 0) == (servers == 2)
+
+
+# ------------------------------------------------------------------ ps-async
+def test_the_schedule_is_seeded_and_bounded():
+    draws = [delay(7, step, rank, 3) for step in range(50) for rank in range(4)]
+    assert set(draws) == {0, 1, 2, 3}  # every staleness up to the bound occurs, none beyond
+    assert draws == [delay(7, step, rank, 3) for step in range(50) for rank in range(4)]  # replays
+    assert draws != [delay(8, step, rank, 3) for step in range(50) for rank in range(4)]  # another seed, another run
+    assert {delay(7, step, rank, 0) for step in range(50) for rank in range(4)} == {0}
+
+
+@settings(max_examples=examples(10))
+@given(data=st.data())
+def test_ps_async_without_staleness_is_ps_bit_for_bit(pools, data):
+    exp, world_size = data.draw(experiments("ps", precision=data.draw(st.booleans()), world_sizes=(2, 3, 4)))
+    ps = pools.run(world_size, run_experiment, exp)
+    stale0 = pools.run(world_size, run_experiment, _with(exp, "ps-async", staleness=0))
+    assert _same_parameters(ps, stale0)
+    assert [r.sent_bytes for r in ps] == [r.sent_bytes for r in stale0]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_staleness_changes_the_result_and_the_schedule_replays_it(pools, world_size):
+    exp = Experiment(stage="ps-async", task="mlp", optimizer="sgd", lr=0.1, steps=4, dtype="float64",
+                     options={"staleness": 2, "schedule_seed": 1})
+    runs = [pools.run(world_size, run_experiment, e) for e in (exp, exp, _with(exp, "ps-async", schedule_seed=2))]
+    verdict = judge(runs[0], reference_of(exp, world_size), "float64")
+    assert verdict.nonfinite is None and not verdict.ok and verdict.max_rel_diff > 1e-6, verdict
+    assert _same_parameters(runs[0], runs[1])  # the same seed: the same run, bit for bit
+    assert not _same_parameters(runs[0], runs[2])  # another schedule: another run
+    ps = pools.run(world_size, run_experiment, replace(exp, stage="ps", options={}))
+    assert [r.sent_bytes for r in runs[0]] == [r.sent_bytes for r in ps]  # stale, but the same bytes
+
+
+def test_ps_async_memory_counts_the_kept_versions(pools):
+    exp = Experiment(stage="ps-async", task="gpt", steps=3, dtype="float32", optimizer="adamw",
+                     options={"staleness": 2, "servers": 2})
+    results = pools.run(2, run_experiment, exp)
+    formula = STAGES["ps-async"].state_bytes(results[0].psi, 2, 4, 2, servers=2, staleness=2)
+    assert abs(results[0].held_bytes["total"] - formula) <= 0.02 * formula, (results[0].held_bytes, formula)
+
+
+# ------------------------------------------------------------------ local-sgd
+@settings(max_examples=examples(16))
+@given(data=st.data())
+def test_local_sgd_averaging_every_step_with_plain_sgd_is_single_device_training(pools, data):
+    """mean_r(p - lr g_r) = p - lr mean_r(g_r): DDP's step -- uneven and empty batches and unused
+    parameters included (clipping is per rank here, so none)."""
+    exp, world_size = data.draw(experiments("local-sgd"))
+    exp = replace(exp, optimizer="sgd", clip=None, options={"average_every": 1})
+    run_and_check(pools, exp, world_size)
+
+
+@pytest.mark.parametrize("optimizer, average_every", [("sgd", 2), ("adam", 1)])
+def test_local_sgd_departs_with_local_steps_or_adam(pools, optimizer, average_every):
+    exp = Experiment(stage="local-sgd", task="mlp", optimizer=optimizer, lr=0.05, steps=4, dtype="float64",
+                     options={"average_every": average_every})
+    verdict = judge(pools.run(3, run_experiment, exp), reference_of(exp, 3), "float64")
+    assert verdict.nonfinite is None and not verdict.ok and verdict.max_rel_diff > 1e-6, verdict
+
+
+def test_local_sgd_bytes_fall_as_one_over_h(pools):
+    sent = {}
+    for h in (1, 2, 4):
+        exp = Experiment(stage="local-sgd", task="gpt", optimizer="adamw", steps=4, dtype="float32",
+                         options={"average_every": h})
+        results = pools.run(3, run_experiment, exp)
+        sent[h] = sum(r.sent_bytes for r in results) / (3 * exp.steps)
+        formula = STAGES["local-sgd"].sent_bytes_per_step(results[0].psi, 3, 4, 4, average_every=h)
+        assert abs(sent[h] - formula) <= 0.01 * formula, (h, sent[h], formula)
+        assert set(results[0].sent_by_kind) == {"all_reduce"}
+    assert sent[1] == 2 * sent[2] == 4 * sent[4]
+
+
+def test_diloco_with_unit_outer_lr_and_no_momentum_is_plain_averaging(pools):
+    exp = Experiment(stage="local-sgd", task="mlp", optimizer="adam", steps=4, dtype="float64",
+                     options={"average_every": 2})
+    plain = pools.run(2, run_experiment, exp)
+    unit = pools.run(2, run_experiment, _with(exp, "local-sgd", outer_lr=1.0, outer_momentum=0.0))
+    diloco = pools.run(2, run_experiment, _with(exp, "local-sgd", outer_lr=0.7, outer_momentum=0.9))
+    # rank by rank: between averages the ranks differ
+    assert all(judge([u], p, "float64").ok for u, p in zip(unit, plain))  # anchor - (anchor - mean) = mean
+    assert not all(judge([d], p, "float64").ok for d, p in zip(diloco, plain))
+    outer = STAGES["local-sgd"].state_bytes(diloco[0].psi, 2, 8, 2, outer_lr=0.7)
+    assert abs(diloco[0].held_bytes["total"] - outer) <= 0.02 * outer, (diloco[0].held_bytes, outer)
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("stage, options, words", [
+    ("ps", {"servers": 0}, "servers from 1 to the world size 2"),
+    ("ps", {"servers": 3}, "servers from 1 to the world size 2"),
+    ("ps-async", {"staleness": -1}, "staleness as a whole number of steps >= 0"),
+    ("local-sgd", {"average_every": 0}, "average_every as a whole number of steps >= 1"),
+    ("local-sgd", {"outer_lr": 0.7, "outer_momentum": 1.0}, "0 <= outer_momentum < 1"),
+])
+def test_bad_options_are_refused_with_the_rank_and_the_value(pools, stage, options, words):
+    exp = Experiment(stage=stage, task="mlp", steps=1, options=options)
+    with pytest.raises(Exception, match=r"rank \d: stage") as raised:
+        pools.run(2, run_experiment, exp)
+    assert words in str(raised.value)
+
+
+@pytest.mark.parametrize("stage", ["ps-async", "local-sgd"])
+def test_stages_whose_ranks_differ_refuse_a_checkpoint(pools, tmp_path, stage):
+    exp = Experiment(stage=stage, task="mlp", steps=1, save=str(tmp_path / "ckpt"))
+    with pytest.raises(Exception, match="cannot be checkpointed"):
+        pools.run(2, run_experiment, exp)
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was written
