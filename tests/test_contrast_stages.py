@@ -185,3 +185,16 @@ def test_stages_whose_ranks_differ_refuse_a_checkpoint(pools, tmp_path, stage):
     with pytest.raises(Exception, match="cannot be checkpointed"):
         pools.run(2, run_experiment, exp)
     assert not (tmp_path / "ckpt").exists()  # refused before anything was written
+
+
+def _wrap_without_optimizer(me, stage):
+    from minizero.comm import make_comm
+    from minizero.lab.models import MLP
+    from minizero.stages import make_stage
+    make_stage(stage, MLP((3, 2)), comm=make_comm("ring"))
+
+
+@pytest.mark.parametrize("stage", ["ps", "local-sgd"])
+def test_a_stage_that_steps_on_its_own_terms_must_be_given_the_optimizer(pools, stage):
+    with pytest.raises(Exception, match=r"rank \d: stage .* must (be given|own the optimizer)"):
+        pools.run(2, _wrap_without_optimizer, stage)

@@ -54,6 +54,10 @@ class ParameterServer(ZeRO1):
             raise ValueError(f"rank {comm.rank if comm is not None else 0}: stage {self.name!r} takes servers "
                              f"from 1 to the world size {world_size} (ranks 0..S-1 serve, every rank works), "
                              f"got {servers!r}")
+        if optimizer is None:  # a worker owns no slice: an optimizer built over stage.parameters() would be empty
+            raise ValueError(f"rank {comm.rank if comm is not None else 0}: stage {self.name!r} keeps the optimizer "
+                             f"on its servers, so it must be given at wrap time: pass yours to make_stage(name, "
+                             f"model, optimizer, comm) instead of building one over stage.parameters() afterwards")
         self.servers = servers  # before ZeRO-1 lays the groups out: over the servers, not the N ranks
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
 
