@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from ..launch import RankPool
+from ..stages import STAGES
 from .experiment import Experiment
 from .models import BENCH_GPT
 from .registry import accepting, sharding
@@ -91,6 +92,20 @@ def bench_compress(world_size: int, network: str, repeats: int = REPEATS) -> lis
         fp16["saved_ms"] = fp32["value"] - fp16["value"]
         fp16["predicted_saved_ms"] = fp32["baseline_value"] - fp16["baseline_value"]
         fp16["step_ratio"] = fp16["value"] / fp32["value"]
+    return rows
+
+
+def bench_ps(world_size: int, network: str, repeats: int = REPEATS) -> list[dict]:
+    """The parameter server at N = 2 .. world_size, with one server and with every rank serving: one server
+    sends the model to every other rank, so its step grows with N; S = N sends the ring's bytes and stays flat."""
+    stage = next(s for s in accepting("servers") if STAGES[s].equivalent)
+    rows = []
+    for n in range(2, world_size + 1):
+        with RankPool(n) as pool:
+            for servers in sorted({1, n}):
+                r = model_against_measured(pool, _base(network, stage=stage, options={"servers": servers}), network,
+                                           repeats)
+                rows.append(_row(f"{stage} step, N={n}, S={servers}", r, servers=servers))
     return rows
 
 

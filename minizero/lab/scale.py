@@ -153,7 +153,7 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
     span = lambda name: lambda st: sum(e - s for w, s, e in st.compute if w == name)  # noqa: E731
     forward_s, backward_s = median(quiet, span("forward")), median(quiet, span("backward"))
     step_s = median(quiet, span("optimizer step"))
-    messages = lambda st: sum(RING_STEPS[w.split()[0]] for w, _, _ in st.comm) * (pool.world_size - 1)  # noqa: E731
+    messages = lambda st: sum(RING_STEPS.get(w.split()[0], 1) for w, _, _ in st.comm) * (pool.world_size - 1)  # noqa: E731
     # The rank that arrives last at a collective does not wait for the others: its spans are the transfer.
     loopback = min(statistics.median(sum(e - s for _, s, e in st.comm) / max(messages(st), 1) for st in steps[1:])
                    for steps in quiet)
