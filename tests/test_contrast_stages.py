@@ -194,7 +194,24 @@ def _wrap_without_optimizer(me, stage):
     make_stage(stage, MLP((3, 2)), comm=make_comm("ring"))
 
 
-@pytest.mark.parametrize("stage", ["ps", "local-sgd"])
-def test_a_stage_that_steps_on_its_own_terms_must_be_given_the_optimizer(pools, stage):
-    with pytest.raises(Exception, match=r"rank \d: stage .* must (be given|own the optimizer)"):
+@pytest.mark.parametrize("stage, words", [("ps", "keeps the optimizer on its servers, so it must be given at wrap time"),
+                                          ("local-sgd", "so it must own the optimizer")])
+def test_a_stage_that_steps_on_its_own_terms_must_be_given_the_optimizer(pools, stage, words):
+    with pytest.raises(Exception, match=r"rank \d: stage") as raised:
         pools.run(2, _wrap_without_optimizer, stage)
+    assert words in str(raised.value)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--stage", "ps-async", "--save", "ckpt"], "stage 'ps-async' cannot be checkpointed"),
+    (["--stage", "local-sgd", "--save", "ckpt"], "stage 'local-sgd' cannot be checkpointed"),
+    (["--stage", "ddp", "--servers", "2"], "--stage ddp takes no --servers"),
+    (["--stage", "local-sgd", "--precision", "bf16"], "--stage local-sgd takes no --precision"),
+])
+def test_train_refuses_what_a_stage_cannot_do_before_it_trains(tmp_path, argv, words):
+    from minizero.__main__ import parser
+    from minizero.lab.train_command import make_run
+    with pytest.raises(ValueError) as raised:
+        make_run(parser().parse_args(["train", *argv]))
+    assert words in str(raised.value)
+    assert not (tmp_path / "ckpt").exists()
