@@ -140,6 +140,7 @@ def parser() -> argparse.ArgumentParser:
                         "scaled to --params)")
     scale.add_argument("--layers", type=positive_int, default=12, help="blocks the parameters are split into (ZeRO-3 units)")
     scale.add_argument("--bucket-mb", type=positive_float, default=25.0)
+    add_design_options(scale, positive_int, natural_int, positive_float)
     scale.add_argument("--prefetch", type=natural_int, default=1)
     scale.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                        help="bytes per element on the wire: 4 (fp32) or 2 (bf16/fp16)")

@@ -215,3 +215,19 @@ def test_train_refuses_what_a_stage_cannot_do_before_it_trains(tmp_path, argv, w
         make_run(parser().parse_args(["train", *argv]))
     assert words in str(raised.value)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_the_scaling_model_puts_one_server_on_the_critical_path():
+    """cost_model's push and pull: one server's time grows as N-1; every rank serving costs the ring's."""
+    from minizero.comm import PRESETS
+    from minizero.cost_model import StepPlan, predict
+    net = PRESETS["ethernet-100g"]
+
+    def comm_s(stage, n, **options):
+        return predict(STAGES[stage], StepPlan(n, net, 0.01, 0.02, (0.0, 1e8), options=options)).comm_s
+
+    one = [comm_s("ps", n, servers=1) for n in (2, 4, 8)]
+    assert one[2] / one[0] == pytest.approx(7, rel=0.05)  # (N-1) times the model, out of one port
+    for n in (2, 4, 8):
+        assert comm_s("ps", n, servers=n) == pytest.approx(comm_s("ddp", n), rel=0.05)
+    assert comm_s("local-sgd", 8, average_every=4) == pytest.approx(comm_s("ddp", 8) / 4, rel=1e-9)

@@ -95,12 +95,13 @@ def main(args) -> tuple[int, str]:
     k = (MASTER_BYTES if Precision.of(precision).mixed else 0) + MASTER_BYTES * STATE_TENSORS[args.optimizer]
     lines = [f"Model-state bytes per rank: Psi = {psi:,.4g} parameters, N = {args.world_size} ranks, precision "
              f"{precision}, {args.optimizer} (K = {k} optimizer bytes per parameter)"]
-    header = f"{'stage':<14}{'formula':<14}{'bytes/rank':>14}"
+    width = max([14] + [len(row["formula"]) + 2 for row in rows])
+    header = f"{'stage':<14}{'formula':<{width}}{'bytes/rank':>14}"
     if args.model:
         header += f"{f'measured at N={live_n}':>20}{'formula':>12}"
     lines += [header, "-" * len(header)]
     for row in rows:
-        line = f"{row['stage']:<14}{row['formula']:<14}{gb(row['bytes_per_rank']):>14}"
+        line = f"{row['stage']:<14}{row['formula']:<{width}}{gb(row['bytes_per_rank']):>14}"
         if args.model:
             line += f"{row['measured_bytes_per_rank']:>20,}{row['formula_bytes_at_measured_world_size']:>12,.0f}"
         lines.append(line)
