@@ -181,6 +181,15 @@ class Port:
         _sleep_until(done)
         self._inbound_done = done
 
+    def receive_all(self, start: float, sizes: list[int]) -> None:
+        """Messages sent towards this port from ``start`` on, while this rank sent its own (a star exchange:
+        a parameter server's push or pull).  A port is full duplex: they stream in one after another, the
+        first after ``alpha``, however long this rank's own messages held it."""
+        if sizes:
+            done = max(start + self.network.alpha, self._inbound_done) + sum(sizes) / self.network.bandwidth
+            _sleep_until(done)
+            self._inbound_done = done
+
 
 def _sleep_until(deadline: float) -> None:
     """Sleep, without using the CPU, until ``deadline`` (``time.perf_counter``)."""

@@ -26,6 +26,8 @@ a reduce-scatter's do, and the same-casts reference
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -80,6 +82,7 @@ class StarExchanges:
         (``batch_isend_irecv``), which NCCL needs to pair sends and receives issued in different orders."""
         sends = [(t, dst) for t, dst in sends if t.numel() > 0]
         recvs = [(t, src) for t, src in recvs if t.numel() > 0]
+        start = time.perf_counter()  # a dialled port receives while it sends (full duplex): see the end
         for tensor, _ in sends:  # a dialled wire holds each message before it leaves: the sender's port
             self._leaving(tensor.numel() * tensor.element_size())
         if self._nccl:
@@ -89,14 +92,14 @@ class StarExchanges:
             for request, (tensor, src) in zip(requests[len(sends):], recvs):
                 with self.board.waiting_for(self.peer(src)):
                     request.wait()
-                self._arrived(tensor.numel() * tensor.element_size())
             requests = list(zip(requests[:len(sends)], sends))
         else:
             requests = [(dist.isend(t, self.peer(dst), group=self.group), (t, dst)) for t, dst in sends]
-            for tensor, src in recvs:  # one at a time, through one port: a server's incast
+            for tensor, src in recvs:
                 with self.board.waiting_for(self.peer(src)):
                     dist.recv(tensor, self.peer(src), group=self.group)
-                self._arrived(tensor.numel() * tensor.element_size())
+        if self.port is not None:  # the incoming messages stream in through one port: a server's incast
+            self.port.receive_all(start, [t.numel() * t.element_size() for t, _ in recvs])
         for request, (tensor, dst) in requests:
             with self.board.waiting_for(self.peer(dst)):
                 request.wait()

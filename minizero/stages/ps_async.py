@@ -16,8 +16,8 @@ step; it just receives an older version).  So:
 
 * ``staleness=0`` *is* ``ps``, bit for bit (tested);
 * for ``s > 0`` the run departs from single-device training, by an amount
-  that grows with ``s`` and with ``N`` (more workers, more stale gradients in
-  each update) -- measured by ``compare`` and plotted in lesson 11.
+  that grows with ``s`` -- measured by ``compare`` and plotted in lesson 11
+  against ``s`` and ``N``.
 
 Memory: a server keeps its current slice apart from the copy its own worker
 computes with, and ``s`` old versions: ``(s + 1) Psi / S`` more than ``ps``.
