@@ -41,6 +41,7 @@ from .wrap import broadcast_module, check_same_model
 class LocalSGD(Synchronised):
     name = "local-sgd"
     equivalent = False  # local steps: by design not single-device training, except H = 1 with plain SGD
+    why_not_checkpointable = "between averages its ranks hold different models, and their optimizer states always differ"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  average_every: int = 4, outer_lr: float | None = None, outer_momentum: float = 0.9):
@@ -87,13 +88,6 @@ class LocalSGD(Synchronised):
             self.outer.step()
             for anchor, p in zip(self.anchor, params):
                 p.copy_(anchor)
-
-    @classmethod
-    def check_checkpointable(cls, rank: int = 0) -> None:
-        raise ValueError(
-            f"rank {rank}: stage {cls.name!r} cannot be checkpointed: between averages the ranks hold different "
-            f"models, and their optimizer states always differ, which no single-device state describes. Train it "
-            f"without --save (it can resume from another stage's checkpoint).")
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()

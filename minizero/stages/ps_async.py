@@ -60,6 +60,7 @@ class ServedGroup(FlatGroup):
 class AsyncParameterServer(ParameterServer):
     name = "ps-async"
     equivalent = False  # stale gradients: by design not single-device training (tested to differ)
+    why_not_checkpointable = "its workers hold parameters of different ages"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  servers: int = 1, staleness: int = 2, schedule_seed: int = 0, compress: str | None = None,
@@ -114,13 +115,6 @@ class AsyncParameterServer(ParameterServer):
             with torch.no_grad():
                 for group, copy in zip(self.groups, worker_copies):
                     group.data.copy_(copy)
-
-    @classmethod
-    def check_checkpointable(cls, rank: int = 0) -> None:
-        raise ValueError(
-            f"rank {rank}: stage {cls.name!r} cannot be checkpointed: its workers hold parameters of different ages, "
-            f"which no single-device state describes. Train it without --save, or save a synchronous run (ps) and "
-            f"resume it as {cls.name}.")
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()

@@ -21,11 +21,17 @@ class StateDicts:
     """Mixed into :class:`~minizero.stages.base.Stage`: its ``module``, ``optimizer``, ``master`` (mixed
     precision), ``master_optimizer`` and ``_frozen`` are what is read and written."""
 
+    #: Why this stage's state is not what one device would hold (its ranks hold different models), or None:
+    #: every stage that takes single-device training's step can be saved.
+    why_not_checkpointable: str | None = None
+
     @classmethod
     def check_checkpointable(cls, rank: int = 0) -> None:
-        """Raise if this stage's state is not what one device would hold (a stage whose ranks hold
-        different models says why); every stage that takes the same step as single-device training is.
-        A class method: ``train --save`` refuses such a stage before it trains, not after."""
+        """A class method: ``train --save`` refuses such a stage before it trains, not after."""
+        if cls.why_not_checkpointable:
+            raise ValueError(f"rank {rank}: stage {cls.name!r} cannot be checkpointed: {cls.why_not_checkpointable}, "
+                             f"which no single-device state describes. Train it without --save (it can resume from "
+                             f"another stage's checkpoint).")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped model's state_dict, every value whole (ZeRO-3 gathers it); every rank gets it.
