@@ -41,6 +41,9 @@ class Stage(StateDicts, nn.Module):
     #: Takes the same step as single-device training.  False for the designs the lessons set beside DDP
     #: and ZeRO to show what breaks it (stale gradients, local steps): compare measures how far they go.
     equivalent = True
+    #: A design set beside DDP and ZeRO to contrast with them (lesson 11: parameter server, async, local SGD),
+    #: not one of the stages the summary weighs against each other.
+    contrast = False
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  precision: str | Precision = "fp32"):

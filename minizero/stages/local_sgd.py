@@ -40,6 +40,7 @@ from .wrap import broadcast_module, check_same_model
 
 class LocalSGD(Synchronised):
     name = "local-sgd"
+    contrast = True
     equivalent = False  # local steps: by design not single-device training, except H = 1 with plain SGD
     why_not_checkpointable = "between averages its ranks hold different models, and their optimizer states always differ"
 

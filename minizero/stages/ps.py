@@ -45,6 +45,7 @@ from .zero1 import ZeRO1
 class ParameterServer(ZeRO1):
     name = "ps"
     shards = Shards()  # divides nothing among the N data-parallel ranks: the S servers hold the optimizer
+    contrast = True  # the design the ring all-reduce replaced
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  servers: int = 1, compress: str | None = None, error_feedback: bool = False,
