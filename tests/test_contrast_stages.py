@@ -13,10 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.lab.equivalence import judge
+from minizero.lab.equivalence import DTYPES, judge
 from minizero.lab.experiment import Experiment, reference_of, run_experiment
+from minizero.lab.tasks import TASKS
 from minizero.stages import STAGES
 from minizero.stages.ps_async import delay
+from minizero.train import shard_step, sum_loss
 from tests.equivalence import examples, experiments, run_and_check
 
 
@@ -111,6 +113,44 @@ def test_staleness_changes_the_result_and_the_schedule_replays_it(pools, world_s
     assert [r.sent_bytes for r in runs[0]] == [r.sent_bytes for r in ps]  # stale, but the same bytes
 
 
+def _stale_sgd(exp: Experiment, world_size: int) -> list[dict]:
+    """One process, the arithmetic of an asynchronous server: rank r's gradient of step t taken at the
+    parameters the schedule gives it, theta_(t - age), the N gradients averaged, one SGD step."""
+    task, dtype, s, seed = TASKS[exp.task], DTYPES[exp.dtype], exp.options["staleness"], exp.options["schedule_seed"]
+    model = task.make_model(exp.seed, dtype, **exp.model)  # rank 0's initialisation: what the wrap broadcasts
+    names, params = zip(*model.named_parameters())
+    versions = [[p.detach().clone() for p in params]]
+    for t in range(exp.steps):
+        x, y = task.make_batch(exp.global_batch(world_size), exp.seed, t, dtype, **exp.model)
+        total = [torch.zeros_like(p) for p in params]
+        for r in range(world_size):
+            age = min(delay(seed, t, r, s), t, s)  # nothing older than the start, nor than the servers keep
+            with torch.no_grad():
+                for p, v in zip(params, versions[t - age]):
+                    p.copy_(v)
+            step = shard_step(x, y, r, world_size, exp.accum)
+            model.zero_grad()
+            for xb, yb in step.micro_batches:
+                (sum_loss(model(xb), yb) * world_size / step.global_count).backward()
+            total = [a + p.grad for a, p in zip(total, params)]
+        versions.append([v - exp.lr * g / world_size for v, g in zip(versions[t], total)])
+    return [dict(zip(names, v)) for v in versions[1:]]
+
+
+@pytest.mark.parametrize("world_size, servers", [(2, 1), (4, 2)])
+def test_ps_async_computes_each_gradient_on_the_version_its_schedule_names(pools, world_size, servers):
+    """Not only "differs": the run is the stale-gradient arithmetic, step by step -- an off-by-one in the
+    versions kept or sent shows here."""
+    exp = Experiment(stage="ps-async", task="mlp", optimizer="sgd", lr=0.1, steps=5, accum=2, dtype="float64",
+                     options={"staleness": 2, "schedule_seed": 3, "servers": servers})
+    want = _stale_sgd(exp, world_size)
+    for result in pools.run(world_size, run_experiment, exp):
+        for t, (got, expected) in enumerate(zip(result.params, want)):
+            for name, value in expected.items():
+                scale = max(value.abs().max().item(), 1e-30)
+                assert (got[name] - value).abs().max().item() <= 1e-12 * scale, (t, name)
+
+
 def test_ps_async_memory_counts_the_kept_versions(pools):
     exp = Experiment(stage="ps-async", task="gpt", steps=3, dtype="float32", optimizer="adamw",
                      options={"staleness": 2, "servers": 2})
@@ -136,6 +176,33 @@ def test_local_sgd_departs_with_local_steps_or_adam(pools, optimizer, average_ev
                      options={"average_every": average_every})
     verdict = judge(pools.run(3, run_experiment, exp), reference_of(exp, 3), "float64")
     assert verdict.nonfinite is None and not verdict.ok and verdict.max_rel_diff > 1e-6, verdict
+
+
+def test_local_sgd_replicas_agree_right_after_each_average_and_only_then(pools):
+    exp = Experiment(stage="local-sgd", task="mlp", optimizer="adam", steps=6, dtype="float64",
+                     options={"average_every": 3})
+    results = pools.run(3, run_experiment, exp)
+    for t in range(exp.steps):
+        same = all(torch.equal(r.params[t][k], results[0].params[t][k]) for r in results for k in r.params[t])
+        assert same == ((t + 1) % 3 == 0), t  # after steps 3 and 6
+
+
+def _anchor_after_loading(me):
+    from minizero.comm import make_comm
+    from minizero.lab.models import MLP
+    from minizero.stages import make_stage
+    model = MLP((3, 2), dtype=torch.float64)
+    stage = make_stage("local-sgd", model, torch.optim.Adam(model.parameters()), make_comm("ring"), outer_lr=0.7)
+    loaded = {k: torch.full_like(v, 10.0) for k, v in model.state_dict().items()}
+    stage.load_full_state_dict(loaded)
+    return [a.detach().clone() for a in stage.anchor]
+
+
+def test_a_resumed_diloco_run_anchors_at_the_loaded_parameters(pools):
+    """The outer step moves the anchor by the averaged change: an anchor left at the wrap-time weights would
+    pull a resumed run back towards its initialisation."""
+    for anchors in pools.run(2, _anchor_after_loading):
+        assert all(torch.equal(a, torch.full_like(a, 10.0)) for a in anchors)
 
 
 def test_local_sgd_bytes_fall_as_one_over_h(pools):

@@ -2,8 +2,8 @@
 
 A flat tensor is cut into ``S`` equal slices; slice ``j`` belongs to *server*
 ``j`` (ranks ``0 .. S-1``).  Every rank is also a *worker* -- servers are
-co-located with workers, as in MXNet's and BytePS's deployments -- so the
-global batch is the same as every other stage's.
+co-located with workers, as MXNet's KVStore allows (BytePS puts them on CPU
+machines) -- so the global batch is the same as every other stage's.
 
 * **push**: every rank sends slice ``j`` of its gradients to server ``j``;
   server ``j`` adds the ``N`` contributions.  A star, not a ring: each
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .base import ReduceOp, collective, on_device
+from .progress import ANYONE
 
 
 class StarExchanges:
@@ -46,17 +47,26 @@ class StarExchanges:
         size, n = input.numel() // servers, self.world_size
         own = input[self.rank * size:(self.rank + 1) * size].clone() if self.rank < servers else None
         sends = [(input[j * size:(j + 1) * size], j) for j in range(servers) if j != self.rank]
-        order = [(self.rank + k) % n for k in range(1, n)]  # the ring's order: rank j+1 first, our own last
-        received = [torch.empty_like(own) for _ in order] if own is not None else []
+        order = [(self.rank + k) % n for k in range(1, n)] if own is not None else []  # the ring's: j+1 first
+        # One receive buffer, each slice added as it arrives -- but NCCL takes every receive at once, each
+        # into a buffer of its own: a server then holds N-1 incoming slices for a moment.
+        one = [torch.empty_like(own)] if order else []
+        buffers = [torch.empty_like(own) for _ in order] if self._nccl else one * len(order)
+
+        def arrived(i: int) -> None:
+            if i == 0:
+                output.copy_(buffers[0])
+            else:
+                op.combine(output, buffers[i], out=output)
+
         self._at("push to servers")
-        self._exchange(sends, list(zip(received, order)))
+        self._exchange(sends, list(zip(buffers, order)), arrived)
         if own is None:
             return
-        for i, contribution in enumerate(received + [own]):
-            if i == 0:
-                output.copy_(contribution)
-            else:
-                op.combine(output, contribution, out=output)
+        if order:
+            op.combine(output, own, out=output)  # our own contribution last, as the ring adds it
+        else:
+            output.copy_(own)
         if op is ReduceOp.AVG:
             output.div_(n)
 
@@ -77,30 +87,35 @@ class StarExchanges:
         self._at("pull from servers")
         self._exchange(sends, recvs)
 
-    def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
-        """Post every send, then take the receives in order.  Under NCCL all of them go in one group
-        (``batch_isend_irecv``), which NCCL needs to pair sends and receives issued in different orders."""
+    def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                  arrived=lambda i: None) -> None:
+        """Post every send, then take the receives in order, calling ``arrived(i)`` after the i-th.  Under NCCL
+        all of them go in one group (``batch_isend_irecv``), which NCCL needs to pair sends and receives issued
+        in different orders; it returns one handle for the whole group."""
         sends = [(t, dst) for t, dst in sends if t.numel() > 0]
-        recvs = [(t, src) for t, src in recvs if t.numel() > 0]
-        start = time.perf_counter()  # a dialled port receives while it sends (full duplex): see the end
+        recvs = [(i, t, src) for i, (t, src) in enumerate(recvs) if t.numel() > 0]
+        start = time.perf_counter()  # a dialled port receives while it sends (full duplex): see below
         for tensor, _ in sends:  # a dialled wire holds each message before it leaves: the sender's port
             self._leaving(tensor.numel() * tensor.element_size())
         if self._nccl:
             ops = [dist.P2POp(dist.isend, t, self.peer(dst), group=self.group) for t, dst in sends]
-            ops += [dist.P2POp(dist.irecv, t, self.peer(src), group=self.group) for t, src in recvs]
-            requests = dist.batch_isend_irecv(ops) if ops else []
-            for request, (tensor, src) in zip(requests[len(sends):], recvs):
-                with self.board.waiting_for(self.peer(src)):
+            ops += [dist.P2POp(dist.irecv, t, self.peer(src), group=self.group) for _, t, src in recvs]
+            with self.board.waiting_for(ANYONE):
+                for request in dist.batch_isend_irecv(ops) if ops else []:
                     request.wait()
-            requests = list(zip(requests[:len(sends)], sends))
+            for i, _, _ in recvs:
+                arrived(i)
+            requests = []
         else:
-            requests = [(dist.isend(t, self.peer(dst), group=self.group), (t, dst)) for t, dst in sends]
-            for tensor, src in recvs:
+            requests = [(dist.isend(t, self.peer(dst), group=self.group), dst) for t, dst in sends]
+            for i, tensor, src in recvs:
                 with self.board.waiting_for(self.peer(src)):
                     dist.recv(tensor, self.peer(src), group=self.group)
+                arrived(i)
         if self.port is not None:  # the incoming messages stream in through one port: a server's incast
-            self.port.receive_all(start, [t.numel() * t.element_size() for t, _ in recvs])
-        for request, (tensor, dst) in requests:
+            self.port.receive_all(start, [t.numel() * t.element_size() for _, t, _ in recvs])
+        for request, dst in requests:
             with self.board.waiting_for(self.peer(dst)):
                 request.wait()
+        for tensor, _ in sends:  # every message has left (NCCL: the group's one handle said so)
             self._report_sent(tensor.numel() * tensor.element_size())

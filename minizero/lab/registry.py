@@ -26,10 +26,10 @@ def build_stage(name: str, model, optimizer, comm, stages: dict | None = None, *
 
 
 def sharding(**what) -> list[str]:
-    """The stages that shard exactly ``what`` (their own ``shards`` fact) and take single-device training's
-    step: each bench measures every stage of a kind against torch's implementation of that kind, so a new
-    stage is benchmarked with its kind (``bench all`` sets the others beside theirs too)."""
-    return [name for name in distributed() if STAGES[name].shards == Shards(**what) and STAGES[name].equivalent]
+    """The stages that shard exactly ``what`` (their own ``shards`` fact), the contrast stages aside: each
+    bench measures every stage of a kind against torch's implementation of that kind, so a new stage is
+    benchmarked with its kind (``bench all`` sets the contrast stages beside torch's DDP too)."""
+    return [name for name in distributed() if STAGES[name].shards == Shards(**what) and not STAGES[name].contrast]
 
 
 def accepting(option: str) -> list[str]:

@@ -6,7 +6,8 @@ DDP averages *gradients* every step, so the replicas never differ.  Local SGD
 replica on its own data for ``H`` steps, then averages the *parameters*:
 ``H`` times fewer bytes, at the price of replicas that drift apart in between.
 
-When is it single-device training?  With ``H = 1`` and plain SGD:
+When is it single-device training?  With ``H = 1`` and plain SGD (and no
+clipping: each rank clips its own gradient):
 ``mean_r(p - lr g_r) = p - lr mean_r(g_r)`` -- DDP's step (tested, to 1e-9).
 Anything else breaks it: with ``H > 1`` each rank's later gradients are
 taken at its own parameters, and with momentum or Adam each rank's state
@@ -46,17 +47,18 @@ class LocalSGD(Synchronised):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  average_every: int = 4, outer_lr: float | None = None, outer_momentum: float = 0.9):
-        super().__init__(module, optimizer, comm)
+        rank = comm.rank if comm is not None else 0  # checked before wrapping: a refusal changes nothing
         if optimizer is None:
-            raise ValueError(f"rank {self.rank}: stage {self.name!r} averages the parameters after every "
+            raise ValueError(f"rank {rank}: stage {self.name!r} averages the parameters after every "
                              f"{average_every} optimizer steps, so it must own the optimizer: pass yours to "
                              f"make_stage(name, model, optimizer, comm)")
         if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 1:
-            raise ValueError(f"rank {self.rank}: stage {self.name!r} takes average_every as a whole number of "
+            raise ValueError(f"rank {rank}: stage {self.name!r} takes average_every as a whole number of "
                              f"steps >= 1 (1 averages every step), got {average_every!r}")
         if outer_lr is not None and not (outer_lr > 0 and 0 <= outer_momentum < 1):
-            raise ValueError(f"rank {self.rank}: stage {self.name!r}: the outer optimizer needs outer_lr > 0 and "
+            raise ValueError(f"rank {rank}: stage {self.name!r}: the outer optimizer needs outer_lr > 0 and "
                              f"0 <= outer_momentum < 1, got {outer_lr!r} and {outer_momentum!r}")
+        super().__init__(module, optimizer, comm)
         self.average_every = average_every
         check_same_model(module, comm)
         broadcast_module(module, comm)
@@ -68,6 +70,15 @@ class LocalSGD(Synchronised):
 
     def sync_gradients(self) -> None:
         """Nothing to synchronise after backward: each rank steps on its own gradient."""
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """A resumed run's anchor is the loaded parameters, its outer momentum fresh."""
+        super().load_full_state_dict(state)
+        if self.outer is not None:
+            with torch.no_grad():
+                for anchor, (_, p) in zip(self.anchor, self.trainable()):
+                    anchor.copy_(p)
+            self.outer.state.clear()
 
     def _step(self) -> None:
         self._update()  # this rank's own step, on its own gradient
@@ -105,15 +116,22 @@ class LocalSGD(Synchronised):
 
     @classmethod
     def state_bytes(cls, psi, world_size, element_size, state_tensors, precision=None, outer_lr=None,
-                    **options) -> float:
-        """DDP's, plus the anchor and the outer momentum with DiLoCo."""
-        return super().state_bytes(psi, world_size, element_size, state_tensors) + (
-            2 * element_size * psi if outer_lr is not None else 0)
+                    outer_momentum=0.9, **options) -> float:
+        """DDP's, plus the anchor and (with momentum) the outer momentum with DiLoCo."""
+        return super().state_bytes(psi, world_size, element_size, state_tensors) + psi * cls._outer_bytes(
+            element_size, outer_lr, outer_momentum)
 
     @classmethod
-    def state_formula(cls, element_size, state_tensors, precision=None, outer_lr=None, **options) -> str:
-        base = super().state_formula(element_size, state_tensors)
-        return base if outer_lr is None else f"{base} + {2 * element_size}Ψ (outer)"
+    def state_formula(cls, element_size, state_tensors, precision=None, outer_lr=None, outer_momentum=0.9,
+                      **options) -> str:
+        base, outer = super().state_formula(element_size, state_tensors), cls._outer_bytes(element_size, outer_lr,
+                                                                                            outer_momentum)
+        return f"{base} + {outer}Ψ (outer)" if outer else base
+
+    @staticmethod
+    def _outer_bytes(element_size: int, outer_lr, outer_momentum) -> int:
+        """DiLoCo's anchor, and its momentum buffer unless the momentum is 0 (torch's SGD keeps none then)."""
+        return 0 if outer_lr is None else element_size * (1 + (outer_momentum > 0))
 
     @classmethod
     def schedule(cls, s, average_every: int = 4, **options) -> None:

@@ -2,8 +2,8 @@
 
 ``S`` server ranks hold the authoritative parameters and the optimizer, each
 for its ``1/S`` slice; every rank is also a worker (servers co-located with
-workers, as in MXNet's and BytePS's deployments), so the global batch is
-every other stage's.  One step:
+workers, as MXNet's KVStore allows; BytePS puts them on CPU machines), so
+the global batch is every other stage's.  One step:
 
 1. backward, exactly as in ZeRO-1: gradients accumulate in one flat buffer
    per group, padded to a multiple of ``S``;

@@ -96,12 +96,12 @@ class AsyncParameterServer(ParameterServer):
                 versions = [group.shard.detach()] + [old[g] for old in reversed(self._history)]
                 self.comm.pull(group.data, group.shard.detach().clone(), self.servers,
                                stale=[versions[age] for age in ages], tag=self.tag(f"group {g} parameters after step"))
-        self._shared_versions = [group.shard._version for group in self.groups]
+        self._shared_versions = [self._version_of(group) for group in self.groups]
 
-    def _stepped_since_shared(self) -> bool:
-        """Stepped by an optimizer the stage does not drive: the servers' slices changed since the last pull."""
-        return bool(self._shared_versions) and any(
-            group.shard._version != version for group, version in zip(self.groups, self._shared_versions))
+    @staticmethod
+    def _version_of(group) -> int:
+        """The servers' slice lives apart from the worker copy: a step bumps the slice's version."""
+        return group.shard._version
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The servers' parameters -- the model an asynchronous run has trained -- not this worker's

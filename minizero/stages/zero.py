@@ -72,7 +72,7 @@ class ZeRO(Synchronised):
         if self.precision.mixed:
             self._keep_sharded_masters()
         if not self.shards.parameters:  # full parameters kept: the all-gather after a step keeps them current
-            self._shared_versions = [group.data._version for group in groups]
+            self._shared_versions = [self._version_of(group) for group in groups]
         if self.user_optimizer is not None:
             self.optimizer = ShardedOptimizer.from_optimizer(self.user_optimizer, groups, self.comm, self.master)
             self.optimizer.step, self.optimizer.zero_grad = self.step, self.zero_grad
@@ -147,7 +147,12 @@ class ZeRO(Synchronised):
         ``stage.parameters()``, which the stage does not drive?  The parameters' version counter says:
         every in-place update of a piece bumps it (evaluation forwards and backward do not)."""
         return bool(self._shared_versions) and any(
-            group.data._version != version for group, version in zip(self.groups, self._shared_versions))
+            self._version_of(group) != version for group, version in zip(self.groups, self._shared_versions))
+
+    @staticmethod
+    def _version_of(group) -> int:
+        """What an in-place step of the owned shard bumps: the full buffer's version (the shard views it)."""
+        return group.data._version
 
     def forward(self, *args, **kwargs):
         if self._stepped_since_shared():  # the first forward after such a step shares it first
@@ -159,7 +164,7 @@ class ZeRO(Synchronised):
         for g, group in enumerate(self.groups):
             if any(id(s.param) in self._has_grad for s in group.segments):
                 self.gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
-        self._shared_versions = [group.data._version for group in self.groups]
+        self._shared_versions = [self._version_of(group) for group in self.groups]
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:
         """Every rank's ``full`` from the owners' shards: an all-gather (a parameter server pulls instead)."""
@@ -237,7 +242,7 @@ class ZeRO(Synchronised):
         for group in self.groups:
             group.load_full(group.flatten([state[s.name] for s in group.segments], group.optimizer_dtype))
         if not self.shards.parameters:  # loading is not a step: nothing to all-gather before the next forward
-            self._shared_versions = [group.data._version for group in self.groups]
+            self._shared_versions = [self._version_of(group) for group in self.groups]
 
     def load_full_optimizer_state_dict(self, saved: dict) -> None:
         self._require_optimizer("load_full_optimizer_state_dict").load_full_state_dict(saved)
