@@ -30,7 +30,7 @@ from minizero.precision import PRECISIONS, Precision, check_supported
 from minizero.stages import STAGES, make_stage
 from tests.equivalence import assert_equivalent, bit_identical, examples, experiments, run_and_check
 
-DISTRIBUTED = ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"]
+DISTRIBUTED = ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3", "ps"]  # ps: its workers hold no master at all
 
 
 @pytest.mark.parametrize("stage", DISTRIBUTED)
