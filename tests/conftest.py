@@ -11,7 +11,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -55,8 +58,83 @@ class Pools(RankPools):
                 pool.run(_on_rank, "undo", name)
 
 
+#: Modules none of whose tests measures time: their results are the same on a busy CPU, only later.  `make test`
+#: runs them beside the lessons.  Every other module is marked ``alone`` and runs after, on an otherwise idle
+#: machine (Makefile): the dialled wire, overlap, the cost model, the launcher's and the faults' stall timeouts,
+#: the mutants (some catches are those tests), test_robustness (it sleeps for launched work to finish),
+#: test_train_command (it shares test_launch's torchrun launch) -- and any module not listed here.  List a new
+#: module only if none of its assertions depends on how long anything takes.
+BESIDE_THE_LESSONS = {
+    "test_architecture", "test_bad_input", "test_bench_all", "test_bucketed", "test_checkpoint", "test_cli", "test_comm",
+    "test_compression", "test_contrast_stages", "test_ddp_equivalence", "test_docs", "test_fingerprint", "test_labs",
+    "test_lesson_claims", "test_new_stage", "test_optimizer_semantics", "test_oracle", "test_precision", "test_stall",
+    "test_torch_conventions", "test_train_loop", "test_zero", "test_zero3",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: measures time; `make test` runs it after the lessons and the rest")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] not in BESIDE_THE_LESSONS:
+            item.add_marker(pytest.mark.alone)
+
+
 @pytest.fixture(scope="session")
 def pools():
     p = Pools()
     yield p
     p.close()
+
+
+# ------------------------------------------------------------------------------- torchrun
+#: Commands that must run unchanged under torchrun, each checked by its own test (tests/test_launch.py: compare,
+#: tests/test_train_command.py: train).  A launch costs seconds before the first line of the command (torchrun's
+#: agent and two ranks, each importing torch), so they share one: both run, in turn, in the same two ranks.
+TORCHRUN_COMMANDS = {
+    "compare": ["compare", "--stages", "ddp,zero2", "--steps", "2", "--task", "mlp", "--timeout", "30",
+                "--world-size", "3"],
+    "train": ["train", "--model", "tiny", "--batch-size", "12", "--log-every", "2", "--stage", "zero2", "--backend",
+              "gloo", "--steps", "3", "--timeout", "30", "--save", "ck"],
+}
+
+# What `python -m minizero COMMAND` runs, once per command; rank 0 marks where each one's output begins.
+_IN_TURN = """
+import os, runpy, sys
+for name, *command in (line.split("\\x1f") for line in sys.argv[1:]):
+    if os.environ["RANK"] == "0":
+        print(f"=== {name}", flush=True)
+    sys.argv = ["minizero", *command]
+    try:
+        runpy.run_module("minizero", run_name="__main__", alter_sys=True)
+    except SystemExit as end:
+        if end.code:
+            raise
+"""
+
+
+@dataclass
+class Launched:
+    returncode: int
+    stdout: str  # both ranks' (torchrun passes them on), unbuffered: in the order they were written
+    stderr: str
+    cwd: object  # the directory it ran in (a pathlib.Path)
+
+    def section(self, name: str) -> str:
+        """What was printed from rank 0's mark for command ``name`` to the next mark."""
+        after = self.stdout.split(f"=== {name}\n", 1)[-1]
+        return after.split("\n=== ", 1)[0]
+
+
+@pytest.fixture(scope="session")
+def under_torchrun(tmp_path_factory) -> Launched:
+    """Every command of :data:`TORCHRUN_COMMANDS`, in turn, in one ``torchrun --standalone --nproc-per-node 2``."""
+    cwd = tmp_path_factory.mktemp("torchrun")
+    (cwd / "in_turn.py").write_text(_IN_TURN)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "in_turn.py",
+           *("\x1f".join([name, *command]) for name, command in TORCHRUN_COMMANDS.items())]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return Launched(out.returncode, out.stdout, out.stderr, cwd)
