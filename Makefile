@@ -36,18 +36,10 @@ lint: install
 	$(PY) -m ruff check minizero tests
 
 # The lessons run two at a time (pytest-xdist): each waits on spawns, kernels and dialled wires as much as on
-# the CPU, and nothing in them is asserted on timing.  The suite runs in one process, in two parts.  Its tests
-# that measure time (marked `alone` by tests/conftest.py: the dialled wire, overlap, the cost model, the
-# launcher's and the faults' timeouts, the mutants) run last, on a machine doing nothing else.  The rest --
-# equivalence, bytes, memory, refusals: the same results on a busy CPU, only later -- runs beside the lessons:
-# its ranks wait on each other's messages about a third of the time, and the lessons use those cores.
+# the CPU, and nothing in them is asserted on timing.  The suite itself runs in one process: its timing tests do.
 test: install lint
-	@log=$$(mktemp); \
-	$(PY) -m pytest -q lessons --nbmake --nbmake-timeout=300 -n 2 > $$log 2>&1 & lessons=$$!; \
-	$(PY) -m pytest -q tests -m "not alone"; beside=$$?; \
-	wait $$lessons; notebooks=$$?; echo "lessons:"; cat $$log; rm -f $$log; \
-	$(PY) -m pytest -q tests -m alone; alone=$$?; \
-	exit $$(( beside || notebooks || alone ))
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q lessons --nbmake --nbmake-timeout=300 -n 2
 
 # Hunting: many more random examples, fresh seeds each run.
 test-deep: install

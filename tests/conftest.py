@@ -58,12 +58,12 @@ class Pools(RankPools):
                 pool.run(_on_rank, "undo", name)
 
 
-#: Modules none of whose tests measures time: their results are the same on a busy CPU, only later.  `make test`
-#: runs them beside the lessons.  Every other module is marked ``alone`` and runs after, on an otherwise idle
-#: machine (Makefile): the dialled wire, overlap, the cost model, the launcher's and the faults' stall timeouts,
-#: the mutants (some catches are those tests), test_robustness (it sleeps for launched work to finish),
-#: test_train_command (it shares test_launch's torchrun launch) -- and any module not listed here.  List a new
-#: module only if none of its assertions depends on how long anything takes.
+#: Modules none of whose tests measures time: their results are the same on a busy CPU, only later, so
+#: ``pytest -m "not alone"`` may run them beside other work (the lessons, say).  Every other module is marked
+#: ``alone``: the dialled wire, overlap, the cost model, the launcher's and the faults' stall timeouts, the
+#: mutants, test_robustness (it sleeps for launched work to finish), test_train_command (it shares test_launch's
+#: torchrun launch) -- and any module not listed here.  List a new module only if none of its assertions
+#: depends on how long anything takes.  (`make test` runs the suite, then the lessons, one after the other.)
 BESIDE_THE_LESSONS = {
     "test_architecture", "test_bad_input", "test_bench_all", "test_bucketed", "test_checkpoint", "test_cli", "test_comm",
     "test_compression", "test_contrast_stages", "test_ddp_equivalence", "test_docs", "test_fingerprint", "test_labs",

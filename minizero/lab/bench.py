@@ -241,7 +241,7 @@ def bench_precision(world_size: int, steps: int = 12, precision: str = "bf16") -
     return rows
 
 
-DIALLED = ("overlap", "buckets", "prefetch", "compress", "ps")  # measured on a dialled wire (--network)
+DIALLED = ("overlap", "buckets", "prefetch", "compress", "servers")  # measured on a dialled wire (--network)
 BENCHES = {
     "collectives": lambda args: bench_collectives(args.world_size, repeats=args.repeats),
     "ddp": lambda args: bench_ddp(args.world_size),
@@ -252,7 +252,7 @@ BENCHES = {
     "buckets": lambda args: bench_buckets(args.world_size, _dial(args)),
     "prefetch": lambda args: bench_prefetch(args.world_size, _dial(args)),
     "compress": lambda args: bench_compress(args.world_size, _dial(args)),
-    "ps": lambda args: bench_ps(args.world_size, _dial(args)),
+    "servers": lambda args: bench_ps(args.world_size, _dial(args)),
     "check": lambda args: bench_check(args.world_size),
     "precision": lambda args: bench_precision(args.world_size),
     "all": bench_all.main,  # every stage beside its torch counterpart: step, bytes, memory
