@@ -18,7 +18,7 @@ from ..launch import Rank, RankPool
 from ..stages import distributed
 from ..train import shard_step, sum_loss
 from . import bench_all
-from .bench_network import bench_buckets, bench_compress, bench_overlap_dialled, bench_prefetch, bench_ps, format_rows
+from .bench_network import bench_buckets, bench_compress, bench_overlap_dialled, bench_prefetch, bench_servers, format_rows
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
 from .optimizers import make_optimizer
@@ -252,7 +252,7 @@ BENCHES = {
     "buckets": lambda args: bench_buckets(args.world_size, _dial(args)),
     "prefetch": lambda args: bench_prefetch(args.world_size, _dial(args)),
     "compress": lambda args: bench_compress(args.world_size, _dial(args)),
-    "servers": lambda args: bench_ps(args.world_size, _dial(args)),
+    "servers": lambda args: bench_servers(args.world_size, _dial(args)),
     "check": lambda args: bench_check(args.world_size),
     "precision": lambda args: bench_precision(args.world_size),
     "all": bench_all.main,  # every stage beside its torch counterpart: step, bytes, memory

@@ -95,7 +95,7 @@ def bench_compress(world_size: int, network: str, repeats: int = REPEATS) -> lis
     return rows
 
 
-def bench_ps(world_size: int, network: str, repeats: int = REPEATS) -> list[dict]:
+def bench_servers(world_size: int, network: str, repeats: int = REPEATS) -> list[dict]:
     """The parameter server at N = 2 .. world_size, with one server and with every rank serving: one server
     sends the model to every other rank, so its step grows with N; S = N sends the ring's bytes and stays flat."""
     stage = next(s for s in accepting("servers") if STAGES[s].equivalent)
