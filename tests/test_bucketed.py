@@ -16,10 +16,11 @@ from minizero.lab.models import MLP, EdgeModel
 from minizero.launch import RankError
 from minizero.stages import make_stage
 from minizero.train import shard_step, train_step
-from tests.equivalence import examples, experiments, run_and_check
+from tests.equivalence import covering, examples, experiments, run_and_check
 
 
-@settings(max_examples=examples(40))
+@covering
+@settings(max_examples=examples(20))
 @given(drawn=experiments("ddp-bucketed", max_accum=4))
 def test_bucketed_matches_reference(pools, drawn):
     exp, world_size = drawn

@@ -21,7 +21,7 @@ from minizero.launch import RankError
 from minizero.precision import Precision
 from minizero.stages import STAGES as REGISTRY
 from minizero.stages import distributed
-from tests.equivalence import examples, experiments
+from tests.equivalence import covering, examples, experiments
 
 # The stages whose state is one device's (ps-async and local-sgd refuse: tests/test_contrast_stages.py).
 STAGES = [name for name in distributed() if REGISTRY[name].equivalent]
@@ -94,6 +94,7 @@ def test_resume_carries_error_feedback(pools, tmp_path, stage):
     assert_bit_exact(whole, resumed(pools, exp, 2, 1, tmp_path), 1)
 
 
+@covering
 @settings(max_examples=examples(6))
 @given(drawn=st.sampled_from(STAGES).flatmap(lambda stage: experiments(stage, precision=True)),
        split=st.integers(1, 3), consolidated=st.booleans())

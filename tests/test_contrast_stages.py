@@ -19,7 +19,7 @@ from minizero.lab.tasks import TASKS
 from minizero.stages import STAGES
 from minizero.stages.ps_async import delay
 from minizero.train import shard_step, sum_loss
-from tests.equivalence import examples, experiments, run_and_check
+from tests.equivalence import covering, examples, experiments, run_and_check
 
 
 def _with(exp: Experiment, stage: str, **options) -> Experiment:
@@ -32,7 +32,8 @@ def _same_parameters(a: list, b: list) -> bool:
 
 
 # ------------------------------------------------------------------ ps: a stage like any other
-@settings(max_examples=examples(24))
+@covering
+@settings(max_examples=examples(12))
 @given(data=st.data())
 def test_ps_matches_reference(pools, data):
     """Drawn world sizes 1-4, S from 1 to N (uneven slices, workers that own nothing), K up to 3, uneven
@@ -41,7 +42,8 @@ def test_ps_matches_reference(pools, data):
     run_and_check(pools, exp, world_size)
 
 
-@settings(max_examples=examples(10))
+@covering
+@settings(max_examples=examples(6))
 @given(data=st.data())
 def test_ps_matches_the_same_casts_reference_under_compression_and_mixed_precision(pools, data):
     """The servers add the 16-bit contributions in the ring's order: the same-casts reference holds tightly."""
@@ -90,7 +92,8 @@ def test_the_schedule_is_seeded_and_bounded():
     assert {delay(7, step, rank, 0) for step in range(50) for rank in range(4)} == {0}
 
 
-@settings(max_examples=examples(10))
+@covering
+@settings(max_examples=examples(6))
 @given(data=st.data())
 def test_ps_async_without_staleness_is_ps_bit_for_bit(pools, data):
     exp, world_size = data.draw(experiments("ps", precision=data.draw(st.booleans()), world_sizes=(2, 3, 4)))
@@ -160,7 +163,8 @@ def test_ps_async_memory_counts_the_kept_versions(pools):
 
 
 # ------------------------------------------------------------------ local-sgd
-@settings(max_examples=examples(16))
+@covering
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_local_sgd_averaging_every_step_with_plain_sgd_is_single_device_training(pools, data):
     """mean_r(p - lr g_r) = p - lr mean_r(g_r): DDP's step -- uneven and empty batches and unused

@@ -13,17 +13,18 @@ from hypothesis import strategies as st
 
 from minizero.lab.equivalence import bit_identical
 from minizero.lab.experiment import Experiment, reference_of, run_experiment
-from tests.equivalence import examples, experiments, run_and_check
+from tests.equivalence import covering, examples, experiments, run_and_check
 
 
-@settings(max_examples=examples(60))
+@covering
+@settings(max_examples=examples(30))
 @given(drawn=experiments("ddp", max_accum=4))
 def test_ddp_matches_reference(pools, drawn):
     exp, world_size = drawn
     run_and_check(pools, exp, world_size)
 
 
-@settings(max_examples=examples(20))
+@settings(max_examples=examples(12))
 @given(world_size=st.sampled_from([1, 2, 4]), k=st.sampled_from([1, 2, 4]), mb=st.sampled_from([1, 2, 4]),
        steps=st.integers(1, 3), seed=st.integers(0, 1000), backend=st.sampled_from(["ring", "native"]),
        sizes=st.sampled_from([(4, 2), (5, 1), (3, 4)]))

@@ -8,7 +8,7 @@ from minizero.lab.compare import compare
 from minizero.lab.experiment import Experiment
 from minizero.lab.registry import LAB_STAGES
 from minizero.stages import STAGES, with_stages
-from tests.equivalence import examples, experiments, run_and_check
+from tests.equivalence import covering, examples, experiments, run_and_check
 from tests.extra_stage import AllGatherDDP, WrongFormula
 
 EXTRA = with_stages(AllGatherDDP, WrongFormula, base=LAB_STAGES)  # a copy: the package's registry is untouched
@@ -28,6 +28,7 @@ def test_compare_checks_a_new_stage_against_its_own_formulas():
     assert wrong.within_tolerance and not wrong.bytes_match, wrong  # the byte check can say no
 
 
+@covering
 @settings(max_examples=examples(8))
 @given(drawn=experiments("ddp-all-gather", stages=EXTRA))
 def test_a_new_stage_gets_the_equivalence_property(pools, drawn):

@@ -28,18 +28,29 @@ from minizero.lab.experiment import Experiment, exact_reference_of, reference_of
 from minizero.lab.models import MLP
 from minizero.precision import PRECISIONS, Precision, check_supported
 from minizero.stages import STAGES, make_stage
-from tests.equivalence import assert_equivalent, bit_identical, examples, experiments, run_and_check
+from tests.equivalence import (
+    WORLD_SIZES,
+    assert_equivalent,
+    bit_identical,
+    covering_every_world_size,
+    examples,
+    experiments,
+    run_and_check,
+)
 
 DISTRIBUTED = ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3", "ps"]  # ps: its workers hold no master at all
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)  # not drawn: see test_compression, the same test's seed
 @pytest.mark.parametrize("stage", DISTRIBUTED)
-@settings(max_examples=examples(8))
+@covering_every_world_size
+@settings(max_examples=examples(2))
 @given(data=st.data())
-def test_mixed_precision_matches_the_same_recipe_reference(pools, stage, data):
+def test_mixed_precision_matches_the_same_recipe_reference(pools, stage, world_size, data):
     """bf16/fp16, reduced in 16 bits or fp32, composed with compression; K >= 2, uneven shards, N = 1..4,
     unused parameters; the parameters *and* the optimizer states after every step (the masters' Adam)."""
-    exp, world_size = data.draw(experiments(stage, precision=True, backends=("ring",), max_accum=3))
+    exp, world_size = data.draw(experiments(stage, world_sizes=(world_size,), precision=True, backends=("ring",),
+                                            max_accum=3))
     results = run_and_check(pools, exp, world_size)
     assert len({r.skipped_steps for r in results}) == 1, "ranks skipped different steps"
 

@@ -11,11 +11,12 @@ from minizero.lab.experiment import Experiment, reference_of, run_experiment
 from minizero.lab.models import MLP, EdgeModel
 from minizero.launch import RankError
 from minizero.stages import STAGES, make_stage
-from tests.equivalence import assert_same_optimizer_state, examples, experiments, run_and_check
+from tests.equivalence import assert_same_optimizer_state, covering, examples, experiments, run_and_check
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2"])
-@settings(max_examples=examples(30))
+@covering
+@settings(max_examples=examples(16))
 @given(data=st.data())
 def test_zero_matches_reference(pools, stage, data):
     exp, world_size = data.draw(experiments(stage, max_accum=4))

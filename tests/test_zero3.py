@@ -13,10 +13,11 @@ from minizero.lab.tasks import TASKS
 from minizero.launch import RankError
 from minizero.stages import STAGES, make_stage
 from minizero.units import assign_parameters, default_units, resolve_units
-from tests.equivalence import examples, experiments, run_and_check
+from tests.equivalence import covering, examples, experiments, run_and_check
 
 
-@settings(max_examples=examples(30))
+@covering
+@settings(max_examples=examples(24))
 @given(drawn=experiments("zero3", max_accum=4))
 def test_zero3_matches_reference(pools, drawn):
     exp, world_size = drawn
