@@ -107,6 +107,13 @@ def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, 
     dist.destroy_process_group()
 
 
+def _import_before_forking() -> None:
+    """Every rank builds an optimizer, and the first ``torch.optim.Optimizer.__init__`` in a process imports
+    ``torch._dynamo`` (``torch/_compile.py``, ``_disable_dynamo``: a lazy import) -- sympy and all, seconds of CPU.
+    Imported once here, it is inherited by every forked rank, including the ones a pool forks again after an error."""
+    import torch._dynamo  # noqa: F401
+
+
 class RankPool:
     """``world_size`` ranks on this machine, kept alive between :meth:`run` calls.
 
@@ -123,6 +130,8 @@ class RankPool:
         self.timeout_s = timeout_s
         if start_method is None:
             start_method = "fork" if sys.platform.startswith("linux") and backend == "gloo" else "spawn"
+        if start_method == "fork":
+            _import_before_forking()
         context = mp.get_context(start_method)
         port = self._port = context.Value("i", 0)  # filled in by rank 0, see _rendezvous; kept: spawn unpickles it
         self._results = context.Queue()
