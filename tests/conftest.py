@@ -13,18 +13,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from minizero.launch import RankPools
-from tests.faults import TIMEOUT_S as FAULT_TIMEOUT_S
-from tests.faults import TORCHRUN_FAULTS
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -126,7 +121,6 @@ class Launched:
     stdout: str  # both ranks' (torchrun passes them on), unbuffered: in the order they were written
     stderr: str
     cwd: object  # the directory it ran in (a pathlib.Path)
-    elapsed_s: float  # from the launch to torchrun's exit
 
     def section(self, name: str) -> str:
         """What was printed from rank 0's mark for command ``name`` to the next mark."""
@@ -134,79 +128,13 @@ class Launched:
         return after.split("\n=== ", 1)[0]
 
 
-def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-
-
-def _launches(tmp: Path) -> dict[str, tuple[list[str], Path]]:
-    """Every torchrun launch of the suite: name -> (command, directory it runs in)."""
-    (tmp / "in_turn.py").write_text(_IN_TURN)
-    faults = Path(__file__).with_name("faults.py")
-    return {"commands": (torchrun("in_turn.py", *("\x1f".join([name, *command])
-                                                 for name, command in TORCHRUN_COMMANDS.items())), tmp),
-            **{f"fault {fault} {place}": (torchrun(str(faults), fault, place, str(FAULT_TIMEOUT_S)), tmp)
-               for fault, place in TORCHRUN_FAULTS}}
-
-
-class Launches:
-    """The torchrun launches, started together in the background as the session begins -- each is seconds of
-    torchrun's agent and two ranks importing torch, mostly waiting -- and collected by the tests that check
-    them.  Each writes to files (a pipe nobody reads would fill and stop it) and is timed by its own waiter."""
-
-    def __init__(self, tmp: Path):
-        self._running = {}
-        for name, (cmd, cwd) in _launches(tmp).items():
-            out, err = (open(tmp / f"{name}.{kind}", "w+") for kind in ("out", "err"))
-            proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                                         "PYTHONPATH": str(Path(__file__).parent.parent)})
-            timing = {"start": time.monotonic()}
-            waiter = threading.Thread(target=self._time, args=(proc, timing), daemon=True)
-            waiter.start()
-            self._running[name] = (proc, out, err, cwd, timing, waiter)
-
-    @staticmethod
-    def _time(proc: subprocess.Popen, timing: dict) -> None:
-        proc.wait()
-        timing["end"] = time.monotonic()
-
-    def result(self, name: str, timeout_s: float = 180) -> Launched:
-        proc, out, err, cwd, timing, waiter = self._running[name]
-        waiter.join(max(0.0, timing["start"] + timeout_s - time.monotonic()))
-        if waiter.is_alive():
-            proc.kill()
-            pytest.fail(f"torchrun launch {name!r} still running after {timeout_s:.0f} s")
-        out.seek(0), err.seek(0)
-        return Launched(proc.returncode, out.read(), err.read(), cwd, timing["end"] - timing["start"])
-
-    def close(self):
-        for proc, out, err, *_ in self._running.values():
-            if proc.poll() is None:
-                proc.kill()
-            out.close(), err.close()
-
-
 @pytest.fixture(scope="session")
-def launches(tmp_path_factory):
-    """Started by the first test that asks -- and, when any collected test asks, as the session begins."""
-    started = Launches(tmp_path_factory.mktemp("torchrun"))
-    yield started
-    started.close()
-
-
-def pytest_collection_finish(session):
-    if any("launches" in item.fixturenames or "under_torchrun" in item.fixturenames for item in session.items):
-        session.config._start_launches = True
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _launch_early(request):
-    """Start the torchrun launches before the first test, so they run while the rest of the suite does."""
-    if getattr(request.config, "_start_launches", False):
-        request.getfixturevalue("launches")
-
-
-@pytest.fixture(scope="session")
-def under_torchrun(launches) -> Launched:
+def under_torchrun(tmp_path_factory) -> Launched:
     """Every command of :data:`TORCHRUN_COMMANDS`, in turn, in one ``torchrun --standalone --nproc-per-node 2``."""
-    return launches.result("commands")
+    cwd = tmp_path_factory.mktemp("torchrun")
+    (cwd / "in_turn.py").write_text(_IN_TURN)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "in_turn.py",
+           *("\x1f".join([name, *command]) for name, command in TORCHRUN_COMMANDS.items())]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return Launched(out.returncode, out.stdout, out.stderr, cwd)

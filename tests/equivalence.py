@@ -18,12 +18,14 @@ def examples(n: int) -> int:
     return 20 * n if DEEP else n
 
 
+WORLD_SIZES = (1, 2, 3, 4)
+
 #: Every experiment drawn in this process, with the world sizes its strategy draws from: what :func:`covering`
 #: looks at.
 _DRAWN: list[tuple] = []
 
 
-def experiments(*args, world_sizes=(1, 2, 3, 4), **kwargs):
+def experiments(*args, world_sizes=WORLD_SIZES, **kwargs):
     """:func:`minizero.lab.drawn.experiments`, each draw noted for :func:`covering` (``map`` leaves the draws
     themselves, and so the derandomized examples, as they were)."""
     return drawn.experiments(*args, world_sizes=world_sizes, **kwargs).map(
@@ -56,9 +58,6 @@ def covering(test):
         missing = missing_cases(_DRAWN[start:])
         assert not missing, f"the drawn examples never had {', '.join(missing)}: raise this property's examples(n)"
     return property_then_coverage
-
-
-WORLD_SIZES = (1, 2, 3, 4)
 
 
 def covering_every_world_size(test):

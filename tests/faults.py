@@ -20,10 +20,6 @@ import torch
 FAULTS = ("raise", "exit", "kill", "sleep")
 PLACES = ("forward", "bucket", "gather")
 FAULTY_RANK = 1
-TIMEOUT_S = 2.0  # the stall timeout of these runs
-#: Under torchrun (tests/test_faults.py; conftest.py launches them): a killed rank and one that raised both end as
-#: an exiting process, which torchrun's agent sees the same way, so the raise stands for both.
-TORCHRUN_FAULTS = [("raise", "bucket"), ("sleep", "gather")]
 
 
 def inject(fault: str) -> None:
