@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from minizero import checkpoint
 from minizero.checkpoint import CheckpointError
+from minizero.checkpoint.directory import find as find_with_notes
 from minizero.lab.equivalence import judge
 from minizero.lab.experiment import Experiment, build, exact_reference_of, run_experiment
 from minizero.lab.tasks import TASKS
@@ -214,7 +215,7 @@ def test_another_format_version_is_refused(pools, saved, tmp_path):
     os.system(f"cp -r {root} {tmp_path / 'run'}")
     manifest = tmp_path / "run" / "step-00000002" / "manifest.json"
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 99}))
-    assert "written in checkpoint format version 99; this minizero reads version 1" in load_error(
+    assert "written in checkpoint format version 99; this minizero reads versions 1 and 2" in load_error(
         pools, exp, tmp_path / "run")
 
 
@@ -263,19 +264,23 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(pools, saved, tmp
     errors = pools.pool(2).run(_save_with_a_fault, exp, str(tmp_path), "disk full")
     assert "No space left on device" in errors[1]
     assert "rank(s) [1] could not write their file, so this save was not completed" in errors[0]
-    assert not (tmp_path / "step-00000002" / "manifest.json").exists()
+    assert list(tmp_path.iterdir()) == []  # nothing of the failed save is left behind
 
 
-def test_an_interrupted_save_over_an_old_one_never_loads_as_a_mix(pools, saved, tmp_path):
-    """Saving step 2 again (a rerun into the same directory) and dying before the manifest: the old manifest
-    went first, so neither the old nor a mix of old and new files loads; the newest complete save does."""
+def test_an_interrupted_save_over_an_old_one_leaves_the_old_one_whole(pools, saved, tmp_path):
+    """Saving step 2 again (a rerun into the same directory) and dying before the manifest: the new save was
+    staged beside the old one, so step 2 -- the old, complete one -- still loads, and --resume says what it
+    skipped; the next save removes what the dead one left."""
     exp, root = saved
     os.system(f"cp -r {root} {tmp_path / 'run'}")
     with pytest.raises(RankError, match="rank 0 died"):
         pools.pool(2).run(_save_with_a_fault, exp, str(tmp_path / "run"), "death before the manifest")
-    assert "step-00000002: no manifest.json, so this save did not finish" in load_error(
-        pools, exp, tmp_path / "run" / "step-00000002")
-    assert checkpoint.find(tmp_path / "run") == tmp_path / "run" / "step-00000001"  # latest names step 2: skipped
+    found, notes = find_with_notes(tmp_path / "run")
+    assert found == tmp_path / "run" / "step-00000002"
+    assert any(n.startswith("skipped .step-00000002.saving-") for n in notes), notes
+    pools.run(2, run_experiment, replace(exp, resume=str(tmp_path / "run"), first_step=2, save=str(tmp_path / "run")))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["latest", "step-00000001", "step-00000002",
+                                                                   "step-00000003"]
 
 
 def test_a_file_from_another_save_is_refused(pools, saved, tmp_path):

@@ -1,7 +1,7 @@
 """Checkpoints for every stage: save at N ranks, load at M, from any stage into any stage.
 
 **Sharded** (the default): each rank writes what it owns -- :meth:`Stage.owned_parts`, ranges of the
-*parameters* with their optimizer state -- with no communication beyond a file-size exchange; rank 0 adds
+*parameters* with their optimizer state -- with no communication beyond an exchange of file sizes and digests; rank 0 adds
 the buffers, frozen parameters and optimizer hyper-parameters.  **Consolidated**: the whole model and
 optimizer state_dicts gathered (``full_state_dict``), one file a plain PyTorch user loads::
 
@@ -18,6 +18,7 @@ from exactly: the step, the precision and loss-scaler state, each rank's RNG, th
 from __future__ import annotations
 
 import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -25,90 +26,151 @@ import torch
 
 from ..comm import Tag
 from ..parts import Part
-from .files import (
-    CONSOLIDATED,
-    MANIFEST,
-    CheckpointError,
-    find,
-    load_file,
-    rank_file,
-    read_manifest,
-    save_tensors,
-    step_dir,
-    write_manifest,
-)
+from .directory import LATEST, clean, point_latest, publish, staging_dir, step_dir
+from .directory import find as find_with_notes
+from .files import CONSOLIDATED, CheckpointError, load_file, rank_file, read_manifest, save_tensors, write_manifest
 
-__all__ = ["CheckpointError", "save", "load", "inspect", "find"]
+__all__ = ["CheckpointError", "save", "load", "inspect", "find", "LATEST"]
 
 
 def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data: dict | None = None) -> Path:
     """Save ``stage`` (every rank calls this) as checkpoint ``step`` under ``root``; returns its directory.
-    ``data``: what the training loop needs to continue (its position, seed, batch size), kept in the manifest."""
+    ``data``: what the training loop needs to continue (its position, seed, batch size), kept in the manifest.
+    Written beside any earlier checkpoint and put in place only when complete (``directory.py``)."""
     _require_optimizer(stage)  # before anything is written
     stage.check_checkpointable(stage.rank)
     comm, rank, world_size = stage.comm, stage.rank, stage.world_size
-    directory = step_dir(root, step)
-    directory.mkdir(parents=True, exist_ok=True)  # every rank: nodes need not share a file system
-    if rank == 0:  # saving a step again: its old manifest goes first, so an interrupted save never loads
-        (directory / MANIFEST).unlink(missing_ok=True)
-    save_id = _everyones(comm, secrets.randbits(52) if rank == 0 else 0)[0]  # also the barrier after the unlink
-    if consolidated:
-        model, optimizer = stage.full_state_dict(), stage.full_optimizer_state_dict()  # collectives: every rank
-        name, payload = CONSOLIDATED, {"model": model, "optimizer": optimizer, "param_names": _optimizer_names(stage)}
-    else:
-        name = rank_file(rank, world_size)
-        payload = {"parts": [(p.name, p.start, p.stop, p.value, p.state) for p in stage.owned_parts()],
-                   "residuals": dict(stage.wire.residuals) if _wire(stage) else {}}
+    root, final = Path(root), step_dir(root, step)
+    writes = rank == 0 or not consolidated
+
+    def prepare() -> list[int]:
         if rank == 0:
-            payload["rest"] = _rest(stage)
-            payload["optimizer_groups"] = _optimizer_groups(stage)
-    failure, size = None, 0
-    if rank == 0 or not consolidated:
-        try:
-            size = save_tensors(directory / name, {**payload, "save_id": save_id, "rng": _rng_state()})
-        except Exception as error:  # noqa: BLE001 -- the others must hear of it, not wait for it
-            failure, size = error, -1
-    sizes = _everyones(comm, size)
+            root.mkdir(parents=True, exist_ok=True)
+            clean(root)  # what killed saves left behind, before this one adds its own
+        return [secrets.randbits(52) if rank == 0 else 0]
+    save_id = _together(comm, prepare, 1, final, "prepare the directory")[0][0]
+    staging = staging_dir(root, step, save_id)
+    payload = _payload(stage, consolidated)  # consolidated: gathers, so every rank takes part
+
+    def write_own_file() -> list[int]:
+        if not writes:
+            return [0] * 17  # (consolidated: rank 0 writes the one file)
+        staging.mkdir(parents=True, exist_ok=True)  # every rank: nodes need not share a file system
+        return _record(*save_tensors(staging / _file_name(rank, world_size, consolidated),
+                                     {**payload, "save_id": save_id, "rng": _rng_state()}))
+    records = _together(comm, write_own_file, 17, final, "write their file", staging if writes else None)
+    files = ({CONSOLIDATED: _entry(records[0])} if consolidated else
+             {rank_file(r, world_size): _entry(v) for r, v in enumerate(records)})
+
+    def write_the_manifest() -> list[int]:
+        if rank == 0:
+            write_manifest(staging, _manifest(stage, step, consolidated, save_id, data, files))
+        return []
+    _together(comm, write_the_manifest, 0, final, "write the manifest", staging if writes else None)
+
+    def put_in_place() -> list[int]:  # complete everywhere: only now does it replace anything
+        if writes and staging.exists() and _lowest_writer(staging, rank, world_size, consolidated):
+            publish(staging, final, save_id)
+        if rank == 0:
+            point_latest(final)
+        return []
+    _together(comm, put_in_place, 0, final, "put it in place")  # nobody moves on (or loads it) before it is
+    return final
+
+
+def _together(comm, action, width: int, final: Path, what: str, staging: Path | None = None) -> list[list[int]]:
+    """``action()`` on every rank, then every rank's result (``width`` ints) -- or, if it failed anywhere,
+    the failure on every rank at once (no rank waits for a peer that will never come), with this save's
+    staging directory removed: nothing of it is left behind, and the previous checkpoint stands."""
+    failure, values = None, [0] * width
+    try:
+        values = action()
+    except Exception as error:  # noqa: BLE001 -- the others must hear of it, not wait for it
+        failure = error
+    everyone = _everyones(comm, [0 if failure else 1, *values])
+    failed = [r for r, row in enumerate(everyone) if row[0] == 0]
+    if failed and staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
     if failure is not None:
         raise failure
-    if min(sizes) < 0:
-        raise CheckpointError(f"{directory}: rank(s) {[r for r, s in enumerate(sizes) if s < 0]} could not write their "
-                              f"file, so this save was not completed; the previous checkpoint stands")
-    files = {CONSOLIDATED: sizes[0]} if consolidated else {rank_file(r, world_size): s for r, s in enumerate(sizes)}
-    if rank == 0:
-        scaler = stage.master.scaler if stage.master and stage.master.scaler else None
-        write_manifest(directory, {
-            "kind": "consolidated" if consolidated else "sharded", "stage": stage.name, "world_size": world_size,
-            "step": step, "precision": stage.precision.name, "loss_scaler": scaler.state_dict() if scaler else None,
+    if failed:
+        raise CheckpointError(f"{final}: rank(s) {failed} could not {what}, so this save was not completed; the "
+                              f"previous checkpoint stands")
+    return [row[1:] for row in everyone]
+
+
+def _payload(stage, consolidated: bool) -> dict:
+    if consolidated:
+        return {"model": stage.full_state_dict(), "optimizer": stage.full_optimizer_state_dict(),
+                "param_names": _optimizer_names(stage)}
+    payload = {"parts": [(p.name, p.start, p.stop, p.value, p.state) for p in stage.owned_parts()],
+               "residuals": dict(stage.wire.residuals) if _wire(stage) else {}}
+    if stage.rank == 0:
+        payload["rest"] = _rest(stage)
+        payload["optimizer_groups"] = _optimizer_groups(stage)
+    return payload
+
+
+def _manifest(stage, step: int, consolidated: bool, save_id: int, data, files: dict) -> dict:
+    scaler = stage.master.scaler if stage.master and stage.master.scaler else None
+    return {"kind": "consolidated" if consolidated else "sharded", "stage": stage.name,
+            "world_size": stage.world_size, "step": step, "precision": stage.precision.name,
+            "loss_scaler": scaler.state_dict() if scaler else None,
             "wire": str(stage.wire.wire_dtype) if _wire(stage) else None, "save_id": save_id,
-            "data": data or {}, "state": stage.full_state_shapes(), "sharded": stage.sharded_names(),
-            "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    _barrier(comm, "checkpoint manifest written")  # nobody moves on (or loads it) before it is complete
-    return directory
+            "optimizer": {"class": _optimizer_class(stage).__name__}, "data": data or {},
+            "state": stage.full_state_shapes(), "sharded": stage.sharded_names(), "files": files,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _file_name(rank: int, world_size: int, consolidated: bool) -> str:
+    return CONSOLIDATED if consolidated else rank_file(rank, world_size)
+
+
+def _lowest_writer(staging: Path, rank: int, world_size: int, consolidated: bool) -> bool:
+    """Whether this rank renames ``staging`` into place: the lowest rank whose file is in it (on one shared
+    file system, rank 0; on nodes of their own, one rank per node)."""
+    if consolidated:
+        return rank == 0
+    return all(not (staging / rank_file(r, world_size)).exists() for r in range(rank))
+
+
+def _record(size: int, sha256: str) -> list[int]:
+    """A file's size and SHA-256 as 17 numbers a float64 all-gather carries exactly (16-bit words)."""
+    return [size] + [int(sha256[i:i + 4], 16) for i in range(0, 64, 4)]
+
+
+def _entry(record: list[int]) -> list:
+    return [record[0], "".join(f"{w:04x}" for w in record[1:])]
+
+
+def find(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names (``directory.find`` without its notes)."""
+    return find_with_notes(path)[0]
 
 
 def load(stage, path: str | Path) -> dict:
     """Load the checkpoint ``path`` names (a step directory, or a --save directory: its latest) into
-    ``stage``, on every rank; no communication.  Returns the manifest, with ``notes`` on what did not carry
-    over (error-feedback residuals: only a sharded checkpoint loaded in the same layout keeps them).
-    Refuses, naming the file or the tensor, a checkpoint that is incomplete, damaged, of another format
-    version, another model or another precision."""
+    ``stage``, on every rank; no communication.  Returns the manifest, with ``notes`` on which checkpoint was
+    taken and what was skipped, which settings the checkpoint's replaced, and what did not carry over
+    (error-feedback residuals: only a sharded checkpoint loaded in the same layout keeps them).  Refuses, naming
+    the file, the field or the tensor, a checkpoint that is incomplete, damaged (each file's SHA-256 is checked),
+    of another format version, another model, another precision or another optimizer."""
     _require_optimizer(stage)
-    directory = find(path)
+    directory, notes = find_with_notes(path)
     manifest = read_manifest(directory)
+    notes += _unverified(manifest)
     _check_fits(manifest, directory, stage.full_state_shapes(), stage.precision.name)
-    payloads = [load_file(directory / name) for name in manifest["files"]]
-    for name, payload in zip(manifest["files"], payloads):
-        if payload.get("save_id") != manifest["save_id"]:
-            raise CheckpointError(f"{directory / name}: written by another save than the manifest's (a save into this "
-                                  f"directory was interrupted); resume from an earlier checkpoint")
+    _check_optimizer(manifest, directory, _optimizer_class(stage))
+    payloads = [load_file(directory / name) for name in manifest["files"]]  # each verified by its SHA-256
     if manifest["kind"] == "consolidated":
         model = payloads[0]["model"]
         optimizer = _by_name(payloads[0]["optimizer"], payloads[0]["param_names"])
     else:
         model, optimizer = _assemble(stage, manifest, payloads, directory)
+    indexed = _indexed(optimizer, _optimizer_names(stage), directory)
+    notes += _settings_followed(stage, optimizer)
     stage.load_full_state_dict(model)
-    stage.load_full_optimizer_state_dict(_indexed(optimizer, _optimizer_names(stage), directory))
+    stage.load_full_optimizer_state_dict(indexed)
     if manifest["loss_scaler"] and stage.master and stage.master.scaler:
         stage.master.scaler.load_state_dict(manifest["loss_scaler"])
     wire = _wire(stage)
@@ -119,7 +181,6 @@ def load(stage, path: str | Path) -> dict:
     torch.set_rng_state(mine["rng"]["cpu"])
     if "cuda" in mine["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(mine["rng"]["cuda"])
-    notes = []
     if wire and same_layout and sharded:
         device = next(stage.module.parameters()).device
         wire.residuals.update({key: value.to(device) for key, value in mine["residuals"].items()})
@@ -131,15 +192,45 @@ def load(stage, path: str | Path) -> dict:
 
 
 # ---------------------------------------------------------------------- what is checked before loading
-def inspect(path: str | Path, shapes: dict | None = None, precision: str | None = None) -> dict:
-    """The manifest of the checkpoint ``path`` names, checked as :func:`load` checks it -- complete, ours, and
-    (if given) of a model with these ``name -> (shape, dtype)`` and this precision -- without loading it:
-    what a launcher runs before it starts any rank.  Adds ``directory``."""
-    directory = find(path)
+def inspect(path: str | Path, shapes: dict | None = None, precision: str | None = None,
+            optimizer: type | None = None) -> dict:
+    """The manifest of the checkpoint ``path`` names, checked as :func:`load` checks it -- complete, whole
+    (every file's SHA-256), ours, and (if given) of a model with these ``name -> (shape, dtype)``, this precision
+    and this optimizer class -- without loading it: what a launcher runs before it starts any rank.  Adds
+    ``directory`` and ``notes`` (which checkpoint a --save directory resolved to, what was skipped)."""
+    directory, notes = find_with_notes(path)
     manifest = read_manifest(directory)
     if shapes is not None:
         _check_fits(manifest, directory, shapes, precision or manifest["precision"])
-    return {**manifest, "directory": str(directory)}
+    if optimizer is not None:
+        _check_optimizer(manifest, directory, optimizer)
+    return {**manifest, "directory": str(directory), "notes": notes + _unverified(manifest)}
+
+
+def _unverified(manifest: dict) -> list[str]:
+    return [manifest["unverified"]] if "unverified" in manifest else []
+
+
+def _check_optimizer(manifest: dict, directory: Path, mine: type) -> None:
+    """Another optimizer class would load state it does not understand: AdamW's moments into SGD ran on with
+    the checkpoint's lr and no momentum, silently, under ZeRO, and failed with KeyError under ddp."""
+    theirs = manifest["optimizer"].get("class")
+    if theirs is not None and theirs != mine.__name__:  # (format version 1 did not record it)
+        raise CheckpointError(f"{directory}: saved with optimizer {theirs}, this run's is {mine.__name__}; build "
+                              f"the optimizer the saved run used (--optimizer {str(theirs).lower()}), or load only "
+                              f"the model from consolidated.pt")
+
+
+def _settings_followed(stage, saved: dict) -> list[str]:
+    """What the checkpoint's hyper-parameters replace in this run's optimizer, as torch's
+    ``Optimizer.load_state_dict`` does (a scheduler's learning rate is state): followed, and said."""
+    notes = []
+    for i, (group, theirs) in enumerate(zip(stage.optimizer.param_groups, saved["param_groups"], strict=True)):
+        for key, value in theirs.items():
+            if key != "params" and key in group and group[key] != value:
+                notes.append(f"optimizer group {i}: {key} {value!r} from the checkpoint replaces this run's "
+                             f"{group[key]!r} (as torch's load_state_dict does)")
+    return notes
 
 
 def _check_fits(manifest: dict, directory: Path, mine: dict, precision: str) -> None:
@@ -253,6 +344,11 @@ def _require_optimizer(stage) -> None:
                               f"without one; pass your optimizer to make_stage(name, model, optimizer, comm)")
 
 
+def _optimizer_class(stage) -> type:
+    """The user's optimizer class: ZeRO's ShardedOptimizer runs one of it over this rank's pieces."""
+    return getattr(stage.optimizer, "optimizer_class", type(stage.optimizer))
+
+
 def _wire(stage):
     wire = getattr(stage, "wire", None)
     return wire if wire is not None and wire.error_feedback else None
@@ -265,17 +361,11 @@ def _rng_state() -> dict:
     return state
 
 
-def _everyones(comm, value: int) -> list[int]:
-    """Every rank's ``value`` (exact in float64 up to 2**53 bytes); the reference has no comm."""
+def _everyones(comm, values: list[int]) -> list[list[int]]:
+    """Every rank's ``values`` (each exact in float64 up to 2**53); the reference has no comm."""
     if comm is None:
-        return [value]
-    mine = torch.tensor([float(value)], dtype=torch.float64)
-    everyone = torch.empty(comm.world_size, dtype=torch.float64)
-    comm.all_gather(everyone, mine, tag=Tag("checkpoint file sizes"))
-    return [int(v) for v in everyone.tolist()]
-
-
-def _barrier(comm, what: str) -> None:
-    if comm is None:
-        return
-    comm.all_reduce(torch.zeros(1), tag=Tag(what))
+        return [values]
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    everyone = torch.empty(comm.world_size * len(values), dtype=torch.float64)
+    comm.all_gather(everyone, mine, tag=Tag("checkpoint file sizes and digests"))
+    return [[int(v) for v in row] for row in everyone.view(comm.world_size, len(values)).tolist()]

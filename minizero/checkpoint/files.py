@@ -1,21 +1,24 @@
-"""A checkpoint on disk: one directory per save, files written atomically, the manifest last.
+"""One checkpoint's files: each written atomically with its SHA-256, the manifest that lists them, and the
+checks that refuse a file or a manifest that is not what was written.
 
 ::
 
-    SAVE_DIR/
-      latest                          "step-00000020": the newest complete checkpoint
-      step-00000020/
-        manifest.json                 written last: without it the directory is not a checkpoint
-        rank-00000-of-00004.pt ...    sharded: what each rank owns (minizero.parts)
-        consolidated.pt               consolidated: {"model": ..., "optimizer": ...}, torch.load-able
+    step-00000020/
+      manifest.json                 written last: every file's size and SHA-256, and its own SHA-256
+      rank-00000-of-00004.pt ...    sharded: what each rank owns (minizero.parts)
+      consolidated.pt               consolidated: {"model": ..., "optimizer": ...}, torch.load-able
 
-Every file is written under a temporary name, flushed to disk and renamed (``os.replace`` is atomic on
-POSIX), and the manifest -- which lists every file with its size -- is renamed into place only after every
-rank's file is.  So a save that crashes at any point leaves a directory that is refused, naming what is
-missing, and ``latest`` still names the previous checkpoint, which loads.
+Every file is written under a temporary name, flushed to disk and renamed (``os.replace`` is atomic on POSIX),
+hashed as it is written.  Why a hash and not only the size: ``torch.load(mmap=True)`` does not check the zip
+archive's CRCs, so a file damaged in place (a disk, a copy, an editor) loads without a word -- 16 float32 zeros
+in a rank's file resumed a run 0.46 away from where it stopped.  The manifest hashes itself too, so an edited
+step or precision is refused like a damaged tensor.  Where a save's directory goes, and how it replaces an old
+one without ever destroying it, is ``directory.py``'s business.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,109 +26,165 @@ from pathlib import Path
 import torch
 
 FORMAT = "minizero-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files and the manifest carry SHA-256 digests; the optimizer's class is recorded
 MANIFEST = "manifest.json"
-LATEST = "latest"
 CONSOLIDATED = "consolidated.pt"
+TEMPORARY = ".tmp-"  # in the name of a file being written: what a killed save leaves behind
+#: What every manifest holds, with its type: a field missing or of another type is named, never a KeyError.
+FIELDS = {"kind": str, "stage": str, "world_size": int, "step": int, "precision": str, "save_id": int,
+          "data": dict, "state": dict, "sharded": list, "files": dict, "optimizer": dict}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this run: the message says which file and what to do."""
+    """A checkpoint that cannot be saved or loaded here: the message says which file and what to do."""
 
 
 def rank_file(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.pt"
 
 
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
+class _Hashing:
+    """A file object that hashes what passes through it (``torch.save`` writes through it)."""
+
+    def __init__(self, f):
+        self.f, self.digest = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):  # flush, tell, seek: torch.save's zip writer asks for them
+        return getattr(self.f, name)
 
 
-def write_atomic(path: Path, write) -> int:
-    """``write(file)`` into a temporary name beside ``path``, fsync, rename; returns the bytes written."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)  # the rename itself reaches the disk, in order
+def write_atomic(path: Path, write) -> tuple[int, str]:
+    """``write(file)`` into a temporary name beside ``path``, fsync, rename; returns (bytes, SHA-256 hex).
+    A failure (disk full, read-only) removes the temporary file and says which file could not be written."""
+    temporary = path.with_name(f".{path.name}{TEMPORARY}{os.getpid()}")
     try:
-        os.fsync(directory)
+        with open(temporary, "wb") as f:
+            hashing = _Hashing(f)
+            write(hashing)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+        fsync_directory(path.parent)  # the rename itself reaches the disk, in order
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        full = " (the disk is full: free space, or save elsewhere with --save)" if error.errno == errno.ENOSPC else ""
+        raise CheckpointError(f"{path}: could not be written: {error.strerror or error}{full}; the previous "
+                              f"checkpoint stands") from None
+    except RuntimeError as error:  # torch's zip writer words a full disk as "unexpected pos": same news
+        temporary.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: could not be written ({str(error).splitlines()[0]}); is the disk full? "
+                              f"The previous checkpoint stands") from None
+    return path.stat().st_size, hashing.digest.hexdigest()
+
+
+def fsync_directory(directory: Path) -> None:
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)
     finally:
-        os.close(directory)
-    return path.stat().st_size
+        os.close(handle)
 
 
-def save_tensors(path: Path, payload) -> int:
+def save_tensors(path: Path, payload) -> tuple[int, str]:
     return write_atomic(path, lambda f: torch.save(payload, f))
 
 
-def save_text(path: Path, text: str) -> int:
-    return write_atomic(path, lambda f: f.write(text.encode()))
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-def find(path: str | Path) -> Path:
-    """The checkpoint directory ``path`` names: itself if it holds a manifest, else the one its ``latest``
-    names, else its newest ``step-*`` directory that holds a manifest."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory; pass the --save directory of a run, or "
-                              f"one of its step-* directories")
-    if (path / MANIFEST).exists() or path.name.startswith("step-"):  # read_manifest refuses one without
-        return path
-    if (path / LATEST).exists() and (path / (path / LATEST).read_text().strip() / MANIFEST).exists():
-        return path / (path / LATEST).read_text().strip()
-    complete = sorted(d for d in path.glob("step-*") if (d / MANIFEST).exists())  # latest's save was interrupted
-    if complete:
-        return complete[-1]
-    started = sorted(path.glob("step-*"))
-    if started:
-        raise CheckpointError(f"{started[-1]}: no {MANIFEST}, so the save did not finish (the run stopped while "
-                              f"saving); there is no earlier complete checkpoint in {path} to resume from")
-    raise CheckpointError(f"{path} holds no checkpoint (no {MANIFEST}, no step-* directories)")
+# ---------------------------------------------------------------------- the manifest
+def _canonical(manifest: dict) -> bytes:
+    """The bytes the manifest's own digest covers: everything but the digest, keys sorted."""
+    return json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True).encode()
 
 
-def read_manifest(directory: Path) -> dict:
-    """The manifest, after checking that it is ours, of a version we read, and that every file it lists is
-    there at its full size (a truncated copy is refused here, naming the file)."""
+def write_manifest(directory: Path, manifest: dict) -> None:
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest}
+    manifest["sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
+    write_atomic(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+def read_manifest(directory: Path, verify: bool = True) -> dict:
+    """The manifest, after checking that it is ours, of our version, whole (every field, its own digest, the
+    step its directory is named for) and that every file it lists is there at its full size -- and, with
+    ``verify``, has its SHA-256 (this reads every file once)."""
     path = directory / MANIFEST
     if not path.exists():
         raise CheckpointError(f"{directory}: no {MANIFEST}, so this save did not finish (the run stopped while "
-                              f"saving); resume from the directory's parent, whose '{LATEST}' names the last "
-                              f"complete checkpoint")
+                              f"saving); resume from the directory above it, which takes the newest complete one")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path}: not valid JSON ({error}); the file is damaged -- resume from an earlier "
                               f"checkpoint") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a minizero checkpoint manifest (format {manifest.get('format')!r})")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path}: not a minizero checkpoint manifest (format {found!r})")
+    if manifest.get("format_version") == 1:
+        return _version_1(manifest, directory)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: written in checkpoint format version {manifest.get('format_version')}; this "
-                              f"minizero reads version {FORMAT_VERSION}. Load it with the minizero that wrote it and "
-                              f"save it consolidated, or start a new run")
-    for name, size in manifest["files"].items():
+                              f"minizero reads versions 1 and {FORMAT_VERSION}. Load it with the minizero that wrote "
+                              f"it, or start a new run")
+    for field, kind in FIELDS.items():
+        if not isinstance(manifest.get(field), kind):
+            what = "missing" if field not in manifest else f"a {type(manifest[field]).__name__}, not a {kind.__name__}"
+            raise CheckpointError(f"{path}: field '{field}' is {what}; the manifest is damaged -- resume from an "
+                                  f"earlier checkpoint")
+    if manifest.get("sha256") != hashlib.sha256(_canonical(manifest)).hexdigest():
+        raise CheckpointError(f"{path}: its contents do not match its SHA-256 (it was edited or damaged after the "
+                              f"save); resume from an earlier checkpoint")
+    if directory.name.startswith("step-") and directory.name != f"step-{manifest['step']:08d}":
+        raise CheckpointError(f"{path}: says step {manifest['step']}, but its directory is {directory.name}; "
+                              f"resume from an earlier checkpoint")
+    for name, (size, sha256) in manifest["files"].items():
         file = directory / name
         if not file.exists():
             raise CheckpointError(f"{file}: missing, but the manifest lists it; copy the whole checkpoint directory")
         if file.stat().st_size != size:
             raise CheckpointError(f"{file}: {file.stat().st_size} bytes, but the manifest says {size}: the file is "
                                   f"truncated or was overwritten; resume from an earlier checkpoint")
+        if verify and sha256_of(file) != sha256:
+            raise CheckpointError(f"{file}: {_why_different(file, manifest['save_id'])}; resume from an earlier "
+                                  f"checkpoint")
     return manifest
 
 
+def _why_different(file: Path, save_id: int) -> str:
+    """A file whose digest is not the manifest's: another save's (each carries its save's id), or damaged."""
+    try:
+        theirs = torch.load(file, map_location="cpu", mmap=True, weights_only=False).get("save_id")
+    except Exception:  # noqa: BLE001 -- unreadable is damaged
+        theirs = None
+    if theirs is not None and theirs != save_id:
+        return "written by another save than the manifest's (copied in from another checkpoint)"
+    return "its SHA-256 differs from the manifest's: the file was damaged or replaced after the save"
+
+
+def _version_1(manifest: dict, directory: Path) -> dict:
+    """A checkpoint of the first format (sizes, no digests, no optimizer class) still loads -- a user's run is
+    not lost to an upgrade -- with what could not be verified said."""
+    for name, size in manifest["files"].items():
+        if not (directory / name).exists() or (directory / name).stat().st_size != size:
+            raise CheckpointError(f"{directory / name}: missing or not {size} bytes, as the manifest says; the "
+                                  f"checkpoint is incomplete -- resume from an earlier one")
+    return {**manifest, "files": {n: [size, None] for n, size in manifest["files"].items()}, "optimizer": {},
+            "unverified": "written in format version 1, before files carried digests: sizes checked, contents not"}
+
+
 def load_file(path: Path) -> dict:
-    """``torch.load`` one file of a checkpoint (memory-mapped: a rank reads the pages it uses)."""
+    """``torch.load`` one file of a checkpoint whose digest :func:`read_manifest` verified."""
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as error:  # noqa: BLE001 -- any failure to read is the same news for the user
         raise CheckpointError(f"{path}: cannot be read ({type(error).__name__}: {error}); the file is damaged -- "
                               f"resume from an earlier checkpoint") from None
-
-
-def write_manifest(directory: Path, manifest: dict) -> None:
-    """The manifest, then ``latest``: each renamed into place, so each is whole or absent."""
-    save_text(directory / MANIFEST, json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, **manifest},
-                                               indent=1))
-    save_text(directory.parent / LATEST, directory.name)
