@@ -32,6 +32,7 @@ import math
 import torch
 
 from .comm import Comm, ReduceOp, Tag
+from .kept_state import keep_state
 from .layout import FlatGroup, build_groups
 from .parts import flat_range
 from .precision import MasterWeights
@@ -71,11 +72,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Comm,
                        master: MasterWeights | None = None):
         """The sharded twin of a user's optimizer, sharing its param_groups (so its scheduler drives both).
-        With ``master`` (mixed precision) it steps the pieces' fp32 masters."""
+        With ``master`` (mixed precision) it steps the pieces' fp32 masters.  State the user's optimizer
+        already holds (two steps taken, a checkpoint loaded) moves over, each piece its range of it
+        (:mod:`minizero.kept_state`)."""
         check_shardable(type(optimizer), comm.rank)
         sharded = cls([{**g} for g in optimizer.param_groups], type(optimizer), comm=comm, groups=groups,
                       master=master, **optimizer.defaults)
         sharded.param_groups = optimizer.param_groups
+        pieces: dict[int, list] = {}
+        for group in groups:
+            for piece in group.pieces:
+                pieces.setdefault(id(piece.segment.param), []).append(
+                    (piece.start, piece.stop, sharded.stepped(piece)))
+        keep_state(optimizer, sharded.local, lambda p: pieces.get(id(p), []))
         return sharded
 
     def stepped(self, piece) -> torch.nn.Parameter:

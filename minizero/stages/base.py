@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..kept_state import check_keepable, keep_state
 from ..precision import MasterWeights, Precision, cast_parameters, check_half_model, check_supported
 from ..rebuilt import follow, rebuild
 from .facts import Reduction, Shards
@@ -47,6 +48,7 @@ class Stage(StateDicts, nn.Module):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  precision: str | Precision = "fp32"):
+        check_keepable(optimizer, module, comm.rank if comm else 0)  # before anything changes: a refusal leaves all
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -97,6 +99,9 @@ class Stage(StateDicts, nn.Module):
         self.master_optimizer = rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
                                         [[self.master.master_of(p) for p in group["params"] if p.requires_grad]
                                          for group in optimizer.param_groups])
+        # State the optimizer already holds moves to the masters' optimizer, whole (minizero.kept_state).
+        keep_state(optimizer, self.master_optimizer,
+                   lambda p: [(0, p.numel(), self.master.master_of(p))] if p.requires_grad else [])
         self._route(optimizer)
 
     def _settle_wire(self) -> None:

@@ -12,7 +12,9 @@ wrap (check, broadcast), lay out its flat groups (:mod:`minizero.layout`),
   wrapping -- ``torch.optim.AdamW(stage.parameters(), lr=...)``, as torch's
   FSDP2 documentation writes it -- steps exactly the owned shard;
 * the **sharded optimizer** (:class:`~minizero.sharded_optimizer.ShardedOptimizer`)
-  when the stage is given the user's optimizer at wrap time;
+  when the stage is given the user's optimizer at wrap time -- with any state it
+  already holds (a consolidated checkpoint loaded into it), each rank keeping
+  its pieces' range of it (:mod:`minizero.kept_state`);
 * torch's ``.grad`` semantics on the pieces: a reduced gradient is *added* to
   an existing ``.grad`` (accumulation across backward passes, as in torch) or
   becomes it; a parameter without a gradient anywhere keeps ``.grad = None``
