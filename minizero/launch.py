@@ -43,16 +43,23 @@ import torch.distributed as dist
 from .comm import progress
 from .comm.stall import stalled
 from .rank import Rank, backstop_s
+from .stacks import StackSampler, sample
 from .torchrun import init_from_env, under_torchrun
 
 
 class RankError(RuntimeError):
-    """A rank raised, died or stalled.  ``rank`` is None when none could be blamed."""
+    """A rank raised, died or stalled.  ``rank`` is None when none could be blamed.  ``exitcode``: a dead
+    rank's; ``stacks``: where each unfinished rank was when a run with a deadline was stopped
+    (:meth:`RankPool.run_within`; a list of :class:`~minizero.stacks.Frame`, outermost first, or None when the
+    rank did not answer)."""
 
-    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = ""):
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = "", *,
+                 exitcode: int | None = None, stacks: dict | None = None):
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
+        self.exitcode = exitcode
+        self.stacks = stacks or {}
 
 
 def check_world_size(world_size: int) -> None:
@@ -80,9 +87,11 @@ def _rendezvous(rank: int, port, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port.value, None, False, timeout=timeout)
 
 
-def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, text, backend="gloo"):
+def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, text, backend="gloo", stacks=None):
     """Body of each pool process: put up its board row, join the group, then run tasks until None."""
     torch.set_num_threads(threads)  # N ranks share the cores; oversubscribing them is slower
+    if stacks is not None:
+        stacks.serve()  # answers "where are you?" for this (the main) thread
     progress.install(progress.ProgressBoard(rank, row, text))
     if backend == "nccl":
         torch.cuda.set_device(rank)  # one GPU per rank on this machine
@@ -114,6 +123,18 @@ def _import_before_forking() -> None:
     import torch._dynamo  # noqa: F401
 
 
+def _outside_collectives(records: list[dict], now: float, started: float, idle_s: float,
+                         finished: dict) -> tuple[str, list[int]] | None:
+    """The ranks that, in this task, have been in no collective for ``idle_s`` seconds (from the task's start
+    or their last collective's end, whichever is later), as ``(message, ranks)``; None if none has."""
+    late = [r for r, row in enumerate(records) if r not in finished and row["state"] == progress.IDLE
+            and now - max(started, row["left"]) > idle_s]
+    if not late:
+        return None
+    who = ", ".join(f"rank {r}" for r in late)
+    return f"{who} spent more than {idle_s:g} s of this task in no collective (the limit): looping or stuck in its own code", late
+
+
 class RankPool:
     """``world_size`` ranks on this machine, kept alive between :meth:`run` calls.
 
@@ -141,10 +162,11 @@ class RankPool:
         self._texts = [context.RawArray("c", progress.TEXT) for _ in range(world_size)]
         for r in range(world_size):
             progress.ProgressBoard(r, self._rows[r], self._texts[r])  # every row starts idle, now
+        self._stacks = [StackSampler(context) for _ in range(world_size)]
         self._processes = [
             context.Process(target=_rank_main, name=f"minizero-rank{r}", daemon=True,
                             args=(r, world_size, port, self._tasks[r], self._results, threads_per_rank, timeout_s,
-                                  self._rows[r], self._texts[r], backend))
+                                  self._rows[r], self._texts[r], backend, self._stacks[r]))
             for r in range(world_size)
         ]
         for process in self._processes:
@@ -157,9 +179,22 @@ class RankPool:
         On any failure the pool is shut down (its ranks may be stuck in a
         collective with the failed one) and :class:`RankError` is raised.
         """
+        return self._run(None, fn, args, kwargs)
+
+    def run_within(self, idle_s: float, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
+        """:meth:`run`, where a rank may also not spend more than ``idle_s`` seconds of the task outside every
+        collective -- looping in its own code, say, which no stall timeout sees when no peer waits for it.  When
+        that ends the run, or a stall does, the :class:`RankError` carries a stack sample of each rank that had
+        not finished (``stacks``): where the loop was."""
+        if not idle_s > 0:
+            raise ValueError(f"idle_s must be > 0 seconds, got {idle_s!r}")
+        return self._run(idle_s, fn, args, kwargs)
+
+    def _run(self, idle_s: float | None, fn, args, kwargs) -> list[Any]:
         if self.broken:
             raise RankError("this RankPool was shut down after an earlier failure; create a new one")
         task = pickle.dumps((fn, args, kwargs))
+        started = time.time()
         for q in self._tasks:
             q.put(task)
         results: dict[int, Any] = {}
@@ -167,7 +202,7 @@ class RankPool:
             try:
                 rank, payload = self._results.get(timeout=0.05)
             except queue.Empty:
-                self._watch(results)
+                self._watch(results, started, idle_s)
                 continue
             ok, value = pickle.loads(payload)
             if not ok:
@@ -182,21 +217,30 @@ class RankPool:
         """Every rank's row of the progress board, as it is now."""
         return [progress.ProgressBoard.read(r, row, text) for r, (row, text) in enumerate(zip(self._rows, self._texts))]
 
-    def _watch(self, finished: dict[int, Any]) -> None:
-        """Between results: a dead rank, or a stalled collective, ends the run."""
+    def _watch(self, finished: dict[int, Any], started: float, idle_s: float | None) -> None:
+        """Between results: a dead rank, a stalled collective, or (``idle_s``) a rank outside every collective
+        for that long ends the run."""
         self._check_deaths()
-        verdict = stalled(self.records(), time.time(), self.timeout_s, finished=set(finished))
+        now, records = time.time(), self.records()
+        verdict = stalled(records, now, self.timeout_s, finished=set(finished))
+        if verdict is None and idle_s is not None:
+            verdict = _outside_collectives(records, now, started, idle_s, finished)
         if verdict is not None:
             message, culprits = verdict
+            stacks = {}
+            if idle_s is not None:  # asked before the kill: where each unfinished rank is
+                stacks = sample({r: s for r, s in enumerate(self._stacks) if r not in finished})
             self.close(kill=True)
-            raise RankError(message + "\nThe run was stopped.", rank=culprits[0] if len(culprits) == 1 else None)
+            raise RankError(message + "\nThe run was stopped.", rank=culprits[0] if len(culprits) == 1 else None,
+                            stacks=stacks)
 
     def _check_deaths(self) -> None:
         for rank, process in enumerate(self._processes):
             if process.exitcode is not None:
                 self.close(kill=True)
                 raise RankError(f"rank {rank} died with exit code {process.exitcode} "
-                                f"(negative: killed by that signal); the other ranks were stopped", rank=rank)
+                                f"(negative: killed by that signal); the other ranks were stopped", rank=rank,
+                                exitcode=process.exitcode)
 
     def close(self, kill: bool = False) -> None:
         if self.broken:
@@ -229,6 +273,10 @@ class RankPools:
 
     def run(self, world_size: int, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
         return self.pool(world_size).run(fn, *args, **kwargs)
+
+    def run_within(self, idle_s: float, world_size: int, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
+        """:meth:`RankPool.run_within` on the live pool of ``world_size`` ranks."""
+        return self.pool(world_size).run_within(idle_s, fn, *args, **kwargs)
 
     def pool(self, world_size: int) -> RankPool:
         """The live pool of ``world_size`` ranks, started now if there is none."""

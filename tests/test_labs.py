@@ -59,22 +59,22 @@ def test_lab_command_copies_the_skeleton_and_never_overwrites(tmp_path, capsys):
     assert main(["lab", "--list"]) == 0
 
 
-def test_bad_input_is_named(tmp_path, capsys):
+def test_bad_input_is_named(pools, tmp_path, capsys):
     assert main(["check", "ddp", "--impl", str(tmp_path / "missing.py")]) == 2
     assert "no file" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"unknown lab 'ddp3'; the labs: ring, ddp"):
         start("ddp3")
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
-    report = check("ddp", impl=empty, out=quiet)
+    report = check("ddp", impl=empty, pools=pools, out=quiet)  # imported by the ranks, not here
     assert report.failed == "loading your file" and "defines no subclass of Stage" in report.why
     two = tmp_path / "two.py"
     two.write_text("from minizero.stages import DDP, ZeRO1\nclass A(DDP): pass\nclass B(ZeRO1): pass\n")
-    report = check("ddp", impl=two, out=quiet)
+    report = check("ddp", impl=two, pools=pools, out=quiet)
     assert "defines 2 Stage classes (A, B)" in report.why
     broken = tmp_path / "broken.py"
     broken.write_text("def f(:\n")
-    assert "SyntaxError" in check("ddp", impl=broken, out=quiet).why
+    assert "SyntaxError" in check("ddp", impl=broken, pools=pools, out=quiet).why
 
 
 def test_a_lab_is_checked_in_mixed_precision_too(pools):

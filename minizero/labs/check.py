@@ -6,11 +6,18 @@ a failure replays -- and a failure is shrunk to the smallest case that still
 fails, then reported in plain words: the case, what differed, and, when the
 numbers match one of the lab's known mistakes, which mistake it is.
 Examples run on persistent pools of ranks (one per world size), as in the suite.
+
+The learner's file is imported and run only in the ranks, under a deadline: a
+rank that spends ``deadline_s`` in no collective -- a loop in the learner's code,
+at import or in a method, on every rank or on one -- is stopped and the verdict
+says where it was (a stack sample); so is a stall inside a collective.  An exit
+or a crash is a verdict too.  The pool is killed, and respawned for what follows.
 """
 from __future__ import annotations
 
 import re
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 
 from hypothesis import HealthCheck, Phase, given, reporting, settings
@@ -22,9 +29,11 @@ from ..precision import Precision
 from .catalogue import LABS, Lab, check_lab_name
 from .loading import Impl
 from .properties import PROPERTIES, Failed, describe
-from .ranks import Raised, lab_experiment
+from .ranks import Raised, import_file, lab_experiment
+from .verdicts import died, raised_at_import, stopped
 
 SHRINK_S = 20.0  # at most this long shrinking a failure: each example is a distributed run
+DEADLINE_S = 30.0  # a rank this long in no collective is stopped: the checker's examples take well under a second
 
 
 class _Falsified(Exception):
@@ -39,10 +48,12 @@ class Checker:
     examples: int = 25
     shrink_s: float = SHRINK_S
     precision: str = "fp32"  # mixed precision for every example: the stage in the ZeRO paper's setting (lesson 8)
+    deadline_s: float = DEADLINE_S
     stages: dict = field(init=False)
+    _imported: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)  # pools that loaded the file
 
     def __post_init__(self):
-        self.stages = self.impl.stages()  # loads the learner's file here (the ranks load it themselves)
+        self.stages = self.impl.stand_in_stages()  # the learner's file is imported by the ranks alone
 
     @property
     def options(self) -> dict:
@@ -64,20 +75,39 @@ class Checker:
         try:
             return self.run(world_size, exp)
         except Failed as failed:
-            raise Failed(failed.why, describe(exp, world_size)) from None
+            raise Failed(failed.why, describe(exp, world_size), final=failed.final) from None
+
+    def load(self, world_size: int = 2) -> None:
+        """The learner's file imported on the pool of ``world_size`` ranks (once per pool: a respawned pool
+        imports it again), or :class:`Failed` saying what the import did instead."""
+        pool = self.pools.pool(world_size)
+        if pool not in self._imported:
+            self._on_ranks(world_size, import_file, self.impl, importing=True)
+            self._imported.add(pool)
 
     def on_ranks(self, world_size: int, fn, *args) -> list:
-        """``fn`` on every rank.  A stall or a death -- the pool is replaced for the next example -- or an
-        exception a rank reported raises :class:`Failed` naming the rank.  When ranks failed apart (not all,
-        or not alike), messages one sent may be unread by another: the pool goes too."""
+        """``fn`` on every rank, after the learner's file is imported there.  A stall, the deadline or a
+        death -- the pool is replaced for the next example -- or an exception a rank reported raises
+        :class:`Failed` naming the rank."""
+        self.load(world_size)
+        return self._on_ranks(world_size, fn, *args)
+
+    def _on_ranks(self, world_size: int, fn, *args, importing: bool = False) -> list:
+        """When ranks failed apart (not all, or not alike), messages one sent may be unread by another: the
+        pool goes too."""
         try:
-            results = self.pools.run(world_size, fn, *args)
+            results = self.pools.run_within(self.deadline_s, world_size, fn, *args)
         except RankError as error:
-            why = str(error).split("\nThe run was stopped")[0].strip()
+            if error.exitcode is not None:
+                why = died(error, importing)
+            elif error.stacks:
+                why = stopped(error, self.impl.path, self.deadline_s, importing)
+            else:
+                why = str(error).split("\nThe run was stopped")[0].strip()
             if "exit code -6" in why:  # gloo aborts a process whose receive does not match what was sent
                 why += (" -- gloo aborts a rank that receives a message of another size than it posted: each step's "
                         "send must be the chunk its neighbour receives")
-            raise Failed(why) from None
+            raise Failed(why, final=True) from None  # nothing to shrink: each replay would cost the same wait
         raised = [r for r in results if isinstance(r, Raised)]
         if raised:
             alike = {(r.kind, re.sub(r"\brank \d+\b", "rank #", r.message)) for r in raised}
@@ -85,7 +115,7 @@ class Checker:
                 pool = self.pools.live().get(world_size)
                 if pool is not None:
                     pool.close(kill=True)
-            raise Failed(str(raised[0]))
+            raise Failed(raised_at_import(raised[0]) if importing else str(raised[0]), final=importing)
         return results
 
     def search(self, strategy, examine, describe) -> None:
@@ -98,12 +128,17 @@ class Checker:
         @given(drawn=strategy)
         def prop(drawn):
             key = repr(drawn)
+            if best.get("final"):  # the ranks were stopped or died: no replay, nothing to shrink
+                if key == best["key"]:
+                    raise _Falsified(best["why"])
+                return
             if best and time.monotonic() > best["until"] and key != best["key"]:
                 return  # shrinking's time is spent: only the smallest failure so far is replayed
             try:
                 found = examine(drawn)
             except Failed as failed:
                 found = (failed.why, None)
+                best["final"] = failed.final
             if found is not None:
                 until = best.get("until", time.monotonic() + self.shrink_s)
                 best.update(key=key, drawn=drawn, why=found[0], results=found[1], until=until)
@@ -119,7 +154,7 @@ class Checker:
             drawn = best["drawn"]
             case = describe(*drawn)
             mistake = self.diagnose(*drawn, best["results"]) if best["results"] is not None else None
-            raise Failed(best["why"], case, mistake)
+            raise Failed(best["why"], case, mistake, final=best.get("final", False))
 
     # ------------------------------------------------------------ naming the mistake
     def diagnose(self, exp, world_size: int, results) -> str | None:
@@ -155,6 +190,7 @@ class Report:
     why: str = ""
     case: str = ""
     mistake: str | None = None
+    final: bool = False  # the ranks were stopped or died: the case is the first that did it, not shrunk
 
     @property
     def ok(self) -> bool:
@@ -162,10 +198,14 @@ class Report:
 
 
 def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = None, out=print,
-          shrink_s: float = SHRINK_S, precision: str = "fp32") -> Report:
+          shrink_s: float = SHRINK_S, precision: str = "fp32", deadline_s: float = DEADLINE_S) -> Report:
     """Judge ``impl`` -- a file, a class, or None for the package's own (the answer key) -- by lab ``lab``'s
-    properties, printing each as it passes; stop at the first that fails.  Returns the :class:`Report`."""
+    properties, printing each as it passes; stop at the first that fails.  Returns the :class:`Report`.
+    ``deadline_s``: how long a rank may spend in no collective (importing the file included) before it is
+    stopped and the verdict says where it was."""
     spec = check_lab_name(lab)
+    if not deadline_s > 0:
+        raise ValueError(f"--deadline must be more than 0 seconds, got {deadline_s!r}")
     implementation = Impl.of(spec, impl)
     own = pools is None
     pools = RankPools(timeout_s=10.0) if own else pools
@@ -176,12 +216,15 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
     out(f"lab {spec.name}: {spec.title}  ({spec.lesson})" + (f", in {precision} mixed precision" if precision != "fp32"
                                                               else ""))
     out(f"checking {implementation.label}")
+    out(f"  (a rank {deadline_s:g} s in no collective -- your code looping, say -- or {pools.timeout_s:g} s without "
+        f"progress in one is stopped and shown where it was; --deadline SECONDS)")
     report = Report(spec.name, implementation.label, [])
     try:
+        checker = Checker(spec, implementation, pools, examples, shrink_s, precision, deadline_s)
         try:
-            checker = Checker(spec, implementation, pools, examples, shrink_s, precision)
-        except Exception as error:  # noqa: BLE001 -- the file does not load: say why, in its words
-            report.failed, report.why = "loading your file", f"{type(error).__name__}: {error}"
+            checker.load()
+        except Failed as failed:  # the file does not load in the ranks: say why, in its words
+            report.failed, report.why = "loading your file", failed.why
             out(format_failure(report))
             return report
         for name in spec.properties:
@@ -191,6 +234,7 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
                 detail = prop(checker)
             except Failed as failed:
                 report.failed, report.why, report.case, report.mistake = title, failed.why, failed.case, failed.mistake
+                report.final = failed.final
                 out(format_failure(report))
                 return report
             report.passed.append(title)
@@ -205,7 +249,8 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
 def format_failure(report: Report) -> str:
     lines = [f"  FAIL  {report.failed}"]
     if report.case:
-        lines.append(f"        smallest failing case: {report.case}")
+        lines.append(f"        {'failing case (not shrunk: the ranks were stopped)' if report.final else 'smallest failing case'}:"
+                     f" {report.case}")
     lines.append(f"        what went wrong: {report.why}")
     if report.mistake:
         lines.append(f"        a known mistake gives exactly these numbers: {report.mistake}")

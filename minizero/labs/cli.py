@@ -5,6 +5,7 @@ import functools
 
 from ..precision import PRECISIONS
 from . import LABS, check, start
+from .check import DEADLINE_S
 
 
 def add_commands(sub) -> None:
@@ -18,6 +19,9 @@ def add_commands(sub) -> None:
     judge.add_argument("--examples", type=int, default=25, help="drawn examples per property (derandomized)")
     judge.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                        help="check the stage in mixed precision (bf16/fp16: fp32 masters, 16-bit working copy)")
+    judge.add_argument("--deadline", type=float, default=DEADLINE_S, metavar="SECONDS",
+                       help=f"stop a rank that spends this long in no collective -- your code looping, at import or "
+                            f"in a method -- and say where it was (default {DEADLINE_S:g})")
 
 
 def lab_main(args) -> tuple[int, str]:
@@ -35,9 +39,11 @@ def lab_main(args) -> tuple[int, str]:
 def check_main(args) -> tuple[int, str]:
     if args.examples < 1:
         raise ValueError(f"--examples must be at least 1, got {args.examples}")
+    if not args.deadline > 0:
+        raise ValueError(f"--deadline must be more than 0 seconds, got {args.deadline:g}")
     try:
         report = check(args.name, args.impl, examples=args.examples, out=functools.partial(print, flush=True),
-                       precision=args.precision)
+                       precision=args.precision, deadline_s=args.deadline)
     except FileNotFoundError as error:
         raise ValueError(str(error)) from None
     return (0 if report.ok else 1), ""

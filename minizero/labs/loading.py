@@ -1,9 +1,11 @@
-"""The learner's file, loaded wherever it is needed: here, and in every rank of a pool.
+"""The learner's file, loaded in every rank of a pool -- never in the checker's own process.
 
 Pools fork once and live on, so a class defined in a file the learner wrote
 after the fork is unknown to them.  What travels to the ranks is therefore a
-:class:`Impl` -- a path, or an importable class -- and each process loads it
+:class:`Impl` -- a path, or an importable class -- and each rank loads it
 itself (cached by the file's modification time: an edited file is reloaded).
+The checker never imports it: a file that loops or exits at import would take
+the checker with it.  In the ranks, under the checker's deadline, it is a verdict.
 """
 from __future__ import annotations
 
@@ -64,6 +66,14 @@ class Impl:
         """The learner's stage or backend, by this name, in a copy of the registry."""
         return f"lab-{self.lab.name}"
 
+    def stand_in_stages(self) -> dict:
+        """The registry the checker's own process uses: the answer key stands in for the learner's class, whose
+        file only the ranks import.  What the checker asks of it there -- the options a stage accepts, the
+        same-casts reference's buffers -- is the given machinery's, which the learner's class inherits."""
+        if issubclass(self.lab.answer, Stage):
+            return {**LAB_MISTAKES, self.key: self.lab.answer}
+        return LAB_MISTAKES
+
     def stages(self) -> dict:
         """The lab's registry (with the known mistakes) plus the learner's stage -- or, for the ring lab,
         the learner's ring installed as a collective backend, which any stage can run over."""
@@ -85,7 +95,7 @@ def load_file(path: str):
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
-        except Exception:
+        except BaseException:  # a sys.exit() at import too: the next load runs the file again
             del sys.modules[name]
             raise
         _loaded[(path, mtime)] = module

@@ -21,11 +21,13 @@ from .ranks import Raised, collectives_round, overlap_probe
 
 
 class Failed(Exception):
-    """A property failed: ``case`` is the smallest example, in words; ``why`` what went wrong there."""
+    """A property failed: ``case`` is the smallest example, in words; ``why`` what went wrong there.
+    ``final``: the ranks were stopped or died (or the file did not import) -- not a wrong number, so nothing
+    a smaller example would say better: it is not shrunk."""
 
-    def __init__(self, why: str, case: str = "", mistake: str | None = None):
+    def __init__(self, why: str, case: str = "", mistake: str | None = None, final: bool = False):
         super().__init__(why)
-        self.why, self.case, self.mistake = why, case, mistake
+        self.why, self.case, self.mistake, self.final = why, case, mistake, final
 
 
 def describe(exp: Experiment, world_size: int) -> str:

@@ -38,6 +38,15 @@ class Raised:
         return f"rank {self.rank} raised {self.kind}: {self.message}" + (f"\n    at {self.where}" if self.where else "")
 
 
+def import_file(me: Rank, impl: Impl) -> str | Raised:
+    """Import the learner's file on this rank and find its class: the class's name, or what the import raised
+    -- a ``sys.exit()`` too (a ``SystemExit``), which would otherwise end the rank without a verdict."""
+    try:
+        return impl.cls().__qualname__
+    except BaseException as error:  # noqa: BLE001 -- reported to the learner, in words
+        return Raised.now(me.rank, error, impl.path)
+
+
 def lab_experiment(me: Rank, impl: Impl, exp):
     """This rank's result of ``exp`` with the learner's stage (``exp.stage`` names it) -- or what it raised."""
     try:
