@@ -46,10 +46,15 @@ def _aside(final: Path, save_id: int) -> Path:
 def publish(staging: Path, final: Path, save_id: int) -> None:
     """Make the complete ``staging`` directory ``final``, keeping an old ``final`` until the new one is in."""
     aside = _aside(final, save_id)
-    if final.exists():
-        os.replace(final, aside)
-    os.replace(staging, final)
-    fsync_directory(final.parent)
+    try:
+        if final.exists():
+            os.replace(final, aside)
+        os.replace(staging, final)
+        fsync_directory(final.parent)
+    except OSError as error:
+        raise CheckpointError(f"{final}: the complete save could not be renamed into place: {error.strerror or error};"
+                              f" --resume {final.parent} takes the newest complete checkpoint, and the next save "
+                              f"removes what this one left") from None
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -71,7 +76,7 @@ def clean(root: Path, keep: Path | None = None) -> list[str]:
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path.name)
-    for leftover in root.glob(f"step-*/*{TEMPORARY}*"):
+    for leftover in [*root.glob(f".*{TEMPORARY}*"), *root.glob(f"step-*/*{TEMPORARY}*")]:  # latest's, old saves
         leftover.unlink(missing_ok=True)
         removed.append(str(leftover.relative_to(root)))
     return removed

@@ -44,14 +44,19 @@ def rank_file(rank: int, world_size: int) -> str:
 
 
 class _Hashing:
-    """A file object that hashes what passes through it (``torch.save`` writes through it)."""
+    """A file object that hashes what passes through it (``torch.save`` writes through it), and keeps the
+    ``OSError`` a write raised: torch's zip writer rewords it as "enforce fail ... unexpected pos"."""
 
     def __init__(self, f):
-        self.f, self.digest = f, hashlib.sha256()
+        self.f, self.digest, self.error = f, hashlib.sha256(), None
 
     def write(self, data) -> int:
         self.digest.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
     def __getattr__(self, name):  # flush, tell, seek: torch.save's zip writer asks for them
         return getattr(self.f, name)
@@ -60,7 +65,7 @@ class _Hashing:
 def write_atomic(path: Path, write) -> tuple[int, str]:
     """``write(file)`` into a temporary name beside ``path``, fsync, rename; returns (bytes, SHA-256 hex).
     A failure (disk full, read-only) removes the temporary file and says which file could not be written."""
-    temporary = path.with_name(f".{path.name}{TEMPORARY}{os.getpid()}")
+    temporary, hashing = path.with_name(f".{path.name}{TEMPORARY}{os.getpid()}"), None
     try:
         with open(temporary, "wb") as f:
             hashing = _Hashing(f)
@@ -69,15 +74,14 @@ def write_atomic(path: Path, write) -> tuple[int, str]:
             os.fsync(f.fileno())
         os.replace(temporary, path)
         fsync_directory(path.parent)  # the rename itself reaches the disk, in order
-    except OSError as error:
+    except (OSError, RuntimeError) as error:
         temporary.unlink(missing_ok=True)
-        full = " (the disk is full: free space, or save elsewhere with --save)" if error.errno == errno.ENOSPC else ""
-        raise CheckpointError(f"{path}: could not be written: {error.strerror or error}{full}; the previous "
+        cause = hashing.error if hashing is not None and hashing.error is not None else error
+        if not isinstance(cause, OSError):
+            raise
+        full = " (the disk is full: free space, or save elsewhere)" if cause.errno == errno.ENOSPC else ""
+        raise CheckpointError(f"{path}: could not be written: {cause.strerror or cause}{full}; the previous "
                               f"checkpoint stands") from None
-    except RuntimeError as error:  # torch's zip writer words a full disk as "unexpected pos": same news
-        temporary.unlink(missing_ok=True)
-        raise CheckpointError(f"{path}: could not be written ({str(error).splitlines()[0]}); is the disk full? "
-                              f"The previous checkpoint stands") from None
     return path.stat().st_size, hashing.digest.hexdigest()
 
 
