@@ -16,7 +16,7 @@ import pytest
 from minizero.__main__ import main
 from minizero.labs import check
 
-DEADLINE_S = 3.0
+DEADLINE_S = 5.0
 GUARD_S = 120.0  # a hang fails the test instead of stalling the suite: far beyond the deadline on any machine
 
 LOOP_AT_IMPORT = """\
@@ -89,6 +89,27 @@ def test_a_loop_in_sync_gradients_is_stopped_naming_the_method_and_the_line(pool
         assert f"rank 1: {loop}" in report.why, report.why
         waiting = f"in your DDP.sync_gradients, at {path}:10: super().sync_gradients()"
         assert re.search(rf"rank 0(, rank \d)*: {re.escape(waiting)}", report.why), report.why
+
+
+LOOP_IN_RING = """\
+from minizero.comm import RingComm
+
+
+class Ring(RingComm):
+    def _ring_reduce_scatter(self, chunks, out, op):
+        spins = 0
+        while True: spins += 1
+"""
+
+
+def test_a_loop_inside_a_collective_is_a_stall_and_says_where(pools, tmp_path):
+    """Inside a collective the stall timeout, not the deadline, stops the rank: the verdict still says where."""
+    path = lab_file(tmp_path, "loops_in_ring.py", LOOP_IN_RING)
+    report = bounded(check, "ring", impl=path, examples=3, pools=pools, out=quiet, deadline_s=60.0)
+    assert report.failed == "every collective's result" and report.final, report
+    assert report.why.startswith("stalled: "), report.why
+    assert re.search(rf"rank 0(, rank \d)*: in your Ring._ring_reduce_scatter, at {re.escape(path)}:7: while True: "
+                     rf"spins \+= 1", report.why), report.why
 
 
 @pytest.mark.parametrize("body, verdict", [

@@ -224,7 +224,7 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
         try:
             checker.load()
         except Failed as failed:  # the file does not load in the ranks: say why, in its words
-            report.failed, report.why = "loading your file", failed.why
+            report.failed, report.why, report.final = "loading your file", failed.why, True
             out(format_failure(report))
             return report
         for name in spec.properties:
@@ -254,6 +254,9 @@ def format_failure(report: Report) -> str:
     lines.append(f"        what went wrong: {report.why}")
     if report.mistake:
         lines.append(f"        a known mistake gives exactly these numbers: {report.mistake}")
-    lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it; "
-                 f"shrinking stops after {SHRINK_S:g} s: the smallest case found by then).")
+    if report.final:
+        lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it).")
+    else:
+        lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it; "
+                     f"shrinking stops after {SHRINK_S:g} s: the smallest case found by then).")
     return "\n".join(lines)

@@ -62,11 +62,11 @@ def stopped(error: RankError, path: str | None, deadline_s: float, importing: bo
         reason += f" -- the checker's deadline: {deadline_s:g} s; --deadline SECONDS to change it"
         if importing:
             reason = f"your file was still being imported after {deadline_s:g} s: " + reason
-    lines = [reason, "Where each rank was (a stack sample):"]
+    lines = [reason, "        where each rank was (a stack sample):"]
     places: dict[str, list[int]] = {}
     for rank, frames in sorted(error.stacks.items()):
         places.setdefault(where(frames, path), []).append(rank)
     for place, ranks in places.items():
         who = ", ".join(f"rank {r}" for r in ranks)
-        lines.append(f"    {who}: {place}")
+        lines.append(f"          {who}: {place}")
     return "\n".join(lines)
