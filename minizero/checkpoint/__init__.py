@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from ..comm import Tag
-from ..parts import Part
 from .directory import LATEST, clean, point_latest, publish, staging_dir, step_dir
 from .directory import find as find_with_notes
 from .files import CONSOLIDATED, CheckpointError, load_file, rank_file, read_manifest, save_tensors, write_manifest
+from .whole import assemble, by_name, indexed, optimizer_groups, optimizer_names, rest
 
 __all__ = ["CheckpointError", "save", "load", "inspect", "find", "LATEST"]
 
@@ -66,10 +66,12 @@ def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data
         if rank == 0:
             write_manifest(staging, _manifest(stage, step, consolidated, save_id, data, files))
         return []
+    # Who renames is decided now, before anyone does: looked at later, rank 0's rename would make it look absent.
+    publishes = writes and _lowest_writer(staging, rank, world_size, consolidated)
     _together(comm, write_the_manifest, 0, final, "write the manifest", staging if writes else None)
 
     def put_in_place() -> list[int]:  # complete everywhere: only now does it replace anything
-        if writes and staging.exists() and _lowest_writer(staging, rank, world_size, consolidated):
+        if publishes:
             publish(staging, final, save_id)
         if rank == 0:
             point_latest(final)
@@ -102,12 +104,12 @@ def _together(comm, action, width: int, final: Path, what: str, staging: Path | 
 def _payload(stage, consolidated: bool) -> dict:
     if consolidated:
         return {"model": stage.full_state_dict(), "optimizer": stage.full_optimizer_state_dict(),
-                "param_names": _optimizer_names(stage)}
+                "param_names": optimizer_names(stage)}
     payload = {"parts": [(p.name, p.start, p.stop, p.value, p.state) for p in stage.owned_parts()],
                "residuals": dict(stage.wire.residuals) if _wire(stage) else {}}
     if stage.rank == 0:
-        payload["rest"] = _rest(stage)
-        payload["optimizer_groups"] = _optimizer_groups(stage)
+        payload["rest"] = rest(stage)
+        payload["optimizer_groups"] = optimizer_groups(stage)
     return payload
 
 
@@ -164,13 +166,13 @@ def load(stage, path: str | Path) -> dict:
     payloads = [load_file(directory / name) for name in manifest["files"]]  # each verified by its SHA-256
     if manifest["kind"] == "consolidated":
         model = payloads[0]["model"]
-        optimizer = _by_name(payloads[0]["optimizer"], payloads[0]["param_names"])
+        optimizer = by_name(payloads[0]["optimizer"], payloads[0]["param_names"])
     else:
-        model, optimizer = _assemble(stage, manifest, payloads, directory)
-    indexed = _indexed(optimizer, _optimizer_names(stage), directory)
+        model, optimizer = assemble(stage, manifest, payloads, directory)
+    in_this_order = indexed(optimizer, optimizer_names(stage), directory)
     notes += _settings_followed(stage, optimizer)
     stage.load_full_state_dict(model)
-    stage.load_full_optimizer_state_dict(indexed)
+    stage.load_full_optimizer_state_dict(in_this_order)
     if manifest["loss_scaler"] and stage.master and stage.master.scaler:
         stage.master.scaler.load_state_dict(manifest["loss_scaler"])
     wire = _wire(stage)
@@ -248,93 +250,6 @@ def _check_fits(manifest: dict, directory: Path, mine: dict, precision: str) -> 
 
 def _describe(entry) -> str:
     return "absent" if entry is None else f"{entry[1].replace('torch.', '')} {list(entry[0])}"
-
-
-# ---------------------------------------------------------------------- sharded: the whole state from the parts
-def _assemble(stage, manifest: dict, payloads: list[dict], directory: Path) -> tuple[dict, dict]:
-    """The whole model state_dict and the optimizer state by parameter name, from every rank's parts."""
-    parts: dict[str, list[Part]] = {}
-    for payload in payloads:
-        for name, start, stop, value, state in payload["parts"]:
-            parts.setdefault(name, []).append(Part(name, start, stop, value, state))
-    model, optimizer_state = dict(payloads[0]["rest"]), {}
-    for name in manifest["sharded"]:
-        shape, dtype = manifest["state"][name]
-        numel = int(torch.Size(shape).numel())
-        held = sum(p.stop - p.start for p in parts.get(name, []))
-        if held != numel:
-            raise CheckpointError(f"{directory}: holds {held} of the {numel} elements of '{name}'; a rank's file is "
-                                  f"not the one the manifest was written with -- resume from an earlier checkpoint")
-        model[name] = _join([(p.start, p.stop, p.value) for p in parts[name]], numel, getattr(torch, dtype[6:]))
-        model[name] = model[name].view(shape)
-        if any(p.state for p in parts[name]):
-            optimizer_state[name] = _join_state(parts[name], numel, shape)
-    for alias, name in payloads[0]["rest"].get("__aliases__", {}).items():
-        model[alias] = model[name]
-    model.pop("__aliases__", None)
-    return model, {"state": optimizer_state, "param_groups": payloads[0]["optimizer_groups"]}
-
-
-def _join(ranges: list[tuple[int, int, torch.Tensor]], numel: int, dtype: torch.dtype) -> torch.Tensor:
-    full = torch.empty(numel, dtype=dtype)
-    for start, stop, value in ranges:
-        full[start:stop] = value.reshape(-1)
-    return full
-
-
-def _join_state(parts: list[Part], numel: int, shape) -> dict:
-    """One parameter's optimizer state: per-element tensors joined from their ranges, scalars from any part."""
-    entry = {}
-    for key, value in next(p.state for p in parts if p.state).items():
-        if torch.is_tensor(value) and value.dim() > 0:
-            entry[key] = _join([(p.start, p.stop, p.state[key]) for p in parts], numel, value.dtype).view(shape)
-        else:
-            entry[key] = value
-    return entry
-
-
-def _rest(stage) -> dict:
-    """What no stage shards: buffers and frozen parameters (their values before any cast), and which names
-    are aliases of a tied parameter."""
-    sharded = set(stage.sharded_names())
-    first, aliases = {}, {}
-    for name, p in stage.module.named_parameters(remove_duplicate=False):
-        aliases[name] = first.setdefault(id(p), name)
-    full = stage._with_masters({k: v.detach().clone() for k, v in stage.module.state_dict().items()}, {})
-    rest = {k: v for k, v in full.items() if k not in sharded and aliases.get(k, k) == k}
-    rest["__aliases__"] = {k: v for k, v in aliases.items() if k != v}
-    return rest
-
-
-# ---------------------------------------------------------------------- the optimizer, by parameter name
-def _optimizer_names(stage) -> list[list[str]]:
-    names = {id(p): n for n, p in stage.module.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in stage.optimizer.param_groups]
-
-
-def _optimizer_groups(stage) -> list[dict]:
-    return [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
-            for group, names in zip(stage.optimizer.param_groups, _optimizer_names(stage))]
-
-
-def _by_name(saved: dict, names: list[list[str]]) -> dict:
-    """A plain optimizer state_dict (indexed by position) re-keyed by parameter name."""
-    flat = [n for group in names for n in group]
-    return {"state": {flat[i]: entry for i, entry in saved["state"].items()},
-            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": group}
-                             for g, group in zip(saved["param_groups"], names)]}
-
-
-def _indexed(saved: dict, names: list[list[str]], directory: Path) -> dict:
-    """The reverse, in *this* run's parameter order, so it loads whatever order the optimizer was built in."""
-    if [sorted(g["params"]) for g in saved["param_groups"]] != [sorted(g) for g in names]:
-        raise CheckpointError(f"{directory}: the optimizer's parameter groups differ from this run's "
-                              f"({[len(g['params']) for g in saved['param_groups']]} parameters per group saved, "
-                              f"{[len(g) for g in names]} here); build the optimizer as the saved run did")
-    position = {n: i for i, n in enumerate(n for group in names for n in group)}
-    return {"state": {position[n]: entry for n, entry in saved["state"].items()},
-            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [position[n] for n in group]}
-                             for g, group in zip(saved["param_groups"], names)]}
 
 
 # ---------------------------------------------------------------------- small things
