@@ -15,6 +15,11 @@ Three promises, because a distributed run that hangs teaches nothing:
   others wait in.  The clock starts at the collective's last progress, not at
   the start of the run: a long healthy run is never stopped.
 
+:meth:`RankPool.run_within` adds a deadline for what no stall sees -- a rank
+looping in its own code, in no collective, with no peer waiting for it -- and
+says where each rank was when it stopped them (a stack sample, :mod:`minizero.stacks`):
+how the labs' checker runs a learner's code.
+
 The parent reads every rank's row of the progress board
 (:mod:`minizero.comm.progress`) from shared memory, so it sees both sides of a
 hang: who waits, and who does not come.  torch's own collective timeout is set
@@ -43,7 +48,7 @@ import torch.distributed as dist
 from .comm import progress
 from .comm.stall import stalled
 from .rank import Rank, backstop_s
-from .stacks import StackSampler, sample
+from .stacks import StackSampler, outside_collectives, sample
 from .torchrun import init_from_env, under_torchrun
 
 
@@ -121,18 +126,6 @@ def _import_before_forking() -> None:
     ``torch._dynamo`` (``torch/_compile.py``, ``_disable_dynamo``: a lazy import) -- sympy and all, seconds of CPU.
     Imported once here, it is inherited by every forked rank, including the ones a pool forks again after an error."""
     import torch._dynamo  # noqa: F401
-
-
-def _outside_collectives(records: list[dict], now: float, started: float, idle_s: float,
-                         finished: dict) -> tuple[str, list[int]] | None:
-    """The ranks that, in this task, have been in no collective for ``idle_s`` seconds (from the task's start
-    or their last collective's end, whichever is later), as ``(message, ranks)``; None if none has."""
-    late = [r for r, row in enumerate(records) if r not in finished and row["state"] == progress.IDLE
-            and now - max(started, row["left"]) > idle_s]
-    if not late:
-        return None
-    who = ", ".join(f"rank {r}" for r in late)
-    return f"{who} spent more than {idle_s:g} s of this task in no collective (the limit): looping or stuck in its own code", late
 
 
 class RankPool:
@@ -224,7 +217,7 @@ class RankPool:
         now, records = time.time(), self.records()
         verdict = stalled(records, now, self.timeout_s, finished=set(finished))
         if verdict is None and idle_s is not None:
-            verdict = _outside_collectives(records, now, started, idle_s, finished)
+            verdict = outside_collectives(records, now, started, idle_s, finished)
         if verdict is not None:
             message, culprits = verdict
             stacks = {}

@@ -1,9 +1,11 @@
-"""Where a rank is, asked from outside: a stack sample of its main thread.
+"""A rank stuck in its own code: the deadline that sees it, and where it is -- a stack sample.
 
-A rank that loops in its own code -- no collective in progress -- cannot be seen
-on the progress board (:mod:`minizero.comm.progress`): the board only says it is
-"in no collective".  Before the launcher stops such a rank it asks where the rank
-is, so the verdict can name the function and the line, as ``py-spy dump`` would.
+A rank that loops in its own code -- no collective in progress -- is no stall:
+no collective waits on the progress board (:mod:`minizero.comm.progress`) when
+every rank loops.  :func:`outside_collectives` is the deadline for it: so long in
+no collective within one task.  Before the launcher stops such a rank it asks
+where the rank is, so the verdict can name the function and the line, as
+``py-spy dump`` would.
 
 The answer comes from a watcher thread in the rank: it sleeps on an event until
 asked, then reads the main thread's frames (``sys._current_frames``) -- a Python
@@ -20,8 +22,23 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .comm import progress
+
 TEXT = 16384  # bytes of shared memory per rank: frames are dropped from the outermost until they fit
 FRAMES = 60  # at most this many frames, the innermost
+
+
+def outside_collectives(records: list[dict], now: float, started: float, idle_s: float,
+                        finished) -> tuple[str, list[int]] | None:
+    """The ranks that, in the task started at ``started``, have been in no collective for ``idle_s`` seconds
+    (from the task's start or their last collective's end, whichever is later), as ``(message, ranks)``;
+    None if none has.  ``finished``: the ranks done with the task."""
+    late = [r for r, row in enumerate(records) if r not in finished and row["state"] == progress.IDLE
+            and now - max(started, row["left"]) > idle_s]
+    if not late:
+        return None
+    who = ", ".join(f"rank {r}" for r in late)
+    return f"{who} spent more than {idle_s:g} s of this task in no collective (the limit): looping or stuck in its own code", late
 
 
 @dataclass(frozen=True)
