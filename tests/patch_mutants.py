@@ -9,12 +9,26 @@ Broken *stages* (classes) live in ``mutants.py``.
 """
 from __future__ import annotations
 
-from tests import comm_bugs, training_bugs
+import tempfile
+from pathlib import Path
+
+from minizero.precision import Precision
+from tests import clip_and_state_bugs, comm_bugs, training_bugs
 from tests.mutation import Mutant, comm_catch, import_catch_modules, patch, property_catch, test_catch, unpatch
 
-FAULTS = "test_faults"
+FAULTS, KEPT, CLIP = "test_faults", "test_wrapped_optimizer_state", "test_clip_and_dropout_resume"
 B, Z, Z3, SEM, BAD, L = "test_bucketed", "test_zero", "test_zero3", "test_optimizer_semantics", "test_bad_input", \
     "test_launch"
+
+def dropout_resume_catch(stage: str):
+    """The dropout resume test of ``stage``, in a directory of its own (the test takes pytest's tmp_path)."""
+    test_catch(CLIP, "test_resume_with_dropout_is_bit_exact")  # its module imported before any pool forks
+
+    def catch(pools):
+        with tempfile.TemporaryDirectory() as directory:
+            test_catch(CLIP, "test_resume_with_dropout_is_bit_exact", Path(directory), stage)(pools)
+    return catch
+
 
 MUTANTS: dict[str, Mutant] = {
     # comm: the collectives, their bytes, their fingerprints
@@ -73,6 +87,23 @@ MUTANTS: dict[str, Mutant] = {
                                                                   "stage.zero_grad()")),
     "optimizer: state consolidated at the wrong offset": Mutant("minizero.sharded_optimizer:_gather_element_state",
                                                                 training_bugs.state_at_the_parameters_offset, property_catch("zero2")),
+    "optimizer: state given at wrap dropped": Mutant("minizero.sharded_optimizer:keep_state",
+                                                     clip_and_state_bugs.drops_the_state,
+                                                     test_catch(KEPT, "test_state_given_at_wrap_is_kept_and_training_goes_on",
+                                                                "zero2", "adamw", 3, "mlp")),
+    "precision: masters' optimizer starts empty": Mutant("minizero.stages.base:keep_state", clip_and_state_bugs.drops_the_state,
+                                                         test_catch(KEPT, "test_mixed_precision_keeps_the_state_in_its_masters",
+                                                                    "ddp", Precision("bf16"))),
+    # clipping: the coefficient max_norm / (norm + eps) capped at 1 -- only a max_norm above the norm tells
+    "clip: sharded coefficient not capped at 1": Mutant("minizero.stages.zero:clip_sharded_grad_norm_",
+                                                        clip_and_state_bugs.sharded_clip_uncapped, property_catch("zero2")),
+    "clip: by hand, not capped at 1": Mutant("minizero.stages.base:Stage.clip_grad_norm_",
+                                             clip_and_state_bugs.clip_by_hand_uncapped,
+                                             test_catch(CLIP, "test_clipping_is_torch_s_on_both_sides_of_the_norm", "ddp",
+                                                        "never clips", (1e6, 2.0))),
+    # checkpoints: each rank's generator, which dropout draws from
+    "checkpoint: no rank's own generator saved": Mutant("minizero.checkpoint:_rng_state", clip_and_state_bugs.no_rank_rng,
+                                                        dropout_resume_catch("zero3")),
     # the stages
     "ddp: packs whatever has a gradient": Mutant("minizero.stages.ddp:DDP._with_gradient", training_bugs.ddp_packs_what_exists,
                                                  test_catch(BAD, "test_parameters_used_on_some_ranks_only_are_named",

@@ -47,6 +47,26 @@ PRECISION_POLICIES = [Precision("bf16"), Precision("fp16"), Precision("bf16", re
                       Precision("fp16", reduce_dtype="fp32"), Precision("fp16", loss_scale=2.0 ** 4)]
 
 
+#: Clipping (max_norm, norm_type) on both sides of the gradient's norm, for the L2 and the inf norm: a max_norm
+#: below every gradient norm these small models reach clips every step (the coefficient max_norm / (norm + eps)
+#: scales the gradient down); one far above never does -- and must leave the gradient as it is, the coefficient
+#: capped at 1, which only a draw on that side can tell from a clip that always scales.
+CLIPPING = [(0.05, 2.0), (0.02, float("inf"))]
+NOT_CLIPPING = [(1e6, 2.0), (1e6, float("inf"))]
+CLIPS = [None, *CLIPPING, *NOT_CLIPPING]
+
+
+def clip_side(clip: tuple | None) -> str | None:
+    """Which side of the norm a drawn ``clip`` is on: ``"clips"``, ``"never clips"``, or None (no clipping)."""
+    return None if clip is None else "clips" if clip in CLIPPING else "never clips" if clip in NOT_CLIPPING else None
+
+
+def missing_clip_sides(drawn: list) -> list[str]:
+    """The sides of the norm the drawn experiments never clipped on (what a covering check asks for)."""
+    had = {clip_side(exp.clip) for exp in drawn}
+    return [f"a clip that {side}" for side in ("clips", "never clips") if side not in had]
+
+
 SIMPLEST_FIRST = ["sgd", "momentum", "nesterov", "adam", "adamw"]
 assert sorted(SIMPLEST_FIRST) == sorted(OPTIMIZERS)
 
@@ -89,7 +109,7 @@ def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_
         backend=draw(st.sampled_from(backends)),
         rank_sizes=rank_sizes,
         options=draw(stage_options(stage, task, compress, stages, precision, world_size)),
-        clip=draw(st.sampled_from([None, None, (0.05, 2.0), (0.02, float("inf"))])),
+        clip=draw(st.sampled_from(CLIPS)),
         param_groups=draw(st.booleans()),
         record_states=True,
         stages=stages,
