@@ -13,15 +13,18 @@ import sys
 
 from .comm import BACKENDS, PRESETS
 from .compress import WIRE_DTYPES
+from .lab import preflight
 from .lab.bench import BENCHES
 from .lab.equivalence import DTYPES
 from .lab.memory_table import MODELS as MEMORY_MODELS
 from .lab.optimizers import OPTIMIZERS
+from .lab.rank_verdict import rank_error_verdict
 from .lab.registry import LAB_STAGES
 from .lab.tasks import TASKS
 from .lab.train_command import add_design_options
 from .lab.train_command import add_parser as add_train_command
 from .labs.cli import add_commands as add_lab_commands
+from .launch import RankError
 from .precision import PRECISIONS, REDUCE_DTYPES
 from .stages import DEFAULT_STAGE, STAGES, distributed
 
@@ -82,14 +85,17 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> Non
     p.add_argument("--clip", type=positive_float, default=None, help="clip the global L2 gradient norm to this")
     add_design_options(p, positive_int, natural_int, positive_float)
     p.add_argument("--backend", choices=list(BACKENDS), default="ring")
-    p.add_argument("--seed", type=natural_int, default=0)
-    p.add_argument("--timeout", type=positive_float, default=300.0,
-                   help="seconds a collective may go without progress before the run is ended as stalled")
+    p.add_argument("--seed", type=preflight.seed, default=0)
+    p.add_argument("--timeout", type=preflight.timeout_s, default=300.0,
+                   help=f"seconds a collective may go without progress before the run is ended as stalled "
+                        f"(at least {preflight.MIN_TIMEOUT_S:g})")
     p.add_argument("--network", default=None, help="dial the wire: 'alpha=2ms,bandwidth=50MB/s' or a preset ("
                    + ", ".join(PRESETS) + "); every message then waits alpha + bytes/bandwidth")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="fingerprint every collective, so ranks that disagree stop with an error (default: on)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--debug", action="store_true", help="a failure on the ranks: print every traceback, not only "
+                                                        "the verdict")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -110,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
                         help="fp16/bf16: the paper's mixed precision (default); fp32: one precision throughout")
     memory.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
     memory.add_argument("--micro-batch", type=positive_int, default=4, help="--model: for the activation estimate")
-    memory.add_argument("--timeout", type=positive_float, default=300.0)
+    memory.add_argument("--timeout", type=preflight.timeout_s, default=300.0)
     memory.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="speed against torch's own implementation, as ratios")
     bench.add_argument("what", choices=list(BENCHES))
@@ -171,9 +177,12 @@ def main(argv=None) -> int:
         else:
             from .lab.bench import main as run
         status, text = run(args)
-    except ValueError as error:
+    except ValueError as error:  # refused before anything ran (a CheckpointError is one): bad input, exit 2
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except RankError as error:  # the run failed on a rank: its verdict, not 40 lines of two processes' stacks
+        print(rank_error_verdict(error, debug=getattr(args, "debug", False)), file=sys.stderr, flush=True)
+        return 1
     try:
         if text:
             print(text, flush=True)

@@ -125,6 +125,25 @@ def test_a_checkpoint_this_run_cannot_continue_is_refused(capsys, first_run, arg
     assert status == 2 and message in err, err
 
 
+def test_a_damaged_checkpoint_is_refused_naming_the_file_before_any_rank_starts(capsys, first_run, tmp_path,
+                                                                                 monkeypatch):
+    """A same-size change inside a rank's file used to load without a word; every CheckpointError now reaches the
+    user from train_command.check_resume, before a rank exists (RankPool refuses to start here)."""
+    import shutil
+
+    from minizero import launch
+    _, _, root = first_run
+    damaged = tmp_path / "step-00000002"
+    shutil.copytree(root / "ck" / "step-00000002", damaged)
+    data = bytearray((damaged / "rank-00001-of-00002.pt").read_bytes())
+    data[-3000:-2936] = b"\x7f" * 64
+    (damaged / "rank-00001-of-00002.pt").write_bytes(bytes(data))
+    monkeypatch.setattr(launch.RankPool, "__init__", lambda *a, **k: pytest.fail("a rank was started"))
+    status, out, err = train(capsys, "--stage", "zero2", "--world-size", "2", "--steps", "4", "--resume", str(damaged))
+    assert status == 2 and out == "" and "Traceback" not in err, err
+    assert f"error: {damaged / 'rank-00001-of-00002.pt'}: its SHA-256 differs from the manifest's" in err, err
+
+
 def test_more_nccl_ranks_than_gpus_is_refused(monkeypatch):
     """On one node NCCL needs a GPU per rank (checked with torch.cuda pretending to see one GPU)."""
     from types import SimpleNamespace

@@ -11,17 +11,20 @@ under the table; so is a difference of NaN, which is no difference at all.
 from __future__ import annotations
 
 import json
+import math
+import os
 import statistics
 from dataclasses import asdict, dataclass, replace
 
 import torch.distributed as dist
 
 from ..comm import parse_network
-from ..launch import RankPool, check_world_size
+from ..launch import RankError, RankPool, check_world_size
 from ..precision import Precision
 from ..stages import check_stage_names
 from ..torchrun import init_from_env, under_torchrun
-from .equivalence import RTOL, agrees, judge
+from . import preflight
+from .equivalence import DTYPES, RTOL, agrees, judge
 from .experiment import Experiment, element_size, exact_reference_of, precision_of, reference_of, run_experiment
 from .optimizers import STATE_TENSORS
 from .registry import LAB_STAGES, stage_class
@@ -101,6 +104,18 @@ def stage_options(stage: str, stages: dict | None = None, **cli) -> dict:
     return {k: v for k, v in cli.items() if v is not None and k in accepted}
 
 
+def check_options_used(stages: list[str], stages_known: dict | None, options: dict) -> None:
+    """An option that none of the chosen stages takes would change nothing: refused, naming the stages that do."""
+    for key, value in options.items():
+        if value is None or value is False or (key == "compress" and value == "none"):
+            continue
+        if not any(key in getattr(stage_class(s, stages_known), "options", list)() for s in stages):
+            takers = [n for n in LAB_STAGES if key in getattr(stage_class(n), "options", list)()]
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"{flag} has no effect on --stages {','.join(stages)}: none of them takes it (it is an "
+                             f"option of {', '.join(takers) or 'no stage'}); add such a stage, or drop {flag}")
+
+
 def compare(world_size: int, stages: list[str], exp: Experiment, timeout_s: float = 300.0, **options) -> list[Summary]:
     """Run the reference and each stage on identical data; one summary per stage.
 
@@ -109,17 +124,46 @@ def compare(world_size: int, stages: list[str], exp: Experiment, timeout_s: floa
     check_stage_names(stages, distributed_only=True, stages=exp.stages or LAB_STAGES)
     if options.get("error_feedback") and options.get("compress") in (None, "none"):
         raise ValueError("error feedback carries the rounding error of compression: it needs --compress fp16 or bf16")
+    check_options_used(stages, exp.stages, options)
     experiments = [replace(exp, stage=stage, options=stage_options(stage, exp.stages, **options)) for stage in stages]
     if under_torchrun():
         return _compare_under_torchrun(experiments, timeout_s)
     exact = exact_reference_of(exp, world_size)
-    rows = []
-    with RankPool(world_size, timeout_s=timeout_s) as pool:
+    rows, pool = [], None
+    try:
         for e in experiments:
-            results = pool.run(run_experiment, e)
+            pool = pool or RankPool(world_size, timeout_s=timeout_s)
+            try:
+                results = pool.run(run_experiment, e)
+            except RankError as error:
+                if "\nFloatingPointError: " not in "\n" + error.remote_traceback:
+                    raise
+                # fp16 at its minimum loss scale: gradients still inf or NaN -- a divergence, a NO row like any
+                # other (the pool was stopped with the rank: the next stage gets a fresh one).
+                pool = None
+                rows.append(diverged_row(e, world_size, error))
+                continue
             reference = reference_of(e, world_size) if e.options.get("compress") or precision_of(e).mixed else exact
             rows.append(summarise(e.stage, results, reference, e, world_size, exact))
+    finally:
+        if pool is not None:
+            pool.close()
     return rows
+
+
+def diverged_row(exp: Experiment, world_size: int, error: RankError) -> Summary:
+    """A stage whose run raised FloatingPointError: infinitely far from the reference, nothing measured."""
+    from .rank_verdict import raised
+    cause = raised(error.remote_traceback).split(": ", 1)[-1]
+    cls, nan = stage_class(exp.stage, exp.stages), math.nan
+    return Summary(stage=exp.stage, world_size=world_size, dtype=exp.dtype, backend=exp.backend, accum=exp.accum,
+                   compress=exp.options.get("compress") or "none", precision=precision_of(exp).name,
+                   max_abs_diff=math.inf, max_rel_diff=math.inf, loss_rel_diff=math.inf, within_tolerance=False,
+                   equivalent=getattr(cls, "equivalent", True), nonfinite=cause, sent_bytes_per_step=nan,
+                   sent_bytes_formula=nan, busiest_sent_bytes_per_step=nan, busiest_sent_bytes_formula=nan,
+                   bytes_match=False, check_bytes_per_step=nan, state_bytes=nan, state_bytes_formula=nan,
+                   state_formula="", memory_match=False, gathered_peak_bytes=0, step_ms=nan,
+                   max_abs_diff_exact=math.inf, skipped_steps=0)
 
 
 def _compare_under_torchrun(experiments: list[Experiment], timeout_s: float) -> list[Summary]:
@@ -187,8 +231,16 @@ def experiment_of(args) -> Experiment:
                       network=args.network if parse_network(args.network) else None)  # refused here if bad
 
 
+def check_before_launch(args) -> None:
+    """What ``compare`` and ``soak`` refuse before any rank starts (minizero.lab.preflight)."""
+    preflight.check_lr(args.lr, args.optimizer, DTYPES[args.dtype])  # the masters' dtype: fp32 under mixed precision
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    preflight.check_design_options(world_size, args.steps, {key: value for _, key, value in design_options(args)})
+
+
 def main(args) -> tuple[int, str]:
     stages = [s for s in args.stages.split(",") if s]
+    check_before_launch(args)
     rows = compare(args.world_size, stages, experiment_of(args), timeout_s=args.timeout, compress=args.compress,
                    bucket_mb=args.bucket_mb, error_feedback=args.error_feedback, precision=precision_option(args),
                    **{key: value for _, key, value in design_options(args)})

@@ -24,10 +24,11 @@ from ..launch import Rank, RankPool, check_world_size
 from ..stages import REFERENCE, check_stage_names
 from ..torchrun import init_from_env, under_torchrun
 from ..train import shard_step, train_step
-from .compare import experiment_of
+from .compare import check_before_launch, check_options_used, experiment_of, stage_options
 from .equivalence import DTYPES, RTOL, parameter_errors
 from .experiment import Experiment, build, snapshot_parameters
 from .tasks import TASKS
+from .train_command import design_options
 
 
 def soak_on_rank(me: Rank, exp: Experiment) -> dict:
@@ -58,16 +59,18 @@ def soak_on_rank(me: Rank, exp: Experiment) -> dict:
     return {"worst": worst, "final": final, "nonfinite": nonfinite, "seconds": time.perf_counter() - start}
 
 
-def soak(world_size: int, stages: list[str], exp: Experiment, timeout_s: float = 300.0) -> list[dict]:
+def soak(world_size: int, stages: list[str], exp: Experiment, timeout_s: float = 300.0, **options) -> list[dict]:
+    """``options``: the stages' options (``bucket_mb``, ``servers``, ...), each given to the stages that take it."""
     check_world_size(world_size)
     check_stage_names(stages, distributed_only=True)
+    check_options_used(stages, exp.stages, options)
     rows = []
     me = init_from_env(timeout_s=timeout_s) if under_torchrun() else None
     pool = None if me else RankPool(world_size, timeout_s=timeout_s)
     world_size = me.world_size if me else world_size  # under torchrun: the ranks that really run
     try:
         for name in stages:
-            e = replace(exp, stage=name)
+            e = replace(exp, stage=name, options=stage_options(name, exp.stages, **options))
             if me:  # this process is one rank: every rank's summary comes to all, rank 0 reports
                 per_rank = [None] * world_size
                 dist.all_gather_object(per_rank, soak_on_rank(me, e))
@@ -95,7 +98,9 @@ def main(args) -> tuple[int, str]:
         raise ValueError("soak compares with exact single-device training; compressed stages differ from it by "
                          "design -- check them with `compare --compress ...` against the same-casts reference")
     stages = [s for s in args.stages.split(",") if s]
-    rows = soak(args.world_size, stages, experiment_of(args), timeout_s=args.timeout)
+    check_before_launch(args)
+    rows = soak(args.world_size, stages, experiment_of(args), timeout_s=args.timeout, bucket_mb=args.bucket_mb,
+                **{key: value for _, key, value in design_options(args)})
     if not rows:  # a torchrun rank other than 0
         return 0, ""
     status = 0 if all(r["within_tolerance"] for r in rows) else 1

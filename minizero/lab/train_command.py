@@ -15,6 +15,7 @@ from ..launch import RankPool
 from ..precision import PRECISIONS
 from ..stages import DEFAULT_STAGE, distributed
 from ..torchrun import check_environment, init_from_env, under_torchrun
+from . import preflight
 from .registry import stage_class
 from .training_run import MODELS, Run, as_json, format_summary, plot_losses, summary, train_on_rank
 
@@ -40,7 +41,7 @@ def add_parser(sub, positive_int, natural_int, positive_float) -> None:
                    help="native: torch's collectives; ring: minizero's own, from send/recv")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--world-size", type=positive_int, default=None, help="ranks to start here (not under torchrun)")
-    p.add_argument("--seed", type=natural_int, default=0)
+    p.add_argument("--seed", type=preflight.seed, default=0)
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--schedule", choices=["constant", "cosine"], default="constant")
     p.add_argument("--warmup", type=natural_int, default=0, help="steps of linear learning-rate warmup")
@@ -50,10 +51,13 @@ def add_parser(sub, positive_int, natural_int, positive_float) -> None:
                    help="save one torch.load-able file (gathered) instead of one file per rank")
     p.add_argument("--resume", default=None, help="a checkpoint: a --save directory (its latest) or a step-N one")
     p.add_argument("--log-every", type=positive_int, default=10)
-    p.add_argument("--timeout", type=positive_float, default=300.0,
-                   help="seconds a collective may go without progress before the run is ended as stalled")
+    p.add_argument("--timeout", type=preflight.timeout_s, default=300.0,
+                   help=f"seconds a collective may go without progress before the run is ended as stalled "
+                        f"(at least {preflight.MIN_TIMEOUT_S:g})")
     p.add_argument("--plot", default=None, help="write the loss curve to this PNG")
     p.add_argument("--json", action="store_true", help="the summary as JSON on stdout (progress goes to stderr)")
+    p.add_argument("--debug", action="store_true", help="a failure on the ranks: print every traceback, not only "
+                                                        "the verdict")
 
 
 def make_run(args) -> Run:
@@ -76,6 +80,10 @@ def make_run(args) -> Run:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR: where the checkpoints go")
     if args.save:
         cls.check_checkpointable()  # before training, not after it
+        preflight.check_output_dir("--save", args.save)
+    if args.plot:
+        preflight.check_plot(args.plot)  # savefig comes after the last step: a bad path would waste the run
+    preflight.check_lr(args.lr, "adamw")  # train_on_rank's optimizer, over fp32 masters
     return Run(stage=args.stage, model=args.model, steps=args.steps, batch_size=args.batch_size, accum=args.accum,
                lr=args.lr, schedule=args.schedule, warmup=args.warmup, seed=args.seed,
                options=tuple(options.items()), collectives=args.collectives, device=args.device, save=args.save,
@@ -124,6 +132,7 @@ def main(args) -> tuple[int, str]:
                              f"ranks; drop --world-size under torchrun (its --nnodes x --nproc-per-node decide)")
     world_size = int(os.environ.get("WORLD_SIZE", 0)) or args.world_size or 1
     check_hardware(args, backend, world_size)
+    preflight.check_design_options(world_size, args.steps, {key: value for _, key, value in design_options(args)})
     if run.resume:
         check_resume(run)
     if under_torchrun():
@@ -142,7 +151,14 @@ def main(args) -> tuple[int, str]:
     if args.plot:
         plot_losses(result, args.plot)
         print(f"loss curve: {args.plot}", file=sys.stderr if args.json else sys.stdout, flush=True)
-    return 0, as_json(result) if args.json else format_summary(result)
+    text = as_json(result) if args.json else format_summary(result)
+    if not result["diverged"]:
+        return 0, text
+    # NaN or inf is a failure, never a finished run: the summary, then the verdict last, and exit 1.
+    print(text, flush=True)
+    print(f"error: {result['diverged']}; training stopped there, and nothing was saved from that step on. "
+          f"Lower --lr ({args.lr:g}), or add --warmup steps", file=sys.stderr, flush=True)
+    return 1, ""
 
 
 
@@ -157,7 +173,7 @@ DESIGN_OPTIONS = [("--servers", "servers", "ps, ps-async: ranks 0..S-1 serve a s
 
 def add_design_options(p, positive_int, natural_int, positive_float) -> None:
     """``--servers`` and the others: given only to a stage that takes them (else refused, named)."""
-    types = {"servers": positive_int, "staleness": natural_int, "schedule_seed": natural_int,
+    types = {"servers": positive_int, "staleness": natural_int, "schedule_seed": preflight.seed,
              "average_every": positive_int, "outer_lr": positive_float, "outer_momentum": float}
     for flag, key, text in DESIGN_OPTIONS:
         p.add_argument(flag, type=types[key], default=None, help=text)

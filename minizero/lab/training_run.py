@@ -120,8 +120,21 @@ def train_on_rank(me, run: Run) -> dict:
         comm.close()
 
 
+def parameters_finite(stage, comm) -> bool:
+    """Every rank's parameters (and fp32 masters) are finite -- its own shard under ZeRO; agreed over the ranks."""
+    held = stage.held_tensors()
+    bad = sum(int(not torch.isfinite(t).all()) for t in held["params"] + held["master"] if t.numel())
+    flag = torch.tensor([float(bad)], dtype=torch.float64)
+    comm.all_reduce(flag, tag=Tag("parameters finite?"))
+    return flag.item() == 0
+
+
 def _loop(me, run: Run, stage, comm, device, psi: int, first: int, history: list) -> dict:
+    """Train steps ``first .. run.steps - 1``.  A loss that is not finite, or parameters that are not at a save or
+    at the end, stop the run there: every rank sees the same all-reduced numbers, so all stop at the same step,
+    and nothing non-finite is ever saved.  ``diverged``: the verdict, or None."""
     ledger, gathered, times, losses = Ledger(), GatheredMemory(), [], list(history)
+    diverged = None
     stage.add_observer(gathered)
     sizes = rank_sizes(run.batch_size, me.world_size)
     tokens = run.batch_size * run.model_kwargs.get("block_size", 1)
@@ -141,9 +154,16 @@ def _loop(me, run: Run, stage, comm, device, psi: int, first: int, history: list
         total = torch.tensor([loss], dtype=torch.float64)
         comm.all_reduce(total, tag=Tag("loss for the log"))
         losses.append(total.item() / step.global_count)  # the mean over the global batch
-        if me.rank == 0 and ((s + 1) % run.log_every == 0 or s + 1 == run.steps or s == first):
+        if not math.isfinite(losses[-1]):
+            diverged = f"the loss became {losses[-1]} at step {s + 1}"
+        saving = run.save and ((run.save_every and (s + 1) % run.save_every == 0) or s + 1 == run.steps)
+        if diverged is None and (saving or s + 1 == run.steps) and not parameters_finite(stage, comm):
+            diverged = f"the parameters became inf or NaN at step {s + 1} (its loss was {losses[-1]:.4g})"
+        if me.rank == 0 and ((s + 1) % run.log_every == 0 or s + 1 == run.steps or s == first or diverged):
             run.say(progress_line(run, s, losses[-1], tokens / times[-1], ledger.total / len(times), stage))
-        if run.save and ((run.save_every and (s + 1) % run.save_every == 0) or s + 1 == run.steps):
+        if diverged:
+            break
+        if saving:
             where = checkpoint.save(stage, run.save, s + 1, consolidated=run.consolidated,
                                     data={**run.data(), "losses": losses})
             if me.rank == 0:
@@ -151,7 +171,8 @@ def _loop(me, run: Run, stage, comm, device, psi: int, first: int, history: list
     return {"rank": me.rank, "losses": losses, "first_step": first, "step_s": times, "psi": psi,
             "sent_bytes": ledger.total, "held_bytes": held_bytes(stage.held_tensors()),
             "gathered_peak_bytes": gathered.peak, "skipped_steps": stage.skipped_steps,
-            "loss_scale": stage.loss_scale, "peak_bytes": peak_memory(device), "tokens_per_step": tokens}
+            "loss_scale": stage.loss_scale, "peak_bytes": peak_memory(device), "tokens_per_step": tokens,
+            "diverged": diverged}
 
 
 def progress_line(run: Run, step: int, loss: float, tokens_per_s: float, sent_per_step: float, stage) -> str:
@@ -190,13 +211,16 @@ def summary(run: Run, ranks: list[dict], world_size: int, backend: str) -> dict:
             "model_state_formula_text": cls.state_formula(4, STATE_TENSORS["adamw"], **options),
             "gathered_peak_bytes": [r["gathered_peak_bytes"] for r in ranks],
             "peak_memory": [r["peak_bytes"] for r in ranks], "skipped_steps": first["skipped_steps"],
+            "diverged": first.get("diverged"),
             "run": {k: v for k, v in asdict(run).items() if k != "options"} | {"options": options}}
 
 
 def format_summary(s: dict) -> str:
     per_rank = lambda values: ", ".join(f"{v:,.0f}" for v in values)  # noqa: E731
+    stopped = f", stopped at step {len(s['losses'])}" if s.get("diverged") else ""
     lines = [f"trained {s['stage']} on {s['world_size']} rank(s) ({s['backend']}, {s['device']}): "
-             f"{s['model']} model, Psi = {s['psi']:,}, {s['precision']}, steps {s['steps'][0]} -> {s['steps'][1]}"]
+             f"{s['model']} model, Psi = {s['psi']:,}, {s['precision']}, steps {s['steps'][0]} -> {s['steps'][1]}"
+             f"{stopped}"]
     if s["loss_first"] is not None:
         lines.append(f"  loss              {s['loss_first']:.4f} -> {s['loss_last']:.4f} (mean over the global "
                      f"batch, first -> last step of this run)")

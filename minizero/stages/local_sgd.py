@@ -28,6 +28,9 @@ ranks hold different models, and their optimizer states always differ.
 """
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 from torch import nn
 
@@ -46,7 +49,7 @@ class LocalSGD(Synchronised):
     why_not_checkpointable = "between averages its ranks hold different models, and their optimizer states always differ"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 average_every: int = 4, outer_lr: float | None = None, outer_momentum: float = 0.9):
+                 average_every: int = 4, outer_lr: float | None = None, outer_momentum: float | None = None):
         rank = comm.rank if comm is not None else 0  # checked before wrapping: a refusal changes nothing
         if optimizer is None:
             raise ValueError(f"rank {rank}: stage {self.name!r} averages the parameters after every "
@@ -55,9 +58,8 @@ class LocalSGD(Synchronised):
         if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 1:
             raise ValueError(f"rank {rank}: stage {self.name!r} takes average_every as a whole number of "
                              f"steps >= 1 (1 averages every step), got {average_every!r}")
-        if outer_lr is not None and not (outer_lr > 0 and 0 <= outer_momentum < 1):
-            raise ValueError(f"rank {rank}: stage {self.name!r}: the outer optimizer needs outer_lr > 0 and "
-                             f"0 <= outer_momentum < 1, got {outer_lr!r} and {outer_momentum!r}")
+        self.check_outer(rank, outer_lr, outer_momentum)
+        outer_momentum = self.OUTER_MOMENTUM if outer_momentum is None else outer_momentum
         super().__init__(module, optimizer, comm)
         self.average_every = average_every
         check_same_model(module, comm)
@@ -67,6 +69,25 @@ class LocalSGD(Synchronised):
             self.anchor = [nn.Parameter(p.detach().clone()) for _, p in self.trainable()]
             self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
                                          nesterov=outer_momentum > 0)
+
+    OUTER_MOMENTUM = 0.9  # DiLoCo's, when outer_lr is given without it
+
+    @classmethod
+    def check_outer(cls, rank: int, outer_lr, outer_momentum) -> None:
+        """DiLoCo's outer optimizer, refused before anything is wrapped: an inf rate makes every average inf, and
+        a momentum without the outer optimizer would be ignored (plain averaging has no momentum)."""
+        def number(x) -> bool:
+            return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+        if outer_lr is None:
+            if outer_momentum is not None:
+                raise ValueError(f"rank {rank}: stage {cls.name!r}: outer_momentum={outer_momentum!r} has no effect "
+                                 f"without outer_lr (plain averaging has no outer optimizer); pass outer_lr (DiLoCo's "
+                                 f"0.7) too, or leave outer_momentum out")
+            return
+        momentum = cls.OUTER_MOMENTUM if outer_momentum is None else outer_momentum
+        if not (number(outer_lr) and outer_lr > 0 and number(momentum) and 0 <= momentum < 1):
+            raise ValueError(f"rank {rank}: stage {cls.name!r}: the outer optimizer needs a finite outer_lr > 0 and "
+                             f"0 <= outer_momentum < 1, got {outer_lr!r} and {outer_momentum!r}")
 
     def sync_gradients(self) -> None:
         """Nothing to synchronise after backward: each rank steps on its own gradient."""
@@ -116,22 +137,23 @@ class LocalSGD(Synchronised):
 
     @classmethod
     def state_bytes(cls, psi, world_size, element_size, state_tensors, precision=None, outer_lr=None,
-                    outer_momentum=0.9, **options) -> float:
+                    outer_momentum=None, **options) -> float:
         """DDP's, plus the anchor and (with momentum) the outer momentum with DiLoCo."""
         return super().state_bytes(psi, world_size, element_size, state_tensors) + psi * cls._outer_bytes(
             element_size, outer_lr, outer_momentum)
 
     @classmethod
-    def state_formula(cls, element_size, state_tensors, precision=None, outer_lr=None, outer_momentum=0.9,
+    def state_formula(cls, element_size, state_tensors, precision=None, outer_lr=None, outer_momentum=None,
                       **options) -> str:
         base, outer = super().state_formula(element_size, state_tensors), cls._outer_bytes(element_size, outer_lr,
                                                                                             outer_momentum)
         return f"{base} + {outer}Ψ (outer)" if outer else base
 
-    @staticmethod
-    def _outer_bytes(element_size: int, outer_lr, outer_momentum) -> int:
+    @classmethod
+    def _outer_bytes(cls, element_size: int, outer_lr, outer_momentum) -> int:
         """DiLoCo's anchor, and its momentum buffer unless the momentum is 0 (torch's SGD keeps none then)."""
-        return 0 if outer_lr is None else element_size * (1 + (outer_momentum > 0))
+        momentum = cls.OUTER_MOMENTUM if outer_momentum is None else outer_momentum
+        return 0 if outer_lr is None else element_size * (1 + (momentum > 0))
 
     @classmethod
     def schedule(cls, s, average_every: int = 4, **options) -> None:
