@@ -154,3 +154,19 @@ def test_fp16_that_diverges_at_its_minimum_loss_scale_is_a_no_row(capsys):
         assert re.search(rf"^{stage}\s+inf\s+inf\s+NO", out, re.M), out
         assert re.search(rf"^{stage}: NO -- rank \d: gradients are inf or NaN even at the minimum loss scale \(1\)",
                          out, re.M), out
+
+
+def test_a_verdict_names_the_exception_that_ended_the_rank():
+    """The last exception of a chain, after the last frame's source line and markers; a stall or a death, which
+    carries no traceback, is the watchdog's own verdict."""
+    from minizero.lab.rank_verdict import raised, rank_error_verdict
+    chained = ('Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\n    ^^^\n'
+               'KeyError: \'x\'\n\nDuring handling of the above exception, another exception occurred:\n\n'
+               'Traceback (most recent call last):\n  File "b.py", line 2, in h\n    raise ValueError("one\\ntwo")\n'
+               'ValueError: rank 0: one\n  two\n')
+    assert raised(chained) == "ValueError: rank 0: one\n  two"
+    died = launch.RankError("rank 1 died with exit code -9 (negative: killed by that signal); the other ranks were "
+                            "stopped", rank=1)
+    text = rank_error_verdict(died)
+    assert text.startswith("error: rank 1 died with exit code -9") and "Traceback" not in text
+    assert "--debug: the launching process's traceback:" in rank_error_verdict(died, debug=True)
