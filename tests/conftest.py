@@ -68,7 +68,8 @@ BESIDE_THE_LESSONS = {
     "test_architecture", "test_bad_input", "test_bench_all", "test_bucketed", "test_checkpoint", "test_cli", "test_comm",
     "test_compression", "test_contrast_stages", "test_ddp_equivalence", "test_docs", "test_fingerprint", "test_labs",
     "test_lesson_claims", "test_new_stage", "test_optimizer_semantics", "test_oracle", "test_precision", "test_stall",
-    "test_torch_conventions", "test_train_loop", "test_zero", "test_zero3",
+    "test_torch_conventions", "test_train_loop", "test_zero", "test_zero3", "test_wrapped_optimizer_state",
+    "test_clip_and_dropout_resume", "test_checkpoint_safety",
 }
 
 

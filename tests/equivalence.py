@@ -55,7 +55,7 @@ def covering(test):
     def property_then_coverage(*args, **kwargs):
         start = len(_DRAWN)
         test(*args, **kwargs)
-        missing = missing_cases(_DRAWN[start:])
+        missing = missing_cases(_DRAWN[start:]) + drawn.missing_clip_sides([exp for (exp, _), _ in _DRAWN[start:]])
         assert not missing, f"the drawn examples never had {', '.join(missing)}: raise this property's examples(n)"
     return property_then_coverage
 

@@ -252,7 +252,7 @@ def test_another_optimizer_class_is_refused(pools, tmp_path, stage):
     errors = pools.run(2, _load_into, replace(exp, optimizer="sgd"), str(tmp_path))
     assert all(e.startswith("CheckpointError: ") for e in errors), errors
     assert "saved with optimizer AdamW, this run's is SGD; build the optimizer the saved run used " \
-           "(--optimizer adamw)" in errors[0]
+           "(AdamW)" in errors[0]
 
 
 def _lr_changed_then_loaded(me, exp, root):

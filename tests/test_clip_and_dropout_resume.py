@@ -196,8 +196,6 @@ def test_resume_with_dropout_is_bit_exact(pools, tmp_path, stage):
     assert_resumed_bit_exact(pools, tmp_path, stage)
 
 
-@pytest.mark.xfail(strict=True, reason="a consolidated checkpoint keeps rank 0's generator only (only rank 0 writes a "
-                   "file), and load gives it to every rank: ranks 1.. draw other masks and orders than before the save")
 @pytest.mark.parametrize("stage", ["ddp", "zero2"])
 def test_resume_with_dropout_from_a_consolidated_checkpoint_is_bit_exact(pools, tmp_path, stage):
     assert_resumed_bit_exact(pools, tmp_path, stage, consolidated=True)

@@ -93,7 +93,7 @@ def test_the_schedule_is_seeded_and_bounded():
 
 
 @covering
-@settings(max_examples=examples(6))
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_ps_async_without_staleness_is_ps_bit_for_bit(pools, data):
     exp, world_size = data.draw(experiments("ps", precision=data.draw(st.booleans()), world_sizes=(2, 3, 4)))

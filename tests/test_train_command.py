@@ -156,3 +156,18 @@ def test_more_nccl_ranks_than_gpus_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="--backend nccl moves CUDA tensors only"):
         check_hardware(SimpleNamespace(device="cpu"), "nccl", 1)
     check_hardware(SimpleNamespace(device="cuda"), "gloo", 4)  # gloo ranks may share the GPU
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_before_any_rank_starts(capsys, tmp_path, monkeypatch):
+    """train steps AdamW; a checkpoint an SGD run saved (through the API) is refused by its manifest, before a
+    rank exists -- it used to load SGD's state into AdamW's ranks and fail there, or run on silently."""
+    from minizero import checkpoint, launch
+    from minizero.lab.models import GPT_SIZES
+    from minizero.lab.tasks import TASKS
+    from minizero.stages import Stage
+    model = TASKS["gpt"].make_model(0, torch.float32, **GPT_SIZES[TINY[TINY.index("--model") + 1]])
+    checkpoint.save(Stage(model, torch.optim.SGD(model.parameters(), lr=0.1)), tmp_path, 2)
+    monkeypatch.setattr(launch.RankPool, "__init__", lambda *a, **k: pytest.fail("a rank was started"))
+    status, out, err = train(capsys, "--stage", "ddp", "--world-size", "2", "--steps", "4", "--resume", str(tmp_path))
+    assert status == 2 and out == "" and "Traceback" not in err, err
+    assert "saved with optimizer SGD, this run's is AdamW; build the optimizer the saved run used" in err, err

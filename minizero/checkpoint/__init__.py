@@ -51,6 +51,8 @@ def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data
     save_id = _together(comm, prepare, 1, final, "prepare the directory")[0][0]
     staging = staging_dir(root, step, save_id)
     payload = _payload(stage, consolidated)  # consolidated: gathers, so every rank takes part
+    if consolidated:  # one file, but every rank's generators: dropout masks and data orders resume exactly
+        payload["rngs"] = _everyones_rng(comm)
 
     def write_own_file() -> list[int]:
         if not writes:
@@ -180,9 +182,7 @@ def load(stage, path: str | Path) -> dict:
         stage.name, stage.world_size, str(wire.wire_dtype) if wire else None)
     sharded = manifest["kind"] == "sharded"
     mine = payloads[stage.rank] if same_layout and sharded else payloads[0]
-    torch.set_rng_state(mine["rng"]["cpu"])
-    if "cuda" in mine["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(mine["rng"]["cuda"])
+    _set_rng_state(_generators_of(stage, manifest, payloads, notes))
     if wire and same_layout and sharded:
         device = next(stage.module.parameters()).device
         wire.residuals.update({key: value.to(device) for key, value in mine["residuals"].items()})
@@ -219,8 +219,8 @@ def _check_optimizer(manifest: dict, directory: Path, mine: type) -> None:
     theirs = manifest["optimizer"].get("class")
     if theirs is not None and theirs != mine.__name__:  # (format version 1 did not record it)
         raise CheckpointError(f"{directory}: saved with optimizer {theirs}, this run's is {mine.__name__}; build "
-                              f"the optimizer the saved run used (--optimizer {str(theirs).lower()}), or load only "
-                              f"the model from consolidated.pt")
+                              f"the optimizer the saved run used ({theirs}), or take only the model, from a "
+                              f"consolidated checkpoint's 'model'")
 
 
 def _settings_followed(stage, saved: dict) -> list[str]:
@@ -267,6 +267,35 @@ def _optimizer_class(stage) -> type:
 def _wire(stage):
     wire = getattr(stage, "wire", None)
     return wire if wire is not None and wire.error_feedback else None
+
+
+def _generators_of(stage, manifest: dict, payloads: list[dict], notes: list[str]) -> dict:
+    """This rank's random generators as saved -- by the same rank of a run at the same N, whatever its stage --
+    or, at another N, rank 0's (each rank's stream has no owner then), said."""
+    if manifest["world_size"] == stage.world_size:
+        if manifest["kind"] == "sharded":
+            return payloads[stage.rank]["rng"]
+        if "rngs" in payloads[0]:  # (format 1 kept rank 0's only)
+            return payloads[0]["rngs"][stage.rank]
+    notes.append(f"every rank's random generators start from rank 0's: the checkpoint was saved by "
+                 f"{manifest['world_size']} rank(s)" + ("" if manifest["world_size"] != stage.world_size else
+                                                        ", in a format that kept rank 0's only"))
+    return payloads[0]["rng"]
+
+
+def _set_rng_state(saved: dict) -> None:
+    torch.set_rng_state(saved["cpu"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
+def _everyones_rng(comm) -> list[dict]:
+    """Every rank's random generators (a few KB each), for the one file a consolidated save writes."""
+    mine = _rng_state()
+    keys = sorted(mine)
+    sizes = [mine[k].numel() for k in keys]
+    rows = _everyones(comm, torch.cat([mine[k] for k in keys]).tolist())
+    return [dict(zip(keys, torch.tensor(row, dtype=torch.uint8).split(sizes), strict=True)) for row in rows]
 
 
 def _rng_state() -> dict:

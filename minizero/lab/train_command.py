@@ -108,7 +108,8 @@ def check_resume(run: Run) -> None:
     """Refuse a checkpoint this run cannot continue, before any rank starts (each rank checks again)."""
     model = run.make_model()
     shapes = {k: (list(v.shape), str(v.dtype)) for k, v in model.state_dict().items()}
-    manifest = checkpoint.inspect(run.resume, shapes, dict(run.options).get("precision", "fp32"))
+    manifest = checkpoint.inspect(run.resume, shapes, dict(run.options).get("precision", "fp32"),
+                                  torch.optim.AdamW)  # train_on_rank's optimizer
     for key, value in run.data().items():
         saved = manifest["data"].get(key)
         if key in manifest["data"] and saved != value:
