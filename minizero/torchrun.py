@@ -10,14 +10,28 @@ board to the rendezvous store every ``interval`` seconds, and when this
 rank's collective has made no progress for ``timeout_s`` it reads every
 rank's row, prints who stopped (:mod:`minizero.comm.stall`) and ends the
 process -- a thread cannot interrupt a receive that torch is blocked in.
-torchrun then stops the other ranks.  torch's own timeout is set later
+torchrun then stops the other ranks.  A *frozen* rank (SIGSTOP: its
+heartbeat stopped) would ignore torchrun's SIGTERM, and torchrun waits 30 s
+before its SIGKILL: the watchdog that names a frozen rank on its own host
+ends it first, so torchrun sees the frozen rank fail, and soon.  torch's own timeout is set later
 (:func:`~minizero.rank.backstop_s`), so the watchdog, which sees every rank,
 speaks first.
+
+At the end, the rank takes down what it started, in order, while the
+interpreter is still whole (:func:`shut_down`, an ``atexit`` hook): the
+watchdog first, then the process group.  A daemon thread left to the
+interpreter's finalization dies when it next takes the GIL -- and a thread
+that takes it back on returning from a store call (C++, the GIL released)
+dies by an unwinding that C++ turns into ``std::terminate``: "terminate
+called without an active exception", exit -6, after all the work was done.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -27,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import progress
-from .comm.stall import stalled
+from .comm.stall import frozen, stalled
 from .rank import Rank, backstop_s
 
 KEY = "minizero/progress/{}"
@@ -81,8 +95,19 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> Rank:
         board = progress.ProgressBoard(rank)
         progress.install(board)
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=backstop_s(timeout_s)))
-        Watchdog(board, dist.distributed_c10d._get_default_store(), world_size, timeout_s).start()
+        watchdog = Watchdog(board, dist.distributed_c10d._get_default_store(), world_size, timeout_s)
+        watchdog.start()
+        atexit.register(shut_down, watchdog)
     return Rank(rank, world_size, local_rank, backend)
+
+
+def shut_down(watchdog: "Watchdog", join_s: float = 10.0) -> None:
+    """At exit: stop and join the watchdog (no store call may be in flight when the interpreter finalizes),
+    then destroy the process group, joining torch's own threads, unless a collective is still in progress
+    (the run is ending on a failure: destroying would wait for a collective that may never end)."""
+    watchdog.stop(join_s)
+    if dist.is_initialized() and watchdog.board.record()["state"] == progress.IDLE:
+        dist.destroy_process_group()
 
 
 class Watchdog(threading.Thread):
@@ -92,11 +117,37 @@ class Watchdog(threading.Thread):
         super().__init__(name=f"minizero-watchdog-rank{board.rank}", daemon=True)
         self.board, self.store, self.world_size, self.timeout_s = board, store, world_size, timeout_s
         self.interval = min(1.0, timeout_s / 4)
+        self.rows: list[dict | None] = []  # everyone's, as last read for a verdict
+        self._stopping = threading.Event()
 
     def run(self) -> None:
-        while self.tick() is None:
-            time.sleep(self.interval)
-        os._exit(1)
+        while not self._stopping.is_set():
+            if self.tick() is not None:
+                self.end_frozen()
+                os._exit(1)
+            self._stopping.wait(self.interval)
+
+    def stop(self, join_s: float = 10.0) -> None:
+        """Finish the tick in progress (a store call is bounded by the store's timeout, but ``join_s`` bounds
+        the wait here), then return: the thread has ended."""
+        self._stopping.set()
+        if self.is_alive():
+            self.join(join_s)
+
+    def end_frozen(self, wait_s: float = 1.0) -> list[int]:
+        """SIGKILL the frozen ranks of the last verdict that run on this host (their process ids are in their
+        rows); wait ``wait_s`` so torchrun sees them fail before this rank.  Returns the process ids."""
+        rows = self.rows
+        pids = [int(rows[r]["pid"]) for r in frozen(rows, time.time(), self.timeout_s, self.interval)
+                if rows[r].get("host") == socket.gethostname() and rows[r].get("pid")]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass  # gone already
+        if pids:
+            time.sleep(wait_s)
+        return pids
 
     def tick(self) -> str | None:
         """Publish this rank's row; return the verdict if this rank's collective has stalled.
@@ -109,11 +160,16 @@ class Watchdog(threading.Thread):
         now = time.time()
         if mine["state"] == progress.IDLE or now - mine["progress"] <= self.timeout_s:
             return None
-        verdict = stalled(self._everyone(mine), now, self.timeout_s)
+        self.rows = self._everyone(mine)
+        # A live rank's row here is up to one interval old: its heartbeat may look that much older.
+        verdict = stalled(self.rows, now, self.timeout_s, lag_s=self.interval)
         if verdict is None:
             return None
+        ending = [r for r in frozen(self.rows, now, self.timeout_s, self.interval)
+                  if self.rows[r].get("host") == socket.gethostname()]
+        also = f"frozen {', '.join(f'rank {r}' for r in ending)} (it cannot end itself) and " if ending else ""
         print(f"[minizero watchdog, rank {self.board.rank}] {verdict[0]}\n"
-              f"Ending this rank; torchrun stops the others.", file=sys.stderr, flush=True)
+              f"Ending {also}this rank; torchrun stops the others.", file=sys.stderr, flush=True)
         return verdict[0]
 
     def _everyone(self, mine: dict) -> list[dict | None]:

@@ -1,25 +1,31 @@
-"""Fault injection: rank 1 fails in one of four ways, at one of three places, in step 1 of a short run.
+"""Fault injection: rank 1 fails in one of five ways, at one of three places, in step 1 of a short run.
 
 Ways: ``raise`` an exception, ``exit`` (``os._exit``), ``kill`` (SIGKILL), ``sleep`` (stops making
-progress without dying).  Places: in ``forward`` (a pre-hook on the first layer), in the middle of a
-``bucket`` all-reduce (ddp-bucketed, after the bucket's first message left), in the middle of a
-``gather`` (a ZeRO-3 all-gather, likewise) -- the last two on the communication thread.
+progress without dying), ``stop`` (SIGSTOP: the process freezes, every thread of it).  Places: in
+``forward`` (a pre-hook on the first layer), in the middle of a ``bucket`` all-reduce (ddp-bucketed,
+after the bucket's first message left), in the middle of a ``gather`` (a ZeRO-3 all-gather, likewise) --
+the last two on the communication thread.  ``stop`` mid-collective freezes rank 1 where it is hardest to
+name: *waiting* for a peer, just as its peers will wait for it (:func:`freeze_while_waiting`).
 
 The same :func:`train_with_fault` runs on a local pool and, as a script, under torchrun:
-``torchrun --nproc-per-node 2 tests/faults.py FAULT PLACE TIMEOUT``.
+``torchrun --nproc-per-node 2 tests/faults.py FAULT PLACE TIMEOUT [BACKEND]``.
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
 
-FAULTS = ("raise", "exit", "kill", "sleep")
+FAULTS = ("raise", "exit", "kill", "sleep", "stop")
 PLACES = ("forward", "bucket", "gather")
 FAULTY_RANK = 1
+#: ``stop`` mid-collective: how long the healthy ranks hold back at the start of step 1, so that rank 1 is
+#: the first in the collective, blocked waiting for them, when it freezes.
+HOLD_BACK_S = 1.0
 
 
 def inject(fault: str) -> None:
@@ -29,10 +35,33 @@ def inject(fault: str) -> None:
         os._exit(3)
     if fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(3600)  # "sleep": alive, silent, making no progress
 
 
-def train_with_fault(me, fault: str, place: str, steps: int = 3) -> str:
+def freeze_while_waiting(now: dict) -> None:
+    """A thread that SIGSTOPs this process once, in step 1, it is blocked in a collective's data exchange
+    waiting for a peer: its row then says "waiting", like the rows of the peers that will wait for it."""
+    from minizero.comm import progress
+
+    board = progress.installed()
+
+    def waiting() -> bool:
+        row = progress.ProgressBoard.read(board.rank, board.values, board.text)
+        return (now["step"] == 1 and row["state"] == progress.IN_COLLECTIVE and row["waiting_on"] != progress.NOBODY
+                and progress.PARTS[int(row["part"])] != "fingerprint exchange")
+
+    def watch() -> None:
+        while not waiting():
+            time.sleep(0.002)
+        print(f"rank {board.rank} freezes at {time.time()}", flush=True)  # when the clock starts, for the tests
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    threading.Thread(target=watch, name="freeze-while-waiting", daemon=True).start()
+
+
+def train_with_fault(me, fault: str, place: str, steps: int = 3, backend: str = "ring") -> str:
     from minizero.comm import make_comm
     from minizero.lab.optimizers import make_optimizer
     from minizero.lab.tasks import TASKS
@@ -42,10 +71,13 @@ def train_with_fault(me, fault: str, place: str, steps: int = 3) -> str:
     task = TASKS["gpt"]
     model = task.make_model(0, torch.float32, n_layer=2)
     stage_name, options = ("zero3", {}) if place == "gather" else ("ddp-bucketed", {"bucket_mb": 0.01})
-    comm = make_comm("ring", check=True)
+    comm = make_comm(backend, check=True)
     stage = make_stage(stage_name, model, make_optimizer("sgd", model, 0.01), comm, **options)
     now = {"step": 0}
-    if me.rank == FAULTY_RANK:
+    mid_collective_stop = fault == "stop" and place != "forward"
+    if me.rank == FAULTY_RANK and mid_collective_stop:
+        freeze_while_waiting(now)
+    elif me.rank == FAULTY_RANK:
         if place == "forward":
             model.blocks[0].register_forward_pre_hook(lambda *_: inject(fault) if now["step"] == 1 else None)
         else:
@@ -53,13 +85,24 @@ def train_with_fault(me, fault: str, place: str, steps: int = 3) -> str:
             comm.add_observer(lambda k, nbytes: inject(fault) if now["step"] == 1 and k == kind else None)
     for s in range(steps):
         now["step"] = s
+        if mid_collective_stop and s == 1 and me.rank != FAULTY_RANK:
+            time.sleep(HOLD_BACK_S)
         x, y = task.make_batch(4 * me.world_size, 0, s, torch.float32)
         train_step(stage, shard_step(x, y, me.rank, me.world_size))
     return "finished"
 
 
 if __name__ == "__main__":  # under torchrun
+    import torch._dynamo  # noqa: F401 -- the first Optimizer imports it lazily: seconds, on a busy machine
+    import torch.distributed as dist
+
+    import minizero.lab.tasks  # noqa: F401 -- imported before the barrier, with the stages below
+    import minizero.stages  # noqa: F401
     from minizero.torchrun import init_from_env
 
-    fault, place, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    print(train_with_fault(init_from_env(timeout_s=timeout_s), fault, place))
+    fault, place, timeout_s, *backend = sys.argv[1], sys.argv[2], float(sys.argv[3]), *sys.argv[4:]
+    me = init_from_env(timeout_s=timeout_s)
+    # Each torchrun rank imports on its own: on a busy machine one can reach the first collective seconds
+    # after the other.  A barrier outside the board's sight lines them up, so the timeout measures the fault.
+    dist.barrier()
+    print(train_with_fault(me, fault, place, backend=backend[0] if backend else "ring"))

@@ -1,6 +1,6 @@
 """A failing or stalled rank ends the whole run with an error naming it -- never a hang.
 
-Four ways to fail (raise, os._exit, SIGKILL, sleep) at three places (forward, in the middle of a
+Five ways to fail (raise, os._exit, SIGKILL, sleep, SIGSTOP) at three places (forward, in the middle of a
 bucket's all-reduce, in the middle of a ZeRO-3 all-gather), on a local pool and under torchrun.
 Every other rank is stopped within the timeout, and the error names rank 1, the one that failed.
 """
@@ -22,7 +22,8 @@ TIMEOUT_S = 2.0
 #: What the caller is told, per way of failing.
 VERDICT = {"raise": "rank 1 raised:", "exit": "rank 1 died with exit code 3",
            "kill": "rank 1 died with exit code -9",
-           "sleep": "Stopped making progress: rank 1 -- it is"}
+           "sleep": "Stopped making progress: rank 1 -- it is",
+           "stop": "Stopped making progress: rank 1 -- its process is frozen: its heartbeat has stopped"}
 
 
 @pytest.mark.parametrize("place", PLACES)
@@ -43,7 +44,32 @@ def test_a_failed_rank_ends_the_run_naming_it(fault, place):
         assert ("stalled: rank 0 has made no progress" in message and "waiting for rank 1" in message) or \
             "stalled: rank 1 has made no progress" in message, message
         assert ("in no collective" if place == "forward" else "inside the collective but not waiting") in message
+    if fault == "stop":
+        assert_frozen_rank_1_named(message, place)
     assert elapsed < TIMEOUT_S + 12, elapsed  # pool start-up, the faulty step, the timeout
+
+
+def assert_frozen_rank_1_named(message: str, place: str) -> None:
+    """A SIGSTOPped rank 1: named, and its row shown as frozen where it was -- mid-collective, waiting for a
+    peer like the others (ring: for rank 0; torch's collective: for any), or in no collective (forward)."""
+    assert "the OS says process" in message and "is stopped (SIGSTOP" in message, message
+    frozen_row = message.split("rank 1: FROZEN: no heartbeat for ", 1)[1].split("\n", 1)[0]
+    assert ("in no collective" in frozen_row if place == "forward" else
+            "waiting for rank 0" in frozen_row or "waiting for any peer" in frozen_row), message
+
+
+@pytest.mark.parametrize("place", ["bucket", "gather"])
+def test_a_rank_frozen_mid_collective_on_the_native_backend_is_named(place):
+    """torch's own collectives: every rank in one waits for "any peer", so only the heartbeat can tell the
+    frozen rank from the ranks that wait for it (the arrows alone said "no single rank")."""
+    start = time.monotonic()
+    with RankPool(2, timeout_s=TIMEOUT_S) as pool:
+        with pytest.raises(RankError) as info:
+            pool.run(train_with_fault, "stop", place, backend="native")
+    message = str(info.value)
+    assert VERDICT["stop"] in message and info.value.rank == FAULTY_RANK, message
+    assert_frozen_rank_1_named(message, place)
+    assert time.monotonic() - start < TIMEOUT_S + 15
 
 
 def test_three_ranks_a_stall_in_a_ring_step_is_traced_to_the_rank_that_stopped():
@@ -56,17 +82,19 @@ def test_three_ranks_a_stall_in_a_ring_step_is_traced_to_the_rank_that_stopped()
 
 # Under torchrun a killed rank and one that raised both end as an exiting process, which torchrun's agent
 # sees the same way: the raise stands for both (the local pool's tests kill ranks too).
-TORCHRUN = [("raise", "bucket"), ("sleep", "gather")]
+TORCHRUN = [("raise", "bucket"), ("sleep", "gather"), ("stop", "bucket")]
 
 
 @pytest.mark.parametrize("fault, place", TORCHRUN)
 def test_under_torchrun_a_failed_rank_ends_every_rank(fault, place):
     """torchrun stops the others once one rank exits.  A sleeping rank is named by a watchdog -- the
     waiting rank's, or, when it sleeps inside a collective, its own -- which then ends its process:
-    the whole job ends, bounded by the timeout."""
+    the whole job ends, bounded by the timeout.  A frozen rank (SIGSTOP, in torch's collective) cannot
+    end itself, nor heed torchrun's SIGTERM: the watchdog that names it ends it, so torchrun's root cause
+    is the frozen rank and the job ends soon after the timeout (it took 51 s, naming rank 0)."""
     script = Path(__file__).with_name("faults.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script), fault, place, str(TIMEOUT_S)]
+           str(script), fault, place, str(TIMEOUT_S), *(["native"] if fault == "stop" else [])]
     start = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parent.parent)})
@@ -76,6 +104,14 @@ def test_under_torchrun_a_failed_rank_ends_every_rank(fault, place):
     assert "finished" not in out.stdout
     if fault == "sleep":
         assert "[minizero watchdog, rank" in text and "Stopped making progress: rank 1 --" in text, text
+    elif fault == "stop":
+        assert "[minizero watchdog, rank 0]" in text and VERDICT["stop"] in text, text
+        assert "Ending frozen rank 1 (it cannot end itself) and this rank" in text, text
+        assert_frozen_rank_1_named(text, place)
+        root_cause = text.split("Root Cause", 1)[1]
+        assert "rank      : 1" in root_cause and "exitcode  : -9" in root_cause, text
+        froze_at = float(text.split("rank 1 freezes at ", 1)[1].split()[0])
+        assert time.time() - froze_at < TIMEOUT_S + 25, text  # the timeout, the watchdog's tick, torchrun's exit
     else:
         assert "injected fault" in text and "rank      : 1" in text, text
     assert elapsed < 60, elapsed

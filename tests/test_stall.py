@@ -1,6 +1,7 @@
 """The stall verdict on boards written by hand: every arrow case, without starting a process."""
 from __future__ import annotations
 
+import os
 import time
 
 from minizero.comm.progress import ANYONE, FIELDS, IDLE, IN_COLLECTIVE, NOBODY, PARTS
@@ -66,3 +67,59 @@ def test_the_torchrun_watchdog_judges_on_its_own_row_when_the_store_is_gone():
         time.sleep(0.1)
         verdict = watchdog.tick()
     assert verdict is not None and "Stopped making progress: rank 1 -- it never reported progress" in verdict
+
+
+# ---------------------------------------------------------------- a frozen rank (SIGSTOP): its heartbeat stops
+def beating(record, age=0.05):
+    """``record`` with a heartbeat ``age`` seconds old (a live rank's: a fraction of a second)."""
+    return {**record, "heartbeat": NOW - age}
+
+
+def test_a_frozen_rank_in_a_cycle_of_waits_is_named_not_a_deadlock():
+    """The ring, rank 1 stopped while it waited for rank 0: both rows wait for each other, as in a deadlock --
+    but rank 1's heartbeat stopped when it froze, 10 s ago."""
+    records = [beating(row(0, IN_COLLECTIVE, 7, waiting_on=1)), beating(row(1, IN_COLLECTIVE, 7, waiting_on=0), age=10)]
+    message, culprits = stalled(records, NOW, timeout_s=2)
+    assert culprits == [1], message
+    assert "Stopped making progress: rank 1 -- its process is frozen: its heartbeat has stopped" in message
+    assert "rank 1: FROZEN: no heartbeat for 10.0 s; its row, from then: in all_reduce #7" in message
+    assert "deadlock" not in message
+
+
+def test_a_frozen_rank_in_a_torch_collective_is_named_not_no_single_rank():
+    """torch's collective: every rank waits for any peer, in the same collective -- the arrows name nobody."""
+    records = [beating(row(0, IN_COLLECTIVE, 7, waiting_on=ANYONE)),
+               beating(row(1, IN_COLLECTIVE, 7, waiting_on=ANYONE), age=10)]
+    assert stalled([beating(r) for r in records], NOW, timeout_s=2)[1] == []  # all alive: no single rank
+    message, culprits = stalled(records, NOW, timeout_s=2)
+    assert culprits == [1] and "rank 1 -- its process is frozen" in message, message
+
+
+def test_live_heartbeats_leave_the_verdict_to_the_arrows_and_a_late_one_defers_it():
+    records = [beating(row(0, IN_COLLECTIVE, 7, waiting_on=1)), beating(row(1, IN_COLLECTIVE, 7))]
+    message, culprits = stalled(records, NOW, timeout_s=2)
+    assert culprits == [1] and "busy or stuck in its own code" in message and "FROZEN" not in message
+    # half a second without a beat: frozen, or not scheduled on a busy machine -- the next look decides
+    assert stalled([records[0], beating(records[1], age=0.5)], NOW, timeout_s=2) is None
+    # a rank with no heartbeat at all (none was ever started) is judged by its arrows alone
+    assert stalled([records[0], records[1] | {"heartbeat": 0.0}], NOW, timeout_s=2)[1] == [1]
+
+
+def test_the_os_state_of_a_stopped_process_is_reported():
+    import signal
+    import subprocess
+    import sys
+
+    from minizero.comm.stall import process_state
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while "stopped" not in process_state({"pid": child.pid}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state({"pid": child.pid}).startswith(f"the OS says process {child.pid} is stopped (SIGSTOP")
+        assert process_state({"pid": child.pid, "host": "another-host"}) == ""  # not ours to look up
+    finally:
+        child.kill()
+        child.wait()

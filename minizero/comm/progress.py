@@ -11,7 +11,14 @@ published to the rendezvous store, see :mod:`minizero.torchrun`):
   that it is in none and since when;
 * which part of it (fingerprint exchange, reduce-scatter step 2, ...);
 * whether it is blocked waiting for a peer, and which one;
-* when it last made progress (a message arrived or left).
+* when it last made progress (a message arrived or left);
+* a **heartbeat**: the time, refreshed every :data:`HEARTBEAT_S` by a light
+  thread of the rank's own (:class:`Heartbeat`), and the rank's process id.
+
+The heartbeat is what tells a rank that waits from a rank that is *frozen*:
+a process stopped by SIGSTOP (Ctrl-Z, a debugger) stops all its threads,
+this one included, so its row goes on saying "waiting for a peer" while the
+heartbeat stops: its row is stale, and the heartbeat says so.
 
 A stall is a collective with no progress for ``timeout_s`` -- measured from
 the last progress, never from the start of the run, so a long healthy run is
@@ -25,6 +32,9 @@ created afterwards writes to it.  Without a launcher the board is a no-op.
 from __future__ import annotations
 
 import ctypes
+import os
+import socket
+import threading
 import time
 from contextlib import contextmanager
 
@@ -33,11 +43,13 @@ from .fingerprint import KINDS
 IDLE, IN_COLLECTIVE = 0.0, 1.0
 NOBODY, ANYONE = -2.0, -1.0  # values of waiting_on besides a rank number
 FIELDS = ("state", "seq", "kind", "numel", "part", "step", "waiting_on", "entered", "progress", "left",
-          "tag_step", "tag_backward", "tag_syncing", "collectives")
+          "tag_step", "tag_backward", "tag_syncing", "collectives", "heartbeat", "pid")
 TEXT = 120
 PARTS = ("fingerprint exchange", "reduce-scatter", "all-gather", "broadcast", "gather to root",
          "broadcast from root", "torch collective", "push to servers", "pull from servers", "")
 _F = {name: i for i, name in enumerate(FIELDS)}
+#: Seconds between two heartbeats.  A beat costs one write of a float; ten a second is nothing.
+HEARTBEAT_S = 0.1
 
 
 class ProgressBoard:
@@ -47,7 +59,9 @@ class ProgressBoard:
         self.rank = rank
         self.values = values if values is not None else (ctypes.c_double * len(FIELDS))()
         self.text = text if text is not None else ctypes.create_string_buffer(TEXT)
-        self._set(state=IDLE, seq=-1.0, waiting_on=NOBODY, left=time.time(), part=float(len(PARTS) - 1))
+        # heartbeat 0: none yet -- a row nobody beats for (a rank not started) is never called frozen.
+        self._set(state=IDLE, seq=-1.0, waiting_on=NOBODY, left=time.time(), part=float(len(PARTS) - 1),
+                  heartbeat=0.0, pid=0.0)
 
     def _set(self, **fields) -> None:
         for name, value in fields.items():
@@ -79,10 +93,15 @@ class ProgressBoard:
     def leave(self) -> None:
         self._set(state=IDLE, waiting_on=NOBODY, left=time.time(), collectives=self.values[_F["collectives"]] + 1)
 
+    def beat(self) -> None:
+        """This process is alive and scheduled: what a frozen one cannot say."""
+        self._set(heartbeat=time.time(), pid=float(os.getpid()))
+
     # ---------------------------------------------------------------- reader: the watchdog
     def record(self) -> dict:
-        """A plain snapshot of the row (what a watchdog compares and publishes)."""
-        return self.read(self.rank, self.values, self.text)
+        """A plain snapshot of the row (what a watchdog compares and publishes), with the host it runs on:
+        a reader elsewhere cannot look its process id up."""
+        return {**self.read(self.rank, self.values, self.text), "host": socket.gethostname()}
 
     @staticmethod
     def read(rank: int, values, text) -> dict:
@@ -91,6 +110,22 @@ class ProgressBoard:
         row["rank"] = rank
         row["what"] = text.value.decode(errors="replace")
         return row
+
+
+class Heartbeat(threading.Thread):
+    """The rank's own light thread: ``board.beat()`` every :data:`HEARTBEAT_S` seconds, for as long as the
+    process runs.  A daemon -- it holds nothing, and a finished rank exits without waiting for it.  It needs
+    the GIL for a moment per beat, so a rank stuck in native code that never releases the GIL stops beating
+    too: frozen as far as Python is concerned, and named as such."""
+
+    def __init__(self, board: ProgressBoard):
+        super().__init__(name=f"minizero-heartbeat-rank{board.rank}", daemon=True)
+        self.board = board
+
+    def run(self) -> None:
+        while True:
+            self.board.beat()
+            time.sleep(HEARTBEAT_S)
 
 
 class NullBoard:
@@ -117,9 +152,11 @@ _board: ProgressBoard | NullBoard = NULL_BOARD
 
 
 def install(board: ProgressBoard) -> None:
-    """The launcher calls this once per rank process, before any Comm exists."""
+    """The launcher calls this once per rank process, before any Comm exists; the board's heartbeat starts."""
     global _board
     _board = board
+    board.beat()  # before the thread's first turn: the row says at once whose process it is
+    Heartbeat(board).start()
 
 
 def installed() -> ProgressBoard | NullBoard:

@@ -14,12 +14,28 @@ collective:
 * to a rank that waits in turn -- follow on; a cycle means every rank waits for
   its neighbour, a deadlock inside the collective.
 
+But a *frozen* rank -- its process stopped by SIGSTOP, Ctrl-Z or a debugger --
+cannot update its row: the arrows show where it was when it froze, waiting
+like everybody else (an arrow of the cycle, or one more rank in a torch
+collective that waits for all).  Its heartbeat (:mod:`.progress`) has stopped,
+though, while every live rank's goes on: a rank whose heartbeat is older than
+:func:`frozen_after` is named before any arrow is followed.  Where the
+reader can see the rank's process (same host), the OS's word on it is added.
+
 Every rank's row is printed beneath, so the reader can check the verdict.
 """
 from __future__ import annotations
 
+import socket
+
 from .fingerprint import KINDS
-from .progress import ANYONE, IDLE, NOBODY, PARTS
+from .progress import ANYONE, HEARTBEAT_S, IDLE, NOBODY, PARTS
+
+#: A heartbeat this many seconds old means the rank is frozen: ten beats missed -- far beyond a busy
+#: machine's scheduling delay, far below any sensible timeout.  Capped by half the timeout (see frozen_after).
+FROZEN_S = 1.0
+#: A heartbeat this late is not yet frozen, but may be: a verdict waits until it is one or the other.
+LATE_S = 3 * HEARTBEAT_S
 
 BUSY = "it is inside the collective but not waiting for any peer: busy or stuck in its own code"
 
@@ -36,11 +52,53 @@ def _where(row: dict) -> str:
     return f"{KINDS[int(row['kind'])]} #{int(row['seq'])} of {int(row['numel'])} elements{tag}{phase}{inside}"
 
 
-def describe(row: dict | None, now: float, finished: bool = False) -> str:
+def frozen_after(timeout_s: float, lag_s: float = 0.0) -> float:
+    """How old a heartbeat must be to call its rank frozen: :data:`FROZEN_S`, but at most half the timeout
+    (so a rank frozen at the start of a stall is one when the timeout runs out), never under :data:`LATE_S`.
+    ``lag_s``: how old a live rank's heartbeat can look to this reader (the torchrun watchdog reads rows
+    published every ``lag_s``)."""
+    return max(min(FROZEN_S, timeout_s / 2), LATE_S) + lag_s
+
+
+def heartbeat_age(row: dict | None, now: float) -> float | None:
+    """Seconds since the rank's last heartbeat; None if it never beat (no heartbeat thread: not judged)."""
+    if row is None or not row.get("heartbeat"):
+        return None
+    return now - row["heartbeat"]
+
+
+def process_state(row: dict) -> str:
+    """What the OS says of the rank's process, where this reader can see it (Linux, same host); else ''."""
+    pid = int(row.get("pid") or 0)
+    if pid <= 0 or row.get("host", socket.gethostname()) != socket.gethostname():
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # after "pid (name)": the name may hold spaces
+    except FileNotFoundError:
+        return f"the OS has no process {pid} any more: it exited"
+    except (OSError, IndexError):
+        return ""
+    return {"T": f"the OS says process {pid} is stopped (SIGSTOP, SIGTSTP or Ctrl-Z): `kill -CONT {pid}` resumes it",
+            "t": f"the OS says process {pid} is stopped by a debugger (traced)",
+            "D": f"the OS says process {pid} is in uninterruptible sleep (waiting on a disk or a driver)",
+            "Z": f"the OS says process {pid} has exited (a zombie)"}.get(
+        state, f"the OS says process {pid} is running or sleeping (state {state}): native code that holds the GIL?")
+
+
+def frozen(records: list[dict | None], now: float, timeout_s: float, lag_s: float = 0.0) -> list[int]:
+    """The ranks whose heartbeat is older than :func:`frozen_after`: stopped, whatever their row says."""
+    limit = frozen_after(timeout_s, lag_s)
+    return [r for r, row in enumerate(records) if (heartbeat_age(row, now) or 0.0) > limit]
+
+
+def describe(row: dict | None, now: float, finished: bool = False, is_frozen: bool = False) -> str:
     if row is None:
         return "no report (it never published its progress, or died)"
     if finished:
         return "finished its task"
+    if is_frozen:
+        return f"FROZEN: no heartbeat for {heartbeat_age(row, now):.1f} s; its row, from then: {describe(row, now)}"
     if row["state"] == IDLE:
         if row["seq"] < 0:
             return f"in no collective, and none yet since it started {now - row['left']:.1f} s ago"
@@ -53,11 +111,14 @@ def describe(row: dict | None, now: float, finished: bool = False) -> str:
 
 
 def stalled(records: list[dict | None], now: float, timeout_s: float, finished: set[int] = frozenset(),
-            grace_s: float = 2.0) -> tuple[str, list[int]] | None:
+            grace_s: float = 2.0, lag_s: float = 0.0) -> tuple[str, list[int]] | None:
     """``(message, culprit ranks)`` if some collective made no progress for ``timeout_s``, else None.
 
     A collective that waits, through the arrows, on a rank that already
-    *finished its task* can never complete: it is reported after ``grace_s``."""
+    *finished its task* can never complete: it is reported after ``grace_s``.
+    A frozen rank (:func:`frozen`; ``lag_s`` as there) is the culprit whatever
+    the arrows say; while a rank's heartbeat is late but not yet overdue, the
+    verdict waits for it to be one or the other."""
     waiting = [r for r in records if r is not None and r["state"] != IDLE]
     for limit in (timeout_s, min(grace_s, timeout_s)):
         stuck = [r for r in waiting if now - r["progress"] > limit]
@@ -67,8 +128,19 @@ def stalled(records: list[dict | None], now: float, timeout_s: float, finished: 
         first = min(stuck, key=lambda r: (r["waiting_on"] == NOBODY, r["seq"], r["progress"]))
         culprits, reason = blame(first, records, finished)
         if limit == timeout_s or (culprits and set(culprits) <= set(finished)):
-            return explain(first, records, now, timeout_s, finished, culprits, reason), culprits
+            if limit == timeout_s:
+                stopped = [r for r in frozen(records, now, timeout_s, lag_s) if r not in finished]
+                if stopped:
+                    culprits, reason = stopped, FROZEN
+                elif any(r not in finished and (heartbeat_age(row, now) or 0.0) > LATE_S + lag_s
+                         for r, row in enumerate(records)):
+                    return None  # frozen, or just slow to be scheduled: the next look tells
+            return explain(first, records, now, timeout_s, finished, culprits, reason, lag_s), culprits
     return None
+
+
+FROZEN = ("its process is frozen: its heartbeat has stopped, so its row only says where it was when it "
+          "froze (it cannot take part in any collective until it is resumed or ended)")
 
 
 def blame(first: dict, records: list[dict | None], finished: set[int]) -> tuple[list[int], str]:
@@ -103,12 +175,15 @@ def blame(first: dict, records: list[dict | None], finished: set[int]) -> tuple[
         row = other
 
 
-def explain(first: dict, records, now: float, timeout_s: float, finished, culprits: list[int], reason: str) -> str:
+def explain(first: dict, records, now: float, timeout_s: float, finished, culprits: list[int], reason: str,
+            lag_s: float = 0.0) -> str:
     who = ", ".join(f"rank {c}" for c in culprits) or "no single rank"
     lines = [f"stalled: rank {first['rank']} has made no progress for {now - first['progress']:.1f} s "
              f"(timeout {timeout_s:g} s) in {_where(first)}.",
-             f"Stopped making progress: {who} -- {reason}.",
-             "Every rank:"]
+             f"Stopped making progress: {who} -- {reason}."]
+    stopped = frozen(records, now, timeout_s, lag_s)
+    lines += [f"  rank {r}: {process_state(records[r])}" for r in stopped if process_state(records[r])]
+    lines.append("Every rank:")
     for r, row in enumerate(records):
-        lines.append(f"  rank {r}: {describe(row, now, r in finished)}")
+        lines.append(f"  rank {r}: {describe(row, now, r in finished, r in stopped)}")
     return "\n".join(lines)
