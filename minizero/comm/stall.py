@@ -56,7 +56,8 @@ def frozen_after(timeout_s: float, lag_s: float = 0.0) -> float:
     """How old a heartbeat must be to call its rank frozen: :data:`FROZEN_S`, but at most half the timeout
     (so a rank frozen at the start of a stall is one when the timeout runs out), never under :data:`LATE_S`.
     ``lag_s``: how old a live rank's heartbeat can look to this reader (the torchrun watchdog reads rows
-    published every ``lag_s``)."""
+    published every ``lag_s``).  A heartbeat is its host's clock, like a row's progress: across nodes, the
+    clocks must agree to well within a second (NTP does)."""
     return max(min(FROZEN_S, timeout_s / 2), LATE_S) + lag_s
 
 
