@@ -7,7 +7,6 @@ option and the value, instead of a traceback from deep inside a run.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -18,6 +17,7 @@ from .lab.bench import BENCHES
 from .lab.equivalence import DTYPES
 from .lab.memory_table import MODELS as MEMORY_MODELS
 from .lab.optimizers import OPTIMIZERS
+from .lab.preflight import positive_float
 from .lab.rank_verdict import rank_error_verdict
 from .lab.registry import LAB_STAGES
 from .lab.tasks import TASKS
@@ -45,16 +45,6 @@ def positive_int(text: str) -> int:
 
 def natural_int(text: str) -> int:
     return _whole_number(text, 0, "is negative; use 0 or more")
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number greater than 0")
-    return value
 
 
 def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> None:

@@ -31,7 +31,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import progress
-from .comm.stall import frozen, stalled
+from .comm.stall import is_stopped, stalled
 from .rank import Rank, backstop_s
 
 KEY = "minizero/progress/{}"
@@ -106,6 +105,8 @@ def shut_down(watchdog: "Watchdog", join_s: float = 10.0) -> None:
     then destroy the process group, joining torch's own threads, unless a collective is still in progress
     (the run is ending on a failure: destroying would wait for a collective that may never end)."""
     watchdog.stop(join_s)
+    if watchdog.is_alive():  # a store call hung past join_s: destroying now would reopen the abort window
+        return
     if dist.is_initialized() and watchdog.board.record()["state"] == progress.IDLE:
         dist.destroy_process_group()
 
@@ -118,6 +119,7 @@ class Watchdog(threading.Thread):
         self.board, self.store, self.world_size, self.timeout_s = board, store, world_size, timeout_s
         self.interval = min(1.0, timeout_s / 4)
         self.rows: list[dict | None] = []  # everyone's, as last read for a verdict
+        self.culprits: list[int] = []  # the verdict's
         self._stopping = threading.Event()
 
     def run(self) -> None:
@@ -135,11 +137,10 @@ class Watchdog(threading.Thread):
             self.join(join_s)
 
     def end_frozen(self, wait_s: float = 1.0) -> list[int]:
-        """SIGKILL the frozen ranks of the last verdict that run on this host (their process ids are in their
-        rows); wait ``wait_s`` so torchrun sees them fail before this rank.  Returns the process ids."""
-        rows = self.rows
-        pids = [int(rows[r]["pid"]) for r in frozen(rows, time.time(), self.timeout_s, self.interval)
-                if rows[r].get("host") == socket.gethostname() and rows[r].get("pid")]
+        """SIGKILL the last verdict's culprits that the OS says are stopped on this host (their process ids are
+        in their rows: a stopped process ignores torchrun's SIGTERM); wait ``wait_s`` so torchrun sees them fail
+        before this rank.  Returns the process ids."""
+        pids = [int(self.rows[r]["pid"]) for r in self.culprits if is_stopped(self.rows[r])]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -165,8 +166,8 @@ class Watchdog(threading.Thread):
         verdict = stalled(self.rows, now, self.timeout_s, lag_s=self.interval)
         if verdict is None:
             return None
-        ending = [r for r in frozen(self.rows, now, self.timeout_s, self.interval)
-                  if self.rows[r].get("host") == socket.gethostname()]
+        self.culprits = verdict[1]
+        ending = [r for r in self.culprits if is_stopped(self.rows[r])]
         also = f"frozen {', '.join(f'rank {r}' for r in ending)} (it cannot end itself) and " if ending else ""
         print(f"[minizero watchdog, rank {self.board.rank}] {verdict[0]}\n"
               f"Ending {also}this rank; torchrun stops the others.", file=sys.stderr, flush=True)

@@ -255,26 +255,6 @@ def test_another_optimizer_class_is_refused(pools, tmp_path, stage):
            "(AdamW)" in errors[0]
 
 
-def _lr_changed_then_loaded(me, exp, root):
-    stage, _, comm, _ = build(me, exp)
-    for group in stage.optimizer.param_groups:
-        group["lr"] = 0.25
-    checkpoint.save(stage, root, 1)
-    comm.close()
-    fresh, _, comm, _ = build(me, exp)
-    notes = checkpoint.load(fresh, root)["notes"]
-    comm.close()
-    return notes
-
-
-def test_the_checkpoints_hyper_parameters_are_followed_and_said(pools, tmp_path):
-    exp = Experiment(stage="zero2", dtype="float32", optimizer="adamw", lr=1e-3,
-                     model={"d_model": 8, "n_layer": 1, "n_head": 2, "block_size": 4})
-    notes = pools.run(2, _lr_changed_then_loaded, exp, str(tmp_path))[0]
-    assert "optimizer group 0: lr 0.25 from the checkpoint replaces this run's 0.001 (as torch's load_state_dict " \
-           "does)" in notes
-
-
 def test_a_damaged_rank_file_is_refused_on_every_rank(pools, tmp_path):
     """One rank's file of a 2-rank zero3 save, damaged in place: every rank refuses, naming it."""
     exp = Experiment(stage="zero3", steps=1, dtype="float32", optimizer="adamw",

@@ -105,6 +105,25 @@ def test_live_heartbeats_leave_the_verdict_to_the_arrows_and_a_late_one_defers_i
     assert stalled([records[0], records[1] | {"heartbeat": 0.0}], NOW, timeout_s=2)[1] == [1]
 
 
+def test_a_stale_heartbeat_never_displaces_a_live_rank_the_arrows_name():
+    """Rank 1 sleeps in its own code (the arrows name it); rank 2, healthy and waiting, was not scheduled for
+    two seconds on a busy machine: the verdict stays rank 1's, with rank 2 marked beneath."""
+    records = [beating(row(0, IN_COLLECTIVE, 7, waiting_on=1)), beating(row(1, IDLE, 6)),
+               beating(row(2, IN_COLLECTIVE, 7, waiting_on=0), age=2)]
+    message, culprits = stalled(records, NOW, timeout_s=2)
+    assert culprits == [1] and "rank 1 -- it is in no collective" in message, message
+    assert "rank 2: FROZEN" in message
+
+
+def test_a_frozen_rank_s_stale_arrow_is_not_followed():
+    """Rank 1 froze in collective #7 waiting for rank 0, which has since moved on to #8 and waits for rank 1:
+    followed from rank 1's stale row, the arrows would blame rank 0 for leaving #7 early."""
+    records = [beating(row(0, IN_COLLECTIVE, 8, waiting_on=1)),
+               beating(row(1, IN_COLLECTIVE, 7, waiting_on=0, progress=NOW - 12), age=12)]
+    message, culprits = stalled(records, NOW, timeout_s=2)
+    assert culprits == [1] and "rank 1 -- its process is frozen" in message, message
+
+
 def test_the_os_state_of_a_stopped_process_is_reported():
     import signal
     import subprocess

@@ -68,18 +68,34 @@ def heartbeat_age(row: dict | None, now: float) -> float | None:
     return now - row["heartbeat"]
 
 
-def process_state(row: dict) -> str:
-    """What the OS says of the rank's process, where this reader can see it (Linux, same host); else ''."""
-    pid = int(row.get("pid") or 0)
+def _os_state(row: dict) -> str | None:
+    """The OS's one-letter state of the rank's process (``T`` stopped, ``t`` traced...), ``"gone"``, or None
+    where this reader cannot see it (not Linux, another host)."""
+    pid = int(row.get("pid") or 0) if row else 0
     if pid <= 0 or row.get("host", socket.gethostname()) != socket.gethostname():
-        return ""
+        return None
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]  # after "pid (name)": the name may hold spaces
+            return f.read().rsplit(")", 1)[1].split()[0]  # after "pid (name)": the name may hold spaces
     except FileNotFoundError:
-        return f"the OS has no process {pid} any more: it exited"
+        return "gone"
     except (OSError, IndexError):
+        return None
+
+
+def is_stopped(row: dict) -> bool:
+    """Whether the OS says the rank's process is stopped (SIGSTOP, a debugger): the one a watchdog may kill
+    by its pid -- never a pid that exited and may have been reused."""
+    return _os_state(row) in ("T", "t")
+
+
+def process_state(row: dict) -> str:
+    """What the OS says of the rank's process, where this reader can see it (Linux, same host); else ''."""
+    pid, state = int(row.get("pid") or 0), _os_state(row)
+    if state is None:
         return ""
+    if state == "gone":
+        return f"the OS has no process {pid} any more: it exited"
     return {"T": f"the OS says process {pid} is stopped (SIGSTOP, SIGTSTP or Ctrl-Z): `kill -CONT {pid}` resumes it",
             "t": f"the OS says process {pid} is stopped by a debugger (traced)",
             "D": f"the OS says process {pid} is in uninterruptible sleep (waiting on a disk or a driver)",
@@ -117,24 +133,28 @@ def stalled(records: list[dict | None], now: float, timeout_s: float, finished: 
 
     A collective that waits, through the arrows, on a rank that already
     *finished its task* can never complete: it is reported after ``grace_s``.
-    A frozen rank (:func:`frozen`; ``lag_s`` as there) is the culprit whatever
-    the arrows say; while a rank's heartbeat is late but not yet overdue, the
-    verdict waits for it to be one or the other."""
+    A frozen rank (:func:`frozen`; ``lag_s`` as there) is the culprit where the
+    arrows name nobody or name it; while a rank's heartbeat is late but not yet
+    overdue, the verdict waits for it to be one or the other."""
     waiting = [r for r in records if r is not None and r["state"] != IDLE]
+    stopped = [r for r in frozen(records, now, timeout_s, lag_s) if r not in finished]
     for limit in (timeout_s, min(grace_s, timeout_s)):
         stuck = [r for r in waiting if now - r["progress"] > limit]
         if not stuck:
             continue
-        # Tell it from the side of a rank that waits for a peer, the oldest collective first.
-        first = min(stuck, key=lambda r: (r["waiting_on"] == NOBODY, r["seq"], r["progress"]))
-        culprits, reason = blame(first, records, finished)
+        # Tell it from the side of a live rank that waits for a peer, the oldest collective first: a frozen
+        # rank's row is where it was when it froze, and its arrow may point at a peer that has since moved on.
+        first = min([r for r in stuck if r["rank"] not in stopped] or stuck,
+                    key=lambda r: (r["waiting_on"] == NOBODY, r["seq"], r["progress"]))
+        culprits, reason = blame(first, records, finished, set(stopped))
         if limit == timeout_s or (culprits and set(culprits) <= set(finished)):
             if limit == timeout_s:
-                stopped = [r for r in frozen(records, now, timeout_s, lag_s) if r not in finished]
-                if stopped:
+                # The heartbeat decides where the arrows name nobody (a cycle through the frozen rank, torch's
+                # "any peer"); a live rank descheduled for a second never displaces a live rank they name.
+                if stopped and (not culprits or set(culprits) <= set(stopped)):
                     culprits, reason = stopped, FROZEN
-                elif any(r not in finished and (heartbeat_age(row, now) or 0.0) > LATE_S + lag_s
-                         for r, row in enumerate(records)):
+                elif not stopped and any(r not in finished and (heartbeat_age(row, now) or 0.0) > LATE_S + lag_s
+                                         for r, row in enumerate(records)):
                     return None  # frozen, or just slow to be scheduled: the next look tells
             return explain(first, records, now, timeout_s, finished, culprits, reason, lag_s), culprits
     return None
@@ -144,8 +164,10 @@ FROZEN = ("its process is frozen: its heartbeat has stopped, so its row only say
           "froze (it cannot take part in any collective until it is resumed or ended)")
 
 
-def blame(first: dict, records: list[dict | None], finished: set[int]) -> tuple[list[int], str]:
-    """Follow the waits-for arrows from ``first``; return the ranks that stopped, and why."""
+def blame(first: dict, records: list[dict | None], finished: set[int],
+          stopped: set[int] = frozenset()) -> tuple[list[int], str]:
+    """Follow the waits-for arrows from ``first``; return the ranks that stopped, and why.  An arrow to a
+    ``stopped`` (frozen) rank ends there: its own arrow is stale."""
     row, seen = first, set()
     while True:
         seen.add(row["rank"])
@@ -160,6 +182,8 @@ def blame(first: dict, records: list[dict | None], finished: set[int]) -> tuple[
             return behind, "the collective waits for several ranks at once, and these never reached it"
         peer = int(wait)
         other = records[peer] if 0 <= peer < len(records) else None
+        if peer in stopped:
+            return [peer], FROZEN
         if other is None:
             return [peer], "it never reported progress"
         if other["seq"] > row["seq"] or (other["seq"] == row["seq"] and other["state"] == IDLE):

@@ -24,14 +24,20 @@ MAX_SEED = 2**32 - 1
 ADAM_FIRST_STEP = {"adam": 10.0, "adamw": 10.0}
 
 
-def timeout_s(text: str) -> float:
-    """``--timeout``: a number of seconds, at least :data:`MIN_TIMEOUT_S`."""
+def positive_float(text: str) -> float:
+    """A size or a rate on the command line: a finite number greater than 0."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text} is not a finite number greater than 0")
+    return value
+
+
+def timeout_s(text: str) -> float:
+    """``--timeout``: a number of seconds, at least :data:`MIN_TIMEOUT_S`."""
+    value = positive_float(text)
     if value < MIN_TIMEOUT_S:
         raise argparse.ArgumentTypeError(
             f"{text} s is too short to mean a stall (a healthy peer may take that long to reach a collective while "
