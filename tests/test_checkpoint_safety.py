@@ -229,6 +229,12 @@ def test_a_first_format_checkpoint_still_loads_with_a_note(tmp_path):
     info = checkpoint.load(stage, tmp_path)
     assert "written in format version 1, before files carried digests: sizes checked, contents not" in info["notes"]
     assert all(torch.all(p == 1.0) for p in stage.module.parameters())
+    path.write_text(json.dumps({**old, "save_id": old["save_id"] + 1}))  # a file of another save, as far as it knows
+    with pytest.raises(CheckpointError, match="rank-00000-of-00001.pt: written by another save than the manifest's"):
+        checkpoint.load(_stage(), tmp_path)
+    path.write_text(json.dumps({k: v for k, v in old.items() if k != "state"}))
+    with pytest.raises(CheckpointError, match="manifest.json: field 'state' is missing"):
+        checkpoint.load(_stage(), tmp_path)
 
 
 # ---------------------------------------------------------------------- on ranks: the optimizer it is loaded into

@@ -38,7 +38,7 @@ from minizero.lab.result import RankResult
     (["compare", "--clip", "-1"], "argument --clip: -1 is not a finite number greater than 0"),
     (["compare", "--timeout", "0"], "argument --timeout: 0 is not a finite number greater than 0"),
     (["compare", "--seed", "-1"], "argument --seed: -1 is negative; use 0 or more"),
-    (["train", "--seed", str(2**64)], f"argument --seed: {2**64} is beyond 4294967295 (2**32 - 1), the largest seed"),
+    (["train", "--seed", str(2**64)], f"argument --seed: {2**64} is beyond 17592186044415 (2**44 - 1), the largest seed"),
     (["soak", "--timeout", "0.001"], "argument --timeout: 0.001 s is too short to mean a stall"),
     (["train", "--timeout", "0.5"], "use 1 s or more (default 300)"),
 ])

@@ -68,12 +68,10 @@ def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data
         if rank == 0:
             write_manifest(staging, _manifest(stage, step, consolidated, save_id, data, files))
         return []
-    # Who renames is decided now, before anyone does: looked at later, rank 0's rename would make it look absent.
-    publishes = writes and _lowest_writer(staging, rank, world_size, consolidated)
     _together(comm, write_the_manifest, 0, final, "write the manifest", staging if writes else None)
 
     def put_in_place() -> list[int]:  # complete everywhere: only now does it replace anything
-        if publishes:
+        if rank == 0:  # one rank renames: on a shared file system a second could move the new one aside
             publish(staging, final, save_id)
         if rank == 0:
             point_latest(final)
@@ -130,14 +128,6 @@ def _file_name(rank: int, world_size: int, consolidated: bool) -> str:
     return CONSOLIDATED if consolidated else rank_file(rank, world_size)
 
 
-def _lowest_writer(staging: Path, rank: int, world_size: int, consolidated: bool) -> bool:
-    """Whether this rank renames ``staging`` into place: the lowest rank whose file is in it (on one shared
-    file system, rank 0; on nodes of their own, one rank per node)."""
-    if consolidated:
-        return rank == 0
-    return all(not (staging / rank_file(r, world_size)).exists() for r in range(rank))
-
-
 def _record(size: int, sha256: str) -> list[int]:
     """A file's size and SHA-256 as 17 numbers a float64 all-gather carries exactly (16-bit words)."""
     return [size] + [int(sha256[i:i + 4], 16) for i in range(0, 64, 4)]
@@ -165,7 +155,11 @@ def load(stage, path: str | Path) -> dict:
     notes += _unverified(manifest)
     _check_fits(manifest, directory, stage.full_state_shapes(), stage.precision.name)
     _check_optimizer(manifest, directory, _optimizer_class(stage))
-    payloads = [load_file(directory / name) for name in manifest["files"]]  # each verified by its SHA-256
+    payloads = [load_file(directory / name) for name in manifest["files"]]  # each verified by its SHA-256...
+    for (name, (_, sha256)), payload in zip(manifest["files"].items(), payloads, strict=True):
+        if sha256 is None and payload.get("save_id") != manifest["save_id"]:  # ...except format 1's: its save id
+            raise CheckpointError(f"{directory / name}: written by another save than the manifest's (copied in "
+                                  f"from another checkpoint); resume from an earlier checkpoint")
     if manifest["kind"] == "consolidated":
         model = payloads[0]["model"]
         optimizer = by_name(payloads[0]["optimizer"], payloads[0]["param_names"])

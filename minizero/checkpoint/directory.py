@@ -15,8 +15,8 @@ whole -- under its name, or (killed between the two renames) under its aside nam
 and :func:`find` resolves ``latest`` to a complete checkpoint in every case.  What a killed save leaves behind
 (staging directories, temporary files) is removed by the next save, and :func:`find` reports what it skipped.
 
-Nodes that do not share a file system each stage their own ranks' files; the lowest rank that wrote into a
-staging directory renames it, so one rank per file system does it and no two race.
+Rank 0 renames, after every rank's file and the manifest are complete; so a sharded checkpoint on several nodes
+needs a file system they all share (loading reads every rank's file on every rank anyway).
 """
 from __future__ import annotations
 

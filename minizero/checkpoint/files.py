@@ -134,16 +134,12 @@ def read_manifest(directory: Path, verify: bool = True) -> dict:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{path}: not a minizero checkpoint manifest (format {found!r})")
     if manifest.get("format_version") == 1:
-        return _version_1(manifest, directory)
+        return _version_1(manifest, path, directory)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: written in checkpoint format version {manifest.get('format_version')}; this "
                               f"minizero reads versions 1 and {FORMAT_VERSION}. Load it with the minizero that wrote "
                               f"it, or start a new run")
-    for field, kind in FIELDS.items():
-        if not isinstance(manifest.get(field), kind):
-            what = "missing" if field not in manifest else f"a {type(manifest[field]).__name__}, not a {kind.__name__}"
-            raise CheckpointError(f"{path}: field '{field}' is {what}; the manifest is damaged -- resume from an "
-                                  f"earlier checkpoint")
+    _check_fields(manifest, path, FIELDS)
     if manifest.get("sha256") != hashlib.sha256(_canonical(manifest)).hexdigest():
         raise CheckpointError(f"{path}: its contents do not match its SHA-256 (it was edited or damaged after the "
                               f"save); resume from an earlier checkpoint")
@@ -163,10 +159,18 @@ def read_manifest(directory: Path, verify: bool = True) -> dict:
     return manifest
 
 
+def _check_fields(manifest: dict, path: Path, fields: dict) -> None:
+    for field, kind in fields.items():
+        if not isinstance(manifest.get(field), kind):
+            what = "missing" if field not in manifest else f"a {type(manifest[field]).__name__}, not a {kind.__name__}"
+            raise CheckpointError(f"{path}: field '{field}' is {what}; the manifest is damaged -- resume from an "
+                                  f"earlier checkpoint")
+
+
 def _why_different(file: Path, save_id: int) -> str:
     """A file whose digest is not the manifest's: another save's (each carries its save's id), or damaged."""
     try:
-        theirs = torch.load(file, map_location="cpu", mmap=True, weights_only=False).get("save_id")
+        theirs = torch.load(file, map_location="cpu", mmap=True, weights_only=True).get("save_id")  # untrusted
     except Exception:  # noqa: BLE001 -- unreadable is damaged
         theirs = None
     if theirs is not None and theirs != save_id:
@@ -174,9 +178,10 @@ def _why_different(file: Path, save_id: int) -> str:
     return "its SHA-256 differs from the manifest's: the file was damaged or replaced after the save"
 
 
-def _version_1(manifest: dict, directory: Path) -> dict:
+def _version_1(manifest: dict, path: Path, directory: Path) -> dict:
     """A checkpoint of the first format (sizes, no digests, no optimizer class) still loads -- a user's run is
-    not lost to an upgrade -- with what could not be verified said."""
+    not lost to an upgrade -- with what could not be verified said (``load`` then checks each file's save id)."""
+    _check_fields(manifest, path, {k: v for k, v in FIELDS.items() if k != "optimizer"})
     for name, size in manifest["files"].items():
         if not (directory / name).exists() or (directory / name).stat().st_size != size:
             raise CheckpointError(f"{directory / name}: missing or not {size} bytes, as the manifest says; the "

@@ -18,8 +18,8 @@ import torch
 #: building its model or wrapping the stage (the first collectives), or be paused by a busy machine.
 MIN_TIMEOUT_S = 1.0
 #: The largest seed: step s's batch is drawn from ``manual_seed(seed * 1_000_003 + s)`` (minizero.lab.tasks),
-#: which must fit torch's 64 bits for any step; a 32-bit seed (numpy's range) always does.
-MAX_SEED = 2**32 - 1
+#: which must fit torch's 64 bits (unsigned) for any step: 2**44 * 1_000_003 leaves room for 8e17 steps.
+MAX_SEED = 2**44 - 1
 #: Adam's and AdamW's first bias correction: step 1 moves by lr / (1 - beta1) = 10 lr (beta1 = 0.9).
 ADAM_FIRST_STEP = {"adam": 10.0, "adamw": 10.0}
 
@@ -55,7 +55,7 @@ def seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{value} is negative; use 0 or more")
     if value > MAX_SEED:
         raise argparse.ArgumentTypeError(
-            f"{value} is beyond {MAX_SEED} (2**32 - 1), the largest seed: step s draws its batch with "
+            f"{value} is beyond {MAX_SEED} (2**44 - 1), the largest seed: step s draws its batch with "
             f"torch.Generator().manual_seed(seed * 1000003 + s), which must fit torch's 64 bits; use a smaller seed")
     return value
 
