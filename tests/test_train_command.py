@@ -171,3 +171,19 @@ def test_a_checkpoint_of_another_optimizer_is_refused_before_any_rank_starts(cap
     status, out, err = train(capsys, "--stage", "ddp", "--world-size", "2", "--steps", "4", "--resume", str(tmp_path))
     assert status == 2 and out == "" and "Traceback" not in err, err
     assert "saved with optimizer SGD, this run's is AdamW; build the optimizer the saved run used" in err, err
+
+
+def test_under_torchrun_every_rank_of_a_diverged_run_exits_1(monkeypatch):
+    """Rank 0 prints the verdict; the others must not exit 0 either -- torchrun reports each rank's exit status.
+    (torchrun itself replaced by what the command asks of it: a rank, its result, the gather.)"""
+    from types import SimpleNamespace
+
+    from minizero.lab import train_command
+    monkeypatch.setattr(train_command, "under_torchrun", lambda: True)
+    monkeypatch.setattr(train_command, "check_environment", lambda backend: None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(train_command, "init_from_env", lambda backend, timeout: SimpleNamespace(rank=1, world_size=2))
+    monkeypatch.setattr(train_command.dist, "gather_object", lambda *args, **kwargs: None)
+    for diverged, status in (("the loss became nan at step 2", 1), (None, 0)):
+        monkeypatch.setattr(train_command, "train_on_rank", lambda me, run, d=diverged: {"diverged": d})
+        assert main(["train", *TINY, "--stage", "ddp", "--steps", "3"]) == status

@@ -141,8 +141,8 @@ def main(args) -> tuple[int, str]:
         mine = train_on_rank(me, run)
         ranks = [None] * me.world_size if me.rank == 0 else None
         dist.gather_object(mine, ranks, dst=0)
-        if me.rank != 0:
-            return 0, ""
+        if me.rank != 0:  # every rank knows a divergence: torchrun reports each rank's exit
+            return (1 if mine["diverged"] else 0), ""
     else:
         # CUDA cannot be used in a forked child once the parent asked torch.cuda anything: spawn for GPU runs.
         with RankPool(world_size, timeout_s=args.timeout, backend=backend,
