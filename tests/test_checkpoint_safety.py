@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from dataclasses import replace
 
 import pytest
@@ -113,7 +114,15 @@ def _save_killed_at(at: int, root) -> bool:
             os._exit(0)
         except BaseException:  # noqa: BLE001
             os._exit(3)
-    _, status = os.waitpid(pid, 0)
+    for _ in range(600):  # a child that hangs (a lock held across the fork) fails the test, never the suite
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail(f"the child saving with a kill at event {at} did not end in 60 s")
     assert os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == 0, f"the save failed at event {at}: {status}"
     return os.WIFSIGNALED(status)
 
