@@ -31,10 +31,7 @@ from minizero.stages import STAGES, Stage, distributed, make_stage
 from minizero.train import Step, shard_step, sum_loss, train_step
 from tests.equivalence import examples, experiments, run_and_check
 from tests.test_checkpoint import assert_same_optimizer_state
-
-SIZES = (4, 7, 3)  # 59 elements: uneven shards at N = 3
-SAMPLES = 6
-OPTIONS = {"zero2": {"bucket_mb": 1e-9}, "ps": {"servers": 2}, "ps-async": {"servers": 2, "staleness": 0}}
+from tests.test_wrapped_optimizer_state import OPTIONS, SAMPLES, SIZES  # the same stages, options and model
 
 # Every stage that clips the global norm (local SGD clips each rank's own gradient, by design).
 CLIPPED = [name for name in distributed() if name != "local-sgd"]
