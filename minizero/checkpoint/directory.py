@@ -25,7 +25,7 @@ import re
 import shutil
 from pathlib import Path
 
-from .files import MANIFEST, TEMPORARY, CheckpointError, fsync_directory, write_atomic
+from .files import MANIFEST, TEMPORARY, CheckpointError, CouldNotWrite, fsync_directory, write_atomic
 
 LATEST = "latest"
 _HIDDEN = re.compile(r"^\.(step-\d{8})\.(saving|replaced)-([0-9a-f]+)$")
@@ -50,16 +50,24 @@ def publish(staging: Path, final: Path, save_id: int) -> None:
         if final.exists():
             os.replace(final, aside)
         os.replace(staging, final)
-        fsync_directory(final.parent)
     except OSError as error:
         raise CheckpointError(f"{final}: the complete save could not be renamed into place: {error.strerror or error};"
                               f" --resume {final.parent} takes the newest complete checkpoint, and the next save "
                               f"removes what this one left") from None
+    try:
+        fsync_directory(final.parent)
+    except OSError as error:
+        raise CheckpointError(f"{final}: complete and in place, but the rename could not be flushed to disk "
+                              f"({error.strerror or error}): a power cut now could undo it") from None
     shutil.rmtree(aside, ignore_errors=True)
 
 
 def point_latest(final: Path) -> None:
-    write_atomic(final.parent / LATEST, lambda f: f.write(final.name.encode()))
+    try:
+        write_atomic(final.parent / LATEST, lambda f: f.write(final.name.encode()))
+    except CouldNotWrite as error:  # the save itself is in place: say so, not "the previous one stands"
+        raise CheckpointError(f"{final}: complete and in place, but '{LATEST}' could not be moved to it "
+                              f"({error.reason}); resume with --resume {final}") from None
 
 
 def clean(root: Path, keep: Path | None = None) -> list[str]:
@@ -88,6 +96,10 @@ def find(path: str | Path) -> tuple[Path, list[str]]:
     else its newest complete ``step-*`` directory."""
     path = Path(path)
     if not path.is_dir():
+        for staged in sorted(path.parent.glob(f".{path.name}.saving-*")) if path.name.startswith("step-") else []:
+            if (staged / MANIFEST).exists():  # killed between a publish's two renames: the new one is whole
+                return staged, [f"took {path.name} from {staged.name}: its save was complete, the rename into "
+                                f"place was cut short (the next save finishes it)"]
         raise CheckpointError(f"{path}: no such checkpoint directory; pass the --save directory of a run, or "
                               f"one of its step-* directories")
     if (path / MANIFEST).exists():

@@ -39,6 +39,14 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be saved or loaded here: the message says which file and what to do."""
 
 
+class CouldNotWrite(CheckpointError):
+    """A file of a save that could not be written (``reason``: the OS's words): nothing of the save is in place."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: could not be written: {reason}; the previous checkpoint stands")
+        self.reason = reason
+
+
 def rank_file(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.pt"
 
@@ -80,8 +88,7 @@ def write_atomic(path: Path, write) -> tuple[int, str]:
         if not isinstance(cause, OSError):
             raise
         full = " (the disk is full: free space, or save elsewhere)" if cause.errno == errno.ENOSPC else ""
-        raise CheckpointError(f"{path}: could not be written: {cause.strerror or cause}{full}; the previous "
-                              f"checkpoint stands") from None
+        raise CouldNotWrite(path, f"{cause.strerror or cause}{full}") from None
     return path.stat().st_size, hashing.digest.hexdigest()
 
 
