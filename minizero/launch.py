@@ -97,7 +97,8 @@ def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, 
     torch.set_num_threads(threads)  # N ranks share the cores; oversubscribing them is slower
     if stacks is not None:
         stacks.serve()  # answers "where are you?" for this (the main) thread
-    progress.install(progress.ProgressBoard(rank, row, text))
+    board = progress.ProgressBoard(rank, row, text)
+    progress.install(board)
     if backend == "nccl":
         torch.cuda.set_device(rank)  # one GPU per rank on this machine
     store = _rendezvous(rank, port, backstop_s(timeout_s))
@@ -108,6 +109,7 @@ def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, 
         task = tasks.get()
         if task is None:
             break
+        board.task_started()
         try:
             fn, args, kwargs = pickle.loads(task)
             reply = (True, fn(me, *args, **kwargs))

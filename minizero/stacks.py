@@ -30,11 +30,11 @@ FRAMES = 60  # at most this many frames, the innermost
 
 def outside_collectives(records: list[dict], now: float, started: float, idle_s: float,
                         finished) -> tuple[str, list[int]] | None:
-    """The ranks that, in the task started at ``started``, have been in no collective for ``idle_s`` seconds
-    (from the task's start or their last collective's end, whichever is later), as ``(message, ranks)``;
+    """The ranks that, in the task submitted at ``started``, have been in no collective for ``idle_s`` seconds
+    (from the latest of its submission, the rank taking it up, and its last collective's end), as ``(message, ranks)``;
     None if none has.  ``finished``: the ranks done with the task."""
     late = [r for r, row in enumerate(records) if r not in finished and row["state"] == progress.IDLE
-            and now - max(started, row["left"]) > idle_s]
+            and now - max(started, row["left"], row.get("task", 0.0)) > idle_s]
     if not late:
         return None
     who = ", ".join(f"rank {r}" for r in late)

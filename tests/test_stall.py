@@ -142,3 +142,12 @@ def test_the_os_state_of_a_stopped_process_is_reported():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_deadline_outside_collectives_counts_from_when_the_rank_took_the_task():
+    """The checker's deadline (minizero.stacks): submitted 10 s ago, idle since -- but a rank that was still
+    joining its group took the task up only 2 s ago: not late yet."""
+    from minizero.stacks import outside_collectives
+    idle = row(0, IDLE, 3, progress=NOW - 20)
+    assert outside_collectives([idle], NOW, started=NOW - 10, idle_s=5, finished=set())[1] == [0]
+    assert outside_collectives([idle | {"task": NOW - 2}], NOW, started=NOW - 10, idle_s=5, finished=set()) is None

@@ -43,7 +43,7 @@ from .fingerprint import KINDS
 IDLE, IN_COLLECTIVE = 0.0, 1.0
 NOBODY, ANYONE = -2.0, -1.0  # values of waiting_on besides a rank number
 FIELDS = ("state", "seq", "kind", "numel", "part", "step", "waiting_on", "entered", "progress", "left",
-          "tag_step", "tag_backward", "tag_syncing", "collectives", "heartbeat", "pid")
+          "tag_step", "tag_backward", "tag_syncing", "collectives", "heartbeat", "pid", "task")
 TEXT = 120
 PARTS = ("fingerprint exchange", "reduce-scatter", "all-gather", "broadcast", "gather to root",
          "broadcast from root", "torch collective", "push to servers", "pull from servers", "")
@@ -61,7 +61,12 @@ class ProgressBoard:
         self.text = text if text is not None else ctypes.create_string_buffer(TEXT)
         # heartbeat 0: none yet -- a row nobody beats for (a rank not started) is never called frozen.
         self._set(state=IDLE, seq=-1.0, waiting_on=NOBODY, left=time.time(), part=float(len(PARTS) - 1),
-                  heartbeat=0.0, pid=0.0)
+                  heartbeat=0.0, pid=0.0, task=0.0)
+
+    def task_started(self) -> None:
+        """The rank took a task: a deadline on time spent outside collectives counts from here, not from the
+        task's submission (a fresh rank may still have been joining its group then)."""
+        self._set(task=time.time())
 
     def _set(self, **fields) -> None:
         for name, value in fields.items():
