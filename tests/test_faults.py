@@ -54,8 +54,11 @@ def assert_frozen_rank_1_named(message: str, place: str) -> None:
     peer like the others (ring: for rank 0; torch's collective: for any), or in no collective (forward)."""
     assert "the OS says process" in message and "is stopped (SIGSTOP" in message, message
     frozen_row = message.split("rank 1: FROZEN: no heartbeat for ", 1)[1].split("\n", 1)[0]
+    # Mid-collective, the freezing thread sees rank 1 waiting and sends SIGSTOP; on torch's collectives the
+    # wait can end in the microseconds between, and rank 1 freezes just after it: named all the same.
     assert ("in no collective" in frozen_row if place == "forward" else
-            "waiting for rank 0" in frozen_row or "waiting for any peer" in frozen_row), message
+            "waiting for rank 0" in frozen_row or "waiting for any peer" in frozen_row or
+            "in no collective" in frozen_row), message
 
 
 @pytest.mark.parametrize("place", ["bucket", "gather"])
