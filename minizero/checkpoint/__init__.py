@@ -1,8 +1,8 @@
 """Checkpoints for every stage: save at N ranks, load at M, from any stage into any stage.
 
 **Sharded** (the default): each rank writes what it owns -- :meth:`Stage.owned_parts`, ranges of the
-*parameters* with their optimizer state -- with no communication beyond an exchange of file sizes and digests; rank 0 adds
-the buffers, frozen parameters and optimizer hyper-parameters.  **Consolidated**: the whole model and
+*parameters* with their optimizer state -- with no communication beyond an exchange of file sizes and
+digests; rank 0 adds the buffers, frozen parameters and optimizer hyper-parameters.  **Consolidated**: the whole model and
 optimizer state_dicts gathered (``full_state_dict``), one file a plain PyTorch user loads::
 
     state = torch.load("step-00000020/consolidated.pt")
@@ -57,7 +57,7 @@ def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data
     def write_own_file() -> list[int]:
         if not writes:
             return [0] * 17  # (consolidated: rank 0 writes the one file)
-        staging.mkdir(parents=True, exist_ok=True)  # every rank: nodes need not share a file system
+        staging.mkdir(parents=True, exist_ok=True)  # every writer: whoever comes first makes it
         return _record(*save_tensors(staging / _file_name(rank, world_size, consolidated),
                                      {**payload, "save_id": save_id, "rng": _rng_state()}))
     records = _together(comm, write_own_file, 17, final, "write their file", staging if writes else None)
@@ -73,17 +73,18 @@ def save(stage, root: str | Path, step: int, *, consolidated: bool = False, data
     def put_in_place() -> list[int]:  # complete everywhere: only now does it replace anything
         if rank == 0:  # one rank renames: on a shared file system a second could move the new one aside
             publish(staging, final, save_id)
-        if rank == 0:
             point_latest(final)
         return []
-    _together(comm, put_in_place, 0, final, "put it in place")  # nobody moves on (or loads it) before it is
+    _together(comm, put_in_place, 0, final, "put it in place",  # nobody moves on (or loads it) before it is
+              stands="rank 0's error says which checkpoint the directory now resolves to")
     return final
 
 
-def _together(comm, action, width: int, final: Path, what: str, staging: Path | None = None) -> list[list[int]]:
+def _together(comm, action, width: int, final: Path, what: str, staging: Path | None = None,
+              stands: str = "the previous checkpoint stands") -> list[list[int]]:
     """``action()`` on every rank, then every rank's result (``width`` ints) -- or, if it failed anywhere,
     the failure on every rank at once (no rank waits for a peer that will never come), with this save's
-    staging directory removed: nothing of it is left behind, and the previous checkpoint stands."""
+    ``staging`` directory removed: nothing of it is left behind.  ``stands``: what the others are told stands."""
     failure, values = None, [0] * width
     try:
         values = action()
@@ -96,8 +97,8 @@ def _together(comm, action, width: int, final: Path, what: str, staging: Path | 
     if failure is not None:
         raise failure
     if failed:
-        raise CheckpointError(f"{final}: rank(s) {failed} could not {what}, so this save was not completed; the "
-                              f"previous checkpoint stands")
+        raise CheckpointError(f"{final}: rank(s) {failed} could not {what}, so this save was not completed; "
+                              f"{stands}")
     return [row[1:] for row in everyone]
 
 
