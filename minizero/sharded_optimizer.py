@@ -149,21 +149,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
 def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, comm: Comm,
                             dtype: torch.dtype, device: torch.device, tag: Tag | None = None) -> torch.Tensor:
     """Global-norm clipping when each rank holds a disjoint part of the averaged gradient: one more
-    collective (SUM of |g|^p, or MAX for the inf-norm), then every rank scales its part --
+    collective (:func:`sharded_grad_norm`), then every rank scales its part by min(1, max_norm / norm) --
     ``torch.nn.utils.clip_grad_norm_``'s result without anyone holding all of it."""
-    grads = [g for g in grads if g.numel()]  # ``dtype``, ``device``: the norm's, the same on every rank
+    grads = [g for g in grads if g.numel()]
+    total = sharded_grad_norm(grads, norm_type, comm, dtype, device, tag)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # below max_norm nothing grows
+    for g in grads:
+        g.mul_(coefficient)
+    return total[0]
+
+
+def sharded_grad_norm(grads: list[torch.Tensor], norm_type: float, comm: Comm, dtype: torch.dtype,
+                      device: torch.device, tag: Tag | None = None) -> torch.Tensor:
+    """The global norm (shape ``[1]``) of gradients split disjointly over the ranks: SUM of |g|^p, or MAX for
+    the inf-norm.  ``dtype``, ``device``: the norm's, the same on every rank."""
+    grads = [g for g in grads if g.numel()]
     zero = torch.zeros(1, dtype=dtype, device=device)
     if math.isinf(norm_type):
         total = torch.stack([g.abs().max().to(dtype) for g in grads]).max().reshape(1) if grads else zero
         comm.all_reduce(total, ReduceOp.MAX, tag=tag)
-    else:
-        total = sum((g.abs().pow(norm_type).sum().to(dtype) for g in grads), zero).reshape(1)
-        comm.all_reduce(total, ReduceOp.SUM, tag=tag)
-        total = total.pow(1.0 / norm_type)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coefficient)
-    return total[0]
+        return total
+    total = sum((g.abs().pow(norm_type).sum().to(dtype) for g in grads), zero).reshape(1)
+    comm.all_reduce(total, ReduceOp.SUM, tag=tag)
+    return total.pow(1.0 / norm_type)
 
 
 def state_layout(optimizer: torch.optim.Optimizer, group_index: int, dtype: torch.dtype) -> dict:

@@ -7,20 +7,13 @@ import math
 
 import torch
 
-from minizero.comm import ReduceOp
+from minizero.sharded_optimizer import sharded_grad_norm
 
 
 def sharded_clip_uncapped(grads, max_norm, norm_type, comm, dtype, device, tag=None):
     """``clip_sharded_grad_norm_`` scaling by max_norm / (norm + eps) always: a gradient below max_norm grows."""
     grads = [g for g in grads if g.numel()]
-    zero = torch.zeros(1, dtype=dtype, device=device)
-    if math.isinf(norm_type):
-        total = torch.stack([g.abs().max().to(dtype) for g in grads]).max().reshape(1) if grads else zero
-        comm.all_reduce(total, ReduceOp.MAX, tag=tag)
-    else:
-        total = sum((g.abs().pow(norm_type).sum().to(dtype) for g in grads), zero).reshape(1)
-        comm.all_reduce(total, ReduceOp.SUM, tag=tag)
-        total = total.pow(1.0 / norm_type)
+    total = sharded_grad_norm(grads, norm_type, comm, dtype, device, tag)
     for g in grads:
         g.mul_(max_norm / (total + 1e-6))
     return total[0]
