@@ -47,9 +47,10 @@ def _backward_overlap(pool, stage: str) -> list[str]:
     ready long before the transfers could have run one after another."""
     exp = Experiment(stage=stage, task="mlp", model=MLP, steps=3, dtype="float32", optimizer="sgd", check=False,
                      network=WIRE, options={"bucket_mb": 1e-9}, stages=STAGES, micro_batch=64)
-    problems = []
+    problems, pairs = [], 0
     for r, steps in enumerate(pool.run(timeline_on_rank, exp)):
         for s, step in enumerate(steps[1:], start=1):  # step 0 starts the communication thread
+            pairs += 1
             first_gradient, last_gradient = step.backward
             during = [c for c in step.comm if c[1] < last_gradient]
             transfers = sum(e - b for _, b, e in step.comm)
@@ -58,7 +59,9 @@ def _backward_overlap(pool, stage: str) -> list[str]:
             if last_gradient - first_gradient > 0.5 * transfers:
                 problems.append(f"rank {r} step {s}: backward took {last_gradient - first_gradient:.3f} s of "
                                 f"{transfers:.3f} s of transfers: it waited for them")
-    return problems
+    # The margin: on a busy machine one rank's step can be descheduled through its whole ~10 ms backward (seen
+    # once in about ten runs beside a busy loop); a stage that serialises fails in every step of every rank.
+    return problems if len({p.split(":")[0] for p in problems}) > pairs // 2 else []
 
 
 @pytest.mark.parametrize("stage", ["ddp-bucketed", "zero2"])
