@@ -70,7 +70,7 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> Non
                    help="fp16: clean steps before the loss scale doubles (2000)")
     p.add_argument("--min-loss-scale", type=positive_float, default=None, help="fp16: the loss scale's floor (1)")
     p.add_argument("--bucket-mb", type=positive_float, default=None,
-                   help=f"bucket size of {', '.join(n for n, c in STAGES.items() if 'bucket_mb' in c.options())} "
+                   help=f"bucket size of {', '.join(n for n, c in STAGES.items() if 'bucket_mb' in c.option_names())} "
                         f"(default 25)")
     p.add_argument("--clip", type=positive_float, default=None, help="clip the global L2 gradient norm to this")
     add_design_options(p, positive_int, natural_int, positive_float)

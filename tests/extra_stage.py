@@ -10,10 +10,12 @@ from __future__ import annotations
 from minizero.flat import pack, unpack
 from minizero.formulas import all_gather_bytes
 from minizero.stages import DDP
+from minizero.stages.options import FIND_UNUSED_PARAMETERS
 
 
 class AllGatherDDP(DDP):
     name = "ddp-all-gather"
+    options = (FIND_UNUSED_PARAMETERS,)
 
     def __init__(self, module, optimizer=None, comm=None, find_unused_parameters: bool = False):
         super().__init__(module, optimizer, comm, find_unused_parameters=find_unused_parameters)

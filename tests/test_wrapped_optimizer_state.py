@@ -116,7 +116,7 @@ def test_state_given_at_wrap_is_kept_and_training_goes_on(pools, stage, optimize
         assert abs(total - want_loss) <= RTOL * abs(want_loss), f"{stage}: loss of step {step + 2}"
 
 
-MIXED = [name for name in distributed() if "precision" in STAGES[name].options()]
+MIXED = [name for name in distributed() if "precision" in STAGES[name].option_names()]
 
 
 @pytest.mark.parametrize("precision", [Precision("bf16"), Precision("fp16", loss_scale=2.0 ** 4)], ids=lambda p: p.name)

@@ -100,7 +100,7 @@ def stage_options(stage: str, stages: dict | None = None, **cli) -> dict:
     if cli.get("compress") in (None, "none"):
         cli.pop("compress", None)
         cli.pop("error_feedback", None)
-    accepted = stage_class(stage, stages).options()
+    accepted = stage_class(stage, stages).option_names()
     return {k: v for k, v in cli.items() if v is not None and k in accepted}
 
 

@@ -21,7 +21,7 @@ BUCKET_MB = [1e-9, 2e-4, 1e-3, 25.0]
 def stage_options(draw, stage: str, task: str, compress: bool = False, stages: dict | None = None,
                   precision: bool = False, world_size: int = 1) -> dict:
     """Options drawn for what the stage accepts (its constructor says)."""
-    accepted, options = stage_class(stage, stages).options(), {}
+    accepted, options = stage_class(stage, stages).option_names(), {}
     if "servers" in accepted:  # a parameter server: ranks 0..S-1 serve
         options["servers"] = draw(st.integers(1, world_size))
     if "bucket_mb" in accepted:

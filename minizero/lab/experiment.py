@@ -167,5 +167,5 @@ def reference_of(exp: Experiment, world_size: int) -> RankResult:
 
 def exact_reference_of(exp: Experiment, world_size: int) -> RankResult:
     """Single-device training on the global batch, in the stage's precision (the same recipe)."""
-    options = {k: v for k, v in exp.options.items() if k in Stage.options()}
+    options = {k: v for k, v in exp.options.items() if k in Stage.option_names()}
     return run_experiment(None, replace(exp, stage=REFERENCE, options=options), world_size)

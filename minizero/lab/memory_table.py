@@ -45,7 +45,7 @@ def measured_rows(model: str, world_size: int, precision: str, optimizer: str, t
     with RankPool(world_size, timeout_s=timeout_s) as pool:
         for name in distributed():
             exp = Experiment(stage=name, task="gpt", model=MODELS[model], optimizer=optimizer, steps=STEPS,
-                             dtype="float32", options={k: v for k, v in options.items() if k in STAGES[name].options()})
+                             dtype="float32", options={k: v for k, v in options.items() if k in STAGES[name].option_names()})
             results = pool.run(run_experiment, exp)
             if results[0].skipped_steps == STEPS:
                 raise ValueError(f"{name}: every one of {STEPS} fp16 steps overflowed; no optimizer state to measure")

@@ -33,4 +33,4 @@ def sharding(**what) -> list[str]:
 
 
 def accepting(option: str) -> list[str]:
-    return [name for name in distributed() if option in STAGES[name].options()]
+    return [name for name in distributed() if option in STAGES[name].option_names()]

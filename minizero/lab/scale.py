@@ -70,7 +70,7 @@ def table(stages: list[str], params: float, sizes: list[int], network: Network, 
           layers: int = 12, precision: str = "fp32", **options) -> list[dict]:
     rows = []
     for name in stages:
-        accepted = {k: v for k, v in options.items() if k in STAGES[name].options()}
+        accepted = {k: v for k, v in options.items() if k in STAGES[name].option_names()}
         for n in sizes:
             p = predict(STAGES[name], uniform_plan(params, n, network, compute_s, layers, precision, **accepted))
             rows.append({"stage": name, "world_size": n, "step_ms": p.step_s * 1e3, "compute_ms": p.compute_s * 1e3,
@@ -123,14 +123,14 @@ def measured_plan(exp: Experiment, world_size: int, network: Network, forward_s:
     blocks = (float(count_params(model) - sum(unit_params)),) + tuple(float(k) for k in unit_params)
     stage = STAGES[exp.stage]
     buckets = None
-    if "bucket_mb" in stage.options():
+    if "bucket_mb" in stage.option_names():
         from .optimizers import make_optimizer
         numel = {n: p.numel() for n, p in model.named_parameters()}
         layout = stage.reduction(model, make_optimizer(exp.optimizer, model, exp.lr), world_size, **exp.options)
         buckets = tuple(float(sum(numel[n] for n in names)) for names in layout.buffers)
     element = precision_of(exp).working_bytes(4)
     return StepPlan(world_size, network, forward_s, backward_s, blocks, wire_bytes(exp), element, buckets,
-                    {k: v for k, v in exp.options.items() if k in stage.options()}, step_s)
+                    {k: v for k, v in exp.options.items() if k in stage.option_names()}, step_s)
 
 
 def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeats: int = 1) -> dict:

@@ -18,7 +18,7 @@ from .tasks import TASKS
 def timeline_on_rank(me: Rank, exp: Experiment) -> list[StepTimeline]:
     """Train ``exp`` on this rank, recording every step."""
     stage, model, comm, _ = build(me, exp)
-    units = resolve_units(model, exp.options.get("units")) if "units" in stage_class(exp.stage, exp.stages).options() \
+    units = resolve_units(model, exp.options.get("units")) if "units" in stage_class(exp.stage, exp.stages).option_names() \
         else []
     timeline = Timeline(stage, model, comm, units)
     try:

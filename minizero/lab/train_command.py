@@ -65,7 +65,7 @@ def make_run(args) -> Run:
     if args.stage not in distributed():
         raise ValueError(f"--stage {args.stage!r}: choose one of {', '.join(distributed())}")
     cls = stage_class(args.stage)
-    accepted = cls.options()
+    accepted = cls.option_names()
     options = {}
     given = [("--precision", "precision", args.precision if args.precision != "fp32" or "precision" in accepted
               else None),

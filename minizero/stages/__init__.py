@@ -15,6 +15,7 @@ from .ddp import DDP
 from .ddp_bucketed import BucketedDDP
 from .facts import Reduction, Shards
 from .local_sgd import LocalSGD
+from .options import Option, check_declared, option_names
 from .protocol import DataParallel
 from .ps import ParameterServer
 from .ps_async import AsyncParameterServer
@@ -27,7 +28,9 @@ from .zero3 import ZeRO3
 
 
 def registry(*stages: type[Stage]) -> dict[str, type[Stage]]:
-    """Stages by their ``name``."""
+    """Stages by their ``name``, each checked: its declared options are its constructor's."""
+    for stage in stages:
+        check_declared(stage)
     return {stage.name: stage for stage in stages}
 
 
@@ -67,13 +70,13 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | 
     stages = STAGES if stages is None else stages
     check_stage_names([name], stages=stages)
     cls = stages[name]
-    unknown = sorted(set(options) - set(cls.options()))
+    unknown = sorted(set(options) - set(option_names(cls)))
     if unknown:
-        raise TypeError(f"stage {name!r} takes no option(s) {unknown}; its options: {', '.join(cls.options())}")
+        raise TypeError(f"stage {name!r} takes no option(s) {unknown}; its options: {', '.join(option_names(cls))}")
     return Stage(module, optimizer, **options) if cls is Stage else cls(module, optimizer, comm, **options)
 
 
 __all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "AsyncParameterServer", "BucketedDDP", "DDP", "DataParallel",
-           "LocalSGD", "ParameterServer", "Reduction", "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2",
-           "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "distributed", "make_stage",
+           "LocalSGD", "Option", "ParameterServer", "Reduction", "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2",
+           "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "distributed", "make_stage", "option_names",
            "registry", "with_stages"]

@@ -16,7 +16,6 @@ is one file and one registry line.
 """
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
 
 import torch
@@ -27,6 +26,7 @@ from ..kept_state import check_keepable, keep_state
 from ..precision import MasterWeights, Precision, cast_parameters, check_half_model, check_supported
 from ..rebuilt import follow, rebuild
 from .facts import Reduction, Shards
+from .options import PRECISION
 from .state import StateDicts
 
 
@@ -45,6 +45,7 @@ class Stage(StateDicts, nn.Module):
     #: A design set beside DDP and ZeRO to contrast with them (lesson 11: parameter server, async, local SGD),
     #: not one of the stages the summary weighs against each other.
     contrast = False
+    options = (PRECISION,)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  precision: str | Precision = "fp32"):
@@ -143,13 +144,9 @@ class Stage(StateDicts, nn.Module):
 
     # ------------------------------------------------------------------ facts
     @classmethod
-    def options(cls) -> list[str]:
-        """The keyword options this stage accepts: its constructor's, after the model, optimizer and comm."""
-        for klass in cls.__mro__:  # a subclass that passes **options on accepts its parent's
-            parameters = inspect.signature(klass.__init__).parameters.values()
-            if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-                return [p.name for p in parameters if p.name not in ("self", "module", "optimizer", "comm")]
-        return []
+    def option_names(cls) -> list[str]:
+        """The keywords of :attr:`options`, the stage's declared options (:mod:`minizero.stages.options`)."""
+        return [option.name for option in cls.options]
 
     @classmethod
     def sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int, **options) -> float:

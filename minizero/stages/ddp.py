@@ -36,12 +36,14 @@ from ..flat import group_by_dtype, pack, unpack
 from ..formulas import all_reduce_bytes
 from ..precision import Precision
 from .facts import Reduction
+from .options import WIRE_AND_USE
 from .synchronised import Synchronised, agree_on_use, unused_error
 from .wrap import broadcast_module, check_same_model
 
 
 class DDP(Synchronised):
     name = "ddp"
+    options = WIRE_AND_USE
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,

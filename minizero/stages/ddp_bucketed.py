@@ -45,11 +45,13 @@ from ..flat import keep_grad_in
 from ..precision import Precision
 from .ddp import DDP
 from .facts import Reduction
+from .options import BUCKET_MB, WIRE_AND_USE
 from .synchronised import unused_error
 
 
 class BucketedDDP(DDP):
     name = "ddp-bucketed"
+    options = (BUCKET_MB, *WIRE_AND_USE)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  bucket_mb: float = 25.0, compress: str | None = None, error_feedback: bool = False,

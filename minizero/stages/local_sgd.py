@@ -38,6 +38,7 @@ from ..comm import Comm, ReduceOp
 from ..cost_model import ring_latency_s, ring_s
 from ..flat import group_by_dtype, pack, unpack
 from ..formulas import all_reduce_bytes
+from .options import Option, finite_float, positive_float, positive_int
 from .synchronised import Synchronised
 from .wrap import broadcast_module, check_same_model
 
@@ -46,6 +47,9 @@ class LocalSGD(Synchronised):
     name = "local-sgd"
     contrast = True
     equivalent = False  # local steps: by design not single-device training, except H = 1 with plain SGD
+    options = (Option("average_every", 4, "average the parameters every H steps", positive_int),
+               Option("outer_lr", None, "DiLoCo's outer Nesterov SGD with this lr (0.7 in the paper)", positive_float),
+               Option("outer_momentum", None, "the outer momentum (0.9)", finite_float))
     why_not_checkpointable = "between averages its ranks hold different models, and their optimizer states always differ"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,

@@ -39,13 +39,18 @@ from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups
 from ..precision import Precision
 from .facts import Reduction, Shards
+from .options import WIRE_AND_USE, Option, positive_int
 from .zero1 import ZeRO1
+
+SERVERS = Option("servers", 1, "ranks 0..S-1 serve a slice each (1: one server)", positive_int,
+                 draw=lambda d: range(1, d.world_size + 1))
 
 
 class ParameterServer(ZeRO1):
     name = "ps"
     shards = Shards()  # divides nothing among the N data-parallel ranks: the S servers hold the optimizer
     contrast = True  # the design the ring all-reduce replaced
+    options = (SERVERS, *WIRE_AND_USE)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  servers: int = 1, compress: str | None = None, error_feedback: bool = False,

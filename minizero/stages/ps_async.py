@@ -35,7 +35,8 @@ from torch import nn
 from ..comm import Comm
 from ..layout import FlatGroup, build_groups
 from ..precision import Precision
-from .ps import ParameterServer
+from .options import WIRE_AND_USE, Option, natural_int
+from .ps import SERVERS, ParameterServer
 
 
 def delay(seed: int, step: int, rank: int, staleness: int) -> int:
@@ -61,6 +62,8 @@ class AsyncParameterServer(ParameterServer):
     name = "ps-async"
     equivalent = False  # stale gradients: by design not single-device training (tested to differ)
     why_not_checkpointable = "its workers hold parameters of different ages"
+    options = (SERVERS, Option("staleness", 2, "pulls at most this many updates old (0: ps)", natural_int),
+               Option("schedule_seed", 0, "the seed of the staleness schedule", natural_int), *WIRE_AND_USE)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  servers: int = 1, staleness: int = 2, schedule_seed: int = 0, compress: str | None = None,

@@ -42,12 +42,14 @@ from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
 from ..precision import Precision
 from .facts import Reduction, Shards
+from .options import WIRE_AND_USE
 from .zero import ZeRO
 
 
 class ZeRO1(ZeRO):
     name = "zero1"
     shards = Shards(optimizer_states=True)
+    options = WIRE_AND_USE
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,

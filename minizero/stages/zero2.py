@@ -38,12 +38,14 @@ from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
 from ..precision import Precision
 from .facts import Reduction, Shards
+from .options import BUCKET_MB, WIRE_AND_USE
 from .zero import ZeRO
 
 
 class ZeRO2(ZeRO):
     name = "zero2"
     shards = Shards(optimizer_states=True, gradients=True)
+    options = (BUCKET_MB, *WIRE_AND_USE)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  bucket_mb: float = 25.0, compress: str | None = None, error_feedback: bool = False,

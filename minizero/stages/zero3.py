@@ -43,12 +43,20 @@ from ..layout import ShardedFlatGroup
 from ..precision import Precision
 from ..units import Unit, plan_unit_groups, resolve_units
 from .facts import Reduction, Shards
+from .options import WIRE_AND_USE, Option, natural_int
 from .zero import ZeRO
 
 
 class ZeRO3(ZeRO):
     name = "zero3"
     shards = Shards(optimizer_states=True, gradients=True, parameters=True)
+    options = (Option("units", None, "ZeRO-3's units: a list of submodules (default: each element of every "
+                         "nn.ModuleList, as FSDP2 wraps each transformer block)", None),
+               Option("reshard_after_forward", True, "free a unit's gathered parameters after its forward and "
+                      "gather them again for backward (FSDP2's default; off: 2Ψ instead of 3Ψ, more memory)", None,
+                      draw=lambda d: (True, False)),
+               Option("prefetch", 1, "units whose all-gather starts ahead of use", natural_int, draw=lambda d: (0, 1, 2)),
+               *WIRE_AND_USE)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 7's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,

@@ -1,0 +1,142 @@
+"""A stage's options, declared once as facts of the stage.
+
+Each stage lists the keyword options its constructor takes as :class:`Option` s
+(``ZeRO2.options``): the name, the default, one line of help, how the command
+line parses it, and which values the property suite draws.  Everything outside
+the stage -- ``make_stage``, the CLI's flags (``compare``, ``train``, ``soak``,
+``bench``), the drawn experiments, the docs -- is built from these
+declarations, so a stage with a new option is still one file and one registry
+line (``tests/test_new_stage.py`` adds one from a test file).
+
+The options most stages share (the wire, unused parameters, precision,
+buckets) are declared here once and listed by the stages that take them.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """What a drawn value may depend on: the experiment's world size and task (``"edge"`` is the model with
+    frozen, unused and zero-size parameters)."""
+
+    world_size: int
+    task: str
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword option of a stage's constructor.
+
+    ``parse``: the command line's text to a value, raising ``argparse.ArgumentTypeError`` that says what is
+    wrong (``None``: a switch, ``--flag`` / ``--no-flag``).  ``draw``: the values the property suite samples
+    from, given a :class:`Drawing` (``None``: not drawn by the suite on its own -- the wire and precision are
+    drawn by the suite's modes, ``compress=True`` and ``precision=True``)."""
+
+    name: str
+    default: object
+    help: str
+    parse: Callable[[str], object] | None = str
+    draw: Callable[[Drawing], Sequence] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+# ---------------------------------------------------------------------- parsers, in the command line's words
+def positive_int(text: str) -> int:
+    """A count: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def natural_int(text: str) -> int:
+    """A count that may be zero: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; use 0 or more")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A size or a rate: a finite number greater than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number greater than 0")
+    return value
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+def choice(*values: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(values)}")
+        return text
+    parse.choices = values  # what argparse's help lists
+    return parse
+
+
+# ---------------------------------------------------------------------- the options several stages share
+#: Bucket caps the suite draws: one parameter per bucket, a few buckets, one bucket (25 MiB: torch's default).
+BUCKET_MB_DRAWN = (1e-9, 2e-4, 1e-3, 25.0)
+
+BUCKET_MB = Option("bucket_mb", 25.0, "bucket size in MiB (torch DDP's bucket_cap_mb: 25)", positive_float,
+                   draw=lambda d: BUCKET_MB_DRAWN)
+COMPRESS = Option("compress", None, "send gradients in 16 bits: fp16 or bf16 (minizero.compress)",
+                  choice("none", "fp16", "bf16"))
+ERROR_FEEDBACK = Option("error_feedback", False, "carry the compression error to the next step", None)
+FIND_UNUSED_PARAMETERS = Option(
+    "find_unused_parameters", False, "agree every step on which parameters got a gradient anywhere (torch's name)",
+    None, draw=lambda d: (True,) if d.task == "edge" else ())  # the edge model's `unused` never gets a gradient
+PRECISION = Option("precision", "fp32", "fp32, or bf16/fp16 compute with fp32 master weights (minizero.precision)",
+                   choice("fp32", "bf16", "fp16"))
+
+#: What a stage that averages gradients takes, in its constructor's order after bucket_mb.
+WIRE_AND_USE = (COMPRESS, ERROR_FEEDBACK, FIND_UNUSED_PARAMETERS, PRECISION)
+
+
+def option_names(stage: type) -> list[str]:
+    return [option.name for option in stage.options]
+
+
+def check_declared(stage: type) -> None:
+    """A stage's declared options are its constructor's keywords, with the same defaults: the declaration is
+    what every command reads, the constructor what runs -- they must not drift apart.  A constructor that
+    passes ``**options`` on to its parent's takes the parent's too."""
+    parameters = [p for p in inspect.signature(stage.__init__).parameters.values()
+                  if p.name not in ("self", "module", "optimizer", "comm")]
+    passes_on = any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in parameters)
+    declared = {o.name: o.default for o in stage.options}
+    actual = {p.name: p.default for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    wrong = [name for name, default in actual.items() if name not in declared or declared[name] != default]
+    undeclared_or_missing = wrong or (not passes_on and sorted(declared) != sorted(actual))
+    if undeclared_or_missing:
+        raise TypeError(f"stage {stage.name!r} declares options {declared} but its constructor takes {actual}: "
+                        f"list every keyword of __init__ (after module, optimizer, comm) in {stage.__name__}.options, "
+                        f"with its default")
