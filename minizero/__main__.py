@@ -11,22 +11,21 @@ import os
 import sys
 
 from .comm import BACKENDS, PRESETS
-from .compress import WIRE_DTYPES
 from .lab import preflight
 from .lab.bench import BENCHES
 from .lab.equivalence import DTYPES
 from .lab.memory_table import MODELS as MEMORY_MODELS
 from .lab.optimizers import OPTIMIZERS
-from .lab.preflight import positive_float
+from .lab.option_flags import add_flags
 from .lab.rank_verdict import rank_error_verdict
 from .lab.registry import LAB_STAGES
 from .lab.tasks import TASKS
-from .lab.train_command import add_design_options
 from .lab.train_command import add_parser as add_train_command
 from .labs.cli import add_commands as add_lab_commands
 from .launch import RankError
 from .precision import PRECISIONS, REDUCE_DTYPES
 from .stages import DEFAULT_STAGE, STAGES, distributed
+from .stages.options import WIRE_AND_USE, natural_int, positive_float
 
 
 def _whole_number(text: str, least: int, what: str) -> int:
@@ -43,14 +42,11 @@ def positive_int(text: str) -> int:
     return _whole_number(text, 1, "is not a positive whole number (1 or more)")
 
 
-def natural_int(text: str) -> int:
-    return _whole_number(text, 0, "is negative; use 0 or more")
-
-
-def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> None:
-    """What ``compare`` and ``soak`` share: the run to compare with single-device training."""
+def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str, stages: dict) -> None:
+    """What ``compare`` and ``soak`` share: the run to compare with single-device training, and a flag for
+    each option the ``stages`` declare (minizero.lab.option_flags; ``precision`` is built from its own flags)."""
     p.add_argument("--world-size", type=positive_int, default=2)
-    p.add_argument("--stages", default=DEFAULT_STAGE, help=f"comma-separated, from: {', '.join(distributed(LAB_STAGES))}")
+    p.add_argument("--stages", default=DEFAULT_STAGE, help=f"comma-separated, from: {', '.join(distributed(stages))}")
     p.add_argument("--dtype", choices=list(DTYPES), default=dtype)
     p.add_argument("--steps", type=positive_int, default=steps)
     p.add_argument("--task", choices=list(TASKS), default="gpt")
@@ -59,8 +55,6 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> Non
                    help="learning rate (> 0: with 0 nothing moves and every stage would trivially agree)")
     p.add_argument("--micro-batch", type=positive_int, default=4, help="samples per rank per micro-batch")
     p.add_argument("--accum", type=positive_int, default=1, help="K micro-batches per optimizer step")
-    p.add_argument("--compress", choices=["none", *WIRE_DTYPES], default="none", help="send gradients in 16 bits")
-    p.add_argument("--error-feedback", action="store_true", help="carry the compression error to the next step")
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                    help="bf16/fp16: compute in 16 bits, fp32 master weights (fp16 with dynamic loss scaling)")
     p.add_argument("--reduce-dtype", choices=list(REDUCE_DTYPES), default=None,
@@ -69,11 +63,9 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> Non
     p.add_argument("--loss-scale-window", type=positive_int, default=None,
                    help="fp16: clean steps before the loss scale doubles (2000)")
     p.add_argument("--min-loss-scale", type=positive_float, default=None, help="fp16: the loss scale's floor (1)")
-    p.add_argument("--bucket-mb", type=positive_float, default=None,
-                   help=f"bucket size of {', '.join(n for n, c in STAGES.items() if 'bucket_mb' in c.option_names())} "
-                        f"(default 25)")
     p.add_argument("--clip", type=positive_float, default=None, help="clip the global L2 gradient norm to this")
-    add_design_options(p, positive_int, natural_int, positive_float)
+    add_flags(p, stages, leave_out=("precision",), command=p.prog)
+    p.set_defaults(registry=None if stages is LAB_STAGES else stages)
     p.add_argument("--backend", choices=list(BACKENDS), default="ring")
     p.add_argument("--seed", type=preflight.seed, default=0)
     p.add_argument("--timeout", type=preflight.timeout_s, default=300.0,
@@ -88,13 +80,15 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str) -> Non
                                                         "the verdict")
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(stages: dict | None = None) -> argparse.ArgumentParser:
+    """The command line.  ``stages``: a registry for ``compare`` and ``soak`` other than the lab's (a test's
+    ``with_stages(...)``): their ``--stages`` choose from it, and its stages' options are flags."""
     top = argparse.ArgumentParser(prog="python -m minizero", description=__doc__.split("\n")[0])
     sub = top.add_subparsers(dest="command", required=True)
     compare = sub.add_parser("compare", help="run stages against single-device training; exit 1 if any differs")
-    _training_options(compare, steps=5, dtype="float32")
+    _training_options(compare, steps=5, dtype="float32", stages=LAB_STAGES if stages is None else stages)
     soak = sub.add_parser("soak", help="every stage against the reference for many steps; the largest deviation")
-    _training_options(soak, steps=500, dtype="float64")
+    _training_options(soak, steps=500, dtype="float64", stages=LAB_STAGES if stages is None else stages)
     soak.set_defaults(stages=",".join(n for n in distributed(STAGES) if STAGES[n].equivalent))
     memory = sub.add_parser("memory", help="model-state bytes per rank of every stage (the ZeRO paper's Table 1)")
     size = memory.add_mutually_exclusive_group(required=True)
@@ -135,9 +129,8 @@ def parser() -> argparse.ArgumentParser:
     timing.add_argument("--measure", action="store_true", help="measure forward+backward here (the bench GPT, "
                         "scaled to --params)")
     scale.add_argument("--layers", type=positive_int, default=12, help="blocks the parameters are split into (ZeRO-3 units)")
-    scale.add_argument("--bucket-mb", type=positive_float, default=25.0)
-    add_design_options(scale, positive_int, natural_int, positive_float)
-    scale.add_argument("--prefetch", type=natural_int, default=1)
+    # The options the cost model reads: the wire's (and --precision, below) are bytes per element, not options.
+    add_flags(scale, {n: STAGES[n] for n in distributed()}, leave_out=[o.name for o in WIRE_AND_USE], command="scale")
     scale.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                        help="bytes per element on the wire: 4 (fp32) or 2 (bf16/fp16)")
     scale.add_argument("--json", action="store_true")
@@ -146,9 +139,10 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def main(argv=None) -> int:
-    """Run a command; its ``main(args)`` returns ``(exit status, text for stdout)``."""
-    args = parser().parse_args(argv)
+def main(argv=None, stages: dict | None = None) -> int:
+    """Run a command; its ``main(args)`` returns ``(exit status, text for stdout)``.  ``stages``: see
+    :func:`parser`."""
+    args = parser(stages).parse_args(argv)
     try:
         if args.command == "compare":
             from .lab.compare import main as run

@@ -1,10 +1,12 @@
 """The 16-bit wire: gradients averaged across ranks in fp16 or bf16 (``compress=``).
 
 Compression is a *wire format*, an option of every stage, written once here:
-a stage that averages over the wire calls :meth:`Wire.all_reduce_mean` or
-:meth:`Wire.reduce_scatter_mean` where it would otherwise all-reduce (or
-reduce-scatter) and divide by N.  The bytes on the wire halve (the ledger shows
-it) and the result lands back in the gradient's own precision.
+a stage averages over it by passing it to the collective --
+``comm.all_reduce(flat, ReduceOp.AVG, tag=..., wire=self.wire, key=index)``,
+the same for ``reduce_scatter`` -- and the communication layer runs the
+collective on :meth:`Wire.encode`'s output and hands the sum to
+:meth:`Wire.decode`.  The bytes on the wire halve (the ledger shows it) and the
+result lands back in the gradient's own precision.
 
 Where to divide by N.  The sum of N fp16 gradients can overflow (fp16 tops
 out at 65504), so part of the division must happen *before* the reduction;
@@ -33,7 +35,7 @@ import math
 
 import torch
 
-from .comm import Comm, ReduceOp, Tag
+from .comm import Comm
 from .precision import REDUCE_DTYPES, Precision
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -103,26 +105,9 @@ class Wire:
                             f"makes sense for float32/float64 gradients; parameter {name!r} is {dtype}. "
                             f"Turn compression off or keep this parameter in float32.")
 
-    def all_reduce_mean(self, flat: torch.Tensor, key=None, names: list[str] | None = None,
-                        tag: Tag | None = None) -> None:
-        """All-reduce: every rank ends with the mean of ``flat``, in place."""
-        wire = self._to_wire(flat, key)
-        self.comm.all_reduce(wire, ReduceOp.SUM, tag=tag)
-        self._from_wire(wire, flat, names, key)
-
-    def reduce_scatter_mean(self, full: torch.Tensor, shard: torch.Tensor, key=None, names: list[str] | None = None,
-                            tag: Tag | None = None, servers: int | None = None) -> None:
-        """Reduce-scatter: ``shard`` gets this rank's slice of the mean of ``full`` (ZeRO); with ``servers``,
-        a push to the parameter servers (:mod:`minizero.comm.star`), whose workers' shards are empty."""
-        wire = self._to_wire(full, key)
-        wire_shard = torch.empty(shard.numel(), dtype=self.wire_dtype, device=shard.device)
-        if servers is None:
-            self.comm.reduce_scatter(wire_shard, wire, ReduceOp.SUM, tag=tag)
-        else:
-            self.comm.push(wire_shard, wire, servers, ReduceOp.SUM, tag=tag)
-        self._from_wire(wire_shard, shard, names, key)
-
-    def _to_wire(self, flat: torch.Tensor, key) -> torch.Tensor:
+    def encode(self, flat: torch.Tensor, key=None) -> torch.Tensor:
+        """What travels for ``flat`` (a buffer, named ``key`` for its error feedback): ``flat / pre`` (plus the
+        rounding error carried from last time) in the wire's dtype.  The collective sums what travels."""
         # Divide in the wider of the two dtypes: exact for a power of two, so the cast stays the one rounding.
         scaled = flat.to(torch.promote_types(flat.dtype, self.wire_dtype)) / self.pre
         if self.error_feedback:
@@ -138,7 +123,9 @@ class Wire:
             self._pending[key] = scaled - wire.to(scaled.dtype)
         return wire
 
-    def _from_wire(self, wire: torch.Tensor, out: torch.Tensor, names, key) -> None:
+    def decode(self, wire: torch.Tensor, out: torch.Tensor, key=None, where: str = "a gradient buffer") -> None:
+        """The summed ``wire`` into ``out``, divided by ``post``: the mean, in ``out``'s dtype.  An inf or NaN
+        raises (naming ``where``) before anything is written -- unless loss scaling will skip the step."""
         pending = self._pending.pop(key, None)
         # A host synchronisation per bucket -- on the communication thread, not in a backward hook: whether
         # this bucket overflowed decides, before anything is written, to refuse the step or keep the residual.
@@ -146,7 +133,7 @@ class Wire:
         if not finite and self.overflow_raises:  # the step is lost; the carried error is not poisoned
             raise FloatingPointError(
                 f"rank {self.comm.rank}: gradients overflowed {self.wire_dtype} in the reduction "
-                f"(inf/NaN in {', '.join(names or ['a gradient buffer'])}); the weights were not touched. "
+                f"(inf/NaN in {where}); the weights were not touched. "
                 f"Lower the loss scale or learning rate, or use compress='bf16' (fp32's range).")
         if pending is not None and not self.overflow_raises:
             self._unsettled[key] = pending  # the step's fate is decided on every rank together: settle()
@@ -154,7 +141,6 @@ class Wire:
             self.residuals[key] = pending
         # Divide in the wider dtype again: a wide wire's mean is rounded into ``out`` once.
         out.copy_(wire.to(torch.promote_types(out.dtype, self.wire_dtype)).div_(self.post))
-
 
     def settle(self, stepped: bool, rescale: float = 1.0) -> None:
         """Under dynamic loss scaling: keep this step's residuals if the step was taken on every rank (a
@@ -167,21 +153,3 @@ class Wire:
                 residual.mul_(rescale)
 
 
-def all_reduce_mean(comm: Comm, wire: Wire | None, flat: torch.Tensor, key=None, names=None, tag=None) -> None:
-    """The mean of ``flat`` over ranks, in place: over the wire if there is one, else in ``flat``'s dtype."""
-    if wire is None:
-        comm.all_reduce(flat, ReduceOp.AVG, tag=tag)  # SUM, then divide by N
-    else:
-        wire.all_reduce_mean(flat, key, names, tag)
-
-
-def reduce_scatter_mean(comm: Comm, wire: Wire | None, full: torch.Tensor, shard: torch.Tensor, key=None, names=None,
-                        tag=None, servers: int | None = None) -> None:
-    """``shard`` = this rank's slice of the mean of ``full`` over ranks: over the wire if there is one.
-    With ``servers``: the slices go to the parameter servers by a push instead of a reduce-scatter."""
-    if wire is not None:
-        wire.reduce_scatter_mean(full, shard, key, names, tag, servers)
-    elif servers is None:
-        comm.reduce_scatter(shard, full, ReduceOp.AVG, tag=tag)  # SUM, then divide by N
-    else:
-        comm.push(shard, full, servers, ReduceOp.AVG, tag=tag)

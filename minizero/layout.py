@@ -138,6 +138,14 @@ class FlatGroup:
                 out[s.start:s.stop].copy_(s.param.grad.reshape(-1))
         return out
 
+    def take_gradients(self) -> torch.Tensor:
+        """The parameters' gradients packed into a new flat buffer (:meth:`pack_grads`), and the gradients
+        freed: ZeRO-2 and -3 hold no full gradient beyond the moment its bucket is reduce-scattered."""
+        full = self.pack_grads()
+        for s in self.segments:
+            s.param.grad = None
+        return full
+
     def unpack_full(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter tensors from a full flat tensor (a consolidated state, say)."""
         out = [full.new_empty(s.shape) for s in self.segments]
@@ -147,7 +155,7 @@ class FlatGroup:
     def flatten(self, values: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The reverse of :meth:`unpack_full`: per-parameter values laid into one padded flat tensor."""
         full = torch.zeros(self.shard_size * self.world_size, dtype=dtype, device=self.shard.device)
-        for s, value in zip(self.segments, values):
+        for s, value in zip(self.segments, values, strict=True):
             full[s.start:s.stop].copy_(value.reshape(-1))
         return full
 
@@ -220,12 +228,6 @@ class ShardedFlatGroup(FlatGroup):
     @property
     def gathered(self) -> bool:
         return self.data is not None
-
-    def all_gather_into_new_buffer(self, comm, tag=None) -> torch.Tensor:
-        """Runs on the communication thread: the full buffer, not yet pointed to."""
-        full = torch.empty(self.shard_size * self.world_size, dtype=self.shard.dtype, device=self.shard.device)
-        comm.all_gather(full, self.shard, tag=tag)
-        return full
 
     @torch.no_grad()
     def load_full(self, full: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from typing import Callable
 
 from torch import nn
 
-from .comm import Comm, Tag
+from .comm import Work
 from .layout import ShardedFlatGroup, plan_groups
 
 
@@ -84,16 +84,18 @@ def plan_unit_groups(model: nn.Module, units: list[nn.Module], param_groups: lis
 
 class Unit:
     """One ZeRO-3 unit at run time -- FSDP2's ``FSDPParamGroup``: the flat groups of its parameters and
-    the all-gather in flight for them, with a method for each moment it acts.
+    the all-gather in flight for them, with a method for each moment it acts, named as FSDP2 names them.
+    ``all_gather(unit, why)`` is the stage's: it starts the unit's all-gather on the communication thread and
+    returns the work, whose result is one full buffer per group (:meth:`minizero.stages.ZeRO3.all_gather`).
 
     ``observe(event, nbytes, unit)`` hears every ``"gather"`` (a full buffer allocated -- counted from the
     moment the all-gather starts, so a prefetch takes memory while it runs) and every ``"free"``, with this
     unit's index: instrumentation outside the algorithm, like the byte ledger."""
 
-    def __init__(self, index: int, name: str, groups: list[ShardedFlatGroup], comm: Comm,
-                 tag: Callable[[str], Tag], observe: Callable[[str, int, int], None]):
+    def __init__(self, index: int, name: str, groups: list[ShardedFlatGroup],
+                 all_gather: Callable[["Unit", str], Work], observe: Callable[[str, int, int], None]):
         self.index, self.name, self.groups = index, name, groups
-        self.comm, self._tag, self._observe = comm, tag, observe
+        self._all_gather, self._observe = all_gather, observe
         self._gathering = None  # the all-gather running on the communication thread, if any
 
     @property
@@ -105,18 +107,18 @@ class Unit:
         return all(g.gathered for g in self.groups)
 
     # ------------------------------------------------------------ the moments
-    def before_forward(self) -> None:
+    def pre_forward(self) -> None:
         self.unshard("forward")
 
-    def after_forward(self, reshard: bool) -> None:
+    def post_forward(self, reshard: bool) -> None:
         if reshard:
             self.reshard()
 
-    def before_backward(self) -> None:
+    def pre_backward(self) -> None:
         """Autograd saved the *parameters*: pointing them at freshly gathered values is all backward needs."""
         self.unshard("backward")
 
-    def after_backward(self, group: ShardedFlatGroup) -> None:
+    def post_backward(self, group: ShardedFlatGroup) -> None:
         """``group``'s gradients are packed for their reduce-scatter: its full parameters can go."""
         self._free(group)
 
@@ -125,16 +127,15 @@ class Unit:
         """Start the all-gather on the communication thread (now, or as a prefetch)."""
         if self._gathering is not None or self.gathered:
             return
-        groups, tag = self.groups, self._tag(f"{self.label} {why} all-gather")
-        self._gathering = self.comm.submit(lambda: [g.all_gather_into_new_buffer(self.comm, tag) for g in groups])
-        for g in groups:
+        self._gathering = self._all_gather(self, why)
+        for g in self.groups:
             self._observe("gather", g.full_bytes, self.index)
 
     def unshard(self, why: str) -> None:
         """Full parameters, now: start the all-gather unless a prefetch did, and wait for it."""
         self.start_gather(why)
         if self._gathering is not None:
-            for group, full in zip(self.groups, self._gathering.result()):
+            for group, full in zip(self.groups, self._gathering.result(), strict=True):
                 group.use(full)
             self._gathering = None
 

@@ -81,15 +81,27 @@ def collective(kind: str):
     fingerprint check, progress board, bytes booked under ``kind``.  A
     collective built from others (all-reduce = reduce-scatter + all-gather) is
     checked and booked once, as the outermost kind.
+
+    An average (``op=ReduceOp.AVG``) also takes ``wire=``: a compressed wire
+    (:mod:`minizero.compress`) that encodes the tensor before the collective --
+    what travels, and is summed, is the encoding -- and decodes the sum into
+    the tensor after it; ``key`` names the buffer, whose rounding error the
+    wire may carry to the next step.  Without a wire the tensor travels as it is.
     """
 
     def decorate(method):
         signature = inspect.signature(method)
 
         @functools.wraps(method)
-        def wrapper(self: "Comm", *args, async_op: bool = False, tag: Tag | None = None, **kwargs):
+        def wrapper(self: "Comm", *args, async_op: bool = False, tag: Tag | None = None, wire=None, key=None,
+                    **kwargs):
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
+            if wire is not None:
+                if async_op:
+                    raise ValueError(f"rank {self.rank}: a {kind} over a wire runs where it is called; submit the "
+                                     f"call (comm.submit) to overlap it")
+                return _over_wire(self, wrapper, kind, bound.arguments, wire, key, tag)
             if async_op or self._thread is not None and not self._on_comm_thread():
                 work = self._background().submit(self._run, kind, method, bound.arguments, tag)
                 if async_op:
@@ -101,6 +113,24 @@ def collective(kind: str):
         return wrapper
 
     return decorate
+
+
+def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Tag | None) -> None:
+    """An average over a wire: encode, sum the encodings, decode the sum (the division by N is the wire's:
+    it splits it around the sum, :mod:`minizero.compress`)."""
+    arguments = {k: v for k, v in arguments.items() if k != "self"}
+    if arguments.get("op") is not ReduceOp.AVG:
+        raise ValueError(f"rank {comm.rank}: a {kind} over a wire averages: pass op=ReduceOp.AVG")
+    where = (tag or Tag()).describe()
+    if "tensor" in arguments:  # all-reduce: in place
+        encoded = wire.encode(arguments["tensor"], key)
+        run(comm, **{**arguments, "tensor": encoded, "op": ReduceOp.SUM}, tag=tag)
+        wire.decode(encoded, arguments["tensor"], key, where)
+    else:  # reduce-scatter (or a push): the shard gets its slice of the mean
+        encoded = wire.encode(arguments["input"], key)
+        shard = encoded.new_empty(arguments["output"].numel())
+        run(comm, **{**arguments, "output": shard, "input": encoded, "op": ReduceOp.SUM}, tag=tag)
+        wire.decode(shard, arguments["output"], key, where)
 
 
 def on_device(method):
@@ -242,26 +272,14 @@ class Comm:
         if op is not None and not (tensors[0].is_floating_point() or op is not ReduceOp.AVG and tensors[0].dtype != torch.bool):
             raise TypeError(f"{where}: {op.name} of {tensors[0].dtype} is not defined; reduce a floating-point tensor")
         if "output" in arguments:
-            self._check_shards(arguments["output"], arguments["input"], kind, where, arguments.get("servers"))
+            self._check_shards(arguments["output"], arguments["input"], kind, where, arguments)
         return Call(self._calls, kind, max(t.numel() for t in tensors), tensors[0].dtype,
                     op.value if op is not None else f"from rank {arguments['src']}" if "src" in arguments else "", tag)
 
-    def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str,
-                      servers: int | None = None) -> None:
-        full, shard = (input, output) if kind in ("reduce_scatter", "push") else (output, input)
+    def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str, arguments: dict) -> None:
+        full, shard = (input, output) if kind == "reduce_scatter" else (output, input)
         if output.dtype != input.dtype:
             raise TypeError(f"{where}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        if servers is not None:  # the parameter server's push and pull (.star): S slices, workers own none
-            if not (isinstance(servers, int) and 1 <= servers <= self.world_size):
-                raise ValueError(f"{where}: servers must be a whole number from 1 to world_size "
-                                 f"{self.world_size}, got {servers!r}")
-            slice_size = full.numel() // servers if self.rank < servers else 0
-            if full.numel() % servers or shard.numel() != slice_size:
-                raise ValueError(
-                    f"{where}: the full tensor must hold servers x slice elements ({servers} servers; a worker's "
-                    f"slice is empty), got {full.numel()} and {shard.numel()}; pad it to a multiple of servers "
-                    f"(see minizero.layout)")
-            return
         if full.numel() != shard.numel() * self.world_size:
             raise ValueError(
                 f"{where}: the full tensor must hold world_size x shard elements, got {full.numel()} and "

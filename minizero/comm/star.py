@@ -39,6 +39,24 @@ class StarExchanges:
     """Push and pull, for every :class:`~minizero.comm.base.Comm` (both backends: a parameter server is
     point-to-point by definition, so ``native`` runs the same messages as ``ring``)."""
 
+    def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str, arguments: dict) -> None:
+        """A push's or pull's shapes: ``S`` slices, and a worker (rank >= S) owns none."""
+        if kind not in ("push", "pull"):
+            return super()._check_shards(output, input, kind, where, arguments)
+        servers = arguments["servers"]
+        full, shard = (input, output) if kind == "push" else (output, input)
+        if output.dtype != input.dtype:
+            raise TypeError(f"{where}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        if not (isinstance(servers, int) and 1 <= servers <= self.world_size):
+            raise ValueError(f"{where}: servers must be a whole number from 1 to world_size "
+                             f"{self.world_size}, got {servers!r}")
+        slice_size = full.numel() // servers if self.rank < servers else 0
+        if full.numel() % servers or shard.numel() != slice_size:
+            raise ValueError(
+                f"{where}: the full tensor must hold servers x slice elements ({servers} servers; a worker's "
+                f"slice is empty), got {full.numel()} and {shard.numel()}; pad it to a multiple of servers "
+                f"(see minizero.layout)")
+
     @collective("push")
     @on_device
     def push(self, output: torch.Tensor, input: torch.Tensor, servers: int, op: ReduceOp = ReduceOp.SUM) -> None:
@@ -59,7 +77,7 @@ class StarExchanges:
             else:
                 op.combine(output, buffers[i], out=output)
 
-        self._at("push to servers")
+        self._at("push")
         self._exchange(sends, list(zip(buffers, order)), arrived)
         if own is None:
             return
@@ -84,7 +102,7 @@ class StarExchanges:
             output[self.rank * size:(self.rank + 1) * size].copy_(outgoing[self.rank])
             sends = [(outgoing[dst].contiguous(), dst) for dst in range(self.world_size) if dst != self.rank]
         recvs = [(output[j * size:(j + 1) * size], j) for j in range(servers) if j != self.rank]
-        self._at("pull from servers")
+        self._at("pull")
         self._exchange(sends, recvs)
 
     def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],

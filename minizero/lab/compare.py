@@ -23,12 +23,11 @@ from ..launch import RankError, RankPool, check_world_size
 from ..precision import Precision
 from ..stages import check_stage_names
 from ..torchrun import init_from_env, under_torchrun
-from . import preflight
+from . import option_flags, preflight
 from .equivalence import DTYPES, RTOL, agrees, judge
 from .experiment import Experiment, element_size, exact_reference_of, precision_of, reference_of, run_experiment
 from .optimizers import STATE_TENSORS
 from .registry import LAB_STAGES, stage_class
-from .train_command import design_options
 
 
 @dataclass
@@ -100,20 +99,14 @@ def stage_options(stage: str, stages: dict | None = None, **cli) -> dict:
     if cli.get("compress") in (None, "none"):
         cli.pop("compress", None)
         cli.pop("error_feedback", None)
-    accepted = stage_class(stage, stages).option_names()
+    accepted = [o.name for o in getattr(stage_class(stage, stages), "options", ())]  # torch's declare none
     return {k: v for k, v in cli.items() if v is not None and k in accepted}
 
 
 def check_options_used(stages: list[str], stages_known: dict | None, options: dict) -> None:
-    """An option that none of the chosen stages takes would change nothing: refused, naming the stages that do."""
-    for key, value in options.items():
-        if value is None or value is False or (key == "compress" and value == "none"):
-            continue
-        if not any(key in getattr(stage_class(s, stages_known), "options", list)() for s in stages):
-            takers = [n for n in LAB_STAGES if key in getattr(stage_class(n), "options", list)()]
-            flag = "--" + key.replace("_", "-")
-            raise ValueError(f"{flag} has no effect on --stages {','.join(stages)}: none of them takes it (it is an "
-                             f"option of {', '.join(takers) or 'no stage'}); add such a stage, or drop {flag}")
+    """An option that none of the chosen stages takes would change nothing: refused, naming the stages that do
+    (by their declarations, :func:`minizero.lab.option_flags.refuse_unused`)."""
+    option_flags.refuse_unused(stages, LAB_STAGES if stages_known is None else stages_known, options)
 
 
 def compare(world_size: int, stages: list[str], exp: Experiment, timeout_s: float = 300.0, **options) -> list[Summary]:
@@ -224,26 +217,27 @@ def precision_option(args) -> Precision | None:
 
 
 def experiment_of(args) -> Experiment:
-    """The command line's run, as an :class:`Experiment` (shared with ``soak``)."""
+    """The command line's run, as an :class:`Experiment` (shared with ``soak``); ``args.registry``: the stages
+    it chooses from, when not the lab's (``python -m minizero``'s ``main(argv, stages)``)."""
     return Experiment(task=args.task, dtype=args.dtype, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                       micro_batch=args.micro_batch, accum=args.accum, backend=args.backend, seed=args.seed,
                       clip=(args.clip, 2.0) if args.clip else None, check=args.check,
-                      network=args.network if parse_network(args.network) else None)  # refused here if bad
+                      network=args.network if parse_network(args.network) else None,  # refused here if bad
+                      stages=getattr(args, "registry", None))
 
 
 def check_before_launch(args) -> None:
     """What ``compare`` and ``soak`` refuse before any rank starts (minizero.lab.preflight)."""
     preflight.check_lr(args.lr, args.optimizer, DTYPES[args.dtype])  # the masters' dtype: fp32 under mixed precision
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
-    preflight.check_design_options(world_size, args.steps, {key: value for _, key, value in design_options(args)})
+    preflight.check_design_options(world_size, args.steps, option_flags.given(args))
 
 
 def main(args) -> tuple[int, str]:
     stages = [s for s in args.stages.split(",") if s]
     check_before_launch(args)
-    rows = compare(args.world_size, stages, experiment_of(args), timeout_s=args.timeout, compress=args.compress,
-                   bucket_mb=args.bucket_mb, error_feedback=args.error_feedback, precision=precision_option(args),
-                   **{key: value for _, key, value in design_options(args)})
+    rows = compare(args.world_size, stages, experiment_of(args), timeout_s=args.timeout,
+                   precision=precision_option(args), **option_flags.given(args))
     if not rows:  # a torchrun rank other than 0
         return 0, ""
     status = 0 if all(passed(r) for r in rows) else 1
@@ -252,14 +246,14 @@ def main(args) -> tuple[int, str]:
     world_size = rows[0].world_size  # under torchrun: the ranks that really ran, not --world-size
     lines = [f"{args.task} model, {args.dtype}, {args.optimizer}, N={world_size}, {args.steps} steps of "
              f"K={args.accum} micro-batches, {args.backend} collectives, precision {args.precision}, "
-             f"compression {args.compress}; "
+             f"compression {args.compress or 'none'}; "
              f"tolerance: relative {RTOL[args.dtype]:g}"]
     if args.precision != "fp32":
         lines.append(f"(precision {args.precision}: each stage is compared with a single-device reference applying the "
                      f"same casts and the same recipe -- masters, loss scaler; 'vs exact' is the change mixed "
                      f"precision made against fp32 single-device training; '(paper)' is the state formula in the ZeRO "
                      f"paper's terms, Psi parameters over N ranks)")
-    elif args.compress != "none":
+    elif args.compress:
         lines.append("(compressed stages are compared with a reference applying the same casts; "
                      "'vs exact' is the change compression made)")
     lines.append(format_table(rows))

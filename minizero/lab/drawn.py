@@ -9,29 +9,38 @@ from hypothesis import strategies as st
 
 from ..precision import Precision
 from ..stages import DEFAULT_STAGE
+from ..stages.options import BUCKET_MB_DRAWN, Drawing
 from .experiment import Experiment
 from .optimizers import OPTIMIZERS
 from .registry import stage_class
 
-#: Bucket caps that force one parameter per bucket, a few buckets, or one bucket.
-BUCKET_MB = [1e-9, 2e-4, 1e-3, 25.0]
+#: The bucket caps drawn (declared with the option: ``minizero.stages.options.BUCKET_MB``), kept under the name
+#: the suite's helpers import.
+BUCKET_MB = list(BUCKET_MB_DRAWN)
+
+
+def _one_of(values):
+    """A strategy for one of ``values``: a range of whole numbers as ``st.integers`` (as the parameter server's
+    ``servers`` was drawn before they were declared: the same examples), a single value without a draw."""
+    if isinstance(values, range) and values.step == 1:
+        return st.integers(values.start, values.stop - 1)
+    values = tuple(values)
+    return st.just(values[0]) if len(values) == 1 else st.sampled_from(values)
 
 
 @st.composite
 def stage_options(draw, stage: str, task: str, compress: bool = False, stages: dict | None = None,
                   precision: bool = False, world_size: int = 1) -> dict:
-    """Options drawn for what the stage accepts (its constructor says)."""
-    accepted, options = stage_class(stage, stages).option_names(), {}
-    if "servers" in accepted:  # a parameter server: ranks 0..S-1 serve
-        options["servers"] = draw(st.integers(1, world_size))
-    if "bucket_mb" in accepted:
-        options["bucket_mb"] = draw(st.sampled_from(BUCKET_MB))
-    if "prefetch" in accepted:
-        options["prefetch"] = draw(st.sampled_from([0, 1, 2]))
-    if "reshard_after_forward" in accepted:
-        options["reshard_after_forward"] = draw(st.booleans())
-    if task == "edge" and "find_unused_parameters" in accepted:
-        options["find_unused_parameters"] = True  # EdgeModel.unused never gets a gradient
+    """Options drawn from what the stage declares: each option's own ``draw``, in the declaration's order
+    (:class:`minizero.stages.options.Option`: ``servers`` up to the world size, ``bucket_mb``, ``prefetch``,
+    ``find_unused_parameters`` on the edge model whose ``unused`` never gets a gradient, ...), so a stage with
+    a new option has it drawn with no line here; an empty draw leaves the option at its default.  Then the
+    suite's modes, which no declaration draws on its own: mixed precision and the compressed wire."""
+    options, drawing = {}, Drawing(world_size, task)
+    for option in getattr(stage_class(stage, stages), "options", ()):  # torch's oracles declare none
+        values = option.draw(drawing) if option.draw is not None else ()
+        if len(values):
+            options[option.name] = draw(_one_of(values))
     if precision:
         options["precision"] = draw(st.sampled_from(PRECISION_POLICIES))
     if compress or (precision and options["precision"].reduce_dtype is None and draw(st.booleans())):

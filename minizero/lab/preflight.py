@@ -7,12 +7,13 @@ here, in the command line's words (the flag, the value, the fix), and refused wi
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import tempfile
 from pathlib import Path
 
 import torch
+
+from ..stages.options import positive_float
 
 #: A collective that waits less than this for a peer is no evidence of a stall: a healthy peer may still be
 #: building its model or wrapping the stage (the first collectives), or be paused by a busy machine.
@@ -22,17 +23,6 @@ MIN_TIMEOUT_S = 1.0
 MAX_SEED = 2**44 - 1
 #: Adam's and AdamW's first bias correction: step 1 moves by lr / (1 - beta1) = 10 lr (beta1 = 0.9).
 ADAM_FIRST_STEP = {"adam": 10.0, "adamw": 10.0}
-
-
-def positive_float(text: str) -> float:
-    """A size or a rate on the command line: a finite number greater than 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number greater than 0")
-    return value
 
 
 def timeout_s(text: str) -> float:
@@ -72,9 +62,11 @@ def check_lr(lr: float, optimizer: str, dtype: torch.dtype = torch.float32) -> N
 
 
 def check_design_options(world_size: int, steps: int, given: dict) -> None:
-    """The contrast stages' options (``--servers`` and the others, ``given`` by their keyword; None: not given),
-    against each other, the world size and the steps -- what the stage itself would refuse on every rank, or
-    silently ignore.  (An option that none of the chosen stages takes is refused by the command itself.)"""
+    """The contrast stages' options (``--servers`` and the others; ``given``: the stage options given on the
+    command line, by keyword) against each other, the world size and the steps -- what the stage itself would
+    refuse on every rank, or silently ignore -- in the command line's words, before any rank starts.  (Each is
+    parsed by its stage's declaration, :mod:`minizero.stages.options`; an option that none of the chosen stages
+    takes is refused by the command itself.)"""
     servers, every = given.get("servers"), given.get("average_every")
     outer_lr, momentum = given.get("outer_lr"), given.get("outer_momentum")
     if servers is not None and servers > world_size:

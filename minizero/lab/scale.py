@@ -17,9 +17,9 @@ from ..stages import STAGES, distributed
 from ..units import resolve_units
 from .experiment import Experiment, precision_of, wire_bytes
 from .models import BENCH_GPT, count_params
+from .option_flags import given
 from .tasks import TASKS
 from .timelines import timeline_on_rank
-from .train_command import design_options
 
 
 def world_sizes(text: str) -> list[int]:
@@ -91,9 +91,7 @@ def main(args) -> tuple[int, str]:
         compute_s, how = measure_compute_s(args.params)
     else:
         compute_s, how = args.compute_ms / 1e3, "given (--compute-ms)"
-    options = {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch,
-               **{key: value for _, key, value in design_options(args) if value is not None}}
-    rows = table(stages, args.params, sizes, network, compute_s, args.layers, args.precision, **options)
+    rows = table(stages, args.params, sizes, network, compute_s, args.layers, args.precision, **given(args))
     if args.json:
         return 0, json.dumps({"network": {"name": network.name, "alpha_s": network.alpha,
                                           "bandwidth_Bps": network.bandwidth, "source": network.source},

@@ -24,11 +24,11 @@ from ..launch import Rank, RankPool, check_world_size
 from ..stages import REFERENCE, check_stage_names
 from ..torchrun import init_from_env, under_torchrun
 from ..train import shard_step, train_step
+from . import option_flags
 from .compare import check_before_launch, check_options_used, experiment_of, stage_options
 from .equivalence import DTYPES, RTOL, parameter_errors
 from .experiment import Experiment, build, snapshot_parameters
 from .tasks import TASKS
-from .train_command import design_options
 
 
 def soak_on_rank(me: Rank, exp: Experiment) -> dict:
@@ -62,7 +62,7 @@ def soak_on_rank(me: Rank, exp: Experiment) -> dict:
 def soak(world_size: int, stages: list[str], exp: Experiment, timeout_s: float = 300.0, **options) -> list[dict]:
     """``options``: the stages' options (``bucket_mb``, ``servers``, ...), each given to the stages that take it."""
     check_world_size(world_size)
-    check_stage_names(stages, distributed_only=True)
+    check_stage_names(stages, distributed_only=True, stages=exp.stages)
     check_options_used(stages, exp.stages, options)
     rows = []
     me = init_from_env(timeout_s=timeout_s) if under_torchrun() else None
@@ -94,13 +94,12 @@ def main(args) -> tuple[int, str]:
     if args.precision != "fp32":
         raise ValueError("soak compares with exact fp32 single-device training; mixed precision differs from it by "
                          "design -- check it with `compare --precision ...` against the same-recipe reference")
-    if args.compress != "none" or args.error_feedback:
+    if args.compress or args.error_feedback:  # "--compress none" is None: not given
         raise ValueError("soak compares with exact single-device training; compressed stages differ from it by "
                          "design -- check them with `compare --compress ...` against the same-casts reference")
     stages = [s for s in args.stages.split(",") if s]
     check_before_launch(args)
-    rows = soak(args.world_size, stages, experiment_of(args), timeout_s=args.timeout, bucket_mb=args.bucket_mb,
-                **{key: value for _, key, value in design_options(args)})
+    rows = soak(args.world_size, stages, experiment_of(args), timeout_s=args.timeout, **option_flags.given(args))
     if not rows:  # a torchrun rank other than 0
         return 0, ""
     status = 0 if all(r["within_tolerance"] for r in rows) else 1

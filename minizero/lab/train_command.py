@@ -10,12 +10,11 @@ import torch.distributed as dist
 
 from .. import checkpoint
 from ..comm import BACKENDS
-from ..compress import WIRE_DTYPES
 from ..launch import RankPool
 from ..precision import PRECISIONS
-from ..stages import DEFAULT_STAGE, distributed
+from ..stages import DEFAULT_STAGE, STAGES, distributed
 from ..torchrun import check_environment, init_from_env, under_torchrun
-from . import preflight
+from . import option_flags, preflight
 from .registry import stage_class
 from .training_run import MODELS, Run, as_json, format_summary, plot_losses, summary, train_on_rank
 
@@ -31,10 +30,10 @@ def add_parser(sub, positive_int, natural_int, positive_float) -> None:
                    help="samples per optimizer step over all ranks and micro-batches (kept when resuming at another N)")
     p.add_argument("--accum", type=positive_int, default=1, help="K micro-batches per step on each rank")
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32")
-    p.add_argument("--compress", choices=["none", *WIRE_DTYPES], default="none")
-    p.add_argument("--bucket-mb", type=positive_float, default=None, help="bucket size of the stages with buckets")
-    p.add_argument("--prefetch", type=natural_int, default=None, help="zero3: units gathered ahead")
-    add_design_options(p, positive_int, natural_int, positive_float)
+    # A flag per option the stages declare (--compress, --bucket-mb, --prefetch, --servers, ...): given only to
+    # a stage that takes it, else refused, named (make_run).
+    option_flags.add_flags(p, {name: STAGES[name] for name in distributed()}, leave_out=("precision",),
+                           command="train")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="torch.distributed backend "
                    "(default: nccl with --device cuda, else gloo)")
     p.add_argument("--collectives", choices=list(BACKENDS), default="native",
@@ -66,16 +65,13 @@ def make_run(args) -> Run:
         raise ValueError(f"--stage {args.stage!r}: choose one of {', '.join(distributed())}")
     cls = stage_class(args.stage)
     accepted = cls.option_names()
-    options = {}
-    given = [("--precision", "precision", args.precision if args.precision != "fp32" or "precision" in accepted
-              else None),
-             ("--compress", "compress", None if args.compress == "none" else args.compress),
-             ("--bucket-mb", "bucket_mb", args.bucket_mb), ("--prefetch", "prefetch", args.prefetch)]
-    for flag, key, value in given + design_options(args):
-        if value is not None:
-            if key not in accepted:
-                raise ValueError(f"--stage {args.stage} takes no {flag} (its options: {', '.join(accepted)})")
-            options[key] = value
+    options = option_flags.given(args)
+    if args.precision != "fp32" or "precision" in accepted:  # fp32, the default, is no option of local-sgd's
+        options = {"precision": args.precision, **options}
+    for key in options:
+        if key not in accepted:
+            raise ValueError(f"--stage {args.stage} takes no --{key.replace('_', '-')} "
+                             f"(its options: {', '.join(accepted)})")
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR: where the checkpoints go")
     if args.save:
@@ -133,7 +129,7 @@ def main(args) -> tuple[int, str]:
                              f"ranks; drop --world-size under torchrun (its --nnodes x --nproc-per-node decide)")
     world_size = int(os.environ.get("WORLD_SIZE", 0)) or args.world_size or 1
     check_hardware(args, backend, world_size)
-    preflight.check_design_options(world_size, args.steps, {key: value for _, key, value in design_options(args)})
+    preflight.check_design_options(world_size, args.steps, option_flags.given(args))
     if run.resume:
         check_resume(run)
     if under_torchrun():
@@ -161,24 +157,3 @@ def main(args) -> tuple[int, str]:
           f"Lower --lr ({args.lr:g}), or add --warmup steps", file=sys.stderr, flush=True)
     return 1, ""
 
-
-
-#: The contrast stages' options (parameter server, async, local SGD): flag, the stage's keyword, help.
-DESIGN_OPTIONS = [("--servers", "servers", "ps, ps-async: ranks 0..S-1 serve a slice each (1: one server)"),
-                  ("--staleness", "staleness", "ps-async: pulls at most this many updates old (0: ps)"),
-                  ("--schedule-seed", "schedule_seed", "ps-async: the seed of the staleness schedule"),
-                  ("--average-every", "average_every", "local-sgd: average the parameters every H steps"),
-                  ("--outer-lr", "outer_lr", "local-sgd: DiLoCo's outer Nesterov SGD with this lr (0.7 in the paper)"),
-                  ("--outer-momentum", "outer_momentum", "local-sgd: the outer momentum (0.9)")]
-
-
-def add_design_options(p, positive_int, natural_int, positive_float) -> None:
-    """``--servers`` and the others: given only to a stage that takes them (else refused, named)."""
-    types = {"servers": positive_int, "staleness": natural_int, "schedule_seed": preflight.seed,
-             "average_every": positive_int, "outer_lr": positive_float, "outer_momentum": float}
-    for flag, key, text in DESIGN_OPTIONS:
-        p.add_argument(flag, type=types[key], default=None, help=text)
-
-
-def design_options(args) -> list[tuple[str, str, object]]:
-    return [(flag, key, getattr(args, key)) for flag, key, _ in DESIGN_OPTIONS]

@@ -47,7 +47,7 @@ class Run:
     schedule: str = "constant"  # or cosine, after a linear warmup
     warmup: int = 0
     seed: int = 0
-    options: tuple = ()  # the stage's options: precision, compress, bucket_mb, prefetch
+    options: tuple = ()  # the stage's options by keyword: precision, and those given as flags (option_flags)
     collectives: str = "native"  # torch's collectives, or minizero's send/recv ring
     device: str = "cpu"
     save: str | None = None

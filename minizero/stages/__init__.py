@@ -19,7 +19,6 @@ from .options import Option, check_declared, option_names
 from .protocol import DataParallel
 from .ps import ParameterServer
 from .ps_async import AsyncParameterServer
-from .synchronised import Synchronised
 from .wrap import broadcast_module, check_same_model
 from .zero import ZeRO
 from .zero1 import ZeRO1
@@ -77,6 +76,6 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | 
 
 
 __all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "AsyncParameterServer", "BucketedDDP", "DDP", "DataParallel",
-           "LocalSGD", "Option", "ParameterServer", "Reduction", "Shards", "Stage", "Synchronised", "ZeRO", "ZeRO1", "ZeRO2",
+           "LocalSGD", "Option", "ParameterServer", "Reduction", "Shards", "Stage", "ZeRO", "ZeRO1", "ZeRO2",
            "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "distributed", "make_stage", "option_names",
            "registry", "with_stages"]

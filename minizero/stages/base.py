@@ -1,18 +1,40 @@
-"""What every stage shares: the wrapper interface, the facts each stage states, and the
-synchronisation after backward.
+"""What every stage is: the wrapper, its lifecycle, the facts it states.
 
 A stage is an ``nn.Module`` that wraps a model -- and, if given one, its
 optimizer -- and is then driven exactly like the plain pair: ``stage(x)``,
 ``loss.backward()``, ``stage.step()``, ``stage.zero_grad()``, by the one
 training loop in :mod:`minizero.train`, or by a loop written for torch's DDP
 with the optimizer built afterwards over ``stage.parameters()``.  The
-single-device reference is a stage too, so a learner can diff any two.
+single-device reference is :class:`Stage` itself, so a learner can diff any two.
 
-Each stage also *states its facts* as class attributes and class methods: what
-it shards, the bytes it sends per step, the model-state bytes it keeps, and how
-it lays gradients out for reduction.  The measuring harness (:mod:`minizero.lab`)
-reads them from the class and never switches on a stage's name, so a new stage
-is one file and one registry line.
+The lifecycle, named as FSDP2 names it, for the moment each hook runs:
+
+* :meth:`Stage.pre_forward` -- before the wrapped model computes (ZeRO-1/2 open an
+  accumulation window there; ZeRO-3 gathers units from its own module hooks);
+* :meth:`Stage.post_accumulate_grad` -- one parameter's ``.grad`` holds its final
+  value for this backward (torch's ``register_post_accumulate_grad_hook``);
+* :meth:`Stage.post_backward` -- the whole backward has finished, every ``.grad``
+  final: where a stage averages its gradients.  The output's gradient is the
+  first thing backward computes; from its hook we queue a callback that
+  autograd runs after the *whole* pass -- how torch's DDP reducer finalises,
+  and FSDP2's root post-backward.  Inside ``no_sync()`` nothing is queued:
+  gradients accumulate locally and the first backward after it reduces the sums;
+* :meth:`Stage.step` and :meth:`Stage.zero_grad` -- the optimizer's.
+
+Each stage writes its own hooks, in its own file, with its collectives in
+them; what they share (checks at wrap time, the broadcast, flat buffers,
+buckets, the sharded layout) is called by name.  The facts a stage states --
+what it shards, the bytes it sends, the model state it keeps, its options --
+are class attributes and class methods the measuring harness reads
+(:mod:`minizero.lab`), never switching on a stage's name.
+
+Every collective carries a :class:`~minizero.comm.Tag`: what it is for, and
+where in training (optimizer steps taken, backward passes since, synchronising
+or not), so with fingerprint checking on, ranks that disagree (``no_sync()`` on
+some ranks only) are stopped before they pair the wrong tensors.  Optimizer
+semantics are torch's: a parameter is stepped only if it has a gradient
+somewhere -- every rank gives every parameter one, or, with
+``find_unused_parameters``, the ranks agree on a bitmap (:meth:`Stage.used_anywhere`).
 """
 from __future__ import annotations
 
@@ -21,17 +43,19 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..kept_state import check_keepable, keep_state
-from ..precision import MasterWeights, Precision, cast_parameters, check_half_model, check_supported
-from ..rebuilt import follow, rebuild
+from ..comm import Comm, ReduceOp, Tag
+from ..kept_state import check_keepable
+from ..precision import MasterWeights, Precision
+from ..rebuilt import follow
+from . import mixed, state
 from .facts import Reduction, Shards
 from .options import PRECISION
-from .state import StateDicts
+from .wrap import check_wrappable, claim
 
 
-class Stage(StateDicts, nn.Module):
-    """The plain model and optimizer, with no communication: the reference's behaviour.
+class Stage(nn.Module):
+    """The plain model and optimizer, with no communication: the reference's behaviour, and the base of
+    every stage.
 
     ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`~minizero.precision.Precision`) is an
     option of every stage, the reference included: with 16 bits the model computes with a 16-bit working
@@ -46,9 +70,17 @@ class Stage(StateDicts, nn.Module):
     #: not one of the stages the summary weighs against each other.
     contrast = False
     options = (PRECISION,)
+    #: Why this stage's state is not what one device would hold (its ranks hold different models), or None:
+    #: every stage that takes single-device training's step can be saved.
+    why_not_checkpointable: str | None = None
+
+    _syncing = False  # does the backward of the latest forward synchronise?
+    _sync_queued = False
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  precision: str | Precision = "fp32"):
+        if comm is None and type(self) is not Stage:
+            raise ValueError(f"stage {self.name!r} communicates: pass a Comm (minizero.comm.make_comm)")
         check_keepable(optimizer, module, comm.rank if comm else 0)  # before anything changes: a refusal leaves all
         super().__init__()
         self.module = module
@@ -57,90 +89,44 @@ class Stage(StateDicts, nn.Module):
         self.rank = comm.rank if comm else 0
         self.world_size = comm.world_size if comm else 1
         self.require_backward_grad_sync = True  # torch DDP's name for "not inside no_sync()"
+        self.find_unused_parameters = False  # the stages that take the option set it
         self.precision = Precision.of(precision)
         self.master: MasterWeights | None = None  # mixed precision: the fp32 masters and the loss scaler
         self._frozen: dict[int, torch.Tensor] = {}  # mixed precision: frozen parameters' values before the cast
         self._optimizer_step = optimizer.step if optimizer is not None else None
         self._optimizer_zero_grad = optimizer.zero_grad if optimizer is not None else None
+        self.steps_taken = 0  # optimizer steps so far
+        self.backwards = 0  # backward passes through the stage's output since the last step
+        self._local_grads = False  # a backward ran inside no_sync(), and no synchronising one since
+        self._forwarding = False  # inside the stage's own forward
+        self._used: set[int] = set()  # parameters that got a gradient here since the last synchronisation
+        self._has_grad: set[int] = set()  # parameters with a gradient anywhere since zero_grad(): stepped
+        self.pipeline = None  # the BucketPipeline of a stage that overlaps its collectives with backward
         if self.precision.mixed:
             self._check_mixed_precision()
-            if comm is None:  # the reference; a stage that communicates keeps masters after its broadcast
-                self.keep_masters()
-
-    # ------------------------------------------------------------------ mixed precision
-    def _check_mixed_precision(self) -> None:
-        if self.optimizer is None:
-            raise ValueError(
-                f"rank {self.rank}: precision={self.precision.name!r} keeps fp32 master weights, which only the "
-                f"optimizer steps -- so the stage must own it: pass your optimizer to make_stage(name, model, "
-                f"optimizer, comm, precision=...) (as deepspeed.initialize takes it), instead of building one over "
-                f"stage.parameters() afterwards.")
-        if type(self.optimizer) is torch.optim.LBFGS:
-            raise TypeError(
-                f"rank {self.rank}: LBFGS cannot step fp32 master weights: it re-evaluates the loss through a "
-                f"closure on the parameters it holds, which under precision={self.precision.name!r} are not the "
-                f"model's. Use an element-wise optimizer (SGD, Adam, AdamW, ...) or precision='fp32'.")
-        check_half_model(self.module, self.precision, self.rank)
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        check_supported(self.precision.working_dtype, device, self.rank)
-
-    def keep_masters(self) -> None:
-        """Mixed precision where every rank keeps every parameter (the reference, ddp): fp32 masters of
-        all trainable parameters, a 16-bit working copy in the model, and the user's optimizer rebuilt over
-        the masters (its ``step`` routed to the stage's, which goes through them)."""
-        if not self.precision.mixed:
+        if comm is None:  # the reference; a stage that communicates keeps masters after its broadcast
+            self.keep_masters()
             return
-        optimizer, trainable = self.optimizer, [p for _, p in self.trainable()]
-        masters = [nn.Parameter(p.detach().clone()) for p in trainable]
-        originals = cast_parameters(self.module, self.precision.working_dtype)
-        self._frozen = {k: v for k, v in originals.items() if k not in {id(p) for p in trainable}}
-        self.master = MasterWeights(trainable, masters, self.precision, self.comm,
-                                    self.tag if self.comm else None)
-        self._settle_wire()
-        self.master_optimizer = rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
-                                        [[self.master.master_of(p) for p in group["params"] if p.requires_grad]
-                                         for group in optimizer.param_groups])
-        # State the optimizer already holds moves to the masters' optimizer, whole (minizero.kept_state).
-        keep_state(optimizer, self.master_optimizer,
-                   lambda p: [(0, p.numel(), self.master.master_of(p))] if p.requires_grad else [])
-        self._route(optimizer)
+        claim(module, self)
+        check_wrappable(module, self.rank)
+        module.register_forward_pre_hook(self._refuse_direct_call)
+        if optimizer is not None:
+            self._route(optimizer)
 
-    def _settle_wire(self) -> None:
-        """Compression's error feedback keeps a step's residuals only if every rank took the step (the MAX
-        verdict, not this rank's shard: a skipped step's may hold inf - inf), rescaled as the loss scale moves."""
-        wire = getattr(self, "wire", None)
-        if wire is not None:
-            self.master.settled.append(wire.settle)
+    # ------------------------------------------------------------------ mixed precision (minizero.stages.mixed)
+    _check_mixed_precision = mixed.check_mixed_precision
+    keep_masters = mixed.keep_masters
+    _settle_wire = mixed.settle_wire
+    loss_scale = property(mixed.loss_scale)
+    skipped_steps = property(mixed.skipped_steps)
+    scale_loss = mixed.scale_loss
+    _cast_call = mixed.cast_call
 
     def _route(self, optimizer: torch.optim.Optimizer) -> None:
         """Whichever the user calls -- the stage's step()/zero_grad() or their optimizer's -- the stage's runs:
         the optimizer's own would step on unsynchronised (under ZeRO, unsharded; under mixed precision,
         16-bit) gradients."""
         optimizer.step, optimizer.zero_grad = self.step, self.zero_grad
-
-    @property
-    def loss_scale(self) -> float:
-        """The loss scale of the next backward (1 without dynamic loss scaling)."""
-        return self.master.loss_scale if self.master else 1.0
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because some rank's gradients overflowed (fp16)."""
-        return self.master.skipped_steps if self.master else 0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale: what to call ``backward()`` on (DeepSpeed's ``engine.backward``
-        does this inside; torch's ``GradScaler.scale`` is the same call)."""
-        return self.master.scale_loss(loss) if self.master else loss
-
-    def _cast_call(self, *args, **kwargs):
-        """The model's forward in its working precision: floating inputs cast to 16 bits (FSDP2's
-        ``cast_forward_inputs``), floating outputs back to the masters' dtype, so the loss is computed in fp32."""
-        if self.master is None:
-            return self.module(*args, **kwargs)
-        working, full = self.precision.working_dtype, self.master.masters_dtype
-        args, kwargs = _cast_floating((args, kwargs), working)
-        return _cast_floating(self.module(*args, **kwargs), full)
 
     # ------------------------------------------------------------------ facts
     @classmethod
@@ -197,9 +183,84 @@ class Stage(StateDicts, nn.Module):
         """How gradients are laid out for reduction; the reference reduces nothing."""
         return Reduction([])
 
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ the lifecycle
     def forward(self, *args, **kwargs):
-        return self._cast_call(*args, **kwargs)
+        if torch.is_grad_enabled():  # a no_grad forward (a quick eval) has no backward to plan for
+            self._syncing = self.require_backward_grad_sync  # decided at forward, as torch does
+            if self._sync_queued:  # a backward that raised never ran its queued synchronisation
+                self._sync_queued = False
+                self._abandon_backward()
+        self.pre_forward()
+        output = self.call_module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._hook_backward(output, self._syncing)
+        return output
+
+    def pre_forward(self) -> None:
+        """Before the wrapped model computes, with or without autograd.  Nothing, for most stages."""
+
+    def post_accumulate_grad(self, param: nn.Parameter) -> None:
+        """``param.grad`` holds this backward's final value (registered by the stages that act on it)."""
+
+    def post_backward(self) -> None:
+        """The whole backward has finished, and it synchronises: nothing to average on one device."""
+
+    def call_module(self, *args, **kwargs):
+        """The wrapped model's forward, as the stage's own (see :meth:`_refuse_direct_call`)."""
+        self._forwarding = True
+        try:
+            return self._cast_call(*args, **kwargs)
+        finally:
+            self._forwarding = False
+
+    def _refuse_direct_call(self, module, args) -> None:
+        """``model(x)`` instead of ``stage(x)`` would compute gradients no one synchronises: the
+        replicas would drift apart silently.  (Under ``torch.no_grad()`` -- evaluation -- it is fine.)"""
+        if torch.is_grad_enabled() and not self._forwarding:
+            raise RuntimeError(
+                f"rank {self.rank}: the wrapped model was called directly with autograd on. Call the stage -- "
+                f"stage(x), not model(x) -- so that its backward synchronises gradients; for evaluation, "
+                f"wrap the call in torch.no_grad().")
+
+    def _hook_backward(self, output, syncing: bool) -> None:
+        def on_backward(grad):
+            self.backwards += 1
+            if not syncing:
+                self._local_grads = True
+            elif not self._sync_queued:  # two forwards, one backward: synchronise once
+                self._sync_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._run_post_backward)
+
+        tensors = output if isinstance(output, (tuple, list)) else [output]
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(on_backward)
+                return
+
+    def _run_post_backward(self) -> None:
+        self._sync_queued = False
+        self.post_backward()
+        self._local_grads = False
+
+    def _abandon_backward(self) -> None:
+        """A backward raised part-way (its synchronisation never ran): let go of what it started."""
+        self._used.clear()
+        if self.pipeline is not None:
+            self.pipeline.abandon()
+
+    def tag(self, what: str) -> Tag:
+        return Tag(what, self.steps_taken, self.backwards, int(self._syncing))
+
+    def used_anywhere(self, params: list[nn.Parameter]) -> set[int]:
+        """Which of ``params`` now have a gradient anywhere -- called after every collective of this
+        backward was issued, so the bitmap queues behind them in the same place on every rank."""
+        used = [id(p) in self._used for p in params]
+        self._used.clear()
+        if self.find_unused_parameters:
+            used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
+        anywhere = {id(p) for p, u in zip(params, used, strict=True) if u}
+        self._has_grad.update(anywhere)
+        return anywhere
 
     @contextmanager
     def no_sync(self):
@@ -211,11 +272,26 @@ class Stage(StateDicts, nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    # ------------------------------------------------------------------ the optimizer
     def step(self) -> None:
-        self._require_optimizer("step")
-        self._update()
+        with self.stepping():
+            self.optimizer_step()
 
-    def _update(self) -> None:
+    @contextmanager
+    def stepping(self):
+        """Around every stage's step: refuse to step on gradients that never left this rank; then count the
+        step (the tags of the collectives that follow say which step they belong to)."""
+        if self._local_grads and self.comm is not None:  # stays set: a second step() is refused too
+            raise RuntimeError(
+                f"rank {self.rank}: step() after backward passes inside no_sync() only: those gradients were "
+                f"never averaged across ranks, so the replicas would drift apart silently. Run the last "
+                f"micro-batch of each step outside no_sync() (train_step does), or call zero_grad() first.")
+        self._require_optimizer("step")
+        yield
+        self.steps_taken += 1
+        self.backwards = 0
+
+    def optimizer_step(self) -> None:
         """The user's optimizer step -- under mixed precision through the masters, skipped on overflow."""
         if self.master is None:
             self._optimizer_step()
@@ -225,12 +301,21 @@ class Stage(StateDicts, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's zero_grad if the stage was given one, else the model's (as on nn.Module)."""
-        if self.master is not None:
-            self.master.reset()
+        self.forget_gradients(set_to_none)
         if self._optimizer_zero_grad is not None:
             self._optimizer_zero_grad(set_to_none=set_to_none)
         else:
             self.module.zero_grad(set_to_none=set_to_none)
+
+    def forget_gradients(self, set_to_none: bool) -> None:
+        """What every zero_grad() does first: no local-only gradients any more, and, as in torch, a gradient set
+        to None is not stepped (``set_to_none=False`` zeroes what exists, still stepped); mixed precision's
+        unscaled gradients go too."""
+        self._local_grads = False
+        if set_to_none:
+            self._has_grad.clear()
+        if self.master is not None:
+            self.master.reset()
 
     def _require_optimizer(self, what: str) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -266,16 +351,36 @@ class Stage(StateDicts, nn.Module):
         takes and gives back while it computes (ZeRO-3's gathered parameters, by unit).  Most stages have none."""
 
 
-def _cast_floating(tree, dtype: torch.dtype):
-    """Every floating-point tensor in a nest of tuples, lists and dicts, cast to ``dtype``."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(dtype) if tree.is_floating_point() else tree
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_cast_floating(t, dtype) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _cast_floating(v, dtype) for k, v in tree.items()}
-    return tree
+    # ------------------------------------------------------------------ state dicts (minizero.stages.state)
+    check_checkpointable = classmethod(state.check_checkpointable)
+    full_state_dict = state.full_state_dict
+    full_optimizer_state_dict = state.full_optimizer_state_dict
+    sharded_names = state.sharded_names
+    full_state_shapes = state.full_state_shapes
+    owned_parts = state.owned_parts
+    load_full_state_dict = state.load_full_state_dict
+    load_full_optimizer_state_dict = state.load_full_optimizer_state_dict
+    _master_values = state.master_values
+    _with_masters = state.with_masters
+    _full_shape = state.full_shape
+    _load_module_tensors = state.load_module_tensors
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     return [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)] if optimizer else []
+
+
+def agree_on_use(comm: Comm, used: list[bool], tag: Tag) -> list[bool]:
+    """Which parameters got a gradient on *any* rank: a bitmap all-reduced (MAX), as torch DDP does with
+    ``find_unused_parameters``.  A parameter used on some ranks only is averaged with zeros from the
+    others -- the gradient single-device training computes; one used nowhere is not stepped."""
+    bitmap = torch.tensor([1.0 if u else 0.0 for u in used])
+    comm.all_reduce(bitmap, ReduceOp.MAX, tag=tag)
+    return [bool(u) for u in bitmap.tolist()]  # on the host by nature: which parameters to step is a host decision
+
+
+def unused_error(rank: int, names: list[str], why: str) -> RuntimeError:
+    return RuntimeError(
+        f"rank {rank}: parameter(s) {names} got no gradient in this backward; {why}. If parameters may go unused "
+        f"(on some ranks or in some steps), wrap with find_unused_parameters=True: ranks then agree every step on "
+        f"which parameters got a gradient anywhere. If they are never trained, freeze them with requires_grad_(False).")

@@ -23,7 +23,8 @@ parameter used on some ranks only is averaged with zeros and one used nowhere
 is not stepped, exactly as on a single device.
 
 ``compress="fp16"`` (or ``"bf16"``) sends the gradients over a 16-bit wire
-instead (:mod:`minizero.compress`): half the bytes, the same mean up to rounding.
+instead (:mod:`minizero.compress`): half the bytes, the same mean up to rounding
+-- the wire is an argument of the all-reduce, the average stays one line.
 """
 from __future__ import annotations
 
@@ -35,36 +36,38 @@ from ..compress import make_wire
 from ..flat import group_by_dtype, pack, unpack
 from ..formulas import all_reduce_bytes
 from ..precision import Precision
+from .base import Stage, agree_on_use, unused_error
 from .facts import Reduction
 from .options import WIRE_AND_USE
-from .synchronised import Synchronised, agree_on_use, unused_error
 from .wrap import broadcast_module, check_same_model
 
 
-class DDP(Synchronised):
+class DDP(Stage):
     name = "ddp"
     options = WIRE_AND_USE
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
                  precision: str | Precision = "fp32"):
-        super().__init__(module, optimizer, comm, find_unused_parameters, precision)
+        super().__init__(module, optimizer, comm, precision)
+        self.find_unused_parameters = find_unused_parameters
         self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision)
         check_same_model(module, comm)
         broadcast_module(module, comm)
         self.keep_masters()  # mixed precision: fp32 masters of every parameter, the model in 16 bits
 
-    def sync_gradients(self) -> None:
-        """Average every gradient across ranks: one flat all-reduce per dtype, then divide by N."""
+    def post_backward(self) -> None:
+        """Backward has finished: average every gradient across ranks, one flat all-reduce per dtype."""
         for dtype, grads in group_by_dtype([p.grad for p in self._with_gradient()]).items():
             flat = pack(grads)
-            tag = self.tag(f"gradients ({str(dtype).replace('torch.', '')})")
-            if self.wire:  # 16 bits on the wire: the division is split around the sum (minizero.compress)
-                self.wire.all_reduce_mean(flat, dtype, tag=tag)
-            else:
-                self.comm.all_reduce(flat, ReduceOp.SUM, tag=tag)
-                flat.div_(self.world_size)
+            self.comm.all_reduce(flat, ReduceOp.AVG, tag=self.tag(f"gradients ({str(dtype).replace('torch.', '')})"),
+                                 wire=self.wire, key=dtype)
             unpack(flat, grads)
+
+    def step(self) -> None:
+        """Every rank steps the same averaged gradients: the replicas stay equal."""
+        with self.stepping():
+            self.optimizer_step()
 
     def _with_gradient(self) -> list[nn.Parameter]:
         """The parameters the flat buffer holds -- the same list on every rank.
@@ -80,10 +83,10 @@ class DDP(Synchronised):
                 raise unused_error(self.rank, missing, "the ranks would disagree on what the flat buffer holds")
             return [p for _, p in named]
         used = agree_on_use(self.comm, [p.grad is not None for _, p in named], self.tag("used-parameter bitmap"))
-        for (_, p), anywhere in zip(named, used):
+        for (_, p), anywhere in zip(named, used, strict=True):
             if anywhere and p.grad is None:
                 p.grad = torch.zeros_like(p)  # this rank's share of a gradient that exists elsewhere
-        return [p for (_, p), anywhere in zip(named, used) if anywhere]
+        return [p for (_, p), anywhere in zip(named, used, strict=True) if anywhere]
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()

@@ -39,14 +39,13 @@ import torch
 from torch import nn
 
 from ..buckets import Bucket, BucketPipeline, assign_buckets
-from ..comm import Comm
-from ..compress import all_reduce_mean
+from ..comm import Comm, ReduceOp
 from ..flat import keep_grad_in
 from ..precision import Precision
+from .base import unused_error
 from .ddp import DDP
 from .facts import Reduction
 from .options import BUCKET_MB, WIRE_AND_USE
-from .synchronised import unused_error
 
 
 class BucketedDDP(DDP):
@@ -62,10 +61,11 @@ class BucketedDDP(DDP):
         self.pipeline = BucketPipeline(comm, [b.params for b in self.buckets], self._all_reduce)
         self._point_grads_into_buckets()
         for _, p in self.trainable():
-            p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+            p.register_post_accumulate_grad_hook(self.post_accumulate_grad)
 
     # -------------------------------------------------------------- backward
-    def _on_gradient_ready(self, param: nn.Parameter) -> None:
+    def post_accumulate_grad(self, param: nn.Parameter) -> None:
+        """``param.grad`` is final for this backward: back into its bucket's view, and marked ready."""
         bucket, i = self._slot[id(param)]
         keep_grad_in(param, bucket.views[i])
         self._used.add(id(param))
@@ -75,10 +75,10 @@ class BucketedDDP(DDP):
     def _all_reduce(self, index: int):
         """Bucket ``index`` is complete: its all-reduce, to run on the communication thread."""
         bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
-        return lambda: all_reduce_mean(self.comm, self.wire, bucket.buffer, index, bucket.names, tag)
+        return lambda: self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
 
-    def sync_gradients(self) -> None:
-        """Runs when backward has finished: complete what is missing, wait for every bucket."""
+    def post_backward(self) -> None:
+        """Backward has finished: launch the buckets that never completed, wait for every bucket."""
         with self.pipeline.round():
             try:
                 missing = self.pipeline.missing()  # no gradient in this backward; maybe an earlier micro-batch's
@@ -90,7 +90,7 @@ class BucketedDDP(DDP):
                 for b, i in missing:  # reattach slots a user's optimizer.zero_grad(set_to_none=True) detached
                     keep_grad_in(self.buckets[b].params[i], self.buckets[b].views[i])
                 self.pipeline.launch_rest()  # unused slots hold zeros (or earlier micro-batches' sums): correct
-                used = self._agree_on_use([p for b in self.buckets for p in b.params])
+                used = self.used_anywhere([p for b in self.buckets for p in b.params])
                 self.pipeline.wait_all()
                 for p in cleared:  # cleared by the user and used nowhere since: no gradient, as on one device
                     if id(p) not in used:
@@ -99,9 +99,10 @@ class BucketedDDP(DDP):
                 self._used.clear()
 
     # ------------------------------------------------------------- optimizer
-    def _step(self) -> None:
-        self._drop_unused_grads()
-        self._update()
+    def step(self) -> None:
+        with self.stepping():
+            self._drop_unused_grads()
+            self.optimizer_step()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self._drop_unused_grads()  # before mixed precision's unscale: the masters get exactly the step's gradients
@@ -115,7 +116,9 @@ class BucketedDDP(DDP):
                 if id(p) not in self._has_grad:
                     p.grad = None
 
-    def _zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``.grad`` stays a view into its bucket: the buckets are zeroed and the views put back."""
+        self.forget_gradients(set_to_none)
         if self.optimizer is None:
             self.module.zero_grad(set_to_none=set_to_none)
         self._point_grads_into_buckets()
@@ -124,7 +127,7 @@ class BucketedDDP(DDP):
         """Zero the buckets and point every ``.grad`` back into them."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
-            for p, view in zip(bucket.params, bucket.views):
+            for p, view in zip(bucket.params, bucket.views, strict=True):
                 p.grad = view
 
     # ------------------------------------------------------------------ facts

@@ -38,12 +38,12 @@ from ..comm import Comm, ReduceOp
 from ..cost_model import ring_latency_s, ring_s
 from ..flat import group_by_dtype, pack, unpack
 from ..formulas import all_reduce_bytes
+from .base import Stage
 from .options import Option, finite_float, positive_float, positive_int
-from .synchronised import Synchronised
 from .wrap import broadcast_module, check_same_model
 
 
-class LocalSGD(Synchronised):
+class LocalSGD(Stage):
     name = "local-sgd"
     contrast = True
     equivalent = False  # local steps: by design not single-device training, except H = 1 with plain SGD
@@ -93,7 +93,7 @@ class LocalSGD(Synchronised):
             raise ValueError(f"rank {rank}: stage {cls.name!r}: the outer optimizer needs a finite outer_lr > 0 and "
                              f"0 <= outer_momentum < 1, got {outer_lr!r} and {outer_momentum!r}")
 
-    def sync_gradients(self) -> None:
+    def post_backward(self) -> None:
         """Nothing to synchronise after backward: each rank steps on its own gradient."""
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -101,14 +101,15 @@ class LocalSGD(Synchronised):
         super().load_full_state_dict(state)
         if self.outer is not None:
             with torch.no_grad():
-                for anchor, (_, p) in zip(self.anchor, self.trainable()):
+                for anchor, (_, p) in zip(self.anchor, self.trainable(), strict=True):
                     anchor.copy_(p)
             self.outer.state.clear()
 
-    def _step(self) -> None:
-        self._update()  # this rank's own step, on its own gradient
-        if (self.steps_taken + 1) % self.average_every == 0:
-            self.average()
+    def step(self) -> None:
+        with self.stepping():
+            self.optimizer_step()  # this rank's own step, on its own gradient
+            if (self.steps_taken + 1) % self.average_every == 0:
+                self.average()
 
     @torch.no_grad()
     def average(self) -> None:
@@ -120,10 +121,10 @@ class LocalSGD(Synchronised):
             self.comm.all_reduce(flat, ReduceOp.AVG, tag=tag)
             unpack(flat, group)
         if self.outer is not None:
-            for anchor, p in zip(self.anchor, params):
+            for anchor, p in zip(self.anchor, params, strict=True):
                 anchor.grad = anchor.detach() - p  # the outer gradient: how far the average moved, reversed
             self.outer.step()
-            for anchor, p in zip(self.anchor, params):
+            for anchor, p in zip(self.anchor, params, strict=True):
                 p.copy_(anchor)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:

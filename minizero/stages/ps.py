@@ -32,21 +32,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..compress import reduce_scatter_mean
+from ..comm import Comm, ReduceOp
 from ..cost_model import pull_s, push_s
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
+from ..grad_buffers import FullGradients
 from ..layout import build_groups
 from ..precision import Precision
 from .facts import Reduction, Shards
 from .options import WIRE_AND_USE, Option, positive_int
+from .zero import ZeRO
 from .zero1 import ZeRO1
 
 SERVERS = Option("servers", 1, "ranks 0..S-1 serve a slice each (1: one server)", positive_int,
                  draw=lambda d: range(1, d.world_size + 1))
 
 
-class ParameterServer(ZeRO1):
+class ParameterServer(ZeRO):
     name = "ps"
     shards = Shards()  # divides nothing among the N data-parallel ranks: the S servers hold the optimizer
     contrast = True  # the design the ring all-reduce replaced
@@ -64,20 +65,66 @@ class ParameterServer(ZeRO1):
             raise ValueError(f"rank {comm.rank if comm is not None else 0}: stage {self.name!r} keeps the optimizer "
                              f"on its servers, so it must be given at wrap time: pass yours to make_stage(name, "
                              f"model, optimizer, comm) instead of building one over stage.parameters() afterwards")
-        self.servers = servers  # before ZeRO-1 lays the groups out: over the servers, not the N ranks
+        self.servers = servers
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
+        self.shard(self.layout())
+        self.full_grads = FullGradients(self.groups)  # ZeRO-1's: full gradients, each .grad a view
+        self.zero_grad()
+        for group in self.groups:
+            for s in group.segments:
+                s.param.register_post_accumulate_grad_hook(self.post_accumulate_grad)
 
     def layout(self) -> list:
         """The flat groups, sharded over the S servers: a rank from S on owns no slice (a pure worker)."""
         return build_groups(self.param_groups(), self.rank, self.servers, self.names())
 
-    def reduce(self, buffer: torch.Tensor, owned: torch.Tensor, index: int, names: list[str], tag) -> None:
-        """Push: server j gets the mean of slice j (over the wire's dtype, if compressed)."""
-        reduce_scatter_mean(self.comm, self.wire, buffer, owned, index, names, tag=tag, servers=self.servers)
+    # ------------------------------------------------------------ backward: ZeRO-1's, with a push
+    def pre_forward(self) -> None:
+        if torch.is_grad_enabled() and not self.full_grads.window_open:
+            self.full_grads.open_window()
+
+    def post_accumulate_grad(self, param: nn.Parameter) -> None:
+        self._used.add(id(param))
+        self.full_grads.keep(param)
+
+    def post_backward(self) -> None:
+        """Push: server j gets the mean of slice j of every rank's gradients (over the wire, if compressed)."""
+        try:
+            self.refuse_unused_here(self.groups)
+            used = self.used_anywhere([s.param for g in self.groups for s in g.segments])
+        finally:
+            self._used.clear()
+        for index, (group, buffer) in enumerate(zip(self.groups, self.full_grads.buffers, strict=True)):
+            self.comm.push(group.shard_of(buffer), buffer, self.servers, ReduceOp.AVG,
+                           tag=self.tag(f"group {index} gradients"), wire=self.wire, key=index)
+            self.full_grads.take_averaged(index, used)
+        self.full_grads.window_open = False
+
+    # ------------------------------------------------------------ the servers' step, and a pull
+    def step(self) -> None:
+        with self.stepping():
+            if self.optimizer.step_owned():  # a worker owns no piece: its step changes nothing
+                self.all_gather_parameters()
+
+    def all_gather_parameters(self) -> None:
+        """Pull: every rank's full parameters from the servers' slices."""
+        for g, group in enumerate(self.groups):
+            if any(id(s.param) in self._has_grad for s in group.segments):
+                self.gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
+        self.remember_shared()
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:
-        """Pull: every rank's full buffer from the servers' slices."""
+        """Pull: every rank's ``full`` from the servers' slices."""
         self.comm.pull(full, shard, self.servers, tag=tag)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.full_grads.zero()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held = super().held_tensors()
+        held["grads"] += self.full_grads.buffers
+        return held
 
     # ------------------------------------------------------------------ facts
     @classmethod

@@ -81,15 +81,16 @@ class AsyncParameterServer(ParameterServer):
     def layout(self) -> list:
         return build_groups(self.param_groups(), self.rank, self.servers, self.names(), group_class=ServedGroup)
 
-    def _step(self) -> None:
-        before = [group.shard.detach().clone() for group in self.groups] if self.staleness else None
-        if self.optimizer.step_owned():  # (a step skipped for fp16 overflow makes no new version)
-            if before is not None:
-                self._history.append(before)
-            self.version += 1
-            self.share_parameters()
+    def step(self) -> None:
+        with self.stepping():
+            before = [group.shard.detach().clone() for group in self.groups] if self.staleness else None
+            if self.optimizer.step_owned():  # (a step skipped for fp16 overflow makes no new version)
+                if before is not None:
+                    self._history.append(before)
+                self.version += 1
+                self.all_gather_parameters()
 
-    def share_parameters(self) -> None:
+    def all_gather_parameters(self) -> None:
         """Pull, each rank receiving the version the schedule says: ``delay`` updates old (or the oldest
         kept, in the first steps)."""
         ages = [min(delay(self.schedule_seed, self.version, r, self.staleness), len(self._history))
@@ -99,7 +100,7 @@ class AsyncParameterServer(ParameterServer):
                 versions = [group.shard.detach()] + [old[g] for old in reversed(self._history)]
                 self.comm.pull(group.data, group.shard.detach().clone(), self.servers,
                                stale=[versions[age] for age in ages], tag=self.tag(f"group {g} parameters after step"))
-        self._shared_versions = [self._version_of(group) for group in self.groups]
+        self.remember_shared()
 
     @staticmethod
     def _version_of(group) -> int:
@@ -116,7 +117,7 @@ class AsyncParameterServer(ParameterServer):
             return super().full_state_dict()
         finally:
             with torch.no_grad():
-                for group, copy in zip(self.groups, worker_copies):
+                for group, copy in zip(self.groups, worker_copies, strict=True):
                     group.data.copy_(copy)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:

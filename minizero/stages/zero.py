@@ -3,7 +3,9 @@ the user's optimizer stepping only this rank's shard.
 
 Each ZeRO stage derives from :class:`ZeRO` alone and reads top to bottom:
 wrap (check, broadcast), lay out its flat groups (:mod:`minizero.layout`),
-:meth:`ZeRO.shard` them, reduce gradients in its own way, step.  What is here:
+:meth:`ZeRO.shard` them, then its own hooks with its own collectives --
+reduce-scatter gradients (when, and in what buckets, is what tells the stages
+apart), step the owned shard, all-gather parameters.  What they share is here:
 
 * the **pieces**: every parameter is visible as this rank's piece of it, a
   1-D view into the owned shard (possibly empty), whose ``.grad`` is the
@@ -29,17 +31,16 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..compress import make_wire, reduce_scatter_mean
+from ..compress import make_wire
 from ..layout import FlatGroup
 from ..parts import Part, flat_range
 from ..precision import MasterWeights, Precision, cast_parameters
 from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
-from .base import optimizer_tensors
-from .synchronised import Synchronised, unused_error
+from .base import Stage, optimizer_tensors, unused_error
 from .wrap import broadcast_module, check_same_model
 
 
-class ZeRO(Synchronised):
+class ZeRO(Stage):
     shards = None  # each ZeRO stage states its own
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Comm,
@@ -47,7 +48,8 @@ class ZeRO(Synchronised):
                  precision: str | Precision = "fp32"):
         if optimizer is not None:  # before anything is changed: a refused wrap leaves the optimizer as it was
             check_shardable(type(optimizer), comm.rank if comm else 0)
-        super().__init__(module, optimizer, comm, find_unused_parameters, precision)
+        super().__init__(module, optimizer, comm, precision)
+        self.find_unused_parameters = find_unused_parameters
         if optimizer is not None:
             check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
         self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision)
@@ -74,7 +76,7 @@ class ZeRO(Synchronised):
         if self.precision.mixed:
             self._keep_sharded_masters()
         if not self.shards.parameters:  # full parameters kept: the all-gather after a step keeps them current
-            self._shared_versions = [self._version_of(group) for group in groups]
+            self.remember_shared()
         if self.user_optimizer is not None:
             self.optimizer = ShardedOptimizer.from_optimizer(self.user_optimizer, groups, self.comm, self.master)
             self.optimizer.step, self.optimizer.zero_grad = self.step, self.zero_grad
@@ -87,7 +89,7 @@ class ZeRO(Synchronised):
         self._frozen = cast_parameters(self.module, dtype, skip={id(s.param) for g in self.groups for s in g.segments})
         working = [piece.param for group in self.groups for piece in group.pieces]
         pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
-                  for group, master in zip(self.groups, masters) for piece in group.pieces]
+                  for group, master in zip(self.groups, masters, strict=True) for piece in group.pieces]
         self.master = MasterWeights(working, pieces, self.precision, self.comm, self.tag,
                                     masters[0].dtype if masters else None)
         self._settle_wire()
@@ -98,7 +100,7 @@ class ZeRO(Synchronised):
         for g, group in enumerate(self.groups):
             full = group.master.new_empty(group.shard_size * group.world_size)
             self.gather(full, group.master, tag=self.tag(f"group {g} masters"))
-            for segment, value in zip(group.segments, group.unpack_full(full)):
+            for segment, value in zip(group.segments, group.unpack_full(full), strict=True):
                 values[id(segment.param)] = value
         return values
 
@@ -111,7 +113,7 @@ class ZeRO(Synchronised):
         for piece in self.pieces():
             yield prefix + piece.segment.name, piece.param
 
-    def _accumulate(self, group: FlatGroup, averaged: torch.Tensor, used: set[int]) -> None:
+    def accumulate(self, group: FlatGroup, averaged: torch.Tensor, used: set[int]) -> None:
         """Give each piece of ``group`` its part of the averaged shard, as autograd gives ``.grad``: added to
         what is there, or as the new ``.grad``.  A parameter unused everywhere gets nothing (stays None)."""
         for piece in group.pieces:
@@ -119,24 +121,8 @@ class ZeRO(Synchronised):
                 part = averaged[piece.offset:piece.offset + piece.stop - piece.start]
                 piece.param.grad = part if piece.param.grad is None else piece.param.grad.add_(part)
 
-    def _pack_and_free(self, group: FlatGroup, index: int, tag):
-        """Pack ``group``'s gradients into a transient flat copy and free them -- no full gradient outlives
-        its bucket -- and return its reduce-scatter, to run on the communication thread: the averaged
-        shard, for :meth:`_accumulate`."""
-        full = group.pack_grads()
-        for s in group.segments:
-            s.param.grad = None
-        names = [s.name for s in group.segments]
-
-        def reduce_scatter() -> torch.Tensor:
-            averaged = torch.empty_like(group.shard)
-            reduce_scatter_mean(self.comm, self.wire, full, averaged, index, names, tag)
-            return averaged
-
-        return reduce_scatter
-
     # ------------------------------------------------------------ which parameters have a gradient
-    def _refuse_unused_here(self, groups: list[FlatGroup]) -> None:
+    def refuse_unused_here(self, groups: list[FlatGroup]) -> None:
         """Without find_unused_parameters, every parameter must have a gradient on every rank (no communication)."""
         if not self.find_unused_parameters:
             missing = [s.name for g in groups for s in g.segments if id(s.param) not in self._used]
@@ -144,35 +130,31 @@ class ZeRO(Synchronised):
                 raise unused_error(self.rank, missing, "ZeRO steps the parameters that have one on every rank")
 
     # ------------------------------------------------------------ after the step
-    def _stepped_since_shared(self) -> bool:
+    def remember_shared(self) -> None:
+        """The full parameters are current now (all-gathered, or loaded): note each group's version."""
+        self._shared_versions = [self._version_of(group) for group in self.groups]
+
+    def stepped_outside(self) -> bool:
         """Did anything write the owned shards since the last all-gather -- an optimizer built over
         ``stage.parameters()``, which the stage does not drive?  The parameters' version counter says:
-        every in-place update of a piece bumps it (evaluation forwards and backward do not)."""
+        every in-place update of a piece bumps it (evaluation forwards and backward do not).  ZeRO-1 and
+        ZeRO-2 all-gather then, at the next forward; ZeRO-3 keeps no full parameters to bring up to date."""
         return bool(self._shared_versions) and any(
-            self._version_of(group) != version for group, version in zip(self.groups, self._shared_versions))
+            self._version_of(group) != version for group, version in zip(self.groups, self._shared_versions, strict=True))
 
     @staticmethod
     def _version_of(group) -> int:
         """What an in-place step of the owned shard bumps: the full buffer's version (the shard views it)."""
         return group.data._version
 
-    def forward(self, *args, **kwargs):
-        if self._stepped_since_shared():  # the first forward after such a step shares it first
-            self.share_parameters()
-        return super().forward(*args, **kwargs)
-
-    def share_parameters(self) -> None:
-        """All-gather every group's updated shard: stages that keep full parameters (ZeRO-1, -2)."""
-        for g, group in enumerate(self.groups):
-            if any(id(s.param) in self._has_grad for s in group.segments):
-                self.gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
-        self._shared_versions = [self._version_of(group) for group in self.groups]
-
     def gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:
-        """Every rank's ``full`` from the owners' shards: an all-gather (a parameter server pulls instead)."""
+        """Every rank's ``full`` from the owners' shards, outside the training step (a consolidated state
+        dict): an all-gather -- a parameter server pulls instead."""
         self.comm.all_gather(full, shard, tag=tag)
 
-    def _zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The pieces' gradients -- what the sharded optimizer steps -- cleared (or zeroed)."""
+        self.forget_gradients(set_to_none)
         for piece in self.pieces():
             if set_to_none:
                 piece.param.grad = None
@@ -211,8 +193,8 @@ class ZeRO(Synchronised):
         return self._require_optimizer("shard_optimizer_state_dict").state_dict()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        if self._stepped_since_shared():
-            self.share_parameters()
+        if self.stepped_outside():  # ZeRO-1/2: the full parameters first catch up with the shards
+            self.all_gather_parameters()
         return super().full_state_dict()
 
     # ------------------------------------------------------------ checkpoints
@@ -244,7 +226,7 @@ class ZeRO(Synchronised):
         for group in self.groups:
             group.load_full(group.flatten([state[s.name] for s in group.segments], group.optimizer_dtype))
         if not self.shards.parameters:  # loading is not a step: nothing to all-gather before the next forward
-            self._shared_versions = [self._version_of(group) for group in self.groups]
+            self.remember_shared()
 
     def load_full_optimizer_state_dict(self, saved: dict) -> None:
         self._require_optimizer("load_full_optimizer_state_dict").load_full_state_dict(saved)

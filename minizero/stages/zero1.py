@@ -21,24 +21,18 @@ Memory per rank (fp32 Adam): parameters 4Psi + gradients 4Psi + states 8Psi/N;
 in mixed precision (the paper's setting) 2Psi + 2Psi + (4 + 8)Psi/N: the fp32
 masters are optimizer state, sharded with the moments.
 
-After the reduce-scatter the owned slice *is* the pieces' ``.grad`` and the
-other slices are zeroed -- they were the other ranks' to average.  A backward
-without ``zero_grad()`` in between adds to the averaged gradient, as ``.grad``
-does in torch: when the next accumulation window opens (at its first forward),
-a piece that still holds a gradient moves it into a copy of its own, added back
-after the next reduce-scatter -- left in the buffer, only its owner would
-contribute it to the mean.  A piece whose ``.grad`` someone set to None starts
-from zero.
+After the reduce-scatter the owned shard *is* the pieces' ``.grad`` and the
+other shards are zeroed; how accumulation across steps without ``zero_grad()``
+keeps torch's semantics is :mod:`minizero.grad_buffers`'s.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..compress import reduce_scatter_mean
-from ..flat import keep_grad_in
+from ..comm import Comm, ReduceOp
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
+from ..grad_buffers import FullGradients
 from ..layout import build_groups, plan_groups
 from ..precision import Precision
 from .facts import Reduction, Shards
@@ -55,88 +49,61 @@ class ZeRO1(ZeRO):
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
                  precision: str | Precision = "fp32"):
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
-        self.shard(self.layout())
-        # ZeRO-1 keeps full gradients, one flat buffer per group; each .grad is a view into it.
-        self.grad_buffers = [torch.zeros_like(g.data) for g in self.groups]
-        self._slot = {id(s.param): (g, s) for g, group in enumerate(self.groups) for s in group.segments}
-        self._window_open = False
-        self._zero_grad()
+        self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names()))
+        self.full_grads = FullGradients(self.groups)  # one flat buffer per group; each .grad a view into it
+        self.zero_grad()
         for group in self.groups:
             for s in group.segments:
-                s.param.register_post_accumulate_grad_hook(self._on_gradient_ready)
-
-    def layout(self) -> list:
-        """The flat groups, sharded over the N ranks (a parameter server shards them over its S servers)."""
-        return build_groups(self.param_groups(), self.rank, self.world_size, self.names())
+                s.param.register_post_accumulate_grad_hook(self.post_accumulate_grad)
 
     # ------------------------------------------------------------ backward
-    def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled() and not self._window_open:
-            self._open_window()
-        return super().forward(*args, **kwargs)
+    def pre_forward(self) -> None:
+        if self.stepped_outside():  # an optimizer built over stage.parameters() stepped: share it first
+            self.all_gather_parameters()
+        if torch.is_grad_enabled() and not self.full_grads.window_open:
+            self.full_grads.open_window()
 
-    def _open_window(self) -> None:
-        """A new accumulation window.  Pieces that still hold a gradient move it out of the buffer into a
-        copy of their own until the reduce-scatter -- left in place, only its owner would add it into the
-        mean -- and whatever is done to their ``.grad`` meanwhile (zeroed, set to None) is what gets added back."""
-        self._window_open = True
-        for group, buffer in zip(self.groups, self.grad_buffers):
-            owned = group.shard_of(buffer)
-            if any(piece.param.grad is not None for piece in group.pieces):
-                carried = owned.clone()
-                for piece in group.pieces:
-                    if piece.param.grad is not None:
-                        piece.param.grad = carried[piece.offset:piece.offset + piece.stop - piece.start]
-            owned.zero_()
-
-    def _on_gradient_ready(self, param: nn.Parameter) -> None:
+    def post_accumulate_grad(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
-        g, s = self._slot[id(param)]
-        keep_grad_in(param, self.grad_buffers[g][s.start:s.stop].view(s.shape))
+        self.full_grads.keep(param)
 
-    def sync_gradients(self) -> None:
-        """Backward has finished: reduce-scatter each group's gradients into the owned slice, in place."""
+    def post_backward(self) -> None:
+        """Backward has finished: reduce-scatter each group's gradients into the owned shard, in place."""
         try:
-            self._refuse_unused_here(self.groups)
-            used = self._agree_on_use([s.param for g in self.groups for s in g.segments])
+            self.refuse_unused_here(self.groups)
+            used = self.used_anywhere([s.param for g in self.groups for s in g.segments])
         finally:
             self._used.clear()
-        for index, (group, buffer) in enumerate(zip(self.groups, self.grad_buffers)):
-            owned = group.shard_of(buffer)
-            self.reduce(buffer, owned, index, [s.name for s in group.segments], tag=self.tag(f"group {index} gradients"))
-            lo, hi = group.rank * group.shard_size, (group.rank + 1) * group.shard_size
-            buffer[:lo].zero_()  # the other ranks' slices: they averaged them; what accumulates next is new
-            buffer[hi:].zero_()
-            for piece in group.pieces:
-                view = owned[piece.offset:piece.offset + piece.stop - piece.start]
-                if piece.param.grad is not None and piece.param.grad.data_ptr() != view.data_ptr():
-                    view.add_(piece.param.grad)  # carried from before this window
-                    piece.param.grad = view
-                elif id(piece.segment.param) in used:
-                    piece.param.grad = view
-        self._window_open = False
-
-    def reduce(self, buffer: torch.Tensor, owned: torch.Tensor, index: int, names: list[str], tag) -> None:
-        """``owned`` gets this rank's slice of the mean of ``buffer``: a reduce-scatter (a parameter server
-        pushes instead)."""
-        reduce_scatter_mean(self.comm, self.wire, buffer, owned, index, names, tag=tag)
+        for index, (group, buffer) in enumerate(zip(self.groups, self.full_grads.buffers, strict=True)):
+            self.comm.reduce_scatter(group.shard_of(buffer), buffer, ReduceOp.AVG,
+                                     tag=self.tag(f"group {index} gradients"), wire=self.wire, key=index)
+            self.full_grads.take_averaged(index, used)
+        self.full_grads.window_open = False
 
     # ------------------------------------------------------------ optimizer
-    def _step(self) -> None:
-        if self.optimizer.step_owned():  # pieces without a gradient are skipped, as torch.optim skips None
-            self.share_parameters()  # (not after a step skipped for overflow: nothing changed)
+    def step(self) -> None:
+        """Step the owned pieces (those without a gradient are skipped, as torch.optim skips None), then
+        all-gather: every rank's parameters current again.  Not after a step skipped for fp16 overflow."""
+        with self.stepping():
+            if self.optimizer.step_owned():
+                self.all_gather_parameters()
 
-    def _zero_grad(self, set_to_none: bool = True) -> None:
-        super()._zero_grad(set_to_none)
-        self._window_open = False
-        for group, buffer in zip(self.groups, self.grad_buffers):
-            buffer.zero_()
-            for s in group.segments:
-                s.param.grad = buffer[s.start:s.stop].view_as(s.param)
+    def all_gather_parameters(self) -> None:
+        """Everyone gets everyone's updated shard (the parameters are views of ``group.data``); a group
+        whose parameters had no gradient anywhere did not change."""
+        for g, group in enumerate(self.groups):
+            if any(id(s.param) in self._has_grad for s in group.segments):
+                self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
+        self.remember_shared()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The pieces' gradients, and the full gradient buffers zeroed, every ``.grad`` a view into them again."""
+        super().zero_grad(set_to_none)
+        self.full_grads.zero()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()
-        held["grads"] += self.grad_buffers
+        held["grads"] += self.full_grads.buffers
         return held
 
     # ------------------------------------------------------------------ facts

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..buckets import BucketPipeline, MiB, check_bucket_mb
-from ..comm import Comm
+from ..comm import Comm, ReduceOp
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
 from ..precision import Precision
@@ -57,13 +57,17 @@ class ZeRO2(ZeRO):
                                 max_numel=bucket_numel(bucket_mb, self.param_groups(), self.precision)))
         self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
                                        self._reduce_scatter)
-        self._zero_grad()
+        self.zero_grad()
         for group in self.groups:
             for s in group.segments:
-                s.param.register_post_accumulate_grad_hook(self._on_gradient_ready)
+                s.param.register_post_accumulate_grad_hook(self.post_accumulate_grad)
 
     # ------------------------------------------------------------ backward
-    def _on_gradient_ready(self, param: nn.Parameter) -> None:
+    def pre_forward(self) -> None:
+        if self.stepped_outside():  # an optimizer built over stage.parameters() stepped: share it first
+            self.all_gather_parameters()
+
+    def post_accumulate_grad(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
         if self._syncing:
             self.pipeline.mark(param)
@@ -71,27 +75,44 @@ class ZeRO2(ZeRO):
     def _reduce_scatter(self, index: int):
         """Bucket ``index`` is complete: pack its gradients and free them (the point of ZeRO-2: no full
         gradient outlives its bucket); the reduce-scatter runs on the communication thread."""
-        return self._pack_and_free(self.groups[index], index, self.tag(f"bucket {index}"))
+        group, tag = self.groups[index], self.tag(f"bucket {index}")
+        full = group.take_gradients()
 
-    def sync_gradients(self) -> None:
+        def reduce_scatter() -> torch.Tensor:
+            averaged = torch.empty_like(group.shard)
+            self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
+            return averaged
+        return reduce_scatter
+
+    def post_backward(self) -> None:
+        """Backward has finished: launch the buckets that never completed, and give each piece its averaged part."""
         with self.pipeline.round():
             try:
-                self._refuse_unused_here(self.groups)
+                self.refuse_unused_here(self.groups)
                 self.pipeline.launch_rest()  # buckets whose gradients came only from earlier micro-batches
-                used = self._agree_on_use([s.param for g in self.groups for s in g.segments])
+                used = self.used_anywhere([s.param for g in self.groups for s in g.segments])
                 for index, averaged in self.pipeline.wait_all():
-                    self._accumulate(self.groups[index], averaged, used)
+                    self.accumulate(self.groups[index], averaged, used)
             finally:
                 self._used.clear()
 
     # ------------------------------------------------------------ optimizer
-    def _step(self) -> None:
-        if self.optimizer.step_owned():
-            self.share_parameters()
+    def step(self) -> None:
+        """Step the owned pieces, then all-gather, as ZeRO-1 does (not after a step skipped for overflow)."""
+        with self.stepping():
+            if self.optimizer.step_owned():
+                self.all_gather_parameters()
 
-    def _zero_grad(self, set_to_none: bool = True) -> None:
+    def all_gather_parameters(self) -> None:
+        """Everyone gets everyone's updated shard, bucket by bucket (a bucket is a flat group)."""
+        for g, group in enumerate(self.groups):
+            if any(id(s.param) in self._has_grad for s in group.segments):
+                self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
+        self.remember_shared()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the pieces' gradients -- the ones this stage steps with -- and any full gradient left."""
-        super()._zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
         for group in self.groups:
             for s in group.segments:
                 s.param.grad = None
@@ -104,7 +125,7 @@ class ZeRO2(ZeRO):
     @classmethod
     def schedule(cls, s, bucket_mb: float = 25.0, **options) -> None:
         """ZeRO-2's reduce-scatters leave bucket by bucket during backward; after the step each bucket's
-        all-gather (:meth:`share_parameters`: one per flat group, and a bucket is a group) has nothing to
+        all-gather (:meth:`all_gather_parameters`: one per flat group, and a bucket is a group) has nothing to
         hide behind -- small buckets pay their latency twice."""
         s.forward()
         s.backward_in_buckets("reduce_scatter", bucket_mb)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..buckets import BucketPipeline
-from ..comm import Comm
+from ..comm import Comm, ReduceOp, Work
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import ShardedFlatGroup
 from ..precision import Precision
@@ -72,8 +72,9 @@ class ZeRO3(ZeRO):
         plan = plan_unit_groups(module, unit_modules, [g["params"] for g in self.param_groups()])
         self.shard([ShardedFlatGroup(named, self.rank, self.world_size, gi) for _, gi, named in plan])
         names = {id(m): n for n, m in module.named_modules()}
-        self.units = [self.unit_class(u, names[id(m)] or "root", [g for g, (owner, _, _) in zip(self.groups, plan) if owner == u],
-                           comm, self.tag, self._observe)
+        self.units = [self.unit_class(u, names[id(m)] or "root",
+                                      [g for g, (owner, _, _) in zip(self.groups, plan, strict=True) if owner == u],
+                                      self.all_gather, self._observe)
                       for u, m in enumerate([module] + unit_modules)]
         self._unit_of = [self.units[owner] for owner, _, _ in plan]  # group index -> its unit
         self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
@@ -82,13 +83,13 @@ class ZeRO3(ZeRO):
         self._recording: list[int] = []
         self._called: set[int] = set()  # units called with autograd on since the last synchronisation
         self._skipped: set[int] = set()  # groups of units not called: not reduced, not stepped
-        self._zero_grad()
+        self.zero_grad()
         for u, unit_module in enumerate([module] + unit_modules):
-            unit_module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u))
-            unit_module.register_forward_hook(lambda m, args, out, u=u: self._after_forward(u, out))
+            unit_module.register_forward_pre_hook(lambda m, args, u=u: self.unit_pre_forward(u))
+            unit_module.register_forward_hook(lambda m, args, out, u=u: self.unit_post_forward(u, out))
         for group in self.groups:
             for s in group.segments:
-                s.param.register_post_accumulate_grad_hook(self._on_gradient_ready)
+                s.param.register_post_accumulate_grad_hook(self.post_accumulate_grad)
 
     def add_observer(self, observer) -> None:
         self._observers.append(observer)
@@ -97,8 +98,20 @@ class ZeRO3(ZeRO):
         for observer in self._observers:
             observer(event, nbytes, unit)
 
-    # ------------------------------------------------------------ forward and backward hooks
-    def _before_forward(self, u: int) -> None:
+    # ------------------------------------------------------------ gather and free around a unit
+    def all_gather(self, unit: Unit, why: str) -> Work:
+        """Start ``unit``'s all-gather on the communication thread (now, or as a prefetch): one full buffer
+        per flat group, from every rank's shard -- not yet pointed to; :meth:`Unit.unshard` does that."""
+        tag = self.tag(f"{unit.label} {why} all-gather")
+
+        def all_gather() -> list[torch.Tensor]:
+            fulls = [g.shard.new_empty(g.shard_size * g.world_size) for g in unit.groups]
+            for group, full in zip(unit.groups, fulls, strict=True):
+                self.comm.all_gather(full, group.shard, tag=tag)
+            return fulls
+        return self.comm.submit(all_gather)
+
+    def unit_pre_forward(self, u: int) -> None:
         if u == 0:  # a new forward: this step's bookkeeping starts afresh
             self._recording, self._skipped = [], set()
             for unit in self.units:  # a prefetch from the last backward may predate a step (yours or the stage's)
@@ -107,23 +120,23 @@ class ZeRO3(ZeRO):
             self._recording.append(u)
         if torch.is_grad_enabled():
             self._called.add(u)
-        self.units[u].before_forward()
+        self.units[u].pre_forward()
         self._prefetch_after(u, +1)
 
-    def _after_forward(self, u: int, output) -> None:
+    def unit_post_forward(self, u: int, output) -> None:
         if u == 0:
             self._order = self._recording
         if torch.is_grad_enabled():
             for tensor in output if isinstance(output, (tuple, list)) else [output]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad, u=u: self._before_backward(u))
+                    tensor.register_hook(lambda grad, u=u: self.unit_pre_backward(u))
         # Inside no_sync() the parameters stay gathered until the synchronising micro-batch: the bytes of
         # one step for any K, the memory of unsharded parameters meanwhile (as ZeRO-2 keeps full gradients).
-        self.units[u].after_forward(reshard=(self.reshard_after_forward and self._syncing)
+        self.units[u].post_forward(reshard=(self.reshard_after_forward and self._syncing)
                                     or not torch.is_grad_enabled())
 
-    def _before_backward(self, u: int) -> None:
-        self.units[u].before_backward()
+    def unit_pre_backward(self, u: int) -> None:
+        self.units[u].pre_backward()
         self._prefetch_after(u, -1)
 
     def _prefetch_after(self, u: int, direction: int) -> None:
@@ -136,7 +149,7 @@ class ZeRO3(ZeRO):
                     self.units[order[at + direction * k]].start_gather("forward" if direction > 0 else "backward")
 
     # ------------------------------------------------------------ gradients
-    def _on_gradient_ready(self, param: nn.Parameter) -> None:
+    def post_accumulate_grad(self, param: nn.Parameter) -> None:
         """With find_unused_parameters, a unit's gradients may be complete on some ranks and not on others;
         launching its reduce-scatter when they are would put it between different backward all-gathers on
         different ranks.  So then every reduce-scatter waits for the end of backward (memory: the units stay
@@ -150,14 +163,21 @@ class ZeRO3(ZeRO):
         reduce-scatter runs on the communication thread.  A skipped group is only freed."""
         group, unit = self.groups[index], self._unit_of[index]
         if index in self._skipped:
-            unit.after_backward(group)
+            unit.post_backward(group)
             return lambda: None
-        reduce_scatter = self._pack_and_free(group, index, self.tag(f"{unit.label} gradients (group {index})"))
-        unit.after_backward(group)  # the full parameters go too
+        full, tag = group.take_gradients(), self.tag(f"{unit.label} gradients (group {index})")
+        unit.post_backward(group)  # the full parameters go too
+
+        def reduce_scatter() -> torch.Tensor:
+            averaged = torch.empty_like(group.shard)
+            self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
+            return averaged
         return reduce_scatter
 
-    def sync_gradients(self) -> None:
-        """The groups of a unit not called since the last synchronisation are skipped: not reduced, not
+    def post_backward(self) -> None:
+        """Backward has finished: the last reduce-scatters launched, each piece given its averaged part.
+
+        The groups of a unit not called since the last synchronisation are skipped: not reduced, not
         stepped.  Every rank called the same units -- ZeRO-3 gathers each as it is called, and the
         fingerprint check names a rank that did otherwise -- so every rank skips the same groups; a unit
         called but left without a gradient on some rank is named (or, with find_unused_parameters, agreed
@@ -168,24 +188,25 @@ class ZeRO3(ZeRO):
         checked = [group for g, group in enumerate(self.groups) if g not in self._skipped]
         with self.pipeline.round():
             try:
-                self._refuse_unused_here(checked)
+                self.refuse_unused_here(checked)
                 self.pipeline.launch_rest()
-                used = self._agree_on_use([s.param for group in checked for s in group.segments])
+                used = self.used_anywhere([s.param for group in checked for s in group.segments])
                 for index, averaged in self.pipeline.wait_all():
                     if averaged is not None:
-                        self._accumulate(self.groups[index], averaged, used)
+                        self.accumulate(self.groups[index], averaged, used)
             finally:
                 self._used.clear()
 
     # ------------------------------------------------------------ optimizer
-    def _step(self) -> None:
+    def step(self) -> None:
         """Step the pieces; nothing to share: the next forward gathers what it needs."""
-        for unit in self.units:
-            unit.drop_prefetch()
-        self.optimizer.step_owned()
+        with self.stepping():
+            for unit in self.units:
+                unit.drop_prefetch()
+            self.optimizer.step_owned()
 
-    def _zero_grad(self, set_to_none: bool = True) -> None:
-        super()._zero_grad(set_to_none)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
         for group in self.groups:  # full gradients left by no_sync() micro-batches
             for s in group.segments:
                 s.param.grad = None
@@ -221,7 +242,7 @@ class ZeRO3(ZeRO):
 
     @classmethod
     def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:
-        """Units in call order, as :meth:`_before_forward` and :meth:`_before_backward` run them: a unit waits
+        """Units in call order, as :meth:`unit_pre_forward` and :meth:`unit_pre_backward` run them: a unit waits
         for its all-gather, then starts the next ``prefetch`` ones, then computes.  The root (unit 0) is
         gathered first; its compute is half before the blocks (embeddings) and half after (the head), and
         in backward the reverse; its backward hook fires first and prefetches nothing; each unit's

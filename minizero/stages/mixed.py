@@ -1,0 +1,93 @@
+"""Mixed precision, as every stage takes it: the checks, the fp32 masters of a stage that keeps every
+parameter, the loss scale, the forward in 16 bits.
+
+These are methods of :class:`~minizero.stages.base.Stage` (``self`` is the stage), written here so the
+stage's file reads as its lifecycle; ZeRO keeps masters of its owned shard only (:mod:`minizero.stages.zero`).
+The recipe itself -- masters, loss scaler, overflow agreed across ranks -- is :mod:`minizero.precision`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kept_state import keep_state
+from ..precision import MasterWeights, cast_parameters, check_half_model, check_supported
+from ..rebuilt import rebuild
+
+
+def check_mixed_precision(self) -> None:
+    if self.optimizer is None:
+        raise ValueError(
+            f"rank {self.rank}: precision={self.precision.name!r} keeps fp32 master weights, which only the "
+            f"optimizer steps -- so the stage must own it: pass your optimizer to make_stage(name, model, "
+            f"optimizer, comm, precision=...) (as deepspeed.initialize takes it), instead of building one over "
+            f"stage.parameters() afterwards.")
+    if type(self.optimizer) is torch.optim.LBFGS:
+        raise TypeError(
+            f"rank {self.rank}: LBFGS cannot step fp32 master weights: it re-evaluates the loss through a "
+            f"closure on the parameters it holds, which under precision={self.precision.name!r} are not the "
+            f"model's. Use an element-wise optimizer (SGD, Adam, AdamW, ...) or precision='fp32'.")
+    check_half_model(self.module, self.precision, self.rank)
+    device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+    check_supported(self.precision.working_dtype, device, self.rank)
+
+def keep_masters(self) -> None:
+    """Mixed precision where every rank keeps every parameter (the reference, ddp): fp32 masters of
+    all trainable parameters, a 16-bit working copy in the model, and the user's optimizer rebuilt over
+    the masters (its ``step`` routed to the stage's, which goes through them)."""
+    if not self.precision.mixed:
+        return
+    optimizer, trainable = self.optimizer, [p for _, p in self.trainable()]
+    masters = [nn.Parameter(p.detach().clone()) for p in trainable]
+    originals = cast_parameters(self.module, self.precision.working_dtype)
+    self._frozen = {k: v for k, v in originals.items() if k not in {id(p) for p in trainable}}
+    self.master = MasterWeights(trainable, masters, self.precision, self.comm,
+                                self.tag if self.comm else None)
+    settle_wire(self)
+    self.master_optimizer = rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
+                                    [[self.master.master_of(p) for p in group["params"] if p.requires_grad]
+                                     for group in optimizer.param_groups])
+    # State the optimizer already holds moves to the masters' optimizer, whole (minizero.kept_state).
+    keep_state(optimizer, self.master_optimizer,
+               lambda p: [(0, p.numel(), self.master.master_of(p))] if p.requires_grad else [])
+    self._route(optimizer)
+
+def settle_wire(self) -> None:
+    """Compression's error feedback keeps a step's residuals only if every rank took the step (the MAX
+    verdict, not this rank's shard: a skipped step's may hold inf - inf), rescaled as the loss scale moves."""
+    wire = getattr(self, "wire", None)
+    if wire is not None:
+        self.master.settled.append(wire.settle)
+
+def loss_scale(self) -> float:
+    """The loss scale of the next backward (1 without dynamic loss scaling)."""
+    return self.master.loss_scale if self.master else 1.0
+
+def skipped_steps(self) -> int:
+    """Optimizer steps skipped because some rank's gradients overflowed (fp16)."""
+    return self.master.skipped_steps if self.master else 0
+
+def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` times the loss scale: what to call ``backward()`` on (DeepSpeed's ``engine.backward``
+    does this inside; torch's ``GradScaler.scale`` is the same call)."""
+    return self.master.scale_loss(loss) if self.master else loss
+
+def cast_call(self, *args, **kwargs):
+    """The model's forward in its working precision: floating inputs cast to 16 bits (FSDP2's
+    ``cast_forward_inputs``), floating outputs back to the masters' dtype, so the loss is computed in fp32."""
+    if self.master is None:
+        return self.module(*args, **kwargs)
+    working, full = self.precision.working_dtype, self.master.masters_dtype
+    args, kwargs = _cast_floating((args, kwargs), working)
+    return _cast_floating(self.module(*args, **kwargs), full)
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    """Every floating-point tensor in a nest of tuples, lists and dicts, cast to ``dtype``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_cast_floating(t, dtype) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _cast_floating(v, dtype) for k, v in tree.items()}
+    return tree
