@@ -32,8 +32,8 @@ TIMEOUT_S = 8.0  # seconds a collective may go without progress in the suite
 
 
 def _on_rank(me, action, name):
-    from tests import patch_mutants
-    getattr(patch_mutants, action)(name)
+    from tests.mutation import register
+    getattr(register, action)(name)
 
 
 class Pools(RankPools):
@@ -46,14 +46,14 @@ class Pools(RankPools):
     def patched(self, name: str):
         """Mutant ``name`` in place here and in every rank -- live pools now, and pools forked while it
         is in place (they inherit it) -- then taken out everywhere."""
-        from tests import patch_mutants
-        patch_mutants.apply(name)
+        from tests.mutation import register
+        register.apply(name)
         try:
             for pool in self.live().values():
                 pool.run(_on_rank, "apply", name)
             yield
         finally:
-            patch_mutants.undo(name)
+            register.undo(name)
             for pool in self.live().values():
                 pool.run(_on_rank, "undo", name)
 

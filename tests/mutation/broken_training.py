@@ -1,5 +1,6 @@
-"""Broken copies of training code -- buckets, compression, layout, stages, the loop, the comparison --
-each one realistic bug (see patch_mutants.py)."""
+"""Broken copies of training code -- buckets, compression, layout, stages, the loop, the comparison -- each one
+realistic bug (registered in ``register.py``).  A copy that calls the real code for the rest finds it with
+:func:`~tests.mutation.original_of` when it runs."""
 from __future__ import annotations
 
 import contextlib
@@ -7,28 +8,21 @@ from typing import Callable
 
 import torch
 
-import minizero.lab.experiment as _experiment
-from minizero import buckets as _buckets
 from minizero import compress as _compress
-from minizero import layout as _layout
-from minizero.stages import synchronised as _base
-from minizero.stages import zero3 as _zero3
-from minizero.train import Step
+from minizero.train import Step, sum_loss
+from tests.mutation import original_of
+
 
 # ------------------------------------------------------------------------------- buckets
-
-_original_assign = _buckets.assign_buckets
-
-
 def buckets_in_registration_order(named_params, bucket_mb):
     """Right values; the first bucket now holds the first layer, whose gradient comes last: no overlap."""
-    return _original_assign(list(reversed(named_params)), bucket_mb)
+    return original_of(buckets_in_registration_order)(list(reversed(named_params)), bucket_mb)
 
 
 def cap_in_elements(named_params, bucket_mb):
     """The cap compared with element counts, not bytes: 4x (float32) or 8x (float64) too few buckets."""
     element_size = named_params[0][1].element_size() if named_params else 4
-    return _original_assign(named_params, bucket_mb * element_size)
+    return original_of(cap_in_elements)(named_params, bucket_mb * element_size)
 
 
 def launch_when_any_ready(self, param):
@@ -67,13 +61,9 @@ def no_cast(self, flat, key):
 
 
 # ------------------------------------------------------------------------------- layout, sharded optimizer
-
-_original_cut = _layout.FlatGroup._cut_pieces
-
-
 def pieces_one_short(self):
     """Every piece ends one element early: that element of each parameter is never stepped."""
-    pieces = _original_cut(self)
+    pieces = original_of(pieces_one_short)(self)
     for piece in pieces:
         if piece.stop - piece.start > 1:
             piece.stop -= 1
@@ -87,16 +77,18 @@ def zero_grads_for_unused(self, group, averaged, used):
         piece.param.grad = part if piece.param.grad is None else piece.param.grad.add_(part)
 
 
-def state_at_the_parameters_offset(sharded, group, key, dtype, comm, tag):
+def state_at_the_parameters_offset(sharded, group, key, dtype, comm, tag, stepped):
+    """The consolidated state: each piece's state written at its offset within the *parameter*, not within the
+    rank's shard."""
     mine = torch.zeros(group.shard_size, dtype=dtype, device=group.shard.device)
     for piece in group.pieces:
-        piece_state = sharded.state.get(piece.param)
+        piece_state = sharded.state.get(stepped(piece))
         if piece_state and key in piece_state:
             at = piece.start % max(group.shard_size, 1)  # the offset within the parameter, not within the shard
             mine[at:at + piece.stop - piece.start] = piece_state[key][: group.shard_size - at]
-    full = mine.new_empty(group.shard_size * group.world_size)
+    full = mine.new_empty(group.shard_size * comm.world_size)
     comm.all_gather(full, mine, tag=tag)
-    return full
+    return full[:group.shard_size * group.world_size]
 
 
 # ------------------------------------------------------------------------------- stages
@@ -123,14 +115,11 @@ def zero2_keeps_full_gradients(self, index):
     return reduce_scatter
 
 
-_original_after_forward = _zero3.ZeRO3._after_forward
-
-
 def zero3_never_reshards(self, unit, output):
     """Right values, DDP's bytes and memory: units stay gathered from forward to backward."""
     keep, self.reshard_after_forward = self.reshard_after_forward, False
     try:
-        _original_after_forward(self, unit, output)
+        original_of(zero3_never_reshards)(self, unit, output)
     finally:
         self.reshard_after_forward = keep
 
@@ -158,28 +147,23 @@ def agrees_on_nothing(self, params):
     return here
 
 
-_original_sync_step = _base.Synchronised.step
-
-
 def steps_on_local_gradients(self):
     self._local_grads = False  # the no_sync-only check, gone
-    _original_sync_step(self)
+    original_of(steps_on_local_gradients)(self)
 
 
 # ------------------------------------------------------------------------------- the loop, the comparison
-
-
 def loop(scale_of: Callable, sync_every: bool = False, clear: bool = True, clip_after: bool = False):
-    """A train_step with one thing changed."""
-    def train_step(stage, step: Step, loss_fn=None, clip=None):
-        from minizero.train import sum_loss
+    """``minizero.train.train_step`` with one thing changed (its signature kept: the experiment calls it so)."""
+    def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip=None, sync_every_micro_batch: bool = False):
         if clear:
             stage.zero_grad()
         total, last = 0.0, len(step.micro_batches) - 1
         for k, (x, y) in enumerate(step.micro_batches):
-            with stage.no_sync() if k < last and not sync_every else contextlib.nullcontext():
-                loss = sum_loss(stage(x), y)
-                (loss * scale_of(stage, step)).backward()
+            syncs = k == last or sync_every or sync_every_micro_batch
+            with contextlib.nullcontext() if syncs else stage.no_sync():
+                loss = loss_fn(stage(x), y)
+                stage.scale_loss(loss * scale_of(stage, step)).backward()
             total += loss.item()
         if clip is not None and not clip_after:
             stage.clip_grad_norm_(*clip)
@@ -191,22 +175,22 @@ def loop(scale_of: Callable, sync_every: bool = False, clear: bool = True, clip_
 
 
 right_scale = lambda stage, step: stage.world_size / step.global_count  # noqa: E731
-_original_shard_step = _experiment.shard_step
 
 
 def shard_step_off_by_one(x, y, rank, world_size, accum_steps=1, rank_sizes=None):
-    step = _original_shard_step(x, y, rank, world_size, accum_steps, rank_sizes)
+    step = original_of(shard_step_off_by_one)(x, y, rank, world_size, accum_steps, rank_sizes)
     if world_size > 1 and rank_sizes is not None and rank > 0:  # the slice starts one sample early
         start = sum(rank_sizes[:rank]) - 1
         mine = slice(start, start + rank_sizes[rank])
-        step = Step(list(zip(x[mine].tensor_split(accum_steps), y[mine].tensor_split(accum_steps))), step.global_count)
+        step = Step(list(zip(x[mine].tensor_split(accum_steps), y[mine].tensor_split(accum_steps), strict=True)),
+                    step.global_count)
     return step
 
 
 def max_diff_ignores_nan(results, reference):
     worst_abs, worst_rel = 0.0, 0.0
     for result in results:
-        for mine, ref in zip(result.params, reference.params):
+        for mine, ref in zip(result.params, reference.params, strict=True):
             for name, r in ref.items():
                 if r.numel():
                     diff = (mine[name] - r).abs().max().item()
@@ -224,4 +208,3 @@ def nan_errors_pass_through(params, ref_params, dtype):
 
 def nothing_is_nonfinite(results, reference):
     return None
-

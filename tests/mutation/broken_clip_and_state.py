@@ -1,4 +1,4 @@
-"""Broken copies for issue 24's proofs (registered in ``patch_mutants.py``): clipping whose coefficient
+"""Broken copies for issue 24's proofs (registered in ``register.py``): clipping whose coefficient
 max_norm / (norm + eps) is not capped at 1 -- right wherever it clips, wrong wherever it should not --, a
 wrap that drops the optimizer's state, and a checkpoint that keeps no rank's own random generator."""
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""The mutation harness: put a broken function in place, and run the part of the suite that must fail.
-
-A :class:`Mutant` names its target (``"package.module:Class.attr"``), the
-broken replacement, and its *catch*: a check that passes on the real code and
-must fail while the mutant is in place.  ``conftest.Pools.patched`` applies it
-in the test process and in every rank.
-"""
+"""The checks a mutant names as its catch: ``catch(pools)`` passes on the real code and must fail -- by an
+assertion, or an error the mutant's entry expects -- while the mutant is in place."""
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import itertools
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -18,39 +15,6 @@ from minizero.comm import ReduceOp
 from tests.equivalence import experiments, run_and_check
 
 
-@dataclass
-class Mutant:
-    target: str  # "package.module:Name.attribute"
-    replacement: Callable
-    catch: Callable  # catch(pools) must raise while the mutant is in place
-    cost: bool = False  # right in value, wrong in bytes, memory or overlap
-
-
-def _resolve(target: str):
-    module, path = target.split(":")
-    owner = importlib.import_module(module)
-    *parents, attr = path.split(".")
-    for name in parents:
-        owner = getattr(owner, name)
-    if not hasattr(owner, attr):
-        raise AttributeError(f"mutant target {target} does not exist")  # a harness error, never "caught"
-    return owner, attr
-
-
-def patch(mutant: Mutant):
-    """Put the mutant in place; returns what it replaced."""
-    owner, attr = _resolve(mutant.target)
-    original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-    setattr(owner, attr, mutant.replacement)
-    return original
-
-
-def unpatch(mutant: Mutant, original) -> None:
-    owner, attr = _resolve(mutant.target)
-    setattr(owner, attr, original)
-
-
-# ------------------------------------------------------------------------------- catches
 def property_catch(stage: str, examples: int = 40, **draw) -> Callable:
     """The equivalence property of ``stage``, generate phase only (no shrinking: we only need a failure)."""
     def catch(pools):
@@ -66,8 +30,6 @@ def property_catch(stage: str, examples: int = 40, **draw) -> Callable:
 def comm_catch(pools):
     """The collectives' check on a grid -- every kind, op, dtype and backend, N = 2..4, an uneven
     length -- rather than a random draw, so no combination is left to chance."""
-    import itertools
-
     from tests.test_comm import DTYPES, test_collectives_match_math_and_ledger
 
     inner = test_collectives_match_math_and_ledger.hypothesis.inner_test
@@ -77,7 +39,7 @@ def comm_catch(pools):
         inner(pools, world_size, (kind, 7, dtype, op, backend, 1, world_size - 1))
 
 
-CATCH_MODULES = {"test_comm"}  # every module a catch runs code from
+CATCH_MODULES = {"test_comm", "test_zero3"}  # every module a catch runs code from
 
 
 def test_catch(module: str, name: str, *args) -> Callable:
@@ -88,6 +50,34 @@ def test_catch(module: str, name: str, *args) -> Callable:
         fn = getattr(importlib.import_module(f"tests.{module}"), name)
         return fn(pools, *args) if "pools" in fn.__code__.co_varnames[:fn.__code__.co_argcount] else fn(*args)
     return catch
+
+
+def dropout_resume_catch(stage: str) -> Callable:
+    """The dropout resume test of ``stage``, in a directory of its own (the test takes pytest's tmp_path)."""
+    CATCH_MODULES.add("test_clip_and_dropout_resume")
+
+    def catch(pools):
+        from tests.test_clip_and_dropout_resume import test_resume_with_dropout_is_bit_exact
+
+        with tempfile.TemporaryDirectory() as directory:
+            test_resume_with_dropout_is_bit_exact(pools, Path(directory), stage)
+    return catch
+
+
+def tied_weight_owner_catch(pools) -> None:
+    """test_zero3's ``test_tied_parameter_goes_to_the_root``, calling ``assign_parameters`` through its module
+    (the test holds the function it imported, before any mutant).  Owned by a unit, the tied weight is freed
+    after that unit's forward and the other unit's use fails on an empty tensor -- a crash, so the catch is
+    this assertion on who owns it."""
+    from minizero import units
+    from minizero.lab.models import TinyGPT
+    from tests.test_zero3 import GPT_UNITS
+
+    gpt = TinyGPT()
+    owners = {n: i for i, params in enumerate(units.assign_parameters(gpt, units.resolve_units(gpt, GPT_UNITS)))
+              for n, _ in params}
+    assert owners["token_embedding.weight"] == 0, \
+        f"the tied embedding/head weight belongs to unit {owners['token_embedding.weight']}, not the root (0)"
 
 
 def import_catch_modules() -> None:

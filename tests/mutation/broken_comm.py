@@ -1,4 +1,7 @@
-"""Broken copies of communication and launcher code: each one realistic bug (see patch_mutants.py)."""
+"""Broken copies of communication and launcher code, each one realistic bug (registered in ``register.py``).
+
+A copy that changes one thing and calls the real code for the rest finds it with
+:func:`~tests.mutation.original_of` when it runs, so a renamed function breaks its own mutant, not this file."""
 from __future__ import annotations
 
 import time
@@ -9,10 +12,8 @@ import torch.distributed as dist
 from minizero import launch as _launch
 from minizero.comm import ReduceOp, ring
 from minizero.comm import fingerprint as _fingerprint
-from minizero.comm import native as _native
-from minizero.comm import progress as _progress
-from minizero.comm import stall as _stall
-from minizero.comm.base import Comm, collective
+from minizero.comm.base import collective
+from tests.mutation import original_of
 
 
 def rs_forgets_own_chunk(self, chunks, out, op):
@@ -34,10 +35,12 @@ def rs_forgets_own_chunk(self, chunks, out, op):
             send = op.combine(incoming, chunks[index], out=incoming)
 
 
-def ag_forwards_wrong_chunk(self, chunks):
+def ag_one_step_short(self, chunks):
+    """The ring all-gather's loop one step short (``range(n - 2)``): the chunk that should arrive last never
+    does, and the rank keeps whatever its buffer held there -- at N = 2, every chunk but its own."""
     n, r = self.world_size, self.rank
-    for step in range(n - 1):
-        self._send_right_recv_left(chunks[(r - step + 1) % n], chunks[(r - step - 1) % n], "all-gather", step)
+    for step in range(n - 2):
+        self._send_right_recv_left(chunks[(r - step) % n], chunks[(r - step - 1) % n], "all-gather", step)
 
 
 @collective("reduce_scatter")
@@ -45,19 +48,15 @@ def rs_avg_not_divided(self, output, input, op=ReduceOp.SUM):
     self._ring_reduce_scatter(self._chunks(input), output.view(-1), op)  # AVG: forgot to divide
 
 
-_original_broadcast = ring.RingComm.broadcast.__wrapped__
-_original_root = ring.RingComm.root_all_reduce.__wrapped__
-
-
 @collective("broadcast")
 def broadcast_from_zero(self, tensor, src=0):
-    _original_broadcast(self, tensor, 0)  # every broadcast starts at rank 0, whatever src says
+    original_of(broadcast_from_zero).__wrapped__(self, tensor, 0)  # every broadcast starts at rank 0, whatever src says
 
 
 @collective("all_reduce")
 def all_reduce_through_root(self, tensor, op=ReduceOp.SUM):
     """Right values, the parameter-server bytes: the root sends (N-1) x S."""
-    _original_root(self, tensor, op)
+    ring.RingComm.root_all_reduce.__wrapped__(self, tensor, op)
 
 
 def p2p_unreported(self, send, recv, part, step):
@@ -69,46 +68,33 @@ def p2p_unreported(self, send, recv, part, step):
         request.wait()  # bytes left, but nobody told the ledger
 
 
-_original_model = _native.ring_messages
-_original_encode = _fingerprint.encode
-_original_run = Comm._run
-
-
 def modelled_bytes_ignore_uneven_chunks(kind, numel, element_size, world_size, rank, src=0):
     """Every all-reduce message the size of an even chunk: the uneven chunks' extra elements forgotten."""
     if kind == "all_reduce" and world_size > 1:
         return [(numel // world_size) * element_size] * (2 * (world_size - 1))
-    return _original_model(kind, numel, element_size, world_size, rank, src)
+    return original_of(modelled_bytes_ignore_uneven_chunks)(kind, numel, element_size, world_size, rank, src)
 
 
 def fingerprint_without_tag(call):
-    return _original_encode(replace(call, tag=_fingerprint.Tag()))  # kind, size and dtype only
+    return original_of(fingerprint_without_tag)(replace(call, tag=_fingerprint.Tag()))  # kind, size and dtype only
 
 
 def keeps_going_after_failure(self, kind, method, arguments, tag):
     self._failed = None  # forgets that a collective failed part-way
-    return _original_run(self, kind, method, arguments, tag)
+    return original_of(keeps_going_after_failure)(self, kind, method, arguments, tag)
 
 
 # ------------------------------------------------------------------------------- the launcher, the watchdog
-
-_original_blame = _stall.blame
-_original_pool_run = _launch.RankPool.run
-
-
-def blames_the_waiter(first, records, finished):
-    culprits, reason = _original_blame(first, records, finished)
+def blames_the_waiter(first, records, *rest):
+    culprits, reason = original_of(blames_the_waiter)(first, records, *rest)
     return [first["rank"]], reason
-
-
-_original_set = _progress.ProgressBoard._set
 
 
 def progress_only_at_entry(self, **fields):
     """The stall clock starts when the collective starts and never restarts: a slow one is 'stalled'."""
     if "state" not in fields:  # only enter() and leave() set the state
         fields.pop("progress", None)
-    _original_set(self, **fields)
+    original_of(progress_only_at_entry)(self, **fields)
 
 
 def run_with_a_deadline(self, fn, *args, **kwargs):
@@ -116,23 +102,22 @@ def run_with_a_deadline(self, fn, *args, **kwargs):
     deadline = time.monotonic() + 1.25 * self.timeout_s + 2.0
     original_watch = self._watch
 
-    def watch(finished):
-        original_watch(finished)
+    def watch(finished, *rest):
+        original_watch(finished, *rest)
         if time.monotonic() > deadline:
             self.close(kill=True)
             raise _launch.RankError("ranks did not finish within the timeout")
     self._watch = watch
     try:
-        return _original_pool_run(self, fn, *args, **kwargs)
+        return original_of(run_with_a_deadline)(self, fn, *args, **kwargs)
     finally:
         del self._watch
 
 
 def swallows_errors(self, fn, *args, **kwargs):
     try:
-        return _original_pool_run(self, fn, *args, **kwargs)
+        return original_of(swallows_errors)(self, fn, *args, **kwargs)
     except _launch.RankError as error:
         if "raised" in str(error):
             return [None] * self.world_size
         raise
-
