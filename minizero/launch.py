@@ -210,7 +210,8 @@ class RankPool:
 
     def records(self) -> list[dict]:
         """Every rank's row of the progress board, as it is now."""
-        return [progress.ProgressBoard.read(r, row, text) for r, (row, text) in enumerate(zip(self._rows, self._texts))]
+        return [progress.ProgressBoard.read(r, row, text)
+                for r, (row, text) in enumerate(zip(self._rows, self._texts, strict=True))]
 
     def _watch(self, finished: dict[int, Any], started: float, idle_s: float | None) -> None:
         """Between results: a dead rank, a stalled collective, or (``idle_s``) a rank outside every collective

@@ -186,7 +186,7 @@ def in_users_order(rebuilt: torch.optim.Optimizer, user: torch.optim.Optimizer, 
     """The rebuilt optimizer's state_dict, indexed as the user's optimizer indexes its parameters (frozen ones
     included), so it loads into a plain optimizer over the unwrapped model."""
     position = {id(p): i for i, p in enumerate(p for group in user.param_groups for p in group["params"])}
-    working_of = {id(m): w for w, m in zip(master.working, master.masters)}
+    working_of = {id(m): w for w, m in zip(master.working, master.masters, strict=True)}
     order = [position[id(working_of[id(m)])] for group in rebuilt.param_groups for m in group["params"]]
     saved = rebuilt.state_dict()
     return {"state": {order[i]: state for i, state in saved["state"].items()},
@@ -222,7 +222,7 @@ class MasterWeights:
         self.comm, self.tag = comm, tag or Tag
         self.scaler = (LossScaler(precision.loss_scale, precision.loss_scale_window, precision.min_loss_scale)
                        if precision.scaled else None)
-        self._master_of = {id(w): m for w, m in zip(working, masters)}
+        self._master_of = {id(w): m for w, m in zip(working, masters, strict=True)}
         self._overflow: bool | None = None  # this step's verdict, once unscaled
         #: ``listener(stepped, rescale)`` after every step: was it taken on every rank, and by what factor the
         #: loss scale changed -- compression's error feedback keeps its residuals by it (``Wire.settle``).
@@ -254,7 +254,7 @@ class MasterWeights:
         clipping calls it before the step, as torch's ``GradScaler.unscale_``."""
         if self._overflow is None:
             inverse = 1.0 / self.loss_scale
-            for w, m in zip(self.working, self.masters):
+            for w, m in zip(self.working, self.masters, strict=True):
                 m.grad = None if w.grad is None else w.grad.to(m.dtype, copy=True).mul_(inverse)
             self._overflow = self._agree_on_overflow() if self.scaler else False
         return self._overflow
@@ -294,7 +294,7 @@ class MasterWeights:
                         f"check the data for inf/NaN, or use precision='bf16' (fp32's range).")
                 return False  # skipped: masters, optimizer states and working copy untouched
             optimizer_step()
-            for w, m in zip(self.working, self.masters):
+            for w, m in zip(self.working, self.masters, strict=True):
                 if m.grad is not None:
                     w.copy_(m)  # the one rounding to 16 bits
             stepped = True

@@ -26,11 +26,11 @@ def rebuild(optimizer_class: type, defaults: dict, param_groups: list[dict],
     # decoupled_weight_decay, that its __init__ does not take); each group carries all its settings.
     accepted = inspect.signature(optimizer_class.__init__).parameters
     return optimizer_class([{**settings(group), "params": params}
-                            for group, params in zip(param_groups, params_of_group)],
+                            for group, params in zip(param_groups, params_of_group, strict=True)],
                            **{k: v for k, v in defaults.items() if k in accepted})
 
 
 def follow(rebuilt: torch.optim.Optimizer, param_groups: list[dict]) -> None:
     """Carry the user's current hyper-parameters (a scheduler's lr, say) over to the rebuilt optimizer."""
-    for local_group, group in zip(rebuilt.param_groups, param_groups):
+    for local_group, group in zip(rebuilt.param_groups, param_groups, strict=True):
         local_group.update(settings(group))

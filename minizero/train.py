@@ -43,7 +43,7 @@ def shard_step(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, acc
                          f"the global batch of {x.shape[0]} samples")
     start = sum(rank_sizes[:rank])
     mine = slice(start, start + rank_sizes[rank])
-    micro = list(zip(x[mine].tensor_split(accum_steps), y[mine].tensor_split(accum_steps)))
+    micro = list(zip(x[mine].tensor_split(accum_steps), y[mine].tensor_split(accum_steps), strict=True))
     return Step(micro, global_count=y.numel())
 
 

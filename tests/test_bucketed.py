@@ -71,11 +71,11 @@ def _inspect_views(me):
     views_ok = all(
         p.grad.data_ptr() == view.data_ptr() and bucket.buffer.data_ptr() <= p.grad.data_ptr()
         < bucket.buffer.data_ptr() + bucket.buffer.numel() * bucket.buffer.element_size()
-        for bucket in stage.buckets for p, view in zip(bucket.params, bucket.views))
+        for bucket in stage.buckets for p, view in zip(bucket.params, bucket.views, strict=True))
     # After optimizer.zero_grad() (set_to_none) the stage must take the new gradient in.
     stage.optimizer.zero_grad(set_to_none=True)
     train_step(stage, shard_step(x, y, me.rank, me.world_size))
-    retaken = all(p.grad.data_ptr() == v.data_ptr() for b in stage.buckets for p, v in zip(b.params, b.views))
+    retaken = all(p.grad.data_ptr() == v.data_ptr() for b in stage.buckets for p, v in zip(b.params, b.views, strict=True))
     return views_ok, retaken, launched_before_backward_ended, len(stage.buckets)
 
 

@@ -39,7 +39,7 @@ def resumed(pools, exp: Experiment, world_size: int, split: int, directory, cons
 
 
 def assert_bit_exact(whole, rest, split: int) -> None:
-    for rank, (a, b) in enumerate(zip(whole, rest)):
+    for rank, (a, b) in enumerate(zip(whole, rest, strict=True)):
         for i, params in enumerate(b.params):
             for name, value in params.items():
                 assert torch.equal(value, a.params[split + i][name]), f"rank {rank}, step {split + i}, {name}"

@@ -180,7 +180,7 @@ def assert_resumed_bit_exact(pools, directory, stage: str, consolidated: bool = 
     whole = pools.run(3, _train_with_dropout, stage, range(0, 4))
     pools.run(3, _train_with_dropout, stage, range(0, 2), save=str(directory), consolidated=consolidated)
     resumed = pools.run(3, _train_with_dropout, stage, range(2, 4), resume=str(directory))
-    for rank, (a, b) in enumerate(zip(whole, resumed)):
+    for rank, (a, b) in enumerate(zip(whole, resumed, strict=True)):
         assert b[0] == a[0][2:], f"{stage}, rank {rank}: losses after the resume {b[0]} != {a[0][2:]}"
         for i, params in enumerate(b[1]):
             for name, value in params.items():

@@ -93,7 +93,7 @@ def _overflow(me, compress):
         loss.backward()
         stage.step()
     except FloatingPointError as error:
-        return str(error), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return str(error), all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     return None, None
 
 

@@ -28,7 +28,8 @@ def _with(exp: Experiment, stage: str, **options) -> Experiment:
 
 def _same_parameters(a: list, b: list) -> bool:
     """Every rank, every step, every parameter: bit for bit."""
-    return all(torch.equal(pa[k], pb[k]) for ra, rb in zip(a, b) for pa, pb in zip(ra.params, rb.params) for k in pa)
+    return all(torch.equal(pa[k], pb[k]) for ra, rb in zip(a, b, strict=True)
+               for pa, pb in zip(ra.params, rb.params, strict=True) for k in pa)
 
 
 # ------------------------------------------------------------------ ps: a stage like any other
@@ -121,7 +122,7 @@ def _stale_sgd(exp: Experiment, world_size: int) -> list[dict]:
     parameters the schedule gives it, theta_(t - age), the N gradients averaged, one SGD step."""
     task, dtype, s, seed = TASKS[exp.task], DTYPES[exp.dtype], exp.options["staleness"], exp.options["schedule_seed"]
     model = task.make_model(exp.seed, dtype, **exp.model)  # rank 0's initialisation: what the wrap broadcasts
-    names, params = zip(*model.named_parameters())
+    names, params = zip(*model.named_parameters(), strict=True)
     versions = [[p.detach().clone() for p in params]]
     for t in range(exp.steps):
         x, y = task.make_batch(exp.global_batch(world_size), exp.seed, t, dtype, **exp.model)
@@ -129,15 +130,15 @@ def _stale_sgd(exp: Experiment, world_size: int) -> list[dict]:
         for r in range(world_size):
             age = min(delay(seed, t, r, s), t, s)  # nothing older than the start, nor than the servers keep
             with torch.no_grad():
-                for p, v in zip(params, versions[t - age]):
+                for p, v in zip(params, versions[t - age], strict=True):
                     p.copy_(v)
             step = shard_step(x, y, r, world_size, exp.accum)
             model.zero_grad()
             for xb, yb in step.micro_batches:
                 (sum_loss(model(xb), yb) * world_size / step.global_count).backward()
-            total = [a + p.grad for a, p in zip(total, params)]
-        versions.append([v - exp.lr * g / world_size for v, g in zip(versions[t], total)])
-    return [dict(zip(names, v)) for v in versions[1:]]
+            total = [a + p.grad for a, p in zip(total, params, strict=True)]
+        versions.append([v - exp.lr * g / world_size for v, g in zip(versions[t], total, strict=True)])
+    return [dict(zip(names, v, strict=True)) for v in versions[1:]]
 
 
 @pytest.mark.parametrize("world_size, servers", [(2, 1), (4, 2)])
@@ -148,7 +149,7 @@ def test_ps_async_computes_each_gradient_on_the_version_its_schedule_names(pools
                      options={"staleness": 2, "schedule_seed": 3, "servers": servers})
     want = _stale_sgd(exp, world_size)
     for result in pools.run(world_size, run_experiment, exp):
-        for t, (got, expected) in enumerate(zip(result.params, want)):
+        for t, (got, expected) in enumerate(zip(result.params, want, strict=True)):
             for name, value in expected.items():
                 scale = max(value.abs().max().item(), 1e-30)
                 assert (got[name] - value).abs().max().item() <= 1e-12 * scale, (t, name)
@@ -229,8 +230,8 @@ def test_diloco_with_unit_outer_lr_and_no_momentum_is_plain_averaging(pools):
     unit = pools.run(2, run_experiment, _with(exp, "local-sgd", outer_lr=1.0, outer_momentum=0.0))
     diloco = pools.run(2, run_experiment, _with(exp, "local-sgd", outer_lr=0.7, outer_momentum=0.9))
     # rank by rank: between averages the ranks differ
-    assert all(judge([u], p, "float64").ok for u, p in zip(unit, plain))  # anchor - (anchor - mean) = mean
-    assert not all(judge([d], p, "float64").ok for d, p in zip(diloco, plain))
+    assert all(judge([u], p, "float64").ok for u, p in zip(unit, plain, strict=True))  # anchor - (anchor - mean) = mean
+    assert not all(judge([d], p, "float64").ok for d, p in zip(diloco, plain, strict=True))
     outer = STAGES["local-sgd"].state_bytes(diloco[0].psi, 2, 8, 2, outer_lr=0.7)
     assert abs(diloco[0].held_bytes["total"] - outer) <= 0.02 * outer, (diloco[0].held_bytes, outer)
 

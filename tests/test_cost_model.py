@@ -89,7 +89,7 @@ def test_scale_prints_the_table_and_json(capsys):
 ])
 def test_scale_refuses_bad_input_in_one_line(capsys, argv, words):
     base = {"--params": "1e6", "--world-size": "2", "--network": "nvlink", "--stage": "ddp"}
-    for flag, value in zip(argv[::2], argv[1::2]):
+    for flag, value in zip(argv[::2], argv[1::2], strict=True):
         base[flag] = value
     assert main(["scale", "--compute-ms", "1", *[x for kv in base.items() for x in kv]]) == 2
     err = capsys.readouterr().err

@@ -99,7 +99,7 @@ def test_the_split_division_is_not_fsdp2s():
 def _one_step(model: nn.Module, x, y, k: int) -> dict:
     """Parameters after one SGD step of the reference stage over ``k`` micro-batches of (x, y)."""
     stage = make_stage("reference", model, torch.optim.SGD(model.parameters(), lr=0.1))
-    train_step(stage, Step(list(zip(x.tensor_split(k), y.tensor_split(k))), global_count=y.numel()))
+    train_step(stage, Step(list(zip(x.tensor_split(k), y.tensor_split(k), strict=True)), global_count=y.numel()))
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 

@@ -76,7 +76,7 @@ def test_the_delay_is_per_message_once_and_costs_no_cpu(pool3, backend):
     extra = (min(max(d["wall"] for d in run) for run in dialleds)  # as slow as the slowest rank
              - min(max(p["wall"] for p in run) for run in plains))
     assert 0.85 * expected < extra < 1.7 * expected, (extra, expected)  # per collective: 0.6x; bytes twice: 2x
-    for r, (p, d) in enumerate(zip(plain, dialled)):
+    for r, (p, d) in enumerate(zip(plain, dialled, strict=True)):
         assert d["value"] == p["value"] == 3.0  # ones, summed over 3 ranks
         assert d["sent"] == p["sent"] and d["messages"] == p["messages"]  # the ledger does not see the dial
         assert d["cpu"] < 0.25 * expected, f"rank {r} used {d['cpu']:.3f} s of CPU waiting {expected:.3f} s"
@@ -88,7 +88,7 @@ def test_each_message_holds_its_sender_for_alpha_plus_bytes_over_bandwidth():
     for nbytes in (0, 2000, 8000):
         port.send(nbytes, "all_reduce")
     held = [end - start for start, end, *_ in port.messages]
-    for h, want in zip(held, (0.004, 0.006, 0.012)):
+    for h, want in zip(held, (0.004, 0.006, 0.012), strict=True):
         assert want <= h < want + 0.03  # never less; more only by what a busy machine adds to a wake-up
 
 

@@ -67,7 +67,7 @@ def test_the_reference_is_mixed_precision_training_written_out(precision):
     reference = exact_reference_of(exp, 1)
     masters, states, skipped = _by_hand(exp, PRECISIONS[precision])
     assert skipped == reference.skipped_steps and (skipped > 0) == (precision == "fp16")
-    for step, (got, want) in enumerate(zip(reference.params, masters)):
+    for step, (got, want) in enumerate(zip(reference.params, masters, strict=True)):
         assert all(torch.equal(got[n], want[n]) for n in want), f"step {step}"
     assert _same_states(reference.optimizer_states[-1], states)
 
@@ -90,15 +90,15 @@ def _by_hand(exp: Experiment, dtype: torch.dtype):
         (loss * (1 / y.numel()) * scale).backward()
         grads = [p.grad.float() / scale for p in model.parameters()]
         if all(torch.isfinite(g).all() for g in grads):
-            for m, g in zip(masters, grads):
+            for m, g in zip(masters, grads, strict=True):
                 m.grad = g
             optimizer.step()
             with torch.no_grad():
-                for p, m in zip(model.parameters(), masters):
+                for p, m in zip(model.parameters(), masters, strict=True):
                     p.copy_(m)
         else:
             scale, skipped = scale / 2, skipped + 1
-        history.append({n: m.detach().clone() for n, m in zip(names, masters)})
+        history.append({n: m.detach().clone() for n, m in zip(names, masters, strict=True)})
     return history, optimizer.state_dict(), skipped
 
 

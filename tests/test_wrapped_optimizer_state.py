@@ -126,7 +126,7 @@ def test_mixed_precision_keeps_the_state_in_its_masters(pools, stage, precision)
     options = {**options_for(stage, 3), "precision": precision}
     given = pools.run(3, _wrap_and_continue, stage, "adamw", options, torch.float32)
     loaded = pools.run(3, _wrap_and_continue, stage, "adamw", options, torch.float32, True)
-    for rank, (a, b) in enumerate(zip(given, loaded)):
+    for rank, (a, b) in enumerate(zip(given, loaded, strict=True)):
         assert a[0]["state"], f"{stage}: no state right after wrapping"
         assert_same_optimizer_state(a[0], b[0], f"{stage} {precision.name}, rank {rank}, right after wrapping")
         for name in b[1]:

@@ -75,7 +75,7 @@ def optimizer_names(stage) -> list[list[str]]:
 
 def optimizer_groups(stage) -> list[dict]:
     return [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
-            for group, names in zip(stage.optimizer.param_groups, optimizer_names(stage))]
+            for group, names in zip(stage.optimizer.param_groups, optimizer_names(stage), strict=True)]
 
 
 def by_name(saved: dict, names: list[list[str]]) -> dict:
@@ -83,7 +83,7 @@ def by_name(saved: dict, names: list[list[str]]) -> dict:
     flat = [n for group in names for n in group]
     return {"state": {flat[i]: entry for i, entry in saved["state"].items()},
             "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": group}
-                             for g, group in zip(saved["param_groups"], names)]}
+                             for g, group in zip(saved["param_groups"], names, strict=True)]}
 
 
 def indexed(saved: dict, names: list[list[str]], directory: Path) -> dict:
@@ -95,4 +95,4 @@ def indexed(saved: dict, names: list[list[str]], directory: Path) -> dict:
     position = {n: i for i, n in enumerate(n for group in names for n in group)}
     return {"state": {position[n]: entry for n, entry in saved["state"].items()},
             "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [position[n] for n in group]}
-                             for g, group in zip(saved["param_groups"], names)]}
+                             for g, group in zip(saved["param_groups"], names, strict=True)]}

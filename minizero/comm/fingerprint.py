@@ -131,7 +131,7 @@ def exchange(comm, call: Call, device: torch.device) -> None:
     texts = torch.empty(n * TEXT, dtype=torch.float64, device=device)
     comm.all_gather(texts, text)
     words = [bytes(int(c) for c in row if c).decode(errors="replace") for row in texts.view(n, TEXT).cpu().tolist()]
-    calls = [decode(row, what) for row, what in zip(rows.tolist(), words)]
+    calls = [decode(row, what) for row, what in zip(rows.tolist(), words, strict=True)]
     raise CollectiveMismatch(explain(comm.rank, calls))
 
 

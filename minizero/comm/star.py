@@ -78,7 +78,7 @@ class StarExchanges:
                 op.combine(output, buffers[i], out=output)
 
         self._at("push")
-        self._exchange(sends, list(zip(buffers, order)), arrived)
+        self._exchange(sends, list(zip(buffers, order, strict=True)), arrived)
         if own is None:
             return
         if order:

@@ -35,7 +35,7 @@ def full_state_dict(self) -> dict[str, torch.Tensor]:
 
 def master_values(self) -> dict[int, torch.Tensor]:
     """``id(parameter)`` -> its whole fp32 master (the reference and ddp hold them whole)."""
-    return {id(w): m.detach().clone() for w, m in zip(self.master.working, self.master.masters)}
+    return {id(w): m.detach().clone() for w, m in zip(self.master.working, self.master.masters, strict=True)}
 
 def with_masters(self, state: dict, masters: dict[int, torch.Tensor]) -> dict:
     if self.master is None:
@@ -85,7 +85,7 @@ def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
     self._load_module_tensors(state)
     if self.master:
         names = {id(p): n for n, p in self.module.named_parameters()}
-        for w, m in zip(self.master.working, self.master.masters):
+        for w, m in zip(self.master.working, self.master.masters, strict=True):
             m.copy_(state[names[id(w)]])
 
 def load_module_tensors(self, state: dict, skip: set[str] = frozenset()) -> None:
@@ -112,7 +112,7 @@ def load_full_optimizer_state_dict(self, saved: dict) -> None:
     masters = [m for group in self.master_optimizer.param_groups for m in group["params"]]
     state = {j: saved["state"][position[id(m)]] for j, m in enumerate(masters) if position[id(m)] in saved["state"]}
     groups, j = [], 0
-    for kept, group in zip(saved["param_groups"], self.master_optimizer.param_groups):
+    for kept, group in zip(saved["param_groups"], self.master_optimizer.param_groups, strict=True):
         groups.append({**settings(kept), "params": list(range(j, j + len(group["params"])))})
         j += len(group["params"])
     self.master_optimizer.load_state_dict({"state": state, "param_groups": groups})
