@@ -210,12 +210,21 @@ class MasterWeights:
        touch nothing and halve the scale;
     4. **round** each stepped master into its working copy: the 16-bit
        weights the next forward (and ZeRO's all-gather) uses.
+
+    With ``optimizer_outside`` the user's optimizer was built *after* wrapping, over the masters
+    (``stage.parameters()``, as FSDP2's ``MixedPrecisionPolicy`` keeps fp32 sharded parameters for it), and
+    steps them itself.  Then the stage hands each synchronised gradient over at once (:meth:`hand_over`:
+    unscaled into the masters' ``.grad``, the working one freed, an overflow agreed on and the step skipped
+    by setting every master's ``.grad`` to None, which torch's optimizers skip), and rounds the masters
+    into the working copy before the next forward (:meth:`refresh`).
     """
 
     def __init__(self, working: list[torch.Tensor], masters: list[nn.Parameter], precision: Precision,
                  comm: Comm | None = None, tag: Callable[[str], Tag] | None = None,
-                 masters_dtype: torch.dtype | None = None):
+                 masters_dtype: torch.dtype | None = None, optimizer_outside: bool = False):
         self.working, self.masters, self.precision = working, masters, precision
+        self.optimizer_outside = optimizer_outside
+        self._refreshed = [m._version for m in masters]  # optimizer_outside: each master's version when last rounded
         # Said by the caller where this rank may hold no master at all (a ZeRO rank with an empty shard, a
         # parameter server's worker): the loss must still be computed in the model's dtype, as elsewhere.
         self._masters_dtype = masters_dtype
@@ -252,6 +261,8 @@ class MasterWeights:
     def unscale_(self) -> bool:
         """The masters' fp32 gradients, unscaled; True if any rank found an inf or NaN.  Once per step:
         clipping calls it before the step, as torch's ``GradScaler.unscale_``."""
+        if self.optimizer_outside:  # the masters' gradients were handed over, unscaled, at the end of backward
+            return False
         if self._overflow is None:
             inverse = 1.0 / self.loss_scale
             for w, m in zip(self.working, self.masters, strict=True):
@@ -307,3 +318,43 @@ class MasterWeights:
             self._overflow = None
             for listener in self.settled:
                 listener(stepped, self.loss_scale / scale)
+
+    # ------------------------------------------------------------ the optimizer built after wrapping
+    @torch.no_grad()
+    def hand_over(self) -> None:
+        """After a synchronising backward: each working gradient, in fp32 and unscaled, *added* to its master's
+        ``.grad`` (torch's accumulation, in fp32 -- as FSDP2 accumulates sharded gradients), and freed.  With
+        loss scaling, the ranks agree on overflow; on overflow every master's ``.grad`` becomes None -- the
+        user's ``optimizer.step()`` then skips the step -- and the scale halves."""
+        scale = self.loss_scale
+        inverse = 1.0 / scale
+        for w, m in zip(self.working, self.masters, strict=True):
+            if w.grad is not None:
+                g = w.grad.to(m.dtype, copy=True).mul_(inverse)
+                m.grad = g if m.grad is None else m.grad.add_(g)
+                w.grad = None
+        overflow = self._agree_on_overflow() if self.scaler else False
+        if overflow:
+            if self.scaler.scale <= self.scaler.floor:
+                rank = self.comm.rank if self.comm else 0
+                raise FloatingPointError(
+                    f"rank {rank}: gradients are inf or NaN even at the minimum loss scale ({self.scaler.floor:g}); "
+                    f"the run has diverged, not overflowed. Lower the learning rate, check the data for inf/NaN, "
+                    f"or use precision='bf16' (fp32's range).")
+            for m in self.masters:
+                m.grad = None
+        if self.scaler:
+            self.scaler.update(overflow)
+        for listener in self.settled:
+            listener(not overflow, self.loss_scale / scale)
+
+    @torch.no_grad()
+    def refresh(self) -> bool:
+        """Before a forward: round every master the user's optimizer changed into its working copy (the one
+        rounding to 16 bits).  True if any changed."""
+        changed = False
+        for i, (w, m) in enumerate(zip(self.working, self.masters, strict=True)):
+            if m._version != self._refreshed[i]:
+                w.copy_(m)
+                self._refreshed[i], changed = m._version, True
+        return changed

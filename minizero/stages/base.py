@@ -190,6 +190,8 @@ class Stage(nn.Module):
             if self._sync_queued:  # a backward that raised never ran its queued synchronisation
                 self._sync_queued = False
                 self._abandon_backward()
+        if self.master is not None and self.master.optimizer_outside:
+            self.master.refresh()  # the user's optimizer stepped the fp32 masters: round them into the model
         self.pre_forward()
         output = self.call_module(*args, **kwargs)
         if torch.is_grad_enabled():
@@ -240,6 +242,8 @@ class Stage(nn.Module):
     def _run_post_backward(self) -> None:
         self._sync_queued = False
         self.post_backward()
+        if self.master is not None and self.master.optimizer_outside:
+            self.master.hand_over()  # the averaged gradients, in fp32, on the masters the user's optimizer steps
         self._local_grads = False
 
     def _abandon_backward(self) -> None:
@@ -325,6 +329,16 @@ class Stage(nn.Module):
                 f"to make_stage(name, model, optimizer, comm).")
         return self.optimizer
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The model's parameters -- or, under mixed precision with the optimizer built after wrapping, their
+        fp32 masters: what that optimizer must step (FSDP2's ``MixedPrecisionPolicy``: fp32 parameters, the
+        16-bit copy made for compute)."""
+        if self.master is None or not self.master.optimizer_outside:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        for name, p in self.trainable():
+            yield prefix + name, self.master.master_of(p)
+
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """Named trainable parameters, tied ones once, in registration order."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -344,7 +358,7 @@ class Stage(nn.Module):
         return {"params": params,
                 "grads": [p.grad for p in params if p.grad is not None],
                 "master": self.master.masters if self.master else [],
-                "optimizer": optimizer_tensors(self.master_optimizer if self.master else self.optimizer)}
+                "optimizer": optimizer_tensors(getattr(self, "master_optimizer", self.optimizer))}
 
     def add_observer(self, observer) -> None:
         """Instrumentation outside the algorithm: ``observer(event, nbytes, source)`` hears of memory a stage

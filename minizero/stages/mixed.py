@@ -16,13 +16,7 @@ from ..rebuilt import rebuild
 
 
 def check_mixed_precision(self) -> None:
-    if self.optimizer is None:
-        raise ValueError(
-            f"rank {self.rank}: precision={self.precision.name!r} keeps fp32 master weights, which only the "
-            f"optimizer steps -- so the stage must own it: pass your optimizer to make_stage(name, model, "
-            f"optimizer, comm, precision=...) (as deepspeed.initialize takes it), instead of building one over "
-            f"stage.parameters() afterwards.")
-    if type(self.optimizer) is torch.optim.LBFGS:
+    if self.optimizer is not None and type(self.optimizer) is torch.optim.LBFGS:
         raise TypeError(
             f"rank {self.rank}: LBFGS cannot step fp32 master weights: it re-evaluates the loss through a "
             f"closure on the parameters it holds, which under precision={self.precision.name!r} are not the "
@@ -34,7 +28,8 @@ def check_mixed_precision(self) -> None:
 def keep_masters(self) -> None:
     """Mixed precision where every rank keeps every parameter (the reference, ddp): fp32 masters of
     all trainable parameters, a 16-bit working copy in the model, and the user's optimizer rebuilt over
-    the masters (its ``step`` routed to the stage's, which goes through them)."""
+    the masters (its ``step`` routed to the stage's, which goes through them).  Without an optimizer (one
+    built after wrapping), ``stage.parameters()`` are the masters, as FSDP2's are its fp32 parameters."""
     if not self.precision.mixed:
         return
     optimizer, trainable = self.optimizer, [p for _, p in self.trainable()]
@@ -42,8 +37,10 @@ def keep_masters(self) -> None:
     originals = cast_parameters(self.module, self.precision.working_dtype)
     self._frozen = {k: v for k, v in originals.items() if k not in {id(p) for p in trainable}}
     self.master = MasterWeights(trainable, masters, self.precision, self.comm,
-                                self.tag if self.comm else None)
+                                self.tag if self.comm else None, optimizer_outside=optimizer is None)
     settle_wire(self)
+    if optimizer is None:
+        return
     self.master_optimizer = rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
                                     [[self.master.master_of(p) for p in group["params"] if p.requires_grad]
                                      for group in optimizer.param_groups])

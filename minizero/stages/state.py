@@ -47,7 +47,7 @@ def with_masters(self, state: dict, masters: dict[int, torch.Tensor]) -> dict:
 
 def full_optimizer_state_dict(self) -> dict:
     """What a plain torch optimizer over the unwrapped model would hold (ZeRO consolidates it)."""
-    if self.master is not None:
+    if self.master is not None and self.optimizer is not None:
         return in_users_order(self.master_optimizer, self.optimizer, self.master)
     return self.optimizer.state_dict() if self.optimizer is not None else {}
 

@@ -91,7 +91,7 @@ class ZeRO(Stage):
         pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
                   for group, master in zip(self.groups, masters, strict=True) for piece in group.pieces]
         self.master = MasterWeights(working, pieces, self.precision, self.comm, self.tag,
-                                    masters[0].dtype if masters else None)
+                                    masters[0].dtype if masters else None, optimizer_outside=self.user_optimizer is None)
         self._settle_wire()
 
     def _master_values(self) -> dict[int, torch.Tensor]:
@@ -109,9 +109,11 @@ class ZeRO(Stage):
         return [piece for group in self.groups for piece in group.pieces]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's piece of every parameter, under the parameter's name (FSDP's ``use_orig_params``)."""
+        """This rank's piece of every parameter, under the parameter's name (FSDP's ``use_orig_params``) --
+        under mixed precision, the piece's fp32 master (FSDP2's sharded fp32 parameter)."""
+        outside = self.master is not None and self.master.optimizer_outside
         for piece in self.pieces():
-            yield prefix + piece.segment.name, piece.param
+            yield prefix + piece.segment.name, self.master.master_of(piece.param) if outside else piece.param
 
     def accumulate(self, group: FlatGroup, averaged: torch.Tensor, used: set[int]) -> None:
         """Give each piece of ``group`` its part of the averaged shard, as autograd gives ``.grad``: added to
