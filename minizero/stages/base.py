@@ -352,6 +352,14 @@ class Stage(nn.Module):
         return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None and p.grad.numel() > 0],
                                               max_norm, norm_type)
 
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Every trainable parameter's (averaged) gradient in its full shape, by name: here each rank holds
+        them whole (ZeRO gathers them from the pieces) -- under mixed precision with the optimizer built after
+        wrapping, the fp32 masters' gradients, which that optimizer steps."""
+        outside = self.master is not None and self.master.optimizer_outside
+        return {n: None if g is None else g.detach().clone()
+                for n, p in self.trainable() for g in [(self.master.master_of(p) if outside else p).grad]}
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The model state this rank keeps between steps, by kind -- what memory accounting walks."""
         params = [p for _, p in self.trainable()]

@@ -108,6 +108,10 @@ class BucketedDDP(DDP):
         self._drop_unused_grads()  # before mixed precision's unscale: the masters get exactly the step's gradients
         return super().clip_grad_norm_(max_norm, norm_type)
 
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        self._drop_unused_grads()  # an unused parameter's slot in its bucket holds zeros, not a gradient
+        return super().full_gradients()
+
     def _drop_unused_grads(self) -> None:
         """As on a single device: a parameter with no gradient -- unused everywhere, or no backward since
         zero_grad() -- is not stepped (no weight decay, no momentum).  Its .grad comes back at zero_grad()."""

@@ -30,7 +30,7 @@ import functools
 import torch
 from torch import nn
 
-from ..comm import Comm
+from ..comm import Comm, ReduceOp
 from ..compress import make_wire
 from ..layout import FlatGroup
 from ..parts import Part, flat_range
@@ -173,6 +173,30 @@ class ZeRO(Stage):
         dtype = functools.reduce(torch.promote_types, [g.optimizer_dtype for g in self.groups], torch.float32)
         device = self.groups[0].shard.device if self.groups else torch.device("cpu")
         return clip_sharded_grad_norm_(grads, max_norm, norm_type, self.comm, dtype, device, self.tag("clip norm"))
+
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's averaged gradient in its full shape -- FSDP2's ``param.grad.full_tensor()`` --
+        from every rank's pieces; None where no rank holds one.  A collective: every rank calls it, and gets
+        all of them (the pieces' dtype; under mixed precision with the optimizer built after wrapping, the
+        fp32 masters' gradients, which that optimizer steps)."""
+        outside = self.master is not None and self.master.optimizer_outside
+        gradients = {}
+        for g, group in enumerate(self.groups):
+            dtype = group.optimizer_dtype if outside else group.dtype
+            mine = torch.zeros(group.shard.numel(), dtype=dtype, device=group.shard.device)  # a worker's: empty
+            held = torch.zeros(len(group.segments), device=group.shard.device)
+            position = {id(s): i for i, s in enumerate(group.segments)}
+            for piece in group.pieces:
+                grad = (self.master.master_of(piece.param) if outside else piece.param).grad
+                if grad is not None:
+                    mine[piece.offset:piece.offset + piece.stop - piece.start] = grad
+                    held[position[id(piece.segment)]] = 1.0
+            full = mine.new_empty(group.shard_size * group.world_size)
+            self.gather(full, mine, tag=self.tag(f"group {g} full gradients"))
+            self.comm.all_reduce(held, ReduceOp.MAX, tag=self.tag(f"group {g} which have a gradient"))
+            for segment, value, anywhere in zip(group.segments, group.unpack_full(full), held.tolist(), strict=True):
+                gradients[segment.name] = value if anywhere else None
+        return gradients
 
     # ------------------------------------------------------------ accounting and state dicts
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
