@@ -64,8 +64,6 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str, stages
                    help="fp16: clean steps before the loss scale doubles (2000)")
     p.add_argument("--min-loss-scale", type=positive_float, default=None, help="fp16: the loss scale's floor (1)")
     p.add_argument("--clip", type=positive_float, default=None, help="clip the global L2 gradient norm to this")
-    add_flags(p, stages, leave_out=("precision",), command=p.prog)
-    p.set_defaults(registry=None if stages is LAB_STAGES else stages)
     p.add_argument("--backend", choices=list(BACKENDS), default="ring")
     p.add_argument("--seed", type=preflight.seed, default=0)
     p.add_argument("--timeout", type=preflight.timeout_s, default=300.0,
@@ -78,6 +76,8 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str, stages
     p.add_argument("--json", action="store_true")
     p.add_argument("--debug", action="store_true", help="a failure on the ranks: print every traceback, not only "
                                                         "the verdict")
+    add_flags(p, stages, leave_out=("precision",), command=p.prog)
+    p.set_defaults(registry=None if stages is LAB_STAGES else stages)
 
 
 def parser(stages: dict | None = None) -> argparse.ArgumentParser:
@@ -129,11 +129,11 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     timing.add_argument("--measure", action="store_true", help="measure forward+backward here (the bench GPT, "
                         "scaled to --params)")
     scale.add_argument("--layers", type=positive_int, default=12, help="blocks the parameters are split into (ZeRO-3 units)")
-    # The options the cost model reads: the wire's (and --precision, below) are bytes per element, not options.
-    add_flags(scale, {n: STAGES[n] for n in distributed()}, leave_out=[o.name for o in WIRE_AND_USE], command="scale")
     scale.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                        help="bytes per element on the wire: 4 (fp32) or 2 (bf16/fp16)")
     scale.add_argument("--json", action="store_true")
+    # The options the cost model reads: the wire's (and --precision, above) are bytes per element, not options.
+    add_flags(scale, {n: STAGES[n] for n in distributed()}, leave_out=[o.name for o in WIRE_AND_USE], command=scale.prog)
     add_train_command(sub, positive_int, natural_int, positive_float)
     add_lab_commands(sub)
     return top

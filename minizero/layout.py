@@ -108,6 +108,14 @@ class FlatGroup:
                 pieces.append(Piece(s, a - s.start, b - s.start, nn.Parameter(self.shard[a - lo:b - lo]), a - lo))
         return pieces
 
+    #: Held whole by every rank, averaged by an all-reduce (:class:`ReplicatedGroup`), not sharded.
+    replicated = False
+
+    @property
+    def gathered(self) -> bool:
+        """The full buffer exists: always, but for ZeRO-3's sharded groups between uses."""
+        return True
+
     @property
     def dtype(self) -> torch.dtype:
         return self.shard.dtype
@@ -197,6 +205,18 @@ def build_groups(param_groups: list[dict], rank: int, world_size: int, names: di
     return [(group_class or FlatGroup)([(names.get(id(p), f"param {i}"), p) for i, p in enumerate(piece)], rank,
                                        world_size, index)
             for index, piece in plan]
+
+
+class ReplicatedGroup(FlatGroup):
+    """Parameters every rank holds whole inside a sharded model -- FSDP2's modules left outside
+    ``fully_shard``: laid out as a group of one rank, so this rank "owns" all of it (its pieces are the
+    whole parameters, which the sharded optimizer steps on every rank alike), and its gradients are
+    all-reduced instead of reduce-scattered."""
+
+    replicated = True
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group_index: int = 0):
+        super().__init__(named_params, 0, 1, group_index)
 
 
 class ShardedFlatGroup(FlatGroup):

@@ -147,14 +147,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, comm: Comm,
-                            dtype: torch.dtype, device: torch.device, tag: Tag | None = None) -> torch.Tensor:
+                            dtype: torch.dtype, device: torch.device, tag: Tag | None = None,
+                            replicas: list[torch.Tensor] = ()) -> torch.Tensor:
     """Global-norm clipping when each rank holds a disjoint part of the averaged gradient: one more
     collective (:func:`sharded_grad_norm`), then every rank scales its part by min(1, max_norm / norm) --
-    ``torch.nn.utils.clip_grad_norm_``'s result without anyone holding all of it."""
+    ``torch.nn.utils.clip_grad_norm_``'s result without anyone holding all of it.  ``replicas``: gradients
+    every rank holds alike (ZeRO-3's replicated modules), scaled too but counted once -- by the caller,
+    who puts rank 0's in ``grads``."""
     grads = [g for g in grads if g.numel()]
     total = sharded_grad_norm(grads, norm_type, comm, dtype, device, tag)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # below max_norm nothing grows
-    for g in grads:
+    for g in grads + [g for g in replicas if g.numel()]:
         g.mul_(coefficient)
     return total[0]
 

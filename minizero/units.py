@@ -47,6 +47,31 @@ def resolve_units(model: nn.Module, units) -> list[nn.Module]:
     return resolved
 
 
+def replicated_parameters(model: nn.Module, replicate, rank: int = 0) -> set[int]:
+    """The trainable parameters of the modules (or submodule names) in ``replicate``, by ``id``: kept whole on
+    every rank, all-reduced, not sharded.  A parameter a replicated module shares with a sharded one (a tied
+    weight) is refused: it would be both."""
+    if not replicate:
+        return set()
+    modules = [model.get_submodule(m) if isinstance(m, str) else m for m in replicate]
+    if any(m is model for m in modules):
+        raise ValueError(f"rank {rank}: replicate names the whole model: that is ddp, not zero3; list the submodules "
+                         f"to keep whole on every rank")
+    inside = {id(m) for module in modules for m in module.modules()}
+    module_names = {id(m): n for n, m in model.named_modules()}
+    replicated = {id(p): f"{module_names[id(module)]}.{n}" for module in modules
+                  for n, p in module.named_parameters() if p.requires_grad}
+    for name, module in model.named_modules():
+        if id(module) not in inside:
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in replicated:
+                    raise ValueError(
+                        f"rank {rank}: parameter {name + '.' + pname!r} of module {name!r}, which is sharded, is also "
+                        f"a replicated module's ({replicated[id(p)]!r}, a tied weight): it cannot be both. Replicate "
+                        f"{name!r} too, or neither")
+    return set(replicated)
+
+
 def assign_parameters(model: nn.Module, units: list[nn.Module]) -> list[list[tuple[str, nn.Parameter]]]:
     """Trainable parameters per unit; index 0 is the root: parameters outside every unit,
     and parameters used from more than one unit (tied weights)."""

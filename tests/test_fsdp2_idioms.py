@@ -73,3 +73,88 @@ def test_every_gradient_in_its_full_shape_is_the_single_device_gradient(pools, s
             else:
                 assert got[name].shape == grad.shape, name
                 assert torch.allclose(got[name], grad, rtol=1e-12, atol=1e-15), (name, (got[name] - grad).abs().max())
+
+
+# ---------------------------------------------------------------------------- replicated modules inside ZeRO-3
+REPLICATE = ["head", "blocks.1"]
+
+
+def _single_device_training(steps: int, accum: int) -> dict[str, torch.Tensor]:
+    model = Blocks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(steps):
+        optimizer.zero_grad()
+        x = torch.cat([_batch(r + 10 * step) for r in range(WORLD)])
+        _loss(model(x), x.shape[0]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _zero3_replicating(me, replicate, steps: int, accum: int):
+    from minizero.comm import Ledger
+    model = Blocks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    comm = make_comm("ring", check=True)
+    stage = make_stage("zero3", model, optimizer, comm, replicate=replicate, find_unused_parameters=True)
+    ledger = Ledger()
+    comm.add_observer(ledger)
+    held = {n: p.numel() for n, p in model.named_parameters()}  # between steps: 0 where sharded
+    for step in range(steps):
+        stage.zero_grad()
+        total = sum(5 + r + 10 * step for r in range(WORLD))
+        chunks = _batch(me.rank + 10 * step).tensor_split(accum)
+        for k, x in enumerate(chunks):
+            with stage.no_sync() if k < accum - 1 else torch.enable_grad():
+                (_loss(stage(x), total) * WORLD).backward()
+        stage.clip_grad_norm_(0.5)
+        stage.step()
+        held = {n: p.numel() for n, p in model.named_parameters()}
+    comm.remove_observer(ledger)
+    sent = ledger.snapshot()
+    sent.pop("check", None)  # the fingerprints: apart from the traffic the formulas describe
+    return stage.full_state_dict(), sent, held
+
+
+@pytest.mark.parametrize("replicate", [REPLICATE, ["blocks.0"]])
+def test_replicated_modules_inside_zero3_train_like_one_device_and_all_reduce(pools, replicate):
+    from minizero.formulas import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+    steps, accum = 3, 2
+    want = _single_device_training(steps, accum)
+    whole = {n: p.numel() for n, p in Blocks().named_parameters()
+             if any(n.startswith(m + ".") for m in replicate)}
+    psi = sum(p.numel() for p in Blocks().parameters())
+    for state, sent, held in pools.run(WORLD, _zero3_replicating, replicate, steps, accum):
+        for name, value in want.items():
+            assert torch.allclose(state[name], value, rtol=1e-10, atol=1e-12), (name, (state[name] - value).abs().max())
+        assert {n for n, size in held.items() if size} == set(whole)  # replicated: whole on every rank; the rest sharded
+        sharded = psi - sum(whole.values())
+        # Per step, by collective: the sharded parameters' two all-gathers and reduce-scatter (plus padding:
+        # fewer than N elements a group, 4 groups), the replicated ones' all-reduce -- DDP's bytes for them --
+        # with one float for the clip norm, one per parameter for the used-parameter bitmap, and the ring's
+        # uneven chunks (under 2N elements an all-reduce).  Sharding blocks.0 would all-gather 2 x 2/3 x 35 x 8
+        # bytes a step more and all-reduce that much less: beyond either slack.
+        padding = steps * 4 * (WORLD - 1) * 8
+        gathered = steps * 2 * all_gather_bytes(sharded * 8, WORLD)
+        assert gathered <= sent["all_gather"] <= gathered + 2 * padding, (sent, gathered)
+        scattered = steps * reduce_scatter_bytes(sharded * 8, WORLD)
+        assert scattered <= sent["reduce_scatter"] <= scattered + padding, (sent, scattered)
+        reduced = steps * all_reduce_bytes(sum(whole.values()) * 8, WORLD)
+        bookkeeping = steps * (all_reduce_bytes(8, WORLD) + all_reduce_bytes(len(want) * 4, WORLD) + 3 * 2 * WORLD * 8)
+        assert reduced <= sent["all_reduce"] <= reduced + bookkeeping, (sent, reduced)
+
+
+def _wrap_replicating(me, replicate):
+    from minizero.lab.models import TinyGPT
+    model = TinyGPT(vocab_size=11, d_model=8, n_layer=1, n_head=2, block_size=4).double()
+    make_stage("zero3", model, None, make_comm("ring"), replicate=replicate)
+
+
+@pytest.mark.parametrize("replicate, says", [
+    (["head"], "parameter 'token_embedding.weight' of module 'token_embedding', which is sharded, is also a replicated "
+               "module's \\('head.weight', a tied weight\\): it cannot be both. Replicate 'token_embedding' too"),
+    ([""], "rank 0: replicate names the whole model: that is ddp, not zero3")])
+def test_a_replicated_module_that_cannot_be_is_refused_naming_why(pools, replicate, says):
+    from minizero.launch import RankError
+    with pytest.raises(RankError, match=says):
+        pools.run(2, _wrap_replicating, replicate)

@@ -30,10 +30,6 @@ def add_parser(sub, positive_int, natural_int, positive_float) -> None:
                    help="samples per optimizer step over all ranks and micro-batches (kept when resuming at another N)")
     p.add_argument("--accum", type=positive_int, default=1, help="K micro-batches per step on each rank")
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32")
-    # A flag per option the stages declare (--compress, --bucket-mb, --prefetch, --servers, ...): given only to
-    # a stage that takes it, else refused, named (make_run).
-    option_flags.add_flags(p, {name: STAGES[name] for name in distributed()}, leave_out=("precision",),
-                           command="train")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="torch.distributed backend "
                    "(default: nccl with --device cuda, else gloo)")
     p.add_argument("--collectives", choices=list(BACKENDS), default="native",
@@ -57,6 +53,10 @@ def add_parser(sub, positive_int, natural_int, positive_float) -> None:
     p.add_argument("--json", action="store_true", help="the summary as JSON on stdout (progress goes to stderr)")
     p.add_argument("--debug", action="store_true", help="a failure on the ranks: print every traceback, not only "
                                                         "the verdict")
+    # A flag per option the stages declare (--compress, --bucket-mb, --prefetch, --servers, ...): given only to
+    # a stage that takes it, else refused, named (make_run).
+    option_flags.add_flags(p, {name: STAGES[name] for name in distributed()}, leave_out=("precision",),
+                           command=p.prog)
 
 
 def make_run(args) -> Run:

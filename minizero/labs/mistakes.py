@@ -11,6 +11,8 @@ name them: :data:`MISTAKE_STAGES` (the suite's mutants) and :data:`LAB_MISTAKES`
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ..comm import ReduceOp
@@ -27,7 +29,7 @@ class SumInsteadOfMean(DDP):
     mistake = "you summed the gradients but did not divide by the world size N"
     name = "ddp-sum-bug"
 
-    def sync_gradients(self):
+    def post_backward(self):
         for group in group_by_dtype([p.grad for _, p in self.trainable() if p.grad is not None]).values():
             flat = pack(group)
             self.comm.all_reduce(flat, ReduceOp.SUM)
@@ -56,7 +58,7 @@ class SyncsWeights(DDP):
     mistake = "you averaged the parameters, not their gradients"
     name = "ddp-syncs-weights"
 
-    def sync_gradients(self):
+    def post_backward(self):
         with torch.no_grad():
             for _, p in self.trainable():
                 self.comm.all_reduce(p.data, ReduceOp.AVG)
@@ -68,7 +70,7 @@ class DropsLastParameter(DDP):
     mistake = "one parameter was left out of what you averaged"
     name = "ddp-drops-param"
 
-    def sync_gradients(self):
+    def post_backward(self):
         grads = [p.grad for _, p in self.trainable() if p.grad is not None][:-1]
         for group in group_by_dtype(grads).values():
             flat = pack(group)
@@ -83,12 +85,9 @@ class SyncsEveryMicroBatch(DDP):
     mistake = "you synchronised every micro-batch: no_sync() did not stop the all-reduce, so K micro-batches cost K all-reduces"
     name = "ddp-ignores-no-sync"
 
-    def forward(self, *args, **kwargs):
-        self._syncing = True
-        output = self.call_module(*args, **kwargs)
-        if torch.is_grad_enabled():
-            self._hook_backward(output, syncing=True)
-        return output
+    @contextmanager
+    def no_sync(self):
+        yield  # require_backward_grad_sync stays True: every backward's post_backward all-reduces
 
 
 MUTANTS = {c.name: c for c in (SumInsteadOfMean, NoBroadcast, SyncsWeights, DropsLastParameter)}
@@ -108,7 +107,7 @@ class TensorHookDDP(BucketedDDP):
         for _, p in self.trainable():
             p.register_hook(lambda grad, p=p: self._sync_incoming(p, grad))
 
-    def _on_gradient_ready(self, param):  # the correct hook does nothing here
+    def post_accumulate_grad(self, param):  # the correct hook does nothing here
         pass
 
     def _sync_incoming(self, p, grad):
@@ -120,7 +119,7 @@ class TensorHookDDP(BucketedDDP):
         p.grad = None
         return averaged
 
-    def sync_gradients(self):
+    def post_backward(self):
         self._has_grad.update(id(p) for _, p in self.trainable())  # every parameter was used
 
 
@@ -130,12 +129,12 @@ class PostHookArgumentAsGradient(BucketedDDP):
     mistake = "you all-reduced what the post-accumulate-grad hook receives -- the parameter itself -- instead of its .grad"
     name = "ddp-hook-arg-is-param"
 
-    def _on_gradient_ready(self, param):
+    def post_accumulate_grad(self, param):
         if self._syncing:
             with torch.no_grad():
                 self.comm.all_reduce(param.data, ReduceOp.AVG)
 
-    def sync_gradients(self):
+    def post_backward(self):
         self._has_grad.update(id(p) for _, p in self.trainable())
 
 
@@ -149,10 +148,10 @@ class ShiftedShard(ZeRO1):
     mistake = "the optimizer stepped a neighbour's slice of the averaged gradient: the owned shard's offset is off by one rank"
     name = "zero1-shifted-shard"
 
-    def sync_gradients(self):
-        super().sync_gradients()
+    def post_backward(self):
+        super().post_backward()
         n = self.world_size
-        for group, buffer in zip(self.groups, self.grad_buffers):
+        for group, buffer in zip(self.groups, self.full_grads.buffers, strict=True):
             theirs = buffer[((self.rank + 1) % n) * group.shard_size:][:group.shard_size]
             for piece in group.pieces:
                 if piece.param.grad is not None:
@@ -166,18 +165,17 @@ class AllReduceThenAllGather(ZeRO1):
                "bytes; a reduce-scatter is half an all-reduce")
     name = "zero1-allreduce-allgather"
 
-    def sync_gradients(self):
+    def post_backward(self):
         try:
-            self._refuse_unused_here(self.groups)
-            used = self._agree_on_use([s.param for g in self.groups for s in g.segments])
+            self.refuse_unused_here(self.groups)
+            used = self.used_anywhere([s.param for g in self.groups for s in g.segments])
         finally:
             self._used.clear()
-        for group, buffer in zip(self.groups, self.grad_buffers):
-            self.comm.all_reduce(buffer, ReduceOp.AVG)
-            owned = group.shard_of(buffer)
-            for piece in group.pieces:
-                if id(piece.segment.param) in used:
-                    piece.param.grad = owned[piece.offset:piece.offset + piece.stop - piece.start]
+        for index, (group, buffer) in enumerate(zip(self.groups, self.full_grads.buffers, strict=True)):
+            self.comm.all_reduce(buffer, ReduceOp.AVG, tag=self.tag(f"group {index} gradients"), wire=self.wire,
+                                 key=index)
+            self.full_grads.take_averaged(index, used)
+        self.full_grads.window_open = False
 
 
 class LastMicroBatchOnly(ZeRO2):
@@ -186,12 +184,12 @@ class LastMicroBatchOnly(ZeRO2):
     mistake = "the full gradients were freed after every micro-batch, so under accumulation only the last one was reduced"
     name = "zero2-last-micro-batch"
 
-    def _on_gradient_ready(self, param):
+    def post_accumulate_grad(self, param):
         if not self._syncing:
             self._used.add(id(param))
             param.grad = None
             return
-        super()._on_gradient_ready(param)
+        super().post_accumulate_grad(param)
 
 
 class LocalNorm(ZeRO1):
@@ -217,7 +215,7 @@ MISTAKE_STAGES = with_stages(*MUTANTS.values(), *HOOK_MUTANTS.values(), *ZERO_MU
 
 
 class _GathersOnceUnit(Unit):
-    def after_forward(self, reshard: bool) -> None:
+    def post_forward(self, reshard: bool) -> None:
         pass  # keeps the full parameters from forward to backward
 
 
@@ -231,7 +229,7 @@ class NeverReshards(ZeRO3):
 
 
 class _StaleUnit(Unit):
-    def after_backward(self, group) -> None:
+    def post_backward(self, group) -> None:
         pass  # the full buffer outlives the step: the next forward uses the old weights
 
 
@@ -246,10 +244,11 @@ class StaleAfterBackward(ZeRO3):
 
 
 class _DividesAfterCast(Wire):
-    def all_reduce_mean(self, flat, key=None, names=None, tag=None) -> None:
-        wire = flat.to(self.wire_dtype).div_(self.comm.world_size)  # 16-bit division by N: a rounding of its own
-        self.comm.all_reduce(wire, ReduceOp.SUM, tag=tag)
-        flat.copy_(wire.to(flat.dtype))
+    def encode(self, flat, key=None):
+        return flat.to(self.wire_dtype).div_(self.comm.world_size)  # 16-bit division by N: a rounding of its own
+
+    def decode(self, wire, out, key=None, where="a gradient buffer") -> None:
+        out.copy_(wire.to(out.dtype))  # the sum of the N-th parts is already the mean
 
 
 class FP16HookDivision(DDP):

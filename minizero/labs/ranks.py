@@ -94,16 +94,16 @@ def overlap_probe(me: Rank, impl: Impl, exp) -> list[dict] | Raised:
                 return _original(*args, **kwargs)
 
             setattr(comm, kind, spied)
-        sync = stage.sync_gradients
+        post_backward = stage.post_backward
         seen = []
 
-        def spied_sync():
+        def spied_post_backward():  # the end of a synchronising backward: what happened during it
             seen.append({"launches": list(state["launches"]), "blocking": list(state["blocking"]),
                          "params": len(params)})
             state.update(ready=0, in_backward=False, launches=[], blocking=[])
-            return sync()
+            return post_backward()
 
-        stage.sync_gradients = spied_sync
+        stage.post_backward = spied_post_backward
         task, n = TASKS[exp.task], me.world_size
         for s in range(exp.steps):
             x, y = task.make_batch(exp.global_batch(n), exp.seed, s, torch.float64 if exp.dtype == "float64"

@@ -98,8 +98,9 @@ class ZeRO(Stage):
         """Every parameter's whole fp32 master: each group's master shards all-gathered."""
         values = {}
         for g, group in enumerate(self.groups):
-            full = group.master.new_empty(group.shard_size * group.world_size)
-            self.gather(full, group.master, tag=self.tag(f"group {g} masters"))
+            full = group.master if group.replicated else group.master.new_empty(group.shard_size * group.world_size)
+            if not group.replicated:
+                self.gather(full, group.master, tag=self.tag(f"group {g} masters"))
             for segment, value in zip(group.segments, group.unpack_full(full), strict=True):
                 values[id(segment.param)] = value
         return values
@@ -165,14 +166,16 @@ class ZeRO(Stage):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global-norm clipping over the pieces: each rank holds a disjoint part of the averaged gradient."""
-        if self.master:  # mixed precision: the masters' unscaled fp32 gradients, as after GradScaler.unscale_
-            grads = [m.grad for m in self.master.unscaled_masters() if m.grad is not None]
-        else:
-            grads = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
+        # Mixed precision: the masters' unscaled fp32 gradients, as after GradScaler.unscale_.
+        clipped = self.master.unscaled_masters() if self.master else [piece.param for piece in self.pieces()]
+        replicated = [group.replicated for group in self.groups for _ in group.pieces]
+        counted = [p.grad for p, r in zip(clipped, replicated, strict=True) if p.grad is not None and not r]
+        replicas = [p.grad for p, r in zip(clipped, replicated, strict=True) if p.grad is not None and r]
         # The norm's dtype and device: the same on every rank, including one that owns no piece.
         dtype = functools.reduce(torch.promote_types, [g.optimizer_dtype for g in self.groups], torch.float32)
         device = self.groups[0].shard.device if self.groups else torch.device("cpu")
-        return clip_sharded_grad_norm_(grads, max_norm, norm_type, self.comm, dtype, device, self.tag("clip norm"))
+        return clip_sharded_grad_norm_(counted + (replicas if self.rank == 0 else []), max_norm, norm_type, self.comm,
+                                       dtype, device, self.tag("clip norm"), [] if self.rank == 0 else replicas)
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's averaged gradient in its full shape -- FSDP2's ``param.grad.full_tensor()`` --
@@ -191,8 +194,9 @@ class ZeRO(Stage):
                 if grad is not None:
                     mine[piece.offset:piece.offset + piece.stop - piece.start] = grad
                     held[position[id(piece.segment)]] = 1.0
-            full = mine.new_empty(group.shard_size * group.world_size)
-            self.gather(full, mine, tag=self.tag(f"group {g} full gradients"))
+            full = mine if group.replicated else mine.new_empty(group.shard_size * group.world_size)
+            if not group.replicated:
+                self.gather(full, mine, tag=self.tag(f"group {g} full gradients"))
             self.comm.all_reduce(held, ReduceOp.MAX, tag=self.tag(f"group {g} which have a gradient"))
             for segment, value, anywhere in zip(group.segments, group.unpack_full(full), held.tolist(), strict=True):
                 gradients[segment.name] = value if anywhere else None
@@ -242,7 +246,8 @@ class ZeRO(Stage):
         optimizer = self._require_optimizer("owned_parts")
         return [Part(piece.segment.name, piece.start, piece.stop, optimizer.stepped(piece).detach().clone(),
                      flat_range(optimizer.local.state.get(optimizer.stepped(piece)), 0, piece.stop - piece.start))
-                for piece in self.pieces()]
+                for group in self.groups if not group.replicated or self.rank == 0  # a replica: rank 0 writes it
+                for piece in group.pieces]
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Each group takes its flat values (fp32 masters under mixed precision; the buffer their cast);

@@ -39,12 +39,16 @@ from torch import nn
 from ..buckets import BucketPipeline
 from ..comm import Comm, ReduceOp, Work
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
-from ..layout import ShardedFlatGroup
+from ..layout import ReplicatedGroup, ShardedFlatGroup, plan_groups
 from ..precision import Precision
-from ..units import Unit, plan_unit_groups, resolve_units
+from ..units import Unit, plan_unit_groups, replicated_parameters, resolve_units
 from .facts import Reduction, Shards
 from .options import WIRE_AND_USE, Option, natural_int
 from .zero import ZeRO
+
+#: What the property suite draws for ``replicate``, per task's model: nothing, or a module of it.
+REPLICATED = {"mlp": (None, ("layers.0",)), "gpt": (None, ("ln_f",), ("blocks.0.ln1", "ln_f")),
+              "edge": (None, ("mid",))}
 
 
 class ZeRO3(ZeRO):
@@ -56,27 +60,35 @@ class ZeRO3(ZeRO):
                       "gather them again for backward (FSDP2's default; off: 2Ψ instead of 3Ψ, more memory)", None,
                       draw=lambda d: (True, False)),
                Option("prefetch", 1, "units whose all-gather starts ahead of use", natural_int, draw=lambda d: (0, 1, 2)),
+               Option("replicate", None, "submodules (or their names) kept whole on every rank and all-reduced, not "
+                      "sharded -- FSDP2's modules left outside fully_shard", None, draw=lambda d: REPLICATED[d.task]),
                *WIRE_AND_USE)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 7's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 units=None, reshard_after_forward: bool = True, prefetch: int = 1, compress: str | None = None,
+                 units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None,
+                 compress: str | None = None,
                  error_feedback: bool = False, find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._observers: list = []
-        # One sharded group per unit, param group and dtype; the last unit first (backward's order).
-        unit_modules = resolve_units(module, units)
-        plan = plan_unit_groups(module, unit_modules, [g["params"] for g in self.param_groups()])
-        self.shard([ShardedFlatGroup(named, self.rank, self.world_size, gi) for _, gi, named in plan])
+        # One sharded group per unit, param group and dtype; the last unit first (backward's order).  Then
+        # the replicated parameters, whole on every rank, one group per param group and dtype.
+        unit_modules, whole = resolve_units(module, units), replicated_parameters(module, replicate, self.rank)
+        plan = plan_unit_groups(module, unit_modules, [[p for p in g["params"] if id(p) not in whole]
+                                                       for g in self.param_groups()])
+        named = self.names()
+        replicated = [ReplicatedGroup([(named[id(p)], p) for p in params], gi) for gi, params in
+                      plan_groups([[p for p in g["params"] if id(p) in whole] for g in self.param_groups()])]
+        self.shard([ShardedFlatGroup(named, self.rank, self.world_size, gi) for _, gi, named in plan] + replicated)
         names = {id(m): n for n, m in module.named_modules()}
         self.units = [self.unit_class(u, names[id(m)] or "root",
-                                      [g for g, (owner, _, _) in zip(self.groups, plan, strict=True) if owner == u],
+                                      [g for g, (owner, _, _) in zip(self.groups[:len(plan)], plan, strict=True) if owner == u],
                                       self.all_gather, self._observe)
                       for u, m in enumerate([module] + unit_modules)]
-        self._unit_of = [self.units[owner] for owner, _, _ in plan]  # group index -> its unit
+        self._unit_of = [self.units[owner] for owner, _, _ in plan] + [None] * len(replicated)  # group -> unit
         self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
                                        self._reduce_scatter)
         self._order: list[int] = []  # units in the order the last forward called them
@@ -162,6 +174,13 @@ class ZeRO3(ZeRO):
         """Group ``index`` is complete: pack and free its gradients and its full parameters; the
         reduce-scatter runs on the communication thread.  A skipped group is only freed."""
         group, unit = self.groups[index], self._unit_of[index]
+        if group.replicated:  # whole on every rank: averaged as DDP averages, by an all-reduce
+            full, tag = group.take_gradients(), self.tag(f"replicated gradients (group {index})")
+
+            def all_reduce() -> torch.Tensor:
+                self.comm.all_reduce(full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
+                return full
+            return all_reduce
         if index in self._skipped:
             unit.post_backward(group)
             return lambda: None
@@ -183,7 +202,7 @@ class ZeRO3(ZeRO):
         called but left without a gradient on some rank is named (or, with find_unused_parameters, agreed
         on), never skipped on some ranks only.  With find_unused_parameters nothing is skipped."""
         self._skipped = set() if self.find_unused_parameters else {
-            g for g, unit in enumerate(self._unit_of) if unit.index not in self._called}
+            g for g, unit in enumerate(self._unit_of) if unit is not None and unit.index not in self._called}
         self._called = set()
         checked = [group for g, group in enumerate(self.groups) if g not in self._skipped]
         with self.pipeline.round():
@@ -279,6 +298,12 @@ class ZeRO3(ZeRO):
         s.optimizer_step()
 
     @classmethod
-    def reduction(cls, model, optimizer, world_size, units=None, **options) -> Reduction:
-        plan = plan_unit_groups(model, resolve_units(model, units), [g["params"] for g in optimizer.param_groups])
-        return Reduction([[n for n, _ in named] for _, _, named in plan], padded=True)
+    def reduction(cls, model, optimizer, world_size, units=None, replicate=None, **options) -> Reduction:
+        whole = replicated_parameters(model, replicate)
+        groups = [g["params"] for g in optimizer.param_groups]
+        plan = plan_unit_groups(model, resolve_units(model, units), [[p for p in g if id(p) not in whole] for g in groups])
+        names = {id(p): n for n, p in model.named_parameters()}
+        replicated = [[names[id(p)] for p in params] for _, params in plan_groups([[p for p in g if id(p) in whole]
+                                                                                  for g in groups])]
+        return Reduction([[n for n, _ in named] for _, _, named in plan] + replicated, padded=True,
+                         whole=frozenset(range(len(plan), len(plan) + len(replicated))))

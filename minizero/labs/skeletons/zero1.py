@@ -1,11 +1,13 @@
 """Lab 5 -- ZeRO-1's step: reduce-scatter, step the owned shard, all-gather (lessons/05_zero1.ipynb).
 
 Given: the flat sharded layout (``self.groups``: one ``FlatGroup`` per optimizer
-param group and dtype, padded to a multiple of N, each rank owning one shard), the
-full gradient buffers (``self.grad_buffers``, each ``.grad`` a view into them),
-the pieces (this rank's part of each parameter, a view into the owned shard),
-and the user's optimizer rebuilt over the pieces (``self.optimizer``).
-Yours: the gradient reduction and the sharing of the updated parameters.
+param group and dtype, padded to a multiple of N, each rank owning one shard of
+``group.shard_size`` elements), the full gradients (``self.full_grads``: one flat
+buffer per group in ``self.full_grads.buffers``, each ``.grad`` a view into it),
+the pieces (this rank's part of each parameter, a view into the owned shard), the
+user's optimizer rebuilt over the pieces (``self.optimizer``), and ``step``.
+Yours: ``post_backward`` -- the gradients' reduce-scatter -- and
+``all_gather_parameters``, the sharing of the updated parameters.
 
 Check it:   python -m minizero check zero1 --impl THIS_FILE
 Besides equivalence, the checker counts your bytes -- a reduce-scatter plus an
@@ -18,44 +20,47 @@ from minizero.stages import ZeRO1 as GivenZeRO1
 
 
 class ZeRO1(GivenZeRO1):
-    def sync_gradients(self) -> None:
-        """Given: which parameters got a gradient anywhere; then your reduce-scatter."""
-        used = self._agree_on_use([s.param for group in self.groups for s in group.segments])
-        self.reduce_scatter_gradients(used)
-        self._window_open = False
+    def post_backward(self) -> None:
+        """Backward has finished on every rank: give each piece, as ``.grad``, its part of the gradient averaged
+        over ranks -- with half an all-reduce.
 
-    def reduce_scatter_gradients(self, used: set[int]) -> None:
-        """For each group ``g`` (index ``index``) and its full gradient buffer ``buffer``:
-
-        1. reduce-scatter the buffer into this rank's slice of it, averaged over ranks:
-           ``owned = group.shard_of(buffer)``, then
-           ``minizero.compress.reduce_scatter_mean(self.comm, self.wire, buffer, owned, index, names, tag)``
-           with ``names = [s.name for s in group.segments]`` and ``tag = self.tag(f"group {index} gradients")``;
-        2. zero the rest of the buffer -- the other ranks' slices: they own those averages.  (Only a backward
-           *without* ``zero_grad()`` before it would see them again -- torch allows that, the training loop the
-           checker runs never does it, so the checker cannot tell; the package's answer zeroes them.)
-        3. give each piece its part of the averaged slice as ``.grad``: for ``piece in group.pieces`` whose
-           ``id(piece.segment.param)`` is in ``used``,
-           ``piece.param.grad = owned[piece.offset:piece.offset + piece.stop - piece.start]``.
-        (Left out here, as the training loop never needs them, and kept by the package's answer: a parameter
-        without a gradient on some rank is named; a piece's gradient left from before a backward without
-        ``zero_grad()`` is added back to its part.)  This rank's slice of ``buffer`` is
-        ``buffer[group.rank * group.shard_size:(group.rank + 1) * group.shard_size]``.
+        1. which parameters got a gradient (those the optimizer steps):
+           ``used = self.used_anywhere([s.param for group in self.groups for s in group.segments])``;
+        2. for each group ``group`` (index ``index``) and its full gradient buffer ``buffer``
+           (``zip(self.groups, self.full_grads.buffers)``), reduce-scatter the buffer into this rank's shard of
+           it, averaged over ranks:
+           ``self.comm.reduce_scatter(group.shard_of(buffer), buffer, ReduceOp.AVG,
+           tag=self.tag(f"group {index} gradients"), wire=self.wire, key=index)`` (``minizero.comm.ReduceOp``).
+           The output is a view of the input: rank r's shard of the buffer,
+           ``buffer[r * group.shard_size:(r + 1) * group.shard_size]``, receives the mean of every rank's shard r;
+        3. hand it over: ``self.full_grads.take_averaged(index, used)`` makes each piece's part of the averaged
+           shard its ``.grad`` (pieces of parameters in ``used``) and zeroes the other ranks' shards of the
+           buffer -- they own those averages;
+        4. when every group is done, ``self.full_grads.window_open = False``: the next forward opens a new
+           accumulation window.
+        (The package's answer first names a parameter without a gradient on this rank,
+        ``self.refuse_unused_here(self.groups)``; the training loop the checker runs never leaves one out.)
         """
-        raise NotImplementedError("write ZeRO1.reduce_scatter_gradients: reduce-scatter each buffer into the "
-                                  "owned slice and hand it to the pieces")
+        raise NotImplementedError("write ZeRO1.post_backward: reduce-scatter each group's gradient buffer into the "
+                                  "owned shard and hand it to the pieces")
 
-    def _step(self) -> None:
-        """Given: step the owned pieces (False: a step skipped for fp16 overflow -- nothing changed), share them."""
-        if self.optimizer.step_owned():
-            self.all_gather_parameters()
-            self._shared_versions = [group.data._version for group in self.groups]  # shared: none owed later
+    def step(self) -> None:
+        """Given, as the package's: step the owned pieces (False: a step skipped for fp16 overflow -- nothing
+        changed), then share them with your all-gather."""
+        with self.stepping():
+            if self.optimizer.step_owned():
+                self.all_gather_parameters()
 
     def all_gather_parameters(self) -> None:
         """Every rank stepped only its own shard; every rank needs every updated parameter for the next forward.
 
-        For each group (index ``g``), all-gather its owned shard into the full flat parameters ``group.data``:
-        ``self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters"))``
-        (the clone: ``group.shard`` is a view into ``group.data``, which the all-gather writes).
+        1. for each group (index ``g``), all-gather its owned shard into the full flat parameters ``group.data``
+           (the parameters are views into it):
+           ``self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters"))``
+           (the clone: ``group.shard`` is a view into ``group.data``, which the all-gather writes);
+        2. then ``self.remember_shared()``: the full parameters are current.  (Without it the next forward sees
+           the shards changed since the last all-gather -- as after an optimizer the stage does not drive -- and
+           all-gathers them again: a third Psi of bytes.)
+        (The package's answer skips a group none of whose parameters had a gradient anywhere: it did not change.)
         """
         raise NotImplementedError("write ZeRO1.all_gather_parameters: all-gather each group's updated shard")
