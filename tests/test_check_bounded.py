@@ -26,17 +26,17 @@ spins = 0
 while True: spins += 1
 """
 
-LOOP_IN_SYNC = """\
+LOOP_IN_POST_BACKWARD = """\
 import torch.distributed as dist
 
 from minizero.stages import DDP as GivenDDP
 
 
 class DDP(GivenDDP):
-    def sync_gradients(self) -> None:
+    def post_backward(self) -> None:
         spins = 0
         while {who}: spins += 1
-        super().sync_gradients()
+        super().post_backward()
 """
 
 
@@ -76,18 +76,18 @@ def test_a_file_that_loops_at_import_is_stopped_naming_the_line(pools, tmp_path)
 
 
 @pytest.mark.parametrize("who", ["True", "dist.get_rank() == 1"], ids=["every rank", "one rank"])
-def test_a_loop_in_sync_gradients_is_stopped_naming_the_method_and_the_line(pools, tmp_path, who):
-    path = lab_file(tmp_path, "loops_in_sync.py", LOOP_IN_SYNC.format(who=who))
+def test_a_loop_in_post_backward_is_stopped_naming_the_method_and_the_line(pools, tmp_path, who):
+    path = lab_file(tmp_path, "loops_in_post_backward.py", LOOP_IN_POST_BACKWARD.format(who=who))
     report = bounded(check, "ddp", impl=path, examples=3, pools=pools, out=quiet, deadline_s=DEADLINE_S)
     assert report.failed == "equivalence to single-device training" and report.final, report
-    loop = f"in your DDP.sync_gradients, at {path}:9: while {who}: spins += 1"
+    loop = f"in your DDP.post_backward, at {path}:9: while {who}: spins += 1"
     if who == "True":  # every rank of the first example (world size 1 included) loops
         assert re.search(rf"rank 0(, rank \d)* spent more than {DEADLINE_S:g} s of this task in no collective "
                          rf"\(the limit\).*--deadline SECONDS", report.why), report.why
         assert re.search(rf"rank 0(, rank \d)*: {re.escape(loop)}", report.why), report.why
     else:  # rank 1 loops; its peers wait in the all-reduce it never joins
         assert f"rank 1: {loop}" in report.why, report.why
-        waiting = f"in your DDP.sync_gradients, at {path}:10: super().sync_gradients()"
+        waiting = f"in your DDP.post_backward, at {path}:10: super().post_backward()"
         assert re.search(rf"rank 0(, rank \d)*: {re.escape(waiting)}", report.why), report.why
 
 

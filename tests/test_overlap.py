@@ -26,10 +26,10 @@ class BlockingBuckets(BucketedDDP):
 
 
 class BucketsAfterBackward(ZeRO2):
-    """No bucket leaves before backward ends (sync_gradients launches them all)."""
+    """No bucket leaves before backward ends (post_backward launches them all)."""
     name = "buckets-after-backward"
 
-    def _on_gradient_ready(self, param) -> None:
+    def post_accumulate_grad(self, param) -> None:
         self._used.add(id(param))
 
 

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from minizero.comm import ReduceOp
 from minizero.labs.skeletons import compress as skeleton
 
 
 class Wire(skeleton.Wire):
-    def all_reduce_mean(self, flat, key=None, names=None, tag=None) -> None:
-        wire = (flat / self.pre).to(self.wire_dtype)
-        self.comm.all_reduce(wire, ReduceOp.SUM, tag=tag)
-        flat.copy_(wire.to(flat.dtype).div_(self.post))
+    def encode(self, flat, key=None):
+        return (flat / self.pre).to(self.wire_dtype)
+
+    def decode(self, wire, out, key=None, where="a gradient buffer") -> None:
+        out.copy_(wire.to(out.dtype).div_(self.post))
 
 
 class DDP(skeleton.DDP):

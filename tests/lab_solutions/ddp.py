@@ -7,9 +7,8 @@ from minizero.labs.skeletons.ddp import DDP as Skeleton
 
 
 class DDP(Skeleton):
-    def sync_gradients(self) -> None:
-        for grads in group_by_dtype([p.grad for p in self._with_gradient()]).values():
+    def post_backward(self) -> None:
+        for dtype, grads in group_by_dtype([p.grad for p in self._with_gradient()]).items():
             flat = pack(grads)
-            self.comm.all_reduce(flat, ReduceOp.SUM, tag=self.tag("gradients"))
-            flat.div_(self.world_size)
+            self.comm.all_reduce(flat, ReduceOp.AVG, tag=self.tag(f"gradients ({dtype})"), wire=self.wire, key=dtype)
             unpack(flat, grads)

@@ -1,22 +1,20 @@
 """Lab ``zero1`` filled in from the skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
-from minizero.compress import reduce_scatter_mean
+from minizero.comm import ReduceOp
 from minizero.labs.skeletons.zero1 import ZeRO1 as Skeleton
 
 
 class ZeRO1(Skeleton):
-    def reduce_scatter_gradients(self, used: set[int]) -> None:
-        for index, (group, buffer) in enumerate(zip(self.groups, self.grad_buffers)):
-            owned = group.shard_of(buffer)
-            reduce_scatter_mean(self.comm, self.wire, buffer, owned, index, [s.name for s in group.segments],
-                                self.tag(f"group {index} gradients"))
-            buffer[:group.rank * group.shard_size].zero_()
-            buffer[(group.rank + 1) * group.shard_size:].zero_()
-            for piece in group.pieces:
-                if id(piece.segment.param) in used:
-                    piece.param.grad = owned[piece.offset:piece.offset + piece.stop - piece.start]
+    def post_backward(self) -> None:
+        used = self.used_anywhere([s.param for group in self.groups for s in group.segments])
+        for index, (group, buffer) in enumerate(zip(self.groups, self.full_grads.buffers, strict=True)):
+            self.comm.reduce_scatter(group.shard_of(buffer), buffer, ReduceOp.AVG,
+                                     tag=self.tag(f"group {index} gradients"), wire=self.wire, key=index)
+            self.full_grads.take_averaged(index, used)
+        self.full_grads.window_open = False
 
     def all_gather_parameters(self) -> None:
         for g, group in enumerate(self.groups):
             self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters"))
+        self.remember_shared()

@@ -3,26 +3,30 @@ from __future__ import annotations
 
 import torch
 
-from minizero.compress import reduce_scatter_mean
+from minizero.comm import ReduceOp
 from minizero.labs.skeletons.zero2 import ZeRO2 as Skeleton
 
 
 class ZeRO2(Skeleton):
-    def _on_gradient_ready(self, param) -> None:
+    def post_accumulate_grad(self, param) -> None:
         self._used.add(id(param))
         if self._syncing:
             self.pipeline.mark(param)
 
     def _reduce_scatter(self, index: int):
-        group = self.groups[index]
-        full = group.pack_grads()
-        for s in group.segments:
-            s.param.grad = None
-        names, tag = [s.name for s in group.segments], self.tag(f"bucket {index}")
+        group, tag = self.groups[index], self.tag(f"bucket {index}")
+        full = group.take_gradients()
 
         def reduce_scatter():
             averaged = torch.empty_like(group.shard)
-            reduce_scatter_mean(self.comm, self.wire, full, averaged, index, names, tag)
+            self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
             return averaged
 
         return reduce_scatter
+
+    def post_backward(self) -> None:
+        with self.pipeline.round():
+            self.pipeline.launch_rest()
+            used = self.used_anywhere([s.param for group in self.groups for s in group.segments])
+            for index, averaged in self.pipeline.wait_all():
+                self.accumulate(self.groups[index], averaged, used)

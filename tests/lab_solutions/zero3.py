@@ -8,21 +8,21 @@ class Unit(skeleton.Unit):
     def unshard(self, why: str) -> None:
         self.start_gather(why)
         if self._gathering is not None:
-            for group, full in zip(self.groups, self._gathering.result()):
+            for group, full in zip(self.groups, self._gathering.result(), strict=True):
                 group.use(full)
             self._gathering = None
 
-    def before_forward(self) -> None:
+    def pre_forward(self) -> None:
         self.unshard("forward")
 
-    def after_forward(self, reshard: bool) -> None:
+    def post_forward(self, reshard: bool) -> None:
         if reshard:
             self.reshard()
 
-    def before_backward(self) -> None:
+    def pre_backward(self) -> None:
         self.unshard("backward")
 
-    def after_backward(self, group) -> None:
+    def post_backward(self, group) -> None:
         self._free(group)
 
 
