@@ -143,9 +143,9 @@ HOOK_MUTANTS = {c.name: c for c in (TensorHookDDP, PostHookArgumentAsGradient)}
 
 
 class ShiftedShard(ZeRO1):
-    """Gives the optimizer the neighbour's slice of the averaged gradient (an off-by-one shard offset)."""
+    """Gives the optimizer the neighbour's shard of the averaged gradient (an off-by-one shard offset)."""
 
-    mistake = "the optimizer stepped a neighbour's slice of the averaged gradient: the owned shard's offset is off by one rank"
+    mistake = "the optimizer stepped a neighbour's shard of the averaged gradient: the owned shard's offset is off by one rank"
     name = "zero1-shifted-shard"
 
     def post_backward(self):
