@@ -98,11 +98,12 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                 continue  # no gradient anywhere: the parameters keep .grad = None
             flats = [pack([g[name] if g[name] is not None else torch.zeros_like(params_by_name[name])
                            for name in packed]) for g in per_rank]
-            if reduction.padded:  # a reduce-scatter of a buffer padded to a multiple of N (or of S, a push)
+            padded = reduction.padded and key not in reduction.whole  # (a replicated buffer is all-reduced whole)
+            if padded:  # a reduce-scatter of a buffer padded to a multiple of N (or of S, a push)
                 size = padded_size(flats[0].numel(), reduction.slices or n)
                 flats = [torch.cat([f, f.new_zeros(size - f.numel())]) for f in flats]
             if wire is None:
-                averaged = ring_sum(flats, reduction.slices) / n
+                averaged = ring_sum(flats, reduction.slices if padded else None) / n
             else:  # divide by pre and post in the wider of the two dtypes (minizero.compress.Wire)
                 wide = torch.promote_types(flats[0].dtype, wire)
                 wires, pending = [], {}
@@ -112,7 +113,7 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                         scaled += residuals[(r, key)]
                     wires.append(scaled.to(wire))
                     pending[(r, key)] = scaled - wires[-1].to(wide)
-                summed = ring_sum(wires, reduction.slices)
+                summed = ring_sum(wires, reduction.slices if padded else None)
                 if error_feedback and precision.scaled:
                     settling.update(pending)
                 elif error_feedback and bool(torch.isfinite(summed).all()):  # an overflow keeps the old error

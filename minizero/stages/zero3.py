@@ -48,7 +48,7 @@ from .zero import ZeRO
 
 #: What the property suite draws for ``replicate``, per task's model: nothing, or a module of it.
 REPLICATED = {"mlp": (None, ("layers.0",)), "gpt": (None, ("ln_f",), ("blocks.0.ln1", "ln_f")),
-              "edge": (None, ("mid",))}
+              "edge": (None, ("mid", "tied"), ("out",))}  # mid and tied share a weight: both, or neither
 
 
 class ZeRO3(ZeRO):
