@@ -60,7 +60,7 @@ def sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[float, float] | None = None,
-               sync_every_micro_batch: bool = False) -> float:
+               sync_every_micro_batch: bool = False, optimizer: torch.optim.Optimizer | None = None) -> float:
     """One optimizer step; returns this rank's *summed* loss (add over ranks, divide by global_count).
 
     ``clip=(max_norm, norm_type)`` clips the averaged gradient by its global
@@ -68,8 +68,11 @@ def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[floa
     ``sync_every_micro_batch=True`` leaves out ``no_sync()``: every micro-batch's backward synchronises and
     adds its average to the averaged gradient -- the same update, K reductions per step instead of one
     (under ZeRO-2 a rank then never holds full gradients between micro-batches: lesson 6 measures both).
+    ``optimizer``: one built *after* wrapping, over ``stage.parameters()`` (FSDP2's order), which the loop
+    zeroes and steps itself; without it the stage's own ``zero_grad()`` and ``step()`` run the optimizer it
+    was given.
     """
-    stage.zero_grad()
+    (optimizer or stage).zero_grad()
     scale = stage.world_size / step.global_count
     total = 0.0
     last = len(step.micro_batches) - 1
@@ -81,6 +84,6 @@ def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[floa
         total += loss.item()
     if clip is not None:
         stage.clip_grad_norm_(*clip)
-    stage.step()
+    (optimizer or stage).step()
     return total
 
