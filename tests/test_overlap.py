@@ -72,8 +72,11 @@ def test_buckets_communicate_while_backward_computes(pool, stage):
 @pytest.mark.parametrize("stage, words", [("blocking-buckets", "waited for them"),
                                           ("buckets-after-backward", "no collective started")])
 def test_a_serialising_stage_fails_the_property(pool, stage, words):
+    """Every (rank, step) pair that fails, fails for the stage's own reason -- perhaps beside another: on a busy
+    machine a descheduled backward may also look as if it waited (seen once with the buckets left to the end)."""
     problems = _backward_overlap(pool, stage)
-    assert problems and all(words in p for p in problems), problems
+    pairs = {p.split(":")[0] for p in problems}
+    assert pairs and pairs == {p.split(":")[0] for p in problems if words in p}, problems
 
 
 def _zero3_steps(pool, prefetch: int) -> list:
