@@ -10,11 +10,11 @@ import torch
 from minizero.sharded_optimizer import sharded_grad_norm
 
 
-def sharded_clip_uncapped(grads, max_norm, norm_type, comm, dtype, device, tag=None):
+def sharded_clip_uncapped(grads, max_norm, norm_type, comm, dtype, device, tag=None, replicas=()):
     """``clip_sharded_grad_norm_`` scaling by max_norm / (norm + eps) always: a gradient below max_norm grows."""
     grads = [g for g in grads if g.numel()]
     total = sharded_grad_norm(grads, norm_type, comm, dtype, device, tag)
-    for g in grads:
+    for g in grads + [g for g in replicas if g.numel()]:
         g.mul_(max_norm / (total + 1e-6))
     return total[0]
 

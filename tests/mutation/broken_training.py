@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from minizero import compress as _compress
+from minizero.comm import ReduceOp
 from minizero.train import Step, sum_loss
 from tests.mutation import original_of
 
@@ -38,7 +38,7 @@ def divide_by_n_first(world_size):
     return world_size, 1.0  # fp16_compress_hook's order: small gradients sink into subnormals
 
 
-def feedback_of_wrong_sign(self, flat, key):
+def feedback_of_wrong_sign(self, flat, key=None):
     scaled = flat / self.pre
     if self.error_feedback and self.residuals.get(key) is not None:
         scaled += self.residuals[key]
@@ -48,7 +48,7 @@ def feedback_of_wrong_sign(self, flat, key):
     return wire
 
 
-def no_overflow_check(self, wire, out, names, key):
+def no_overflow_check(self, wire, out, key=None, where=""):
     pending = self._pending.pop(key, None)
     if pending is not None:
         self.residuals[key] = pending
@@ -56,7 +56,7 @@ def no_overflow_check(self, wire, out, names, key):
     out.div_(self.post)
 
 
-def no_cast(self, flat, key):
+def no_cast(self, flat, key=None):
     return (flat / self.pre).to(self.wire_dtype).to(flat.dtype)  # rounded like fp16, sent as fp32
 
 
@@ -98,19 +98,19 @@ def ddp_packs_what_exists(self):
 
 
 def zero1_gathers_before_stepping(self):
-    self.share_parameters()  # everyone gets the old values...
-    self.optimizer.step_owned()  # ...and each rank keeps only its own update
+    with self.stepping():
+        self.all_gather_parameters()  # everyone gets the old values...
+        self.optimizer.step_owned()  # ...and each rank keeps only its own update
 
 
 def zero2_keeps_full_gradients(self, index):
     """Right values, ZeRO-1's memory: the full gradients are packed but never freed."""
-    group = self.groups[index]
+    group, tag = self.groups[index], self.tag(f"bucket {index}")
     full = group.pack_grads()
-    names, tag = [s.name for s in group.segments], self.tag(f"bucket {index}")
 
     def reduce_scatter():
         averaged = torch.empty_like(group.shard)
-        _compress.reduce_scatter_mean(self.comm, self.wire, full, averaged, index, names, tag)
+        self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
         return averaged
     return reduce_scatter
 
@@ -155,9 +155,10 @@ def steps_on_local_gradients(self):
 # ------------------------------------------------------------------------------- the loop, the comparison
 def loop(scale_of: Callable, sync_every: bool = False, clear: bool = True, clip_after: bool = False):
     """``minizero.train.train_step`` with one thing changed (its signature kept: the experiment calls it so)."""
-    def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip=None, sync_every_micro_batch: bool = False):
+    def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip=None, sync_every_micro_batch: bool = False,
+                   optimizer=None):
         if clear:
-            stage.zero_grad()
+            (optimizer or stage).zero_grad()
         total, last = 0.0, len(step.micro_batches) - 1
         for k, (x, y) in enumerate(step.micro_batches):
             syncs = k == last or sync_every or sync_every_micro_batch
@@ -167,7 +168,7 @@ def loop(scale_of: Callable, sync_every: bool = False, clear: bool = True, clip_
             total += loss.item()
         if clip is not None and not clip_after:
             stage.clip_grad_norm_(*clip)
-        stage.step()
+        (optimizer or stage).step()
         if clip is not None and clip_after:
             stage.clip_grad_norm_(*clip)
         return total
