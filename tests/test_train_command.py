@@ -62,7 +62,7 @@ def test_resume_in_place_repeats_the_run_exactly(capsys, first_run):
 def test_resume_on_three_ranks_by_another_stage_continues_the_run(capsys, first_run):
     summary, _, root = first_run
     resumed = resume_at_step_2(capsys, root, "zero3", 3)
-    for a, b in zip(resumed["losses"][2:], summary["losses"][2:]):
+    for a, b in zip(resumed["losses"][2:], summary["losses"][2:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)  # float32, another summation order
 
 

@@ -121,7 +121,7 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                 averaged = (summed.to(wide) / post).to(flats[0].dtype)
             grads = [torch.empty_like(params_by_name[name]) for name in packed]
             unpack(averaged[:sum(g.numel() for g in grads)], grads)
-            for name, grad in zip(packed, grads):
+            for name, grad in zip(packed, grads, strict=True):
                 if any(g[name] is not None for g in per_rank):  # unused everywhere: no gradient, no update
                     params_by_name[name].grad = grad
         if exp.clip is not None:

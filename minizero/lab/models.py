@@ -39,7 +39,7 @@ def _init(module: nn.Module, seed: int, dtype: torch.dtype) -> nn.Module:
 class MLP(nn.Module):
     def __init__(self, sizes=(8, 16, 4), seed: int = 0, dtype=torch.float32):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=True))
         _init(self, seed, dtype)
 
     def forward(self, x):

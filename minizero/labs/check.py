@@ -164,7 +164,7 @@ class Checker:
                 theirs = self.run(world_size, replace(exp, stage=mistake.name))
             except Failed:
                 continue
-            same = all(judge([mine], its, exp.dtype).ok for mine, its in zip(results, theirs))
+            same = all(judge([mine], its, exp.dtype).ok for mine, its in zip(results, theirs, strict=True))
             if same and not judge(theirs, reference_of(replace(exp, stages=self.stages), world_size), exp.dtype).ok:
                 return mistake.mistake
         return None
