@@ -126,6 +126,44 @@ def test_each_zero_stage_derives_only_from_the_common_base():
         assert stage.__bases__ == (ZeRO,), (stage, stage.__bases__)
 
 
+#: Stages allowed a longer chain, and why.  ps-async is ps with stale pulls: lesson 11 reads it as a diff against ps.
+LONGER_CHAIN = {"ps-async": 4}
+
+
+def class_chain(stage: type) -> list[str]:
+    """The classes of ``stage``'s MRO defined inside minizero (torch's nn.Module and object are not)."""
+    return [c.__name__ for c in stage.__mro__ if c.__module__.startswith("minizero.")]
+
+
+def test_every_stage_is_at_most_three_classes_deep():
+    """The stage, at most one family class (ZeRO), and Stage: a reader follows one step without climbing a
+    hierarchy, and a template method cannot hide a stage's collectives in a base class."""
+    from minizero.stages import STAGES
+
+    too_deep = {name: class_chain(cls) for name, cls in STAGES.items() if len(class_chain(cls)) > LONGER_CHAIN.get(name, 3)}
+    assert not too_deep, too_deep
+    assert class_chain(STAGES["zero2"]) == ["ZeRO2", "ZeRO", "Stage"]  # (the check sees minizero's classes)
+
+
+def test_each_core_stage_file_calls_its_collectives():
+    """Each core stage's own file calls the collectives of its step on the communication layer -- not a
+    base class's template, not the compression module."""
+    wanted = {"ddp.py": ["all_reduce"], "ddp_bucketed.py": ["all_reduce"], "zero1.py": ["reduce_scatter", "all_gather"],
+              "zero2.py": ["reduce_scatter", "all_gather"], "zero3.py": ["reduce_scatter", "all_gather"]}
+    for file, collectives in wanted.items():
+        calls = {node.func.attr for node in ast.walk(ast.parse((ROOT / "stages" / file).read_text()))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "comm"}
+        assert set(collectives) <= calls, (file, "calls self.comm.", sorted(calls), "but not", set(collectives) - calls)
+
+
+def test_no_comm_module_but_star_and_not_compress_mentions_the_servers():
+    """The parameter server's servers are its stage's and comm/star.py's business, not the core's."""
+    offenders = [str(path.relative_to(ROOT)) for path in [*(ROOT / "comm").glob("*.py"), ROOT / "compress.py"]
+                 if path.name != "star.py" and re.search(r"\bservers\b", path.read_text())]
+    assert not offenders, offenders
+
+
 # --- the README's diagram -------------------------------------------------------------------------------------
 #
 # Its syntax, for a human first:
