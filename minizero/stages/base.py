@@ -47,8 +47,8 @@ from ..comm import Comm, ReduceOp, Tag
 from ..kept_state import check_keepable
 from ..precision import MasterWeights, Precision
 from ..rebuilt import follow
-from . import mixed, state
-from .facts import Reduction, Shards
+from . import facts, mixed, state
+from .facts import Shards
 from .options import PRECISION
 from .wrap import check_wrappable, claim
 
@@ -117,10 +117,22 @@ class Stage(nn.Module):
     _check_mixed_precision = mixed.check_mixed_precision
     keep_masters = mixed.keep_masters
     _settle_wire = mixed.settle_wire
-    loss_scale = property(mixed.loss_scale)
-    skipped_steps = property(mixed.skipped_steps)
-    scale_loss = mixed.scale_loss
-    _cast_call = mixed.cast_call
+    _cast_call = mixed.cast_call  # the forward in 16 bits
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale of the next backward (1 without dynamic loss scaling)."""
+        return self.master.loss_scale if self.master else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because some rank's gradients overflowed (fp16)."""
+        return self.master.skipped_steps if self.master else 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale: what to call ``backward()`` on (DeepSpeed's ``engine.backward``
+        does this inside; torch's ``GradScaler.scale`` is the same call)."""
+        return self.master.scale_loss(loss) if self.master else loss
 
     def _route(self, optimizer: torch.optim.Optimizer) -> None:
         """Whichever the user calls -- the stage's step()/zero_grad() or their optimizer's -- the stage's runs:
@@ -128,60 +140,19 @@ class Stage(nn.Module):
         16-bit) gradients."""
         optimizer.step, optimizer.zero_grad = self.step, self.zero_grad
 
-    # ------------------------------------------------------------------ facts
+    # ------------------------------------------------------------------ facts (minizero.stages.facts)
     @classmethod
     def option_names(cls) -> list[str]:
         """The keywords of :attr:`options`, the stage's declared options (:mod:`minizero.stages.options`)."""
         return [option.name for option in cls.options]
 
-    @classmethod
-    def sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int, **options) -> float:
-        """Bytes each rank sends per optimizer step (Psi parameters, b bytes per element on the wire)."""
-        return 0.0
-
-    @classmethod
-    def busiest_sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int,
-                                    **options) -> float:
-        """Bytes the busiest rank sends per step: every rank's share alike, but for a parameter server."""
-        return cls.sent_bytes_per_step(psi, world_size, grad_bytes, param_bytes, **options)
-
-    @classmethod
-    def state_terms(cls, element_size: int, state_tensors: int, precision=None) -> tuple[int, int]:
-        """Model-state bytes per parameter as ``(kept whole on every rank, divided by N)`` -- the ZeRO paper's
-        Table 1 from :attr:`shards`.  Parameters and gradients take the working precision's bytes (2 under
-        mixed precision); the optimizer's K bytes are its ``state_tensors`` states in ``element_size`` (the
-        model's precision), plus, under mixed precision, the fp32 master: Adam's K = 4 + 4 + 4 = 12."""
-        precision = Precision.of(precision)
-        working = precision.working_bytes(element_size)
-        k = (element_size if precision.mixed else 0) + state_tensors * element_size
-        kinds = [(working, cls.shards.parameters), (working, cls.shards.gradients), (k, cls.shards.optimizer_states)]
-        return (sum(b for b, divided in kinds if not divided), sum(b for b, divided in kinds if divided))
-
-    @classmethod
-    def state_bytes(cls, psi: int, world_size: int, element_size: int, state_tensors: int, precision=None,
-                    **options) -> float:
-        """Model-state bytes per rank (ZeRO paper, Table 1): Psi * (whole + divided / N), see :meth:`state_terms`."""
-        whole, divided = cls.state_terms(element_size, state_tensors, precision)
-        return psi * (whole + divided / world_size)
-
-    @classmethod
-    def state_formula(cls, element_size: int, state_tensors: int, precision=None, **options) -> str:
-        """:meth:`state_bytes` in the paper's notation: ``16Ψ``, ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N``, ``16Ψ/N``."""
-        whole, divided = cls.state_terms(element_size, state_tensors, precision)
-        return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/N"] * bool(divided)) or "0"
-
-    @classmethod
-    def schedule(cls, s, **options) -> None:
-        """One step as the scaling model replays it (:class:`minizero.cost_model.Schedule`): what computes,
-        what communicates, and what waits for what.  Single-device training only computes."""
-        s.forward()
-        s.backward()
-        s.optimizer_step()
-
-    @classmethod
-    def reduction(cls, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, **options) -> Reduction:
-        """How gradients are laid out for reduction; the reference reduces nothing."""
-        return Reduction([])
+    sent_bytes_per_step = classmethod(facts.sent_bytes_per_step)
+    busiest_sent_bytes_per_step = classmethod(facts.busiest_sent_bytes_per_step)
+    state_terms = classmethod(facts.state_terms)
+    state_bytes = classmethod(facts.state_bytes)
+    state_formula = classmethod(facts.state_formula)
+    schedule = classmethod(facts.schedule)
+    reduction = classmethod(facts.reduction)
 
     # ------------------------------------------------------------------ the lifecycle
     def forward(self, *args, **kwargs):
@@ -211,7 +182,7 @@ class Stage(nn.Module):
         """The wrapped model's forward, as the stage's own (see :meth:`_refuse_direct_call`)."""
         self._forwarding = True
         try:
-            return self._cast_call(*args, **kwargs)
+            return self.module(*args, **kwargs) if self.master is None else self._cast_call(*args, **kwargs)
         finally:
             self._forwarding = False
 

@@ -1,7 +1,17 @@
-"""What a stage states about itself: what it shards, and how it lays gradients out for reduction."""
+"""What a stage states about itself: what it shards, the bytes it sends and keeps, how it lays gradients out
+for reduction, how the scaling model replays its step.
+
+The functions below are :class:`~minizero.stages.base.Stage`'s class methods -- the reference's facts
+(``cls`` is the stage class), written here so the stage's file reads as its lifecycle; each stage that
+communicates states its own in its file."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..precision import Precision
 
 
 @dataclass(frozen=True)
@@ -27,3 +37,52 @@ class Reduction:
     packs_unused: bool = True
     slices: int | None = None
     whole: frozenset = frozenset()
+
+
+def sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int, **options) -> float:
+    """Bytes each rank sends per optimizer step (Psi parameters, b bytes per element on the wire)."""
+    return 0.0
+
+
+def busiest_sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int,
+                                **options) -> float:
+    """Bytes the busiest rank sends per step: every rank's share alike, but for a parameter server."""
+    return cls.sent_bytes_per_step(psi, world_size, grad_bytes, param_bytes, **options)
+
+
+def state_terms(cls, element_size: int, state_tensors: int, precision=None) -> tuple[int, int]:
+    """Model-state bytes per parameter as ``(kept whole on every rank, divided by N)`` -- the ZeRO paper's
+    Table 1 from :attr:`shards`.  Parameters and gradients take the working precision's bytes (2 under
+    mixed precision); the optimizer's K bytes are its ``state_tensors`` states in ``element_size`` (the
+    model's precision), plus, under mixed precision, the fp32 master: Adam's K = 4 + 4 + 4 = 12."""
+    precision = Precision.of(precision)
+    working = precision.working_bytes(element_size)
+    k = (element_size if precision.mixed else 0) + state_tensors * element_size
+    kinds = [(working, cls.shards.parameters), (working, cls.shards.gradients), (k, cls.shards.optimizer_states)]
+    return (sum(b for b, divided in kinds if not divided), sum(b for b, divided in kinds if divided))
+
+
+def state_bytes(cls, psi: int, world_size: int, element_size: int, state_tensors: int, precision=None,
+                **options) -> float:
+    """Model-state bytes per rank (ZeRO paper, Table 1): Psi * (whole + divided / N), see :meth:`state_terms`."""
+    whole, divided = cls.state_terms(element_size, state_tensors, precision)
+    return psi * (whole + divided / world_size)
+
+
+def state_formula(cls, element_size: int, state_tensors: int, precision=None, **options) -> str:
+    """:meth:`state_bytes` in the paper's notation: ``16Ψ``, ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N``, ``16Ψ/N``."""
+    whole, divided = cls.state_terms(element_size, state_tensors, precision)
+    return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/N"] * bool(divided)) or "0"
+
+
+def schedule(cls, s, **options) -> None:
+    """One step as the scaling model replays it (:class:`minizero.cost_model.Schedule`): what computes,
+    what communicates, and what waits for what.  Single-device training only computes."""
+    s.forward()
+    s.backward()
+    s.optimizer_step()
+
+
+def reduction(cls, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, **options) -> Reduction:
+    """How gradients are laid out for reduction; the reference reduces nothing."""
+    return Reduction([])

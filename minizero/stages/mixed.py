@@ -1,5 +1,5 @@
 """Mixed precision, as every stage takes it: the checks, the fp32 masters of a stage that keeps every
-parameter, the loss scale, the forward in 16 bits.
+parameter, the forward in 16 bits.
 
 These are methods of :class:`~minizero.stages.base.Stage` (``self`` is the stage), written here so the
 stage's file reads as its lifecycle; ZeRO keeps masters of its owned shard only (:mod:`minizero.stages.zero`).
@@ -55,19 +55,6 @@ def settle_wire(self) -> None:
     wire = getattr(self, "wire", None)
     if wire is not None:
         self.master.settled.append(wire.settle)
-
-def loss_scale(self) -> float:
-    """The loss scale of the next backward (1 without dynamic loss scaling)."""
-    return self.master.loss_scale if self.master else 1.0
-
-def skipped_steps(self) -> int:
-    """Optimizer steps skipped because some rank's gradients overflowed (fp16)."""
-    return self.master.skipped_steps if self.master else 0
-
-def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` times the loss scale: what to call ``backward()`` on (DeepSpeed's ``engine.backward``
-    does this inside; torch's ``GradScaler.scale`` is the same call)."""
-    return self.master.scale_loss(loss) if self.master else loss
 
 def cast_call(self, *args, **kwargs):
     """The model's forward in its working precision: floating inputs cast to 16 bits (FSDP2's
