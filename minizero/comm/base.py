@@ -126,7 +126,7 @@ def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Ta
         encoded = wire.encode(arguments["tensor"], key)
         run(comm, **{**arguments, "tensor": encoded, "op": ReduceOp.SUM}, tag=tag)
         wire.decode(encoded, arguments["tensor"], key, where)
-    else:  # reduce-scatter (or a push): the shard gets its slice of the mean
+    else:  # reduce-scatter (or a push): this rank's shard of the mean
         encoded = wire.encode(arguments["input"], key)
         shard = encoded.new_empty(arguments["output"].numel())
         run(comm, **{**arguments, "output": shard, "input": encoded, "op": ReduceOp.SUM}, tag=tag)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .base import Comm, ReduceOp, chunk_bounds, collective, on_device
 from .progress import ANYONE
-from .ring import broadcast_piece
+from .ring import broadcast_message
 from .star import StarExchanges
 
 
@@ -29,8 +29,8 @@ def ring_messages(kind: str, numel: int, element_size: int, world_size: int, ran
         # reduce-scatter step s sends chunk r-s-1, all-gather step s chunk r-s: every chunk but r, then but r+1.
         sizes = [chunks[(r - s - 1) % n] for s in range(n - 1)] + [chunks[(r - s) % n] for s in range(n - 1)]
     elif kind == "broadcast":
-        piece = broadcast_piece(element_size)
-        sizes = [] if (r - src) % n == n - 1 else [min(piece, numel - a) for a in range(0, numel, piece)]
+        per = broadcast_message(element_size)
+        sizes = [] if (r - src) % n == n - 1 else [min(per, numel - a) for a in range(0, numel, per)]
     elif kind == "root_all_reduce":
         sizes = [numel] * (n - 1 if r == 0 else 1)
     else:
@@ -70,15 +70,15 @@ class NativeComm(StarExchanges, Comm):
         """In a ring step every rank sends one message and waits for one, so each rank's own messages are its
         time.  The root all-reduce and the chain broadcast are not symmetric: a rank's time is where it
         sits on the critical path (the root: N-1 tensors in through one port, N-1 out in turn; position p
-        of the chain: p hops behind the source, then every piece)."""
+        of the chain: p hops behind the source, then every message)."""
         net, n, nbytes = self.port.network, self.world_size, tensor.numel() * tensor.element_size()
         if kind == "root_all_reduce" and n > 1:
             gathered = net.alpha + (n - 1) * nbytes / net.bandwidth
             self.port.hold(gathered + (self.rank if self.rank else n - 1) * net.message_s(nbytes), kind)
         elif kind == "broadcast" and n > 1:
             position = (self.rank - src) % n
-            pieces = ring_messages(kind, tensor.numel(), tensor.element_size(), n, src, src)
-            hops = [net.message_s(b) for b in pieces]
+            chain = ring_messages(kind, tensor.numel(), tensor.element_size(), n, src, src)
+            hops = [net.message_s(b) for b in chain]
             if hops:
                 self.port.hold(position * hops[0] + sum(hops) - (hops[-1] if position == n - 1 else 0.0), kind)
         else:

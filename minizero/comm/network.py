@@ -16,7 +16,7 @@ every message, on top of the real transfer:
   (:meth:`RingComm._recv`: the parameter server's root, the broadcast
   chain), its port also takes in at most ``beta`` bytes a second: ``N-1``
   messages arriving together at the root stream in one after another, as
-  they would through one NIC (in the chain the pieces already arrive that
+  they would through one NIC (in the chain the messages already arrive that
   far apart, so the rule adds nothing there).
 * **no CPU.**  The wait is ``time.sleep`` on whichever thread runs the
   collective -- the communication thread, for the overlapped ones -- which

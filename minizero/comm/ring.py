@@ -28,7 +28,7 @@ from .progress import ANYONE
 from .star import StarExchanges
 
 
-def broadcast_piece(element_size: int) -> int:
+def broadcast_message(element_size: int) -> int:
     """Elements per message of the pipelined broadcast: 1 MiB."""
     return max(1, (1 << 20) // element_size)
 
@@ -48,9 +48,9 @@ class RingComm(StarExchanges, Comm):
 
         Empty chunks (fewer elements than ranks) are skipped on both ends: the
         chunk a rank sends is the chunk its right neighbour expects, so both
-        sides agree on the skip.  (Splitting a step into pieces, so reducing one
-        piece overlaps receiving the next, measured slower on gloo: one large
-        message per step is best.)
+        sides agree on the skip.  (Splitting a step's chunk into smaller messages, so
+        reducing one overlaps receiving the next, measured slower on gloo: one
+        large message per step is best.)
         """
         right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         self._at(part, step)
@@ -178,7 +178,7 @@ class RingComm(StarExchanges, Comm):
     @collective("broadcast")
     @on_device
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """A pipelined chain ``src -> src+1 -> ... -> src-1``: pieces are
+        """A pipelined chain ``src -> src+1 -> ... -> src-1``: 1 MiB messages are
         forwarded as soon as they arrive, so the chain costs about one tensor
         transfer, not ``N-1``.  Every rank but the last in the chain sends the
         tensor once."""
@@ -186,20 +186,20 @@ class RingComm(StarExchanges, Comm):
         if n == 1:
             return
         position = (self.rank - src) % n
-        pieces = tensor.view(-1).split(broadcast_piece(tensor.element_size()))
+        messages = tensor.view(-1).split(broadcast_message(tensor.element_size()))
         requests = []
         right = self.peer((self.rank + 1) % n)
         self._at("broadcast")
-        for piece in pieces:
+        for message in messages:
             if position > 0:
-                self._recv(piece, (self.rank - 1) % n)
-            if position < n - 1 and piece.numel() > 0:
-                self._leaving(piece.numel() * piece.element_size())
-                requests.append((dist.isend(piece, right, group=self.group), piece))
-        for request, piece in requests:
+                self._recv(message, (self.rank - 1) % n)
+            if position < n - 1 and message.numel() > 0:
+                self._leaving(message.numel() * message.element_size())
+                requests.append((dist.isend(message, right, group=self.group), message))
+        for request, message in requests:
             with self.board.waiting_for(ANYONE):  # whoever is downstream in the chain
                 request.wait()
-            self._report_sent(piece.numel() * piece.element_size())
+            self._report_sent(message.numel() * message.element_size())
 
     @collective("root_all_reduce")
     @on_device

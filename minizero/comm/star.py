@@ -1,14 +1,14 @@
 """The parameter server's two exchanges, built from point-to-point messages: **push** and **pull**.
 
-A flat tensor is cut into ``S`` equal slices; slice ``j`` belongs to *server*
+A flat tensor is cut into ``S`` equal shards; shard ``j`` belongs to *server*
 ``j`` (ranks ``0 .. S-1``).  Every rank is also a *worker* -- servers are
 co-located with workers, as MXNet's KVStore allows (BytePS puts them on CPU
 machines) -- so the global batch is the same as every other stage's.
 
-* **push**: every rank sends slice ``j`` of its gradients to server ``j``;
+* **push**: every rank sends shard ``j`` of its gradients to server ``j``;
   server ``j`` adds the ``N`` contributions.  A star, not a ring: each
   message goes straight to its owner.
-* **pull**: server ``j`` sends its slice to every other rank.
+* **pull**: server ``j`` sends its shard to every other rank.
 
 Bytes.  A worker sends ``Psi`` (push) and nothing else; a server sends
 ``(S-1)/S * Psi`` (push) and ``(N-1)/S * Psi`` (pull).  Summed over ranks that
@@ -19,7 +19,7 @@ all-reduce was invented to remove -- and with ``S = N`` every rank sends
 ``2(N-1)/N Psi``, the ring's figure (it *is* a reduce-scatter and an
 all-gather, done with direct messages instead of a ring).
 
-The server adds the contributions in the ring's order -- slice ``j`` starts
+The server adds the contributions in the ring's order -- shard ``j`` starts
 with rank ``j+1``'s and ends with its own -- so 16-bit sums round exactly as
 a reduce-scatter's do, and the same-casts reference
 (:mod:`minizero.lab.casts_reference`) serves both.
@@ -40,7 +40,7 @@ class StarExchanges:
     point-to-point by definition, so ``native`` runs the same messages as ``ring``)."""
 
     def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str, arguments: dict) -> None:
-        """A push's or pull's shapes: ``S`` slices, and a worker (rank >= S) owns none."""
+        """A push's or pull's shapes: ``S`` shards, and a worker (rank >= S) owns none."""
         if kind not in ("push", "pull"):
             return super()._check_shards(output, input, kind, where, arguments)
         servers = arguments["servers"]
@@ -50,24 +50,24 @@ class StarExchanges:
         if not (isinstance(servers, int) and 1 <= servers <= self.world_size):
             raise ValueError(f"{where}: servers must be a whole number from 1 to world_size "
                              f"{self.world_size}, got {servers!r}")
-        slice_size = full.numel() // servers if self.rank < servers else 0
-        if full.numel() % servers or shard.numel() != slice_size:
+        shard_size = full.numel() // servers if self.rank < servers else 0
+        if full.numel() % servers or shard.numel() != shard_size:
             raise ValueError(
-                f"{where}: the full tensor must hold servers x slice elements ({servers} servers; a worker's "
-                f"slice is empty), got {full.numel()} and {shard.numel()}; pad it to a multiple of servers "
+                f"{where}: the full tensor must hold servers x shard elements ({servers} servers; a worker's "
+                f"shard is empty), got {full.numel()} and {shard.numel()}; pad it to a multiple of servers "
                 f"(see minizero.layout)")
 
     @collective("push")
     @on_device
     def push(self, output: torch.Tensor, input: torch.Tensor, servers: int, op: ReduceOp = ReduceOp.SUM) -> None:
-        """``input``: this rank's full flat tensor (``S`` slices).  On server ``j``, ``output`` (its slice's
-        size; it may view ``input``) gets slice ``j`` reduced over every rank; on a worker it is empty."""
+        """``input``: this rank's full flat tensor (``S`` shards).  On server ``j``, ``output`` (its shard's
+        size; it may view ``input``) gets shard ``j`` reduced over every rank; on a worker it is empty."""
         size, n = input.numel() // servers, self.world_size
         own = input[self.rank * size:(self.rank + 1) * size].clone() if self.rank < servers else None
         sends = [(input[j * size:(j + 1) * size], j) for j in range(servers) if j != self.rank]
         order = [(self.rank + k) % n for k in range(1, n)] if own is not None else []  # the ring's: j+1 first
-        # One receive buffer, each slice added as it arrives -- but NCCL takes every receive at once, each
-        # into a buffer of its own: a server then holds N-1 incoming slices for a moment.
+        # One receive buffer, each contribution added as it arrives -- but NCCL takes every receive at once, each
+        # into a buffer of its own: a server then holds N-1 incoming shards for a moment.
         one = [torch.empty_like(own)] if order else []
         buffers = [torch.empty_like(own) for _ in order] if self._nccl else one * len(order)
 
@@ -92,8 +92,8 @@ class StarExchanges:
     @on_device
     def pull(self, output: torch.Tensor, input: torch.Tensor, servers: int,
              stale: list[torch.Tensor] | None = None) -> None:
-        """``output``: the full flat tensor every rank fills from the servers' slices; ``input``: this
-        server's slice (empty on a worker).  ``stale`` (``ps-async``): per destination rank, the slice to
+        """``output``: the full flat tensor every rank fills from the servers' shards; ``input``: this
+        server's shard (empty on a worker).  ``stale`` (``ps-async``): per destination rank, the shard to
         send it instead -- an older version of ``input``."""
         size = output.numel() // servers
         sends = []
