@@ -52,18 +52,18 @@ def root_all_reduce_s(nbytes: float, world_size: int, network: Network) -> float
 
 
 def push_s(nbytes: float, world_size: int, servers: int, network: Network) -> float:
-    """The parameter server's push (:mod:`minizero.comm.star`): each server takes ``N-1`` slices of ``S``
-    bytes``/servers`` in through one port (their latencies overlap), while a worker sends one slice to
+    """The parameter server's push (:mod:`minizero.comm.star`): each server takes ``N-1`` shards of
+    ``nbytes/servers`` in through one port (their latencies overlap), while a worker sends one shard to
     each server in turn; the step waits for the slower."""
-    n, piece = world_size - 1, nbytes / servers
+    n, shard = world_size - 1, nbytes / servers
     if not n:
         return 0.0
     sends = servers if servers < world_size else n  # a pure worker's messages, or a server's (its own stays)
-    return max(network.alpha + n * piece / network.bandwidth, sends * network.message_s(piece))
+    return max(network.alpha + n * shard / network.bandwidth, sends * network.message_s(shard))
 
 
 def pull_s(nbytes: float, world_size: int, servers: int, network: Network) -> float:
-    """The pull: each server sends its slice to the ``N-1`` other ranks, one message after another."""
+    """The pull: each server sends its shard to the ``N-1`` other ranks, one message after another."""
     return (world_size - 1) * network.message_s(nbytes / servers)
 
 

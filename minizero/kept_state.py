@@ -19,7 +19,7 @@ them takes the state the user's optimizer holds at wrap time:
 Then the user's optimizer lets go of its copy: under ZeRO the whole state left
 there would cost every rank the ``K Psi`` bytes sharding saves.  What a
 stage cannot carry -- a per-element state shaped unlike its parameter, which
-no slicing makes right -- is refused at wrap time, before anything changes.
+no cutting into ranges makes right -- is refused at wrap time, before anything changes.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def check_keepable(optimizer: torch.optim.Optimizer | None, module: nn.Module, r
                     raise ValueError(
                         f"rank {rank}: the optimizer's state {key!r} of parameter {name!r} has shape "
                         f"{tuple(value.shape)}, but the parameter has shape {tuple(p.shape)}; a stage keeps the "
-                        f"optimizer's state by cutting it into the parameter's shards, which only works for state "
+                        f"optimizer's state by cutting it into ranges of the parameter, which only works for state "
                         f"shaped like the parameter. Load a state_dict saved from this model's optimizer, or wrap "
                         f"an optimizer without state.")
 

@@ -2,16 +2,17 @@
 
 A :class:`FlatGroup` lays parameters of one dtype and one optimizer param
 group end to end in one buffer, padded with zeros to a multiple of N.  Rank
-``r`` *owns* the contiguous slice ``[r*S, (r+1)*S)``, ``S = padded / N``; a
-parameter may straddle two ranks (as in DeepSpeed), which is fine because
-an element-wise optimizer's update of a slice does not depend on the rest.
+``r`` *owns* the contiguous **shard** ``[r*S, (r+1)*S)``, ``S = padded / N`` (the
+ZeRO paper's "partition"); a parameter's **segment** -- its ``[start, stop)`` in
+the buffer -- may straddle two ranks (as in DeepSpeed), which is fine because
+an element-wise optimizer's update of a range does not depend on the rest.
 
 The parameters themselves become views into the buffer (``p.data`` points
 into it), so an all-gather into the buffer updates the model in place, and
 the optimizer's in-place step on the owned shard writes into the same memory.
 
-The optimizer does not see the owned slice as one tensor: it sees one
-**piece** per parameter -- the part of that parameter this rank owns, a
+The optimizer does not see the owned shard as one tensor: it sees one
+**piece** per parameter -- the range of that parameter this rank owns, a
 1-D view into the shard.  So a parameter without a gradient is skipped by the
 optimizer exactly as ``torch.optim`` skips a ``None`` gradient (no weight
 decay, no momentum, no step count), and Adam's per-parameter ``step`` is the
@@ -34,7 +35,7 @@ def padded_size(numel: int, world_size: int) -> int:
 
 @dataclass
 class Segment:
-    """Where one parameter lives in the flat buffer."""
+    """Where one parameter lives in the flat buffer: its ``[start, stop)`` there."""
 
     name: str
     param: nn.Parameter
@@ -45,7 +46,7 @@ class Segment:
 
 @dataclass
 class Piece:
-    """The part ``[start, stop)`` (flat, within the parameter) of ``segment`` that this rank owns,
+    """The range ``[start, stop)`` (flat, within the parameter) of ``segment`` that this rank owns,
     as a Parameter viewing the owned shard: what the optimizer steps."""
 
     segment: Segment
@@ -72,19 +73,19 @@ class FlatGroup:
         with torch.no_grad():
             for s in self.segments:
                 self.data[s.start:s.stop].copy_(s.param.reshape(-1))
-        self.master: torch.Tensor | None = None  # mixed precision: the owned slice in fp32 (keep_master)
+        self.master: torch.Tensor | None = None  # mixed precision: the owned shard in fp32 (keep_master)
         self._live_in(self.data)
 
     def _live_in(self, data: torch.Tensor) -> None:
-        """The parameters become views into ``data``; the owned slice and its pieces are cut from it."""
+        """The parameters become views into ``data``; the owned shard and its pieces are cut from it."""
         self.data = data
         for s in self.segments:
             s.param.data = data[s.start:s.stop].view(s.shape)
-        self.shard = self._keep(self.shard_of(data))  # the owned slice
+        self.shard = self._keep(self.shard_of(data))  # the owned shard
         self.pieces = self._cut_pieces()
 
     def keep_master(self, working_dtype: torch.dtype) -> torch.Tensor:
-        """Mixed precision: the owned slice's values, still fp32, become the **master shard** (what the
+        """Mixed precision: the owned shard's values, still fp32, become the **master shard** (what the
         optimizer steps); the buffer -- the parameters the model computes with, and what is all-gathered --
         becomes their 16-bit working copy.  Returns the master shard."""
         self.master = self.shard.detach().clone()
@@ -92,7 +93,7 @@ class FlatGroup:
         return self.master
 
     def _keep(self, owned: torch.Tensor) -> torch.Tensor:
-        """The owned slice as this group keeps it: a view into the full buffer (ZeRO-1/2)."""
+        """The owned shard as this group keeps it: a view into the full buffer (ZeRO-1/2)."""
         return owned
 
     def _cut_pieces(self) -> list[Piece]:
@@ -135,7 +136,7 @@ class FlatGroup:
         return self.shard_size * self.world_size - self.numel
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full-size flat tensor."""
+        """This rank's shard of a full-size flat tensor."""
         return full[self.rank * self.shard_size:(self.rank + 1) * self.shard_size]
 
     def pack_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,7 +170,7 @@ class FlatGroup:
 
     @torch.no_grad()
     def load_full(self, full: torch.Tensor) -> None:
-        """Take the values of a full flat tensor (a checkpoint's, in fp32): the master shard keeps its slice,
+        """Take the values of a full flat tensor (a checkpoint's, in fp32): the master shard keeps its own range,
         the buffer -- in place, so every view stays valid -- their cast."""
         if self.master is not None:
             self.master.copy_(self.shard_of(full))
@@ -180,19 +181,19 @@ def plan_groups(param_groups: list[list[nn.Parameter]], max_numel: int | None = 
     """Which parameters go into which flat group: ``(param group index, parameters)``.
 
     One group per optimizer param group and dtype, trainable parameters only;
-    with ``max_numel`` (bucketed reduce-scatter) pieces of at most that many
+    with ``max_numel`` (bucketed reduce-scatter) groups of at most that many
     elements, in reverse registration order -- the order backward produces
     gradients."""
     plan = []
     for index, params in enumerate(param_groups):
         params = [p for p in params if p.requires_grad]
-        pieces: list[list[nn.Parameter]] = []
+        groups: list[list[nn.Parameter]] = []
         for p in reversed(params) if max_numel else params:
-            if not pieces or pieces[-1][0].dtype != p.dtype or (
-                    max_numel and sum(q.numel() for q in pieces[-1]) + p.numel() > max_numel):
-                pieces.append([])
-            pieces[-1].append(p)
-        plan += [(index, piece) for piece in pieces]
+            if not groups or groups[-1][0].dtype != p.dtype or (
+                    max_numel and sum(q.numel() for q in groups[-1]) + p.numel() > max_numel):
+                groups.append([])
+            groups[-1].append(p)
+        plan += [(index, members) for members in groups]
     return plan
 
 
@@ -202,9 +203,9 @@ def build_groups(param_groups: list[dict], rank: int, world_size: int, names: di
     ``id(param)`` to its name in the model, for error messages and state dicts."""
     names = names or {}
     plan = plan_groups([g["params"] for g in param_groups], max_numel)
-    return [(group_class or FlatGroup)([(names.get(id(p), f"param {i}"), p) for i, p in enumerate(piece)], rank,
+    return [(group_class or FlatGroup)([(names.get(id(p), f"param {i}"), p) for i, p in enumerate(members)], rank,
                                        world_size, index)
-            for index, piece in plan]
+            for index, members in plan]
 
 
 class ReplicatedGroup(FlatGroup):
@@ -251,7 +252,7 @@ class ShardedFlatGroup(FlatGroup):
 
     @torch.no_grad()
     def load_full(self, full: torch.Tensor) -> None:
-        """Only the owned shard persists: it (and the master) keep their slice; nothing else is held."""
+        """Only the owned shard persists: it (and the master) keep their range; nothing else is held."""
         if self.master is not None:
             self.master.copy_(self.shard_of(full))
         self.shard.copy_(self.shard_of(full))

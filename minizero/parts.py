@@ -33,8 +33,8 @@ def flat_range(state: dict | None, start: int, stop: int, like: torch.Tensor | N
     cut = {}
     for key, value in (state or {}).items():
         if torch.is_tensor(value) and value.dim() > 0:
-            piece = value.detach().reshape(-1)[start:stop]
-            cut[key] = piece.to(like.dtype, copy=True).to(like.device) if like is not None else piece.clone()
+            values = value.detach().reshape(-1)[start:stop]
+            cut[key] = values.to(like.dtype, copy=True).to(like.device) if like is not None else values.clone()
         else:
             cut[key] = value.detach().clone() if torch.is_tensor(value) else value
     return cut

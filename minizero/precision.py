@@ -9,7 +9,7 @@ round away.  Adam then keeps K = 12 bytes per parameter in fp32: the master
 weight (4), the momentum (4) and the variance (4).  Per parameter, 2 + 2 + K =
 16 bytes -- the paper's 16Psi.
 
-Where each piece lives is the stage's business: the reference and DDP keep
+Where the masters live is the stage's business: the reference and DDP keep
 masters of every parameter; ZeRO keeps them only for the owned shard (the
 16-bit working copy is what ZeRO-1/2/3 all-gather).  What is written once,
 here, for all of them:

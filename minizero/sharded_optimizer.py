@@ -1,7 +1,7 @@
 """ZeRO's optimizer: the user's, rebuilt over the pieces of the parameters this rank owns.
 
 Each :class:`~minizero.layout.FlatGroup` hands out one *piece* per parameter
-it owns part of (a 1-D view into the owned shard).  :class:`ShardedOptimizer`
+its shard overlaps (a 1-D view into the owned shard).  :class:`ShardedOptimizer`
 builds the user's optimizer class, with the user's per-group hyper-parameters,
 over those pieces, so any element-wise ``torch.optim`` optimizer works
 unchanged -- and, piece by piece, it skips a parameter without a gradient
@@ -14,7 +14,7 @@ Two ways to use it:
 * alone, with torch's ``ZeroRedundancyOptimizer`` calling convention --
   ``ShardedOptimizer(model.parameters(), torch.optim.AdamW, comm=comm, lr=1e-3)``
   -- after gradients were averaged (under ``ddp``, say): :meth:`step` takes this
-  rank's slice of each averaged gradient, steps it, and all-gathers the updated
+  rank's shard of each averaged gradient, steps it, and all-gathers the updated
   parameters (all-reduce + all-gather: 3Psi per step, torch's bytes);
 * inside the ZeRO stages, which reduce-scatter gradients straight into the
   pieces' ``.grad`` (2Psi): they call :meth:`step_owned`, then share the result
@@ -47,7 +47,7 @@ def check_shardable(optimizer_class: type, rank: int) -> None:
     if optimizer_class not in ELEMENTWISE:
         raise TypeError(
             f"rank {rank}: {optimizer_class.__name__} cannot run on flat shards. ZeRO hands the optimizer the "
-            f"1-D part of each parameter a rank owns, which is only the same update for element-wise optimizers; "
+            f"1-D piece of each parameter a rank owns, which is only the same update for element-wise optimizers; "
             f"one that needs each parameter's shape (Adafactor, Shampoo, Muon) or a closure (LBFGS) would "
             f"compute something else. Use one of: {', '.join(c.__name__ for c in ELEMENTWISE)}.")
 
@@ -102,11 +102,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        """Alone (after gradients were averaged): slice, step, all-gather."""
+        """Alone (after gradients were averaged): take this rank's shard, step, all-gather."""
         if closure is not None:
             raise TypeError("ShardedOptimizer.step takes no closure: it steps each rank's shard once")
         for group in self.groups:
-            averaged = group.shard_of(group.pack_grads()).clone()  # this rank's slice only: the rest is freed
+            averaged = group.shard_of(group.pack_grads()).clone()  # this rank's shard only: the rest is freed
             for piece in group.pieces:
                 has = piece.segment.param.grad is not None
                 piece.param.grad = averaged[piece.offset:piece.offset + piece.stop - piece.start] if has else None
@@ -114,7 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.share(range(len(self.groups)))
 
     def share(self, indices, tag_of=lambda g: Tag(f"group {g} parameters after step")) -> None:
-        """Everyone gets everyone's updated slice (parameters are views of ``group.data``)."""
+        """Everyone gets everyone's updated shard (parameters are views of ``group.data``)."""
         for g in indices:
             group = self.groups[g]
             self.comm.all_gather(group.data, group.shard.detach().clone(), tag=tag_of(g))
@@ -149,8 +149,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, comm: Comm,
                             dtype: torch.dtype, device: torch.device, tag: Tag | None = None,
                             replicas: list[torch.Tensor] = ()) -> torch.Tensor:
-    """Global-norm clipping when each rank holds a disjoint part of the averaged gradient: one more
-    collective (:func:`sharded_grad_norm`), then every rank scales its part by min(1, max_norm / norm) --
+    """Global-norm clipping when each rank holds disjoint pieces of the averaged gradient: one more
+    collective (:func:`sharded_grad_norm`), then every rank scales its pieces by min(1, max_norm / norm) --
     ``torch.nn.utils.clip_grad_norm_``'s result without anyone holding all of it.  ``replicas``: gradients
     every rank holds alike (ZeRO-3's replicated modules), scaled too but counted once -- by the caller,
     who puts rank 0's in ``grads``."""

@@ -28,7 +28,7 @@ class Step:
 
 def shard_step(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, accum_steps: int = 1,
                rank_sizes: list[int] | None = None) -> Step:
-    """This rank's part of a global batch: a contiguous slice, cut into ``accum_steps`` micro-batches.
+    """This rank's share of a global batch: contiguous samples, cut into ``accum_steps`` micro-batches.
 
     ``rank_sizes`` (samples per rank) may be unequal; by default the batch
     splits evenly and must divide by ``world_size``.

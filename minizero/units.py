@@ -103,7 +103,7 @@ def plan_unit_groups(model: nn.Module, units: list[nn.Module], param_groups: lis
         named = [(n, p) for n, p in per_unit[unit] if id(p) in in_group]
         names = {id(p): n for n, p in named}
         by_group = [[p for _, p in named if in_group[id(p)] == gi] for gi in range(len(param_groups))]
-        plan += [(unit, gi, [(names[id(p)], p) for p in piece]) for gi, piece in plan_groups(by_group)]
+        plan += [(unit, gi, [(names[id(p)], p) for p in params]) for gi, params in plan_groups(by_group)]
     return plan
 
 

@@ -9,9 +9,9 @@ optimizer state_dicts gathered (``full_state_dict``), one file a plain PyTorch u
     model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"])
 
 Loading either kind assembles the whole state_dicts a single device would hold and hands them to
-:meth:`Stage.load_full_state_dict` and ``load_full_optimizer_state_dict``: each stage keeps its own part.
+:meth:`Stage.load_full_state_dict` and ``load_full_optimizer_state_dict``: each stage keeps what it holds.
 That is the whole of resharding -- ZeRO-3 on 4 ranks to ``ddp`` on 3 is the same call as resuming in place
--- at the cost of every rank reading the whole state once (DCP reads only the slices a rank owns; see the
+-- at the cost of every rank reading the whole state once (DCP reads only what a rank owns; see the
 README for why minizero writes its own format).  The manifest carries what a resumed run must continue
 from exactly: the step, the precision and loss-scaler state, each rank's RNG, the data position.
 """
