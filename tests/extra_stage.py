@@ -7,7 +7,7 @@ all-reduce's 2(N-1)/N Psi b -- the byte check holds it to its own formula.
 
 ``ddp-all-gather-split`` is the same stage with an option of its own,
 ``gathers``: the flat gradients go in that many all-gathers, one consecutive
-piece each -- smaller messages, the same bytes, the same average.  The option is
+range each -- smaller messages, the same bytes, the same average.  The option is
 declared once, beside the stage (:data:`GATHERS`); its command-line flag
 (``--gathers``), its parsing, its help and the values the property suite draws
 all come from that declaration, with no line anywhere else.
@@ -20,7 +20,7 @@ from minizero.stages import DDP
 from minizero.stages.options import FIND_UNUSED_PARAMETERS, Option, positive_int
 
 #: The new option: every fact of it that a command or the property suite needs.
-GATHERS = Option("gathers", 1, "all-gather the gradients in this many collectives, a consecutive piece each",
+GATHERS = Option("gathers", 1, "all-gather the flat gradients in this many collectives, a consecutive range each",
                   positive_int, draw=lambda d: range(1, 4))
 
 
@@ -33,17 +33,15 @@ class AllGatherDDP(DDP):
         super().__init__(module, optimizer, comm, find_unused_parameters=find_unused_parameters)
 
     def post_backward(self) -> None:
-        """Every rank's gradients to every rank, ``gathers`` all-gathers of a piece each; each rank averages."""
+        """Every rank's gradients to every rank, ``gathers`` all-gathers of a range each; each rank averages."""
         grads = [p.grad for p in self._with_gradient()]
         mine = pack(grads)
-        for i, piece in enumerate(mine.tensor_split(self.gathers)):
-            if piece.numel():  # more gathers than elements: the same empty pieces on every rank, not sent
-                everyone = piece.new_empty(self.world_size * piece.numel())
-                self.comm.all_gather(everyone, piece, tag=self.tag(f"every rank's gradients, piece {i}"))
-                piece.copy_(everyone.view(self.world_size, -1).sum(dim=0) / self.world_size)  # a view of mine
+        for i, span in enumerate(mine.tensor_split(self.gathers)):
+            if span.numel():  # more gathers than elements: the same empty ranges on every rank, not sent
+                everyone = span.new_empty(self.world_size * span.numel())
+                self.comm.all_gather(everyone, span, tag=self.tag(f"every rank's gradients, range {i}"))
+                span.copy_(everyone.view(self.world_size, -1).sum(dim=0) / self.world_size)  # a view of mine
         unpack(mine, grads)
-
-    sync_gradients = post_backward  # the hook's name before issue 25's lifecycle names (drop once they land)
 
     @classmethod
     def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, **options) -> float:
