@@ -33,12 +33,12 @@ from .result import RankResult
 from .tasks import TASKS
 
 
-def ring_sum(wires: list[torch.Tensor], slices: int | None = None) -> torch.Tensor:
-    """What the ring all-reduce leaves on every rank, bit for bit, in the wires' dtype.  With ``slices``
-    (a parameter server's S), what the servers' push leaves: slice ``c`` summed in the same order."""
+def ring_sum(wires: list[torch.Tensor], shards: int | None = None) -> torch.Tensor:
+    """What the ring all-reduce leaves on every rank, bit for bit, in the wires' dtype.  With ``shards``
+    (a parameter server's S), what the servers' push leaves: shard ``c`` summed in the same order."""
     n = len(wires)
     out = torch.empty_like(wires[0])
-    for c, (a, b) in enumerate(chunk_bounds(out.numel(), slices or n)):
+    for c, (a, b) in enumerate(chunk_bounds(out.numel(), shards or n)):
         partial = wires[(c + 1) % n][a:b].clone()
         for k in range(2, n + 1):
             partial = partial + wires[(c + k) % n][a:b]
@@ -100,10 +100,10 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                            for name in packed]) for g in per_rank]
             padded = reduction.padded and key not in reduction.whole  # (a replicated buffer is all-reduced whole)
             if padded:  # a reduce-scatter of a buffer padded to a multiple of N (or of S, a push)
-                size = padded_size(flats[0].numel(), reduction.slices or n)
+                size = padded_size(flats[0].numel(), reduction.shards or n)
                 flats = [torch.cat([f, f.new_zeros(size - f.numel())]) for f in flats]
             if wire is None:
-                averaged = ring_sum(flats, reduction.slices if padded else None) / n
+                averaged = ring_sum(flats, reduction.shards if padded else None) / n
             else:  # divide by pre and post in the wider of the two dtypes (minizero.compress.Wire)
                 wide = torch.promote_types(flats[0].dtype, wire)
                 wires, pending = [], {}
@@ -113,7 +113,7 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                         scaled += residuals[(r, key)]
                     wires.append(scaled.to(wire))
                     pending[(r, key)] = scaled - wires[-1].to(wide)
-                summed = ring_sum(wires, reduction.slices if padded else None)
+                summed = ring_sum(wires, reduction.shards if padded else None)
                 if error_feedback and precision.scaled:
                     settling.update(pending)
                 elif error_feedback and bool(torch.isfinite(summed).all()):  # an overflow keeps the old error

@@ -1,6 +1,6 @@
 """Stage ``ddp``: the simplest correct data parallelism.
 
-Every rank holds the whole model and a different slice of the global batch.
+Every rank holds the whole model and a different share of the global batch.
 If all replicas start equal and apply the same update, they stay equal, and
 the update equals single-device training on the global batch when it uses
 the *average* of the ranks' gradients (the gradient of a mean is the mean of

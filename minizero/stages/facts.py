@@ -28,14 +28,14 @@ class Reduction:
     """How a stage lays gradients out for reduction: the parameter names in each flat buffer, in the
     order they are reduced; ``padded``: each buffer is padded to a multiple of N and reduce-scattered;
     ``packs_unused``: a parameter without a gradient on any rank still has its (zero) slot in the buffer;
-    ``slices``: how many slices a padded buffer is cut into, if not N (a parameter server's S); ``whole``:
+    ``shards``: how many shards a padded buffer is cut into, if not N (a parameter server's S); ``whole``:
     the buffers (by index) all-reduced as they are even so, neither padded nor cut (ZeRO-3's replicated
     modules)."""
 
     buffers: list[list[str]]
     padded: bool = False
     packs_unused: bool = True
-    slices: int | None = None
+    shards: int | None = None
     whole: frozenset = frozenset()
 
 

@@ -1,17 +1,17 @@
 """Stage ``ps``: the synchronous parameter server -- the design the ring all-reduce replaced.
 
 ``S`` server ranks hold the authoritative parameters and the optimizer, each
-for its ``1/S`` slice; every rank is also a worker (servers co-located with
+for its shard, ``1/S`` of every flat group; every rank is also a worker (servers co-located with
 workers, as MXNet's KVStore allows; BytePS puts them on CPU machines), so
 the global batch is every other stage's.  One step:
 
 1. backward, exactly as in ZeRO-1: gradients accumulate in one flat buffer
    per group, padded to a multiple of ``S``;
-2. **push**: every rank sends slice ``j`` of its gradients to server ``j``,
+2. **push**: every rank sends shard ``j`` of its gradients to server ``j``,
    which averages the ``N`` contributions (:mod:`minizero.comm.star`);
-3. server ``j`` steps its slice with the user's optimizer -- states exist
-   for that slice alone;
-4. **pull**: every rank receives every server's updated slice.
+3. server ``j`` steps its shard with the user's optimizer -- states exist
+   for that shard alone;
+4. **pull**: every rank receives every server's updated shard.
 
 It is the *same update* as DDP and single-device training (the property
 suite proves it).  What differs is the traffic's shape.  Summed over ranks it
@@ -25,7 +25,7 @@ messages, which is ZeRO-1 (section 5.1 of the ZeRO paper) on a star instead
 of a ring.
 
 Memory: each rank keeps the full parameters and gradients, as DDP does; a
-server adds the optimizer states of its slice, ``K Psi / S``.
+server adds the optimizer states of its shard, ``K Psi / S``.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from .options import WIRE_AND_USE, Option, positive_int
 from .zero import ZeRO
 from .zero1 import ZeRO1
 
-SERVERS = Option("servers", 1, "ranks 0..S-1 serve a slice each (1: one server)", positive_int,
+SERVERS = Option("servers", 1, "ranks 0..S-1 serve a shard each (1: one server)", positive_int,
                  draw=lambda d: range(1, d.world_size + 1))
 
 
@@ -61,7 +61,7 @@ class ParameterServer(ZeRO):
             raise ValueError(f"rank {comm.rank if comm is not None else 0}: stage {self.name!r} takes servers "
                              f"from 1 to the world size {world_size} (ranks 0..S-1 serve, every rank works), "
                              f"got {servers!r}")
-        if optimizer is None:  # a worker owns no slice: an optimizer built over stage.parameters() would be empty
+        if optimizer is None:  # a worker owns no shard: an optimizer built over stage.parameters() would be empty
             raise ValueError(f"rank {comm.rank if comm is not None else 0}: stage {self.name!r} keeps the optimizer "
                              f"on its servers, so it must be given at wrap time: pass yours to make_stage(name, "
                              f"model, optimizer, comm) instead of building one over stage.parameters() afterwards")
@@ -75,7 +75,7 @@ class ParameterServer(ZeRO):
                 s.param.register_post_accumulate_grad_hook(self.post_accumulate_grad)
 
     def layout(self) -> list:
-        """The flat groups, sharded over the S servers: a rank from S on owns no slice (a pure worker)."""
+        """The flat groups, sharded over the S servers: a rank from S on owns no shard (a pure worker)."""
         return build_groups(self.param_groups(), self.rank, self.servers, self.names())
 
     # ------------------------------------------------------------ backward: ZeRO-1's, with a push
@@ -88,7 +88,7 @@ class ParameterServer(ZeRO):
         self.full_grads.keep(param)
 
     def post_backward(self) -> None:
-        """Push: server j gets the mean of slice j of every rank's gradients (over the wire, if compressed)."""
+        """Push: server j gets the mean of shard j of every rank's gradients (over the wire, if compressed)."""
         try:
             self.refuse_unused_here(self.groups)
             used = self.used_anywhere([s.param for g in self.groups for s in g.segments])
@@ -107,14 +107,14 @@ class ParameterServer(ZeRO):
                 self.all_gather_parameters()
 
     def all_gather_parameters(self) -> None:
-        """Pull: every rank's full parameters from the servers' slices."""
+        """Pull: every rank's full parameters from the servers' shards."""
         for g, group in enumerate(self.groups):
             if any(id(s.param) in self._has_grad for s in group.segments):
                 self.gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
         self.remember_shared()
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:
-        """Pull: every rank's ``full`` from the servers' slices."""
+        """Pull: every rank's ``full`` from the servers' shards."""
         self.comm.pull(full, shard, self.servers, tag=tag)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -167,5 +167,5 @@ class ParameterServer(ZeRO):
 
     @classmethod
     def reduction(cls, model, optimizer, world_size, servers: int = 1, **options) -> Reduction:
-        """ZeRO-1's buffers, padded to a multiple of S and cut into S slices (summed in the ring's order)."""
-        return Reduction(ZeRO1.reduction(model, optimizer, world_size).buffers, padded=True, slices=servers)
+        """ZeRO-1's buffers, padded to a multiple of S and cut into S shards (summed in the ring's order)."""
+        return Reduction(ZeRO1.reduction(model, optimizer, world_size).buffers, padded=True, shards=servers)

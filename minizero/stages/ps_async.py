@@ -19,7 +19,7 @@ step; it just receives an older version).  So:
   that grows with ``s`` -- measured by ``compare`` and plotted in lesson 11
   against ``s`` and ``N``.
 
-Memory: a server keeps its current slice apart from the copy its own worker
+Memory: a server keeps its current shard apart from the copy its own worker
 computes with, and ``s`` old versions: ``(s + 1) Psi / S`` more than ``ps``.
 Checkpoints are refused: the workers hold models of different ages, which no
 single-device state describes.
@@ -46,7 +46,7 @@ def delay(seed: int, step: int, rank: int, staleness: int) -> int:
 
 
 class ServedGroup(FlatGroup):
-    """A flat group whose owned slice -- the server's parameters, what the optimizer steps -- lives apart
+    """A flat group whose owned shard -- the server's parameters, what the optimizer steps -- lives apart
     from the full buffer, which is the rank's *worker* copy: the two may differ in age."""
 
     def _keep(self, owned: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ class AsyncParameterServer(ParameterServer):
 
     @staticmethod
     def _version_of(group) -> int:
-        """The servers' slice lives apart from the worker copy: a step bumps the slice's version."""
+        """The server's shard lives apart from the worker copy: a step bumps the shard's version."""
         return group.shard._version
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -129,7 +129,7 @@ class AsyncParameterServer(ParameterServer):
     @classmethod
     def state_bytes(cls, psi, world_size, element_size, state_tensors, precision=None, servers: int = 1,
                     staleness: int = 2, **options) -> float:
-        """``ps``'s, plus a server's own slice apart from its worker's copy and ``s`` old versions of it."""
+        """``ps``'s, plus a server's own shard apart from its worker's copy and ``s`` old versions of it."""
         working = Precision.of(precision).working_bytes(element_size)
         return (super().state_bytes(psi, world_size, element_size, state_tensors, precision, servers)
                 + psi * (staleness + 1) * working / servers)

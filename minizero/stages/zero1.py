@@ -3,14 +3,14 @@
 DDP keeps N identical copies of everything.  The optimizer states are the
 biggest part (Adam: two fp32 values per parameter) and the optimizer update
 is element-wise, so rank ``r`` can update just *its* 1/N of the parameters,
-if it has the averaged gradient for that slice, and then share the result:
+if it has the averaged gradient for that shard, and then share the result:
 
 1. gradients accumulate as in DDP, into one flat (padded) buffer per group;
 2. when backward finishes, **reduce-scatter** the buffer: rank ``r`` receives
-   the average of its own slice only -- half an all-reduce;
+   the average of its own shard only -- half an all-reduce;
 3. the optimizer -- the user's class and hyper-parameters, rebuilt over the
-   owned pieces -- updates that slice (states exist for it alone);
-4. **all-gather** the updated slices: the other half of an all-reduce.
+   owned pieces -- updates that shard (states exist for it alone);
+4. **all-gather** the updated shards: the other half of an all-reduce.
 
 Bytes: reduce-scatter + all-gather = 2(N-1)/N * Psi * b, exactly DDP's.
 ZeRO-1 saves memory, not communication -- and it is the *same* update as DDP
@@ -123,5 +123,5 @@ class ZeRO1(ZeRO):
     @classmethod
     def reduction(cls, model, optimizer, world_size, **options) -> Reduction:
         names = {id(p): n for n, p in model.named_parameters()}
-        return Reduction([[names[id(p)] for p in piece]
-                          for _, piece in plan_groups([g["params"] for g in optimizer.param_groups])], padded=True)
+        return Reduction([[names[id(p)] for p in params]
+                          for _, params in plan_groups([g["params"] for g in optimizer.param_groups])], padded=True)

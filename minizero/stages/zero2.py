@@ -3,17 +3,17 @@
 ZeRO-1 still holds every gradient in full, only to keep 1/N of the average.
 ZeRO-2 reduce-scatters gradients *during backward*, bucket by bucket, as they
 become ready, and frees the full gradients at once: each rank keeps only its
-slice of each bucket's averaged gradient -- the pieces' ``.grad``.
+shard of each bucket's averaged gradient -- the pieces' ``.grad``.
 
 1. buckets are flat groups of their own (``bucket_mb``, padded to a multiple
    of N, filled in reverse registration order), so each one's reduce-scatter
-   is an ordinary reduce-scatter, and the owned slices of all buckets together
-   are the rank's shard;
+   is an ordinary reduce-scatter, and the rank's shards of all buckets together
+   are its 1/N of the gradients;
 2. a post-accumulate-grad hook marks each parameter ready; a complete bucket
    is packed, its full gradients freed, and its reduce-scatter started on the
    communication thread while backward goes on
    (:class:`~minizero.buckets.BucketPipeline`, as in ``ddp-bucketed``);
-3. the optimizer steps the owned pieces, and the updated slices are
+3. the optimizer steps the owned pieces, and the updated shards are
    all-gathered, as in ZeRO-1.
 
 Bytes: the same reduce-scatter + all-gather, 2(N-1)/N * Psi * b per step.
@@ -138,7 +138,7 @@ class ZeRO2(ZeRO):
         names = {id(p): n for n, p in model.named_parameters()}
         plan = plan_groups([g["params"] for g in optimizer.param_groups],
                            bucket_numel(bucket_mb, optimizer.param_groups, options.get("precision")))
-        return Reduction([[names[id(p)] for p in piece] for _, piece in plan], padded=True)
+        return Reduction([[names[id(p)] for p in params] for _, params in plan], padded=True)
 
 
 def bucket_numel(bucket_mb: float, param_groups: list[dict], precision=None) -> int:
