@@ -2,9 +2,9 @@
 
 Read in this order: ``comm`` (collectives from send/recv, the byte ledger),
 ``launch`` (ranks), ``train`` (the one training loop), ``flat``/``buckets``/
-``layout`` (the shared parts), ``stages`` (reference, ddp, ... zero3), and
-``lab`` (experiments, the proof against the reference, benchmarks).  The core
-never imports ``lab``.
+``layout`` (the flat buffers, buckets and shards every stage shares),
+``stages`` (reference, ddp, ... zero3), and ``lab`` (experiments, the proof
+against the reference, benchmarks).  The core never imports ``lab``.
 """
 from .comm import Ledger, ReduceOp, make_comm
 from .launch import Rank, RankError, RankPool, run

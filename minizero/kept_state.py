@@ -59,7 +59,7 @@ def kept(entry: dict, start: int, stop: int, stepped: torch.Tensor) -> dict:
 
 def keep_state(user: torch.optim.Optimizer, rebuilt: torch.optim.Optimizer, stepped_of) -> None:
     """Move ``user``'s state into ``rebuilt``: ``stepped_of(param)`` lists ``(start, stop, tensor)`` -- the
-    tensors ``rebuilt`` steps for ``param`` and the range of it each covers (none: no part here)."""
+    tensors ``rebuilt`` steps for ``param`` and the range of it each covers (none: this rank steps none of it)."""
     for group in user.param_groups:
         for p in group["params"]:
             entry = user.state.get(p)

@@ -4,7 +4,7 @@ Out: ``stage.full_state_dict()`` and ``stage.full_optimizer_state_dict()`` are w
 optimizer on one device would hold (ZeRO gathers them); ``stage.owned_parts()`` is what this rank alone
 holds, as ranges of the parameters (:mod:`minizero.parts`), written with no communication.  In:
 ``load_full_state_dict`` and ``load_full_optimizer_state_dict`` take whole state dicts -- from any stage at
-any world size -- and keep this stage's part of them, which is all resharding needs (:mod:`minizero.checkpoint`).
+any world size -- and keep what this stage holds of them, which is all resharding needs (:mod:`minizero.checkpoint`).
 
 The reference and ``ddp`` hold everything, so what is here is theirs: methods of
 :class:`~minizero.stages.base.Stage` (``self`` is the stage: its ``module``, ``optimizer``, ``master`` under

@@ -117,12 +117,12 @@ class ZeRO(Stage):
             yield prefix + piece.segment.name, self.master.master_of(piece.param) if outside else piece.param
 
     def accumulate(self, group: FlatGroup, averaged: torch.Tensor, used: set[int]) -> None:
-        """Give each piece of ``group`` its part of the averaged shard, as autograd gives ``.grad``: added to
+        """Give each piece of ``group`` its range of the averaged shard, as autograd gives ``.grad``: added to
         what is there, or as the new ``.grad``.  A parameter unused everywhere gets nothing (stays None)."""
         for piece in group.pieces:
             if id(piece.segment.param) in used:
-                part = averaged[piece.offset:piece.offset + piece.stop - piece.start]
-                piece.param.grad = part if piece.param.grad is None else piece.param.grad.add_(part)
+                grad = averaged[piece.offset:piece.offset + piece.stop - piece.start]
+                piece.param.grad = grad if piece.param.grad is None else piece.param.grad.add_(grad)
 
     # ------------------------------------------------------------ which parameters have a gradient
     def refuse_unused_here(self, groups: list[FlatGroup]) -> None:
@@ -165,7 +165,7 @@ class ZeRO(Stage):
                 piece.param.grad.zero_()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Global-norm clipping over the pieces: each rank holds a disjoint part of the averaged gradient."""
+        """Global-norm clipping over the pieces: each rank holds disjoint pieces of the averaged gradient."""
         # Mixed precision: the masters' unscaled fp32 gradients, as after GradScaler.unscale_.
         clipped = self.master.unscaled_masters() if self.master else [piece.param for piece in self.pieces()]
         replicated = [group.replicated for group in self.groups for _ in group.pieces]

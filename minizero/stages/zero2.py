@@ -85,7 +85,7 @@ class ZeRO2(ZeRO):
         return reduce_scatter
 
     def post_backward(self) -> None:
-        """Backward has finished: launch the buckets that never completed, and give each piece its averaged part."""
+        """Backward has finished: launch the buckets that never completed, and give each piece its averaged gradient."""
         with self.pipeline.round():
             try:
                 self.refuse_unused_here(self.groups)

@@ -194,7 +194,7 @@ class ZeRO3(ZeRO):
         return reduce_scatter
 
     def post_backward(self) -> None:
-        """Backward has finished: the last reduce-scatters launched, each piece given its averaged part.
+        """Backward has finished: the last reduce-scatters launched, each piece given its averaged gradient.
 
         The groups of a unit not called since the last synchronisation are skipped: not reduced, not
         stepped.  Every rank called the same units -- ZeRO-3 gathers each as it is called, and the

@@ -4,7 +4,7 @@ Given: the flat sharded layout (``self.groups``: one ``FlatGroup`` per optimizer
 param group and dtype, padded to a multiple of N, each rank owning one shard of
 ``group.shard_size`` elements), the full gradients (``self.full_grads``: one flat
 buffer per group in ``self.full_grads.buffers``, each ``.grad`` a view into it),
-the pieces (this rank's part of each parameter, a view into the owned shard), the
+the pieces (this rank's range of each parameter, a view into the owned shard), the
 user's optimizer rebuilt over the pieces (``self.optimizer``), and ``step``.
 Yours: ``post_backward`` -- the gradients' reduce-scatter -- and
 ``all_gather_parameters``, the sharing of the updated parameters.
@@ -21,7 +21,7 @@ from minizero.stages import ZeRO1 as GivenZeRO1
 
 class ZeRO1(GivenZeRO1):
     def post_backward(self) -> None:
-        """Backward has finished on every rank: give each piece, as ``.grad``, its part of the gradient averaged
+        """Backward has finished on every rank: give each piece, as ``.grad``, its range of the gradient averaged
         over ranks -- with half an all-reduce.
 
         1. which parameters got a gradient (those the optimizer steps):
@@ -33,7 +33,7 @@ class ZeRO1(GivenZeRO1):
            tag=self.tag(f"group {index} gradients"), wire=self.wire, key=index)`` (``minizero.comm.ReduceOp``).
            The output is a view of the input: rank r's shard of the buffer,
            ``buffer[r * group.shard_size:(r + 1) * group.shard_size]``, receives the mean of every rank's shard r;
-        3. hand it over: ``self.full_grads.take_averaged(index, used)`` makes each piece's part of the averaged
+        3. hand it over: ``self.full_grads.take_averaged(index, used)`` makes each piece's range of the averaged
            shard its ``.grad`` (pieces of parameters in ``used``) and zeroes the other ranks' shards of the
            buffer -- they own those averages;
         4. when every group is done, ``self.full_grads.window_open = False``: the next forward opens a new

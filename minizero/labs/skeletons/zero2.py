@@ -49,7 +49,7 @@ class ZeRO2(GivenZeRO2):
           2. ``used = self.used_anywhere([s.param for group in self.groups for s in group.segments])``: which
              parameters got a gradient (those the optimizer steps);
           3. ``for index, averaged in self.pipeline.wait_all():`` -- every bucket's result, in index order --
-             ``self.accumulate(self.groups[index], averaged, used)`` gives each piece its part of ``averaged`` as
+             ``self.accumulate(self.groups[index], averaged, used)`` gives each piece its range of ``averaged`` as
              ``.grad`` (added to a ``.grad`` it has, as autograd does).
         (The package's answer first names a parameter without a gradient on this rank,
         ``self.refuse_unused_here(self.groups)``; the training loop the checker runs never leaves one out.)
