@@ -69,7 +69,7 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str, stages
     p.add_argument("--timeout", type=preflight.timeout_s, default=300.0,
                    help=f"seconds a collective may go without progress before the run is ended as stalled "
                         f"(at least {preflight.MIN_TIMEOUT_S:g})")
-    p.add_argument("--network", default=None, help="dial the wire: 'alpha=2ms,bandwidth=50MB/s' or a preset ("
+    p.add_argument("--network", default=None, help="dial the network: 'alpha=2ms,bandwidth=50MB/s' or a preset ("
                    + ", ".join(PRESETS) + "); every message then waits alpha + bytes/bandwidth")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="fingerprint every collective, so ranks that disagree stop with an error (default: on)")
@@ -107,7 +107,7 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--world-size", type=positive_int, default=2)
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.add_argument("--network", default=None,
-                       help="dial the wire: 'alpha=2ms,bandwidth=50MB/s' or a preset (" + ", ".join(PRESETS) + "); "
+                       help="dial the network: 'alpha=2ms,bandwidth=50MB/s' or a preset (" + ", ".join(PRESETS) + "); "
                             "overlap, buckets, prefetch and compress measure on it (default for the last three: lesson)")
     from .lab.models import GPT_SIZES  # bench all's options: refused by the other benches (minizero.lab.bench_all)
     bench.add_argument("--model", choices=list(GPT_SIZES), default=None, help="bench all: the GPT's size (small)")

@@ -1,7 +1,7 @@
-"""The scaling model: one step's time from the α–β wire, the ring's formulas and each stage's overlap.
+"""The scaling model: one step's time from the α–β network, the ring's formulas and each stage's overlap.
 
 A ring collective over ``N`` ranks is ``N-1`` steps (an all-reduce ``2(N-1)``),
-each one message of ``1/N`` of the tensor per rank, so on a wire of latency
+each one message of ``1/N`` of the tensor per rank, so on a network of latency
 ``alpha`` and bandwidth ``beta`` (:class:`~minizero.comm.network.Network`)::
 
     all_reduce(S)      = 2(N-1) * (alpha + S / (N beta))
@@ -74,7 +74,7 @@ def tree_latency_s(kind: str, world_size: int, network: Network) -> float:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the model knows of one step: the model's shape, compute times, element sizes, the wire.
+    """What the model knows of one step: the model's shape, compute times, element sizes, the network.
 
     ``blocks``: parameters per unit in forward order, ``blocks[0]`` the root's (embeddings and head;
     0 if all parameters are in the blocks) -- ZeRO-3's units.  ``buckets``: parameters per bucket in

@@ -14,11 +14,11 @@ What a step is made of (``time.perf_counter`` seconds):
   all-gather after the step, a blocking all-reduce): those are **waits**;
 * **communication**: every collective's span, on whichever thread ran it;
 * **exposed**: communication during which nothing computed -- what a step
-  pays for the wire.  ``hidden = 1 - exposed / communication``.
+  pays for the network.  ``hidden = 1 - exposed / communication``.
 
 The overlap tests read the *structure* (did a bucket's collective run while
 backward still computed? was the last gradient ready long before the
-transfers could have finished one after another?), which a dialled wire
+transfers could have finished one after another?), which a dialled network
 (:mod:`minizero.comm.network`) makes robust: each transfer lasts milliseconds
 that cost no CPU.
 """

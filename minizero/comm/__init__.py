@@ -18,7 +18,7 @@ def make_comm(backend: str = "ring", group: dist.ProcessGroup | None = None, che
 
     ``check=True`` fingerprints every collective, so ranks that disagree on what
     comes next stop with an error naming both calls (see :mod:`.fingerprint`).
-    ``network`` dials the wire: every message waits ``alpha + bytes/bandwidth``
+    ``network`` dials the network: every message waits ``alpha + bytes/bandwidth``
     (``"alpha=2ms,bandwidth=50MB/s"`` or a preset, see :mod:`.network`)."""
     try:
         cls = BACKENDS[backend]

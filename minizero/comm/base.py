@@ -185,7 +185,7 @@ class Comm:
         self._observers: list[Callable[[str, int], None]] = []
         self._span_observers: list[Callable] = []
         self._wait_observers: list[Callable[[float, float], None]] = []
-        self.port = Port(network) if network is not None else None  # a dialled wire (see .network), or none
+        self.port = Port(network) if network is not None else None  # a dialled network (see .network), or none
         self._local = threading.local()
         self._thread: CommThread | None = None
         self._lock = threading.Lock()
@@ -208,7 +208,7 @@ class Comm:
         self._wait_observers.append(lambda start, end: observer(None, start, end, threading.current_thread().name))
 
     def _leaving(self, nbytes: int) -> None:
-        """A message of ``nbytes`` is about to leave this rank: a dialled wire holds it first."""
+        """A message of ``nbytes`` is about to leave this rank: a dialled network holds it first."""
         if self.port is not None:
             self.port.send(nbytes, getattr(self._local, "kind", None) or "exchange")
 

@@ -58,7 +58,7 @@ class NativeComm(StarExchanges, Comm):
         return self.board.waiting_for(ANYONE)
 
     def _report_modelled(self, kind: str, tensor: torch.Tensor, src: int = 0) -> None:
-        """Book the ring version's bytes; on a dialled wire, wait as the ring version would (after torch's
+        """Book the ring version's bytes; on a dialled network, wait as the ring version would (after torch's
         transfer: the step's wall time is the same, and torch's collective cannot be paused half-way)."""
         messages = ring_messages(kind, tensor.numel(), tensor.element_size(), self.world_size, self.rank, src)
         if self.port is not None:

@@ -3,7 +3,7 @@
 On a laptop the ranks talk over loopback, where moving bytes costs the same
 CPU that backward needs: overlap hides "between nothing and half" of the
 communication, run to run, and nobody can tell what a stage would do over a
-100 Gb/s network.  Real wires are described by the Hockney model that NCCL's
+100 Gb/s network.  Real links are described by the Hockney model that NCCL's
 tuning and the ZeRO paper's reasoning use: a message of ``n`` bytes costs a
 latency ``alpha`` plus ``n / beta``.  A :class:`Network` puts exactly that on
 every message, on top of the real transfer:
@@ -32,7 +32,7 @@ every message, on top of the real transfer:
 Presets are real links, with the source of their numbers.  They are for the
 scaling model (:mod:`minizero.cost_model`, ``python -m minizero scale``): on a laptop their delays are far
 below what loopback already costs.  The measured runs use slow dials
-(``"lesson"``, or ``alpha=2ms,bandwidth=50MB/s``), where the wire, not the
+(``"lesson"``, or ``alpha=2ms,bandwidth=50MB/s``), where the network, not the
 CPU, is what a step waits for -- so an effect shows the same on every run.
 """
 from __future__ import annotations
@@ -80,8 +80,8 @@ PRESETS: dict[str, Network] = {n.name: n for n in [
     Network(9.6e-6, 50e9, "infiniband-ndr",
             "InfiniBand NDR 400 Gb/s = 50 GB/s per port (NVIDIA ConnectX-7); alpha: NCCL tuning.cc hwLat"),
     Network(2e-3, 50e6, "lesson",
-            "not a real link: a deliberately slow wire (2 ms, 50 MB/s) so that the lessons' small models, on a "
-            "laptop, wait for the wire rather than for loopback's CPU"),
+            "not a real link: a deliberately slow one (2 ms, 50 MB/s) so that the lessons' small models, on a "
+            "laptop, wait for the network rather than for loopback's CPU"),
 ]}
 
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -156,7 +156,7 @@ class Port:
     """One rank's connection to a dialled :class:`Network`.
 
     ``record=True`` keeps every message's wait as ``(start, end, kind, nbytes, thread)`` in
-    :attr:`messages` -- the wire's side of a timeline."""
+    :attr:`messages` -- the network's side of a timeline."""
 
     def __init__(self, network: Network, record: bool = False):
         self.network = network
@@ -168,7 +168,7 @@ class Port:
         self.hold(self.network.message_s(nbytes), kind, nbytes)
 
     def hold(self, seconds: float, kind: str, nbytes: int = 0) -> None:
-        """Wait ``seconds`` of modelled wire time (the native backend's critical paths use it directly)."""
+        """Wait ``seconds`` of modelled network time (the native backend's critical paths use it directly)."""
         start = time.perf_counter()
         _sleep_until(start + seconds)
         if self.messages is not None:
