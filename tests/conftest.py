@@ -60,7 +60,7 @@ class Pools(RankPools):
 
 #: Modules none of whose tests measures time: their results are the same on a busy CPU, only later, so
 #: ``pytest -m "not alone"`` may run them beside other work (the lessons, say).  Every other module is marked
-#: ``alone``: the dialled wire, overlap, the cost model, the launcher's and the faults' stall timeouts, the
+#: ``alone``: the dialled network, overlap, the cost model, the launcher's and the faults' stall timeouts, the
 #: mutants, test_robustness (it sleeps for launched work to finish), test_train_command (it shares test_launch's
 #: torchrun launch) -- and any module not listed here.  List a new module only if none of its assertions
 #: depends on how long anything takes.  (`make test` runs the suite, then the lessons, one after the other.)

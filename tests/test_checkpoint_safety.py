@@ -57,7 +57,7 @@ class _Events:
         self.at, self.act, self.count, self.kept = at, act, 0, []
 
     def tick(self, event: str, args) -> None:
-        if event == "a file's bytes":  # a file's first two writes only: torch.save writes in many pieces
+        if event == "a file's bytes":  # a file's first two writes only: torch.save writes many times
             args[0].writes_seen = getattr(args[0], "writes_seen", 0) + 1  # (on the object: ids are reused)
             if args[0].writes_seen > 2:
                 return

@@ -37,7 +37,7 @@ def _same_parameters(a: list, b: list) -> bool:
 @settings(max_examples=examples(12))
 @given(data=st.data())
 def test_ps_matches_reference(pools, data):
-    """Drawn world sizes 1-4, S from 1 to N (uneven slices, workers that own nothing), K up to 3, uneven
+    """Drawn world sizes 1-4, S from 1 to N (uneven shards, workers that own nothing), K up to 3, uneven
     and empty batches, frozen, unused and tied parameters, clipping, two param groups."""
     exp, world_size = data.draw(experiments("ps"))
     run_and_check(pools, exp, world_size)

@@ -1,5 +1,5 @@
 """The scaling model: the ring's alpha-beta formulas, each stage's overlap structure, and agreement with
-runs measured on a dialled wire at N = 2-3."""
+runs measured on a dialled network at N = 2-3."""
 import json
 
 import pytest

@@ -1,4 +1,4 @@
-"""The dialled wire: alpha + bytes/bandwidth per message, once, costing no CPU, outside the algorithms."""
+"""The dialled network: alpha + bytes/bandwidth per message, once, costing no CPU, outside the algorithms."""
 import re
 import time
 
@@ -9,7 +9,7 @@ from minizero.comm import PRESETS, Ledger, Network, ReduceOp, make_comm, parse_n
 from minizero.cost_model import root_all_reduce_s
 from minizero.launch import RankPool
 
-WIRE = "alpha=15ms,bandwidth=4MB/s"  # a 40 KB chunk is 10 ms on the wire: both terms count
+WIRE = "alpha=15ms,bandwidth=4MB/s"  # a 40 KB chunk is 10 ms on the network: both terms count
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def _broadcast(me, backend: str, network, numel: int) -> float:
 
 
 def test_native_waits_where_the_ring_chain_would(pool3):
-    """A broadcast is a chain: the source holds its one 400 KB piece 115 ms, the next rank forwards it after
+    """A broadcast is a chain: the source holds its one 400 KB message 115 ms, the next rank forwards it after
     that (230 ms), the last only receives (230 ms).  The native backend waits the same, rank by rank."""
     network = parse_network(WIRE)
     hop = network.message_s(400_000)

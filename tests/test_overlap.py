@@ -1,4 +1,4 @@
-"""Overlap as a property of the timeline, on a dialled wire: backward keeps computing while a bucket's or a
+"""Overlap as a property of the timeline, on a dialled network: backward keeps computing while a bucket's or a
 unit's communication is in flight -- so a change that serialises communication with compute fails here.
 
 The wire holds every message 10 ms (costing no CPU), far longer than the small model's backward: a

@@ -19,7 +19,7 @@ def row(rank, state, seq, waiting_on=NOBODY, progress=NOW - 10, kind=0):
 
 
 def test_a_broadcast_blames_only_the_rank_that_never_reached_it():
-    """Ranks 0 and 1 passed their pieces on and left #5; rank 2 waits for anyone upstream; rank 3 is
+    """Ranks 0 and 1 passed their messages on and left #5; rank 2 waits for anyone upstream; rank 3 is
     still idle after #4.  Only rank 3 stopped."""
     records = [row(0, IDLE, 5), row(1, IDLE, 5), row(2, IN_COLLECTIVE, 5, ANYONE), row(3, IDLE, 4)]
     message, culprits = stalled(records, NOW, timeout_s=2)

@@ -69,7 +69,7 @@ def continue_unwrapped(optimizer_name: str, task: str = "mlp"):
 
 def _wrap_and_continue(me, stage: str, optimizer_name: str, options: dict, dtype=torch.float64, via_load=False,
                        task="mlp"):
-    """On every rank: the warmed model and optimizer wrapped by ``stage``; two more steps on this rank's slice.
+    """On every rank: the warmed model and optimizer wrapped by ``stage``; two more steps on this rank's share of the batch.
     ``via_load``: wrap a fresh optimizer instead and load the warmed one's state_dict through the stage."""
     model, optimizer = warmed(optimizer_name, dtype, task)
     given = copy.deepcopy(optimizer.state_dict())  # this rank's (its threads may round the warm-up otherwise)
