@@ -241,7 +241,7 @@ def bench_precision(world_size: int, steps: int = 12, precision: str = "bf16") -
     return rows
 
 
-DIALLED = ("overlap", "buckets", "prefetch", "compress", "servers")  # measured on a dialled wire (--network)
+DIALLED = ("overlap", "buckets", "prefetch", "compress", "servers")  # measured on a dialled network (--network)
 BENCHES = {
     "collectives": lambda args: bench_collectives(args.world_size, repeats=args.repeats),
     "ddp": lambda args: bench_ddp(args.world_size),
@@ -260,7 +260,7 @@ BENCHES = {
 
 
 def _dial(args) -> str:
-    """The dialled benches measure on a wire: the one given, else the lessons' slow one."""
+    """The dialled benches measure on a network: the one given, else the lessons' slow one."""
     return args.network or "lesson"
 
 

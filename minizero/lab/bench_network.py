@@ -1,7 +1,7 @@
-"""Benchmarks on a dialled wire (``--network``): what overlap, bucket size, prefetch and compression buy,
+"""Benchmarks on a dialled network (``--network``): what overlap, bucket size, prefetch and compression buy,
 measured three times each and set beside the scaling model's prediction (:mod:`minizero.cost_model`).
 
-On loopback these effects drown in the CPU that moving bytes costs; on a dialled wire a transfer is a wait
+On loopback these effects drown in the CPU that moving bytes costs; on a dialled network a transfer is a wait
 that costs no CPU, as on a real NIC, so each figure comes out the same run to run -- the spread over the
 repeats is printed with it."""
 from __future__ import annotations
@@ -110,7 +110,7 @@ def bench_servers(world_size: int, network: str, repeats: int = REPEATS) -> list
 
 
 def format_rows(what: str, world_size: int, network: str, rows: list[dict]) -> str:
-    lines = [f"{what} on a dialled wire ({network}), N={world_size}: median step of {REPEATS} runs "
+    lines = [f"{what} on a dialled network ({network}), N={world_size}: median step of {REPEATS} runs "
              f"(spread = (max-min)/median), beside the scaling model",
              f"  {'':<40}{'measured':>10}{'model':>9}{'spread':>8}{'hidden':>8}{'model':>7}{'exposed':>9}"]
     for r in rows:

@@ -51,7 +51,7 @@ class Experiment:
     param_groups: bool = False  # two optimizer param groups with different lr and weight decay
     record_states: bool = False  # return the (consolidated) optimizer state after every step
     check: bool = True  # fingerprint every collective (minizero.comm.fingerprint)
-    network: str | None = None  # a dialled wire: "alpha=2ms,bandwidth=50MB/s" or a preset (minizero.comm.network)
+    network: str | None = None  # a dialled network: "alpha=2ms,bandwidth=50MB/s" or a preset (minizero.comm.network)
     device: str = "cpu"  # where the model and batches live ("cuda": the rank's current CUDA device)
     overflow_at: tuple | None = None  # (step, rank): an inf in one gradient element there (see poison_gradient)
     options: dict = field(default_factory=dict)  # stage options

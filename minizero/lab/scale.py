@@ -1,5 +1,5 @@
 """``python -m minizero scale``: predicted step time per stage from 1 to thousands of ranks, and the check
-of that prediction against runs measured on a dialled wire (:mod:`minizero.cost_model`)."""
+of that prediction against runs measured on a dialled network (:mod:`minizero.cost_model`)."""
 from __future__ import annotations
 
 import json
@@ -157,8 +157,8 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
     # The rank that arrives last at a collective does not wait for the others: its spans are the transfer.
     loopback = min(statistics.median(sum(e - s for _, s, e in st.comm) / max(messages(st), 1) for st in steps[1:])
                    for steps in quiet)
-    wire = parse_network(network)
-    plan = measured_plan(exp, pool.world_size, replace(wire, alpha=wire.alpha + loopback), forward_s, backward_s,
+    dialled = parse_network(network)
+    plan = measured_plan(exp, pool.world_size, replace(dialled, alpha=dialled.alpha + loopback), forward_s, backward_s,
                          step_s)
     predicted = predict(STAGES[exp.stage], plan)
     measured = [median(run, lambda st: st.end) for run in runs]

@@ -1,8 +1,8 @@
 """Data: a small real text that ships with the package, and synthetic tasks.
 
 Every batch is a pure function of ``(seed, step)``, so each rank can draw
-the *global* batch itself and keep its own slice -- no data needs sending,
-and the reference sees exactly the concatenation of the ranks' slices.
+the *global* batch itself and keep its own share -- no data needs sending,
+and the reference sees exactly the concatenation of the ranks' shares.
 """
 from __future__ import annotations
 
