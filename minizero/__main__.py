@@ -25,21 +25,7 @@ from .labs.cli import add_commands as add_lab_commands
 from .launch import RankError
 from .precision import PRECISIONS, REDUCE_DTYPES
 from .stages import DEFAULT_STAGE, STAGES, distributed
-from .stages.options import WIRE_AND_USE, natural_int, positive_float
-
-
-def _whole_number(text: str, least: int, what: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"{value} {what}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return _whole_number(text, 1, "is not a positive whole number (1 or more)")
+from .stages.options import WIRE_AND_USE, natural_int, positive_float, positive_int
 
 
 def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str, stages: dict) -> None:

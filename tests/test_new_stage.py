@@ -54,8 +54,8 @@ def test_the_new_option_is_a_flag_that_parses_by_its_declaration(capsys):
     args = parser(EXTRA).parse_args(["compare", "--stages", SPLIT, "--gathers", "3"])
     assert args.gathers == 3
     assert parser(EXTRA).parse_args(["compare"]).gathers is None  # not given: the stage's default holds
-    for text, words in (("0", "argument --gathers: 0 is not >= 1"), ("two", "argument --gathers: 'two' is not a "
-                                                                            "whole number")):
+    for text, words in (("0", "argument --gathers: 0 is not a positive whole number (1 or more)"),
+                        ("two", "argument --gathers: 'two' is not a whole number")):
         with pytest.raises(SystemExit):
             parser(EXTRA).parse_args(["compare", "--gathers", text])
         assert words in capsys.readouterr().err

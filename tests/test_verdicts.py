@@ -56,7 +56,7 @@ def read_only_directory(path):
 
 @pytest.mark.parametrize("argv, message", [
     (["train", "--stage", "ps", "--servers", "5", "--world-size", "2"],
-     "--servers 5 on 2 rank(s): ranks 0..S-1 serve a slice each, so there can be at most 2; use --servers 2 or fewer"),
+     "--servers 5 on 2 rank(s): ranks 0..S-1 serve a shard each, so there can be at most 2; use --servers 2 or fewer"),
     (["compare", "--stages", "ddp,ps-async", "--servers", "3"], "--servers 3 on 2 rank(s)"),
     (["train", "--stage", "local-sgd", "--world-size", "2", "--outer-lr", "0.7", "--outer-momentum", "1"],
      "--outer-momentum 1: the outer Nesterov momentum must be at least 0 and below 1"),

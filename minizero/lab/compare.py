@@ -230,7 +230,7 @@ def check_before_launch(args) -> None:
     """What ``compare`` and ``soak`` refuse before any rank starts (minizero.lab.preflight)."""
     preflight.check_lr(args.lr, args.optimizer, DTYPES[args.dtype])  # the masters' dtype: fp32 under mixed precision
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
-    preflight.check_design_options(world_size, args.steps, option_flags.given(args))
+    preflight.check_design_options(world_size, args.steps, option_flags.given(args), getattr(args, "registry", None))
 
 
 def main(args) -> tuple[int, str]:

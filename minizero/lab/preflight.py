@@ -61,28 +61,15 @@ def check_lr(lr: float, optimizer: str, dtype: torch.dtype = torch.float32) -> N
                          f"({largest:.3g}); use --lr {largest / factor:.2g} or less")
 
 
-def check_design_options(world_size: int, steps: int, given: dict) -> None:
-    """The contrast stages' options (``--servers`` and the others; ``given``: the stage options given on the
-    command line, by keyword) against each other, the world size and the steps -- what the stage itself would
-    refuse on every rank, or silently ignore -- in the command line's words, before any rank starts.  (Each is
-    parsed by its stage's declaration, :mod:`minizero.stages.options`; an option that none of the chosen stages
-    takes is refused by the command itself.)"""
-    servers, every = given.get("servers"), given.get("average_every")
-    outer_lr, momentum = given.get("outer_lr"), given.get("outer_momentum")
-    if servers is not None and servers > world_size:
-        raise ValueError(f"--servers {servers} on {world_size} rank(s): ranks 0..S-1 serve a slice each, so there "
-                         f"can be at most {world_size}; use --servers {world_size} or fewer (or more ranks)")
-    if momentum is not None and outer_lr is None:
-        raise ValueError(f"--outer-momentum {momentum:g} has no effect without --outer-lr: plain averaging has no "
-                         f"outer optimizer; add --outer-lr (DiLoCo's 0.7) or drop --outer-momentum")
-    if momentum is not None and not 0 <= momentum < 1:
-        raise ValueError(f"--outer-momentum {momentum:g}: the outer Nesterov momentum must be at least 0 and below 1 "
-                         f"(at 1 or more the outer steps grow without bound); use 0.9, DiLoCo's")
-    if every is not None and every > steps:
-        raise ValueError(f"--average-every {every} with --steps {steps}: the ranks would never average -- {steps} "
-                         f"step(s) of unrelated replicas, not local SGD, and the bytes formula (one all-reduce per "
-                         f"{every} steps) would count traffic that never happened; use --average-every {steps} or "
-                         f"less, or --steps {every} or more")
+def check_design_options(world_size: int, steps: int, given: dict, stages: dict | None = None) -> None:
+    """The stage options given on the command line (by keyword), against each other, the world size and the
+    steps, before any rank starts: each stage that takes one of them says what it would refuse on every rank or
+    silently ignore (``Stage.check_command_line``).  (Each is parsed by its declaration, and an option no chosen
+    stage takes is refused by the command itself.)"""
+    from ..stages import STAGES
+    for cls in dict.fromkeys((stages or STAGES).values()):
+        if hasattr(cls, "check_command_line") and set(given) & set(cls.option_names()):  # (not torch's oracles)
+            cls.check_command_line(world_size, steps, given)
 
 
 def _writable(flag: str, path: str, directory: Path) -> None:

@@ -153,6 +153,7 @@ class Stage(nn.Module):
     state_formula = classmethod(facts.state_formula)
     schedule = classmethod(facts.schedule)
     reduction = classmethod(facts.reduction)
+    check_command_line = classmethod(facts.check_command_line)
 
     # ------------------------------------------------------------------ the lifecycle
     def forward(self, *args, **kwargs):

@@ -86,3 +86,9 @@ def schedule(cls, s, **options) -> None:
 def reduction(cls, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int, **options) -> Reduction:
     """How gradients are laid out for reduction; the reference reduces nothing."""
     return Reduction([])
+
+
+def check_command_line(cls, world_size: int, steps: int, given: dict) -> None:
+    """Refuse, in the command line's words and before any rank starts, options (``given`` by keyword) that this
+    stage would refuse on every rank or silently ignore at this world size and number of steps.  Nothing to
+    check for most stages; the parameter server and local SGD say theirs."""

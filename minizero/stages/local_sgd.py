@@ -77,6 +77,21 @@ class LocalSGD(Stage):
     OUTER_MOMENTUM = 0.9  # DiLoCo's, when outer_lr is given without it
 
     @classmethod
+    def check_command_line(cls, world_size: int, steps: int, given: dict) -> None:
+        every, outer_lr, momentum = given.get("average_every"), given.get("outer_lr"), given.get("outer_momentum")
+        if momentum is not None and outer_lr is None:
+            raise ValueError(f"--outer-momentum {momentum:g} has no effect without --outer-lr: plain averaging has no "
+                             f"outer optimizer; add --outer-lr (DiLoCo's 0.7) or drop --outer-momentum")
+        if momentum is not None and not 0 <= momentum < 1:
+            raise ValueError(f"--outer-momentum {momentum:g}: the outer Nesterov momentum must be at least 0 and below "
+                             f"1 (at 1 or more the outer steps grow without bound); use 0.9, DiLoCo's")
+        if every is not None and every > steps:
+            raise ValueError(f"--average-every {every} with --steps {steps}: the ranks would never average -- {steps} "
+                             f"step(s) of unrelated replicas, not local SGD, and the bytes formula (one all-reduce per "
+                             f"{every} steps) would count traffic that never happened; use --average-every {steps} or "
+                             f"less, or --steps {every} or more")
+
+    @classmethod
     def check_outer(cls, rank: int, outer_lr, outer_momentum) -> None:
         """DiLoCo's outer optimizer, refused before anything is wrapped: an inf rate makes every average inf, and
         a momentum without the outer optimizer would be ignored (plain averaging has no momentum)."""

@@ -34,7 +34,9 @@ class Option:
     """One keyword option of a stage's constructor.
 
     ``parse``: the command line's text to a value, raising ``argparse.ArgumentTypeError`` that says what is
-    wrong (``None``: a switch, ``--flag`` / ``--no-flag``).  ``draw``: the values the property suite samples
+    wrong; ``None``: a switch if the default is a bool (``--flag``, or ``--flag``/``--no-flag`` when it is on by
+    default), otherwise no command-line form at all (``units``, ``replicate``: modules).
+    ``draw``: the values the property suite samples
     from, given a :class:`Drawing` (``None``: not drawn by the suite on its own -- the wire and precision are
     drawn by the suite's modes, ``compress=True`` and ``precision=True``)."""
 
@@ -57,7 +59,7 @@ def positive_int(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number (1 or more)")
     return value
 
 

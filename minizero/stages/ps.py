@@ -128,6 +128,13 @@ class ParameterServer(ZeRO):
 
     # ------------------------------------------------------------------ facts
     @classmethod
+    def check_command_line(cls, world_size: int, steps: int, given: dict) -> None:
+        servers = given.get("servers")
+        if servers is not None and servers > world_size:
+            raise ValueError(f"--servers {servers} on {world_size} rank(s): ranks 0..S-1 serve a shard each, so there "
+                             f"can be at most {world_size}; use --servers {world_size} or fewer (or more ranks)")
+
+    @classmethod
     def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, servers: int = 1, **options) -> float:
         """The mean over ranks (what ``compare`` reports for every stage): ``(N-1)/N Psi`` each way, ZeRO-1's."""
         return reduce_scatter_bytes(psi * grad_bytes, world_size) + all_gather_bytes(psi * param_bytes, world_size)
