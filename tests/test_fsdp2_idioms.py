@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from minizero.comm import make_comm
+from minizero.lab.experiment import run_experiment
 from minizero.stages import make_stage
+from tests.equivalence import WORLD_SIZES, covering_every_world_size, examples, experiments, replace, run_and_check
 
 WORLD = 3
 CORE = ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3", "ps"]
@@ -153,8 +157,39 @@ def _wrap_replicating(me, replicate):
 @pytest.mark.parametrize("replicate, says", [
     (["head"], "parameter 'token_embedding.weight' of module 'token_embedding', which is sharded, is also a replicated "
                "module's \\('head.weight', a tied weight\\): it cannot be both. Replicate 'token_embedding' too"),
-    ([""], "rank 0: replicate names the whole model: that is ddp, not zero3")])
+    ([""], "rank \\d: replicate names the whole model: that is ddp, not zero3")])
 def test_a_replicated_module_that_cannot_be_is_refused_naming_why(pools, replicate, says):
     from minizero.launch import RankError
     with pytest.raises(RankError, match=says):
         pools.run(2, _wrap_replicating, replicate)
+
+
+# ---------------------------------------------------------------------------- mixed precision, optimizer after wrapping
+WRAP_FIRST = ["reference", "ddp", "ddp-bucketed", "zero1", "zero2", "zero3"]  # (ps keeps its optimizer on its servers)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)  # not drawn: see test_compression, the same test's seed
+@pytest.mark.parametrize("stage", WRAP_FIRST[1:])
+@covering_every_world_size
+@settings(max_examples=examples(2), deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_mixed_precision_with_the_optimizer_built_after_wrapping_is_single_device_training(pools, stage, world_size,
+                                                                                           data):
+    """FSDP2's order under mixed precision -- wrap, then the optimizer over ``stage.parameters()`` (the fp32
+    masters), ``optimizer.zero_grad()`` / ``optimizer.step()`` in the loop -- against the same-casts reference
+    whose optimizer the stage owns: the same parameters after every step, fp16's skipped steps included (the ring
+    backend, whose sums the reference replays bit for bit, as in test_precision)."""
+    exp, n = data.draw(experiments(stage, world_sizes=(world_size,), precision=True, backends=("ring",), max_accum=3))
+    run_and_check(pools, replace(exp, wrap_first=True, record_states=False), n)
+
+
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=list(HealthCheck))
+@given(drawn=experiments("reference", world_sizes=(1,), precision=True, max_accum=3))
+def test_the_reference_with_its_optimizer_built_after_wrapping_is_bit_for_bit_the_one_that_owns_it(pools, drawn):
+    """The reference averages nothing, so the same-casts reference (which replays a stage's reduction) does not
+    apply: its two orders must agree bit for bit."""
+    exp, n = drawn
+    exp = replace(exp, options={k: v for k, v in exp.options.items() if k == "precision"}, record_states=False)
+    got, want = (pools.run(n, run_experiment, e)[0] for e in (replace(exp, wrap_first=True), exp))
+    for step, (a, b) in enumerate(zip(got.params, want.params, strict=True)):
+        assert all(torch.equal(a[k], b[k]) for k in b), (step, exp)

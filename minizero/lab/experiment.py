@@ -60,6 +60,7 @@ class Experiment:
     save: str | None = None  # save a checkpoint here after the last step
     consolidated: bool = False  # ... consolidated (one torch.load-able file) instead of sharded
     stages: dict | None = field(default=None, repr=False)  # a registry other than the lab's (mutants, new stages)
+    wrap_first: bool = False  # the optimizer built after wrapping, over stage.parameters(), stepped by the loop (FSDP2)
 
     def global_batch(self, world_size: int) -> int:
         return sum(self.rank_sizes) if self.rank_sizes else self.micro_batch * self.accum * world_size
@@ -72,7 +73,7 @@ def build(me: Rank | None, exp: Experiment):
     stage_class(exp.stage, exp.stages)  # an unknown name is refused before anything is built
     model = TASKS[exp.task].make_model(exp.seed + 1000 * (me.rank if me else 0), DTYPES[exp.dtype], **exp.model)
     model.to(exp.device)
-    optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
+    optimizer = None if exp.wrap_first else make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
     comm = make_comm(exp.backend, check=exp.check, network=exp.network) if me else None
     return build_stage(exp.stage, model, optimizer, comm, exp.stages, **exp.options), model, comm, psi
@@ -89,6 +90,9 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     if exp.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     stage, model, comm, psi = build(me, exp)
+    # FSDP2's order: the optimizer over the stage's parameters (ZeRO's pieces; fp32 masters under mixed precision),
+    # its param groups picked by name from the model's shapes (a piece is 1-D whatever its parameter was).
+    optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups, over=stage) if exp.wrap_first else None
     try:  # the communication thread is closed even when training raised: nothing it ran outlives the run
         ledger, gathered = Ledger(), GatheredMemory()
         stage.add_observer(gathered)
@@ -103,13 +107,14 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                 else shard_step(x, y, 0, 1, 1)
             start = time.perf_counter()
             with poison_gradient(model, exp, s, rank, n if me else None):
-                losses.append(train_step(stage, step, clip=exp.clip, sync_every_micro_batch=exp.sync_every_micro_batch))
+                losses.append(train_step(stage, step, clip=exp.clip, sync_every_micro_batch=exp.sync_every_micro_batch,
+                                         optimizer=optimizer))
             times.append(time.perf_counter() - start)
             scales.append(getattr(stage, "loss_scale", 1.0))
             if comm:
                 comm.remove_observer(ledger)  # what follows is inspection, not training traffic
             params.append({k: v.cpu() for k, v in snapshot_parameters(stage, model).items()})  # off the GPU
-            if exp.record_states:
+            if exp.record_states and optimizer is None:  # (the loop's own optimizer holds pieces' states)
                 states.append(copy.deepcopy(stage.full_optimizer_state_dict()))
             if comm:
                 comm.add_observer(ledger)
@@ -119,7 +124,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             comm.remove_observer(ledger)
         if exp.save:  # not training traffic either
             checkpoint.save(stage, exp.save, exp.first_step + exp.steps, consolidated=exp.consolidated)
-        optimizer_state = copy.deepcopy(stage.full_optimizer_state_dict())
+        optimizer_state = copy.deepcopy(stage.full_optimizer_state_dict()) if optimizer is None else {}
     finally:
         if comm:
             comm.close()

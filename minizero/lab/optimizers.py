@@ -12,17 +12,22 @@ OPTIMIZERS = {
 }
 
 
-def make_optimizer(name: str, model: torch.nn.Module, lr: float, param_groups: bool = False) -> torch.optim.Optimizer:
-    """``name`` over ``model``'s parameters.  With ``param_groups``, two groups as in fine-tuning
-    recipes: biases and norms without weight decay at twice the rate, the rest as given."""
+def make_optimizer(name: str, model: torch.nn.Module, lr: float, param_groups: bool = False,
+                   over: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+    """``name`` over ``model``'s parameters -- or over ``over``'s, a stage wrapping it (the optimizer built after
+    wrapping).  With ``param_groups``, two groups as in fine-tuning recipes: biases and norms without weight decay
+    at twice the rate, the rest as given -- told apart by the parameters' full shapes, by name (a ZeRO piece is 1-D
+    whatever its parameter is)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
+    named = list((over or model).named_parameters())
     if not param_groups:
-        return OPTIMIZERS[name](model.parameters(), lr)
-    vectors = [p for p in model.parameters() if p.dim() <= 1]
-    matrices = [p for p in model.parameters() if p.dim() > 1]
-    optimizer = OPTIMIZERS[name](matrices, lr)
-    optimizer.add_param_group({"params": vectors, "lr": 2 * lr, "weight_decay": 0.0})
+        return OPTIMIZERS[name]([p for _, p in named], lr)
+    shapes = ({n: shape for n, (shape, _) in over.full_state_shapes().items()} if over is not None  # (ZeRO-3's model
+              else {n: list(p.shape) for n, p in model.named_parameters()})                   # holds placeholders)
+    vector = {n for n, shape in shapes.items() if len(shape) <= 1}
+    optimizer = OPTIMIZERS[name]([p for n, p in named if n not in vector], lr)
+    optimizer.add_param_group({"params": [p for n, p in named if n in vector], "lr": 2 * lr, "weight_decay": 0.0})
     return optimizer
 
 

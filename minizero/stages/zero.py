@@ -58,6 +58,7 @@ class ZeRO(Stage):
         self.user_optimizer = optimizer
         self.groups: list[FlatGroup] = []
         self._shared_versions: list[int] = []  # each group's version counter when last all-gathered
+        self._nothing: dict[str, nn.Parameter] = {}  # the empty pieces of parameters this rank owns none of
 
     def param_groups(self) -> list[dict]:
         """What the flat groups are built from: the user's optimizer's param groups, or all trainable
@@ -111,10 +112,19 @@ class ZeRO(Stage):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """This rank's piece of every parameter, under the parameter's name (FSDP's ``use_orig_params``) --
-        under mixed precision, the piece's fp32 master (FSDP2's sharded fp32 parameter)."""
+        under mixed precision, the piece's fp32 master (FSDP2's sharded fp32 parameter).  A parameter this rank
+        owns none of is an empty tensor, as a DTensor's local shard is: an optimizer built over the pieces is
+        never empty, however small the model and many the ranks."""
         outside = self.master is not None and self.master.optimizer_outside
-        for piece in self.pieces():
-            yield prefix + piece.segment.name, self.master.master_of(piece.param) if outside else piece.param
+        owned = {id(piece.segment): piece for piece in self.pieces()}
+        for group in self.groups:
+            for segment in group.segments:
+                piece = owned.get(id(segment))
+                if piece is None:
+                    yield prefix + segment.name, self._nothing.setdefault(segment.name, nn.Parameter(
+                        group.shard.new_empty(0, dtype=group.optimizer_dtype)))
+                else:
+                    yield prefix + segment.name, self.master.master_of(piece.param) if outside else piece.param
 
     def accumulate(self, group: FlatGroup, averaged: torch.Tensor, used: set[int]) -> None:
         """Give each piece of ``group`` its range of the averaged shard, as autograd gives ``.grad``: added to
