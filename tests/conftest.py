@@ -69,7 +69,7 @@ BESIDE_THE_LESSONS = {
     "test_compression", "test_contrast_stages", "test_ddp_equivalence", "test_docs", "test_fingerprint", "test_labs",
     "test_lesson_claims", "test_new_stage", "test_optimizer_semantics", "test_oracle", "test_precision", "test_stall",
     "test_torch_conventions", "test_train_loop", "test_zero", "test_zero3", "test_wrapped_optimizer_state",
-    "test_clip_and_dropout_resume", "test_checkpoint_safety",
+    "test_clip_and_dropout_resume", "test_checkpoint_safety", "test_stage_options", "test_fsdp2_idioms",
 }
 
 

@@ -41,3 +41,15 @@ def test_every_row_names_a_test_that_asserts_its_message():
                 if piece not in source and piece not in _unescaped(source):
                     problems.append(f"row {number}: {test} does not check {piece!r}")
     assert not problems, "\n".join(problems)
+
+
+def test_every_stage_option_flag_is_in_the_readme():
+    """The README's option lists name every flag a stage declares (the CLI builds them from the declarations):
+    a new option is documented, or this fails naming it."""
+    from minizero.lab import option_flags
+    from minizero.stages import STAGES
+    readme = (ROOT / "README.md").read_text()
+    flags = {option.flag for cls in STAGES.values() for option in cls.options
+             if option_flags.on_command_line(option) and option.name != "precision"}
+    missing = sorted(flag for flag in flags if flag not in readme)
+    assert not missing, f"README.md names no {missing}: add them to the options of compare and train"
