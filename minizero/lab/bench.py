@@ -111,7 +111,7 @@ def bench_check(world_size: int, steps: int = 12, model: dict | None = None) -> 
                 for stage, options in cases for backend in ("native", "ring") for check in (False, True)]
     measured = _measure(world_size, variants)
     rows = []
-    for (name, off_ms, _, _, _), (_, on_ms, _, _, check_bytes) in zip(measured[::2], measured[1::2]):
+    for (name, off_ms, _, _, _), (_, on_ms, _, _, check_bytes) in zip(measured[::2], measured[1::2], strict=True):
         rows.append({"name": f"{name} step, check on", "value": on_ms, "unit": "ms", "baseline": "check off",
                      "baseline_value": off_ms, "ratio": on_ms / off_ms, "world_size": world_size,
                      "check_bytes_per_step": check_bytes})
@@ -228,7 +228,7 @@ def bench_precision(world_size: int, steps: int = 12, precision: str = "bf16") -
     measured = _step_times(world_size, variants)
     torch_ms = measured[0][1]
     rows = []
-    for (name, ms, sent, _), (_, fp32_ms, fp32_sent, _) in zip(measured[1::2], measured[2::2]):
+    for (name, ms, sent, _), (_, fp32_ms, fp32_sent, _) in zip(measured[1::2], measured[2::2], strict=True):
         rows.append({"name": f"{name} {precision} step", "value": ms, "unit": "ms",
                      "baseline": f"torch-fsdp2 {precision} step", "baseline_value": torch_ms, "ratio": ms / torch_ms,
                      "world_size": world_size, "sent_bytes": sent})

@@ -88,7 +88,7 @@ def bench_compress(world_size: int, network: str, repeats: int = REPEATS) -> lis
                 options = {"compress": compress} if compress else {}
                 r = model_against_measured(pool, _base(network, stage=stage, options=options), network, repeats)
                 rows.append(_row(f"{stage} step, {compress or 'fp32'} gradients", r, compress=compress or "fp32"))
-    for fp32, fp16 in zip(rows[::2], rows[1::2]):
+    for fp32, fp16 in zip(rows[::2], rows[1::2], strict=True):
         fp16["saved_ms"] = fp32["value"] - fp16["value"]
         fp16["predicted_saved_ms"] = fp32["baseline_value"] - fp16["baseline_value"]
         fp16["step_ratio"] = fp16["value"] / fp32["value"]

@@ -84,7 +84,7 @@ def main(args) -> tuple[int, str]:
         psi = args.params
     rows = formula_rows(psi, args.world_size, precision, args.optimizer)
     if args.model:
-        for row, live in zip(rows, measured):
+        for row, live in zip(rows, measured, strict=True):
             formula_at_live = STAGES[row["stage"]].state_bytes(psi, live_n, MASTER_BYTES,
                                                                 STATE_TENSORS[args.optimizer], precision)
             row.update(measured_world_size=live_n, measured_bytes_per_rank=live["measured_bytes_per_rank"],
