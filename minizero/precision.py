@@ -297,12 +297,7 @@ class MasterWeights:
         overflow, stepped, scale = self.unscale_(), False, self.loss_scale
         try:
             if overflow:
-                if self.scaler.scale <= self.scaler.floor:
-                    rank = self.comm.rank if self.comm else 0
-                    raise FloatingPointError(
-                        f"rank {rank}: gradients are inf or NaN even at the minimum loss scale "
-                        f"({self.scaler.floor:g}); the run has diverged, not overflowed. Lower the learning rate, "
-                        f"check the data for inf/NaN, or use precision='bf16' (fp32's range).")
+                self._refuse_overflow_at_the_floor()
                 return False  # skipped: masters, optimizer states and working copy untouched
             optimizer_step()
             for w, m in zip(self.working, self.masters, strict=True):
@@ -318,6 +313,14 @@ class MasterWeights:
             self._overflow = None
             for listener in self.settled:
                 listener(stepped, self.loss_scale / scale)
+
+    def _refuse_overflow_at_the_floor(self) -> None:
+        if self.scaler.scale <= self.scaler.floor:
+            rank = self.comm.rank if self.comm else 0
+            raise FloatingPointError(
+                f"rank {rank}: gradients are inf or NaN even at the minimum loss scale ({self.scaler.floor:g}); "
+                f"the run has diverged, not overflowed. Lower the learning rate, check the data for inf/NaN, "
+                f"or use precision='bf16' (fp32's range).")
 
     # ------------------------------------------------------------ the optimizer built after wrapping
     @torch.no_grad()
@@ -335,12 +338,7 @@ class MasterWeights:
                 w.grad = None
         overflow = self._agree_on_overflow() if self.scaler else False
         if overflow:
-            if self.scaler.scale <= self.scaler.floor:
-                rank = self.comm.rank if self.comm else 0
-                raise FloatingPointError(
-                    f"rank {rank}: gradients are inf or NaN even at the minimum loss scale ({self.scaler.floor:g}); "
-                    f"the run has diverged, not overflowed. Lower the learning rate, check the data for inf/NaN, "
-                    f"or use precision='bf16' (fp32's range).")
+            self._refuse_overflow_at_the_floor()
             for m in self.masters:
                 m.grad = None
         if self.scaler:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..stages.options import positive_float
+from ..stages.options import natural_int, positive_float
 
 #: A collective that waits less than this for a peer is no evidence of a stall: a healthy peer may still be
 #: building its model or wrapping the stage (the first collectives), or be paused by a busy machine.
@@ -37,12 +37,7 @@ def timeout_s(text: str) -> float:
 
 def seed(text: str) -> int:
     """``--seed``: a whole number from 0 to :data:`MAX_SEED`."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; use 0 or more")
+    value = natural_int(text)
     if value > MAX_SEED:
         raise argparse.ArgumentTypeError(
             f"{value} is beyond {MAX_SEED} (2**44 - 1), the largest seed: step s draws its batch with "

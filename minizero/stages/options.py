@@ -52,12 +52,17 @@ class Option:
 
 
 # ---------------------------------------------------------------------- parsers, in the command line's words
+def _number(text: str, kind: type, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    return value
+
+
 def positive_int(text: str) -> int:
     """A count: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _number(text, int, "a whole number")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive whole number (1 or more)")
     return value
@@ -65,10 +70,7 @@ def positive_int(text: str) -> int:
 
 def natural_int(text: str) -> int:
     """A count that may be zero: a whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _number(text, int, "a whole number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative; use 0 or more")
     return value
@@ -76,20 +78,14 @@ def natural_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A size or a rate: a finite number greater than 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text, float, "a number")
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text} is not a finite number greater than 0")
     return value
 
 
 def finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text, float, "a number")
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text} is not a finite number")
     return value

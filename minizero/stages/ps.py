@@ -89,11 +89,7 @@ class ParameterServer(ZeRO):
 
     def post_backward(self) -> None:
         """Push: server j gets the mean of shard j of every rank's gradients (over the wire, if compressed)."""
-        try:
-            self.refuse_unused_here(self.groups)
-            used = self.used_anywhere([s.param for g in self.groups for s in g.segments])
-        finally:
-            self._used.clear()
+        used = self.used_after_backward()
         for index, (group, buffer) in enumerate(zip(self.groups, self.full_grads.buffers, strict=True)):
             self.comm.push(group.shard_of(buffer), buffer, self.servers, ReduceOp.AVG,
                            tag=self.tag(f"group {index} gradients"), wire=self.wire, key=index)
@@ -108,9 +104,8 @@ class ParameterServer(ZeRO):
 
     def all_gather_parameters(self) -> None:
         """Pull: every rank's full parameters from the servers' shards."""
-        for g, group in enumerate(self.groups):
-            if any(id(s.param) in self._has_grad for s in group.segments):
-                self.gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
+        for g, group in self.stepped_groups():
+            self.gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
         self.remember_shared()
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:

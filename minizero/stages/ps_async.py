@@ -95,11 +95,10 @@ class AsyncParameterServer(ParameterServer):
         kept, in the first steps)."""
         ages = [min(delay(self.schedule_seed, self.version, r, self.staleness), len(self._history))
                 for r in range(self.world_size)]
-        for g, group in enumerate(self.groups):
-            if any(id(s.param) in self._has_grad for s in group.segments):
-                versions = [group.shard.detach()] + [old[g] for old in reversed(self._history)]
-                self.comm.pull(group.data, group.shard.detach().clone(), self.servers,
-                               stale=[versions[age] for age in ages], tag=self.tag(f"group {g} parameters after step"))
+        for g, group in self.stepped_groups():
+            versions = [group.shard.detach()] + [old[g] for old in reversed(self._history)]
+            self.comm.pull(group.data, group.shard.detach().clone(), self.servers,
+                           stale=[versions[age] for age in ages], tag=self.tag(f"group {g} parameters after step"))
         self.remember_shared()
 
     @staticmethod

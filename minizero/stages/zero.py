@@ -142,7 +142,22 @@ class ZeRO(Stage):
             if missing:
                 raise unused_error(self.rank, missing, "ZeRO steps the parameters that have one on every rank")
 
+    def used_after_backward(self) -> set[int]:
+        """After a backward whose gradients stay full until the end (ZeRO-1, the parameter server): every
+        parameter has one here -- or, with ``find_unused_parameters``, the ranks agree on which have one anywhere."""
+        try:
+            self.refuse_unused_here(self.groups)
+            return self.used_anywhere([s.param for g in self.groups for s in g.segments])
+        finally:
+            self._used.clear()
+
     # ------------------------------------------------------------ after the step
+    def stepped_groups(self):
+        """``(index, group)`` of the flat groups the last step changed: those with a gradient anywhere -- the
+        ones whose updated shards must be shared (a group no rank had a gradient for did not move)."""
+        return [(g, group) for g, group in enumerate(self.groups)
+                if any(id(s.param) in self._has_grad for s in group.segments)]
+
     def remember_shared(self) -> None:
         """The full parameters are current now (all-gathered, or loaded): note each group's version."""
         self._shared_versions = [self._version_of(group) for group in self.groups]

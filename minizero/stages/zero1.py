@@ -69,11 +69,7 @@ class ZeRO1(ZeRO):
 
     def post_backward(self) -> None:
         """Backward has finished: reduce-scatter each group's gradients into the owned shard, in place."""
-        try:
-            self.refuse_unused_here(self.groups)
-            used = self.used_anywhere([s.param for g in self.groups for s in g.segments])
-        finally:
-            self._used.clear()
+        used = self.used_after_backward()
         for index, (group, buffer) in enumerate(zip(self.groups, self.full_grads.buffers, strict=True)):
             self.comm.reduce_scatter(group.shard_of(buffer), buffer, ReduceOp.AVG,
                                      tag=self.tag(f"group {index} gradients"), wire=self.wire, key=index)
@@ -91,9 +87,8 @@ class ZeRO1(ZeRO):
     def all_gather_parameters(self) -> None:
         """Everyone gets everyone's updated shard (the parameters are views of ``group.data``); a group
         whose parameters had no gradient anywhere did not change."""
-        for g, group in enumerate(self.groups):
-            if any(id(s.param) in self._has_grad for s in group.segments):
-                self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
+        for g, group in self.stepped_groups():
+            self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
         self.remember_shared()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

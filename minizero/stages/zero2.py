@@ -105,9 +105,8 @@ class ZeRO2(ZeRO):
 
     def all_gather_parameters(self) -> None:
         """Everyone gets everyone's updated shard, bucket by bucket (a bucket is a flat group)."""
-        for g, group in enumerate(self.groups):
-            if any(id(s.param) in self._has_grad for s in group.segments):
-                self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
+        for g, group in self.stepped_groups():
+            self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
         self.remember_shared()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
