@@ -43,7 +43,7 @@ def outside_collectives(records: list[dict], now: float, started: float, idle_s:
 
 @dataclass(frozen=True)
 class Frame:
-    """One frame of a sample: the file, the line, the function's qualified name (``DDP.sync_gradients``)
+    """One frame of a sample: the file, the line, the function's qualified name (``DDP.post_backward``)
     and the line's source."""
 
     filename: str
