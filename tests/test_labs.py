@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from minizero.__main__ import main
+from minizero.comm import Comm
 from minizero.labs import LABS, check, skeleton_path, start
 from minizero.labs import mistakes as known
 
@@ -47,7 +48,7 @@ def test_a_skeleton_leaves_the_package_s_own_methods_to_write(lab):
 def test_the_answer_key_passes_every_property(pools, lab):
     report = check(lab, examples=3, pools=pools, out=quiet)
     assert report.ok, (report.failed, report.why, report.case)
-    assert len(report.passed) == len(LABS[lab].properties)
+    assert len(report.passed) == 1 + len(LABS[lab].properties)  # "your methods are what runs" first
 
 
 EQUIVALENCE, BYTES = "equivalence to single-device training", "bytes sent per step against the formula"
@@ -120,3 +121,44 @@ def test_a_skeleton_filled_in_as_its_docstrings_say_passes(pools, lab):
     solution = Path(__file__).parent / "lab_solutions" / f"{lab.replace('-', '_')}.py"
     report = check(lab, impl=solution, examples=2, pools=pools, out=quiet)
     assert report.ok, (report.failed, report.why, report.case)
+
+
+#: What a learner's file subclasses, by the class names the labs' methods are on: an empty subclass of each.
+PACKAGE_CLASSES = {"Ring": "minizero.comm:RingComm", "Wire": "minizero.compress:Wire", "Unit": "minizero.units:Unit"}
+
+
+@pytest.mark.parametrize("lab", list(LABS))
+def test_a_file_whose_classes_are_empty_fails_naming_what_it_does_not_define(pools, lab, tmp_path):
+    """Every class a lab's methods are on, subclassed and left empty: the package's finished methods would run
+    (the answer), so the checker says which ones the file does not define -- before any property."""
+    spec = LABS[lab]
+    owners = dict.fromkeys(todo.split(".")[0] for todo in spec.todo)
+    if spec.kind is not Comm and spec.answer.__name__ not in owners:
+        owners[spec.answer.__name__] = None  # the stage itself, which the checker takes from the file
+    lines = []
+    for owner in owners:
+        module, name = (PACKAGE_CLASSES.get(owner) or f"{spec.answer.__module__}:{spec.answer.__name__}").split(":")
+        lines += [f"from {module} import {name} as Given{owner}", f"class {owner}(Given{owner}):", "    pass", ""]
+    if "Unit" in owners:
+        lines[-2:-1] = ["    pass", "", f"class {spec.answer.__name__}(Given{spec.answer.__name__}):", "    unit_class = Unit"]
+    path = tmp_path / f"empty_{lab.replace('-', '_')}.py"
+    path.write_text("\n".join(lines) + "\n")
+    report = check(lab, impl=str(path), examples=3, pools=pools, out=quiet)
+    assert not report.ok and report.failed == "your methods are what runs", report
+    for todo in spec.todo:
+        assert f"your file does not define {todo}" in report.why, (todo, report.why)
+
+
+def test_a_stage_that_does_not_use_the_files_unit_fails_naming_its_methods(pools, tmp_path):
+    """The zero3 lab's Unit written in full, but the stage never handed it (``unit_class = Unit`` deleted): the
+    package's Unit would run, so the file's is never called."""
+    solution = (Path(__file__).parent / "lab_solutions" / "zero3.py").read_text()
+    path = tmp_path / "zero3_without_unit_class.py"
+    given = "from minizero.stages import ZeRO3 as GivenZeRO3\nfrom minizero.units import Unit as GivenUnit"
+    path.write_text(solution.replace("from minizero.labs.skeletons import zero3 as skeleton", given)
+                    .replace("class Unit(skeleton.Unit):", "class Unit(GivenUnit):")
+                    .replace("class ZeRO3(skeleton.ZeRO3):\n    unit_class = Unit", "class ZeRO3(GivenZeRO3):\n    pass"))
+    report = check("zero3", impl=str(path), examples=3, pools=pools, out=quiet)
+    assert not report.ok and report.failed == "your methods are what runs", report
+    assert ("are never called in a training step: is your Unit the class the stage uses?" in report.why
+            and "Unit.pre_forward" in report.why), report.why

@@ -227,7 +227,7 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
             report.failed, report.why, report.final = "loading your file", failed.why, True
             out(format_failure(report))
             return report
-        for name in spec.properties:
+        for name in ("yours", *spec.properties):  # first: the learner's methods are what runs
             title, prop = PROPERTIES[name]
             start = time.monotonic()
             try:

@@ -16,8 +16,9 @@ from ..lab.drawn import experiments
 from ..lab.equivalence import agrees, judge
 from ..lab.experiment import Experiment, reference_of
 from ..lab.optimizers import STATE_TENSORS
-from ..stages import DDP, ZeRO2
+from ..stages import DDP, Stage, ZeRO2
 from .ranks import Raised, collectives_round, overlap_probe
+from .ranks import yours_run as yours_run_on_rank
 
 
 class Failed(Exception):
@@ -211,7 +212,24 @@ def over_your_ring(checker) -> str:
     return "ddp and zero2 over your ring equal single-device training (world size 3, K = 2)"
 
 
+def yours_run(checker) -> str:
+    """Before any property: the learner's own methods are what a step runs (not the package's, inherited)."""
+    if checker.impl.path is None:
+        return "the package's own class (the answer key)"
+    exp = Experiment(stage=checker.key, task="mlp", steps=1, accum=2, dtype="float64", optimizer="sgd",
+                     options={**checker.options, **({"compress": "fp16"} if checker.lab.compress else {})})
+    if checker.lab.kind is not Stage:  # the ring lab: the learner's ring under a stage of the package's
+        exp = replace(exp, stage=DDP.name, backend=checker.key)
+    problems = checker.on_ranks(2, yours_run_on_rank, checker.impl, replace(exp, stages=None))[0]
+    if problems:
+        raise Failed("; ".join(problems), final=True)
+    if problems is None:  # a step raised: the next property shows where, on the smallest case
+        return f"{', '.join(checker.lab.todo)}: written in your file (a step raised before all of them ran)"
+    return f"{', '.join(checker.lab.todo)}: yours, each called in a step"
+
+
 PROPERTIES = {
+    "yours": ("your methods are what runs", yours_run),
     "equivalence": ("equivalence to single-device training", equivalence),
     "compressed equivalence": ("equivalence to a reference applying the same casts",
                                lambda c: equivalence(c, compress=True)),

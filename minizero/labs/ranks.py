@@ -4,6 +4,9 @@ keep the pool when every rank raised alike (:meth:`~minizero.labs.check.Checker.
 skeleton then costs no process spawn per example."""
 from __future__ import annotations
 
+import inspect
+import os
+import sys
 import threading
 import traceback
 from dataclasses import dataclass, replace
@@ -15,7 +18,7 @@ from ..lab.experiment import build, run_experiment
 from ..lab.tasks import TASKS
 from ..launch import Rank
 from ..train import shard_step, train_step
-from .loading import Impl
+from .loading import Impl, load_file
 
 
 @dataclass
@@ -53,6 +56,56 @@ def lab_experiment(me: Rank, impl: Impl, exp):
         return run_experiment(me, replace(exp, stages=impl.stages()))
     except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
         return Raised.now(me.rank, error, impl.path)
+
+
+def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:
+    """What of the lab's methods (``Class.method``) the learner's file does not define itself -- an empty
+    class, or a deleted method, inherits the package's finished one: the answer, not theirs -- or defines but
+    one step of ``exp`` never calls (a class the stage does not use, say): each in words; [] when all run; None
+    when the step raised (whether they run is then unknown: the properties report the error)."""
+    try:
+        module = load_file(impl.path)
+        mine, problems = {}, []
+        for todo in impl.lab.todo:
+            owner, method = todo.split(".")
+            cls = getattr(module, owner, None)
+            fn = inspect.unwrap(getattr(cls, method, None)) if cls is not None else None
+            code = getattr(fn, "__code__", None)
+            if code is None or os.path.realpath(code.co_filename) != os.path.realpath(impl.path):
+                problems.append(f"your file does not define {todo}" + (
+                    f" (your {owner} inherits it: it would run {_where(code)}, not yours)" if code is not None else ""))
+            else:
+                mine[code] = todo
+        called: set = set()
+
+        def profile(frame, event, arg):
+            if event == "call" and frame.f_code in mine:
+                called.add(frame.f_code)
+
+        if problems:
+            return problems
+        threading.setprofile(profile)  # the communication thread starts within the run: it is watched too
+        sys.setprofile(profile)
+        try:
+            run_experiment(me, replace(exp, stages=impl.stages()))
+        except Exception:  # noqa: BLE001 -- a method that raises (a blank one) is the properties' to report, on
+            return None    # the smallest case they find
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)
+        never = [todo for code, todo in mine.items() if code not in called]
+        if never:
+            owners = sorted({todo.split(".")[0] for todo in never})
+            problems.append(f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called in a training "
+                            f"step: is your {' and '.join(owners)} the class the stage uses?")
+        return problems
+    except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
+        return Raised.now(me.rank, error, impl.path)
+
+
+def _where(code) -> str:
+    """Where an inherited method is written: the package's file, or the skeleton's (which only raises)."""
+    return f"{os.path.relpath(code.co_filename)}:{code.co_firstlineno}"
 
 
 def overlap_probe(me: Rank, impl: Impl, exp) -> list[dict] | Raised:
