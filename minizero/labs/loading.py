@@ -26,6 +26,13 @@ from .mistakes import LAB_MISTAKES
 _loaded: dict[tuple[str, int], object] = {}
 
 
+def shown(path: str) -> str:
+    """A file as a verdict names it: relative to where the checker runs when that is near (a lesson's
+    ``../minizero/labs/skeletons/ddp.py``), so the words do not depend on the machine; else as it is."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith(os.path.join(os.pardir, os.pardir)) else relative
+
+
 @dataclass(frozen=True)
 class Impl:
     """A learner's implementation of a lab: a file (``path``) or a class (``module``:``qualname``)."""
@@ -50,7 +57,7 @@ class Impl:
 
     @property
     def label(self) -> str:
-        return self.given or self.path or f"{self.module}.{self.qualname}"
+        return shown(self.given or self.path) if self.path else f"{self.module}.{self.qualname}"
 
     def cls(self) -> type:
         """The learner's class, loaded in this process."""

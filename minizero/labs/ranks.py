@@ -18,7 +18,7 @@ from ..lab.experiment import build, run_experiment
 from ..lab.tasks import TASKS
 from ..launch import Rank
 from ..train import shard_step, train_step
-from .loading import Impl, load_file
+from .loading import Impl, load_file, shown
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Raised:
     def now(cls, rank: int, error: BaseException, path: str | None) -> "Raised":
         frames = traceback.extract_tb(error.__traceback__)
         mine = [f for f in frames if path and f.filename == path] or frames[-1:]
-        where = f"{mine[-1].filename}:{mine[-1].lineno} in {mine[-1].name}: {mine[-1].line}" if mine else ""
+        where = f"{shown(mine[-1].filename)}:{mine[-1].lineno} in {mine[-1].name}: {mine[-1].line}" if mine else ""
         return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
 
     def __str__(self) -> str:
@@ -105,7 +105,7 @@ def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:
 
 def _where(code) -> str:
     """Where an inherited method is written: the package's file, or the skeleton's (which only raises)."""
-    return f"{os.path.relpath(code.co_filename)}:{code.co_firstlineno}"
+    return f"{shown(code.co_filename)}:{code.co_firstlineno}"
 
 
 def overlap_probe(me: Rank, impl: Impl, exp) -> list[dict] | Raised:

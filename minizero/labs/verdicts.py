@@ -10,6 +10,7 @@ import signal
 
 from ..launch import RankError
 from ..stacks import Frame
+from .loading import shown
 from .ranks import Raised
 
 
@@ -50,7 +51,7 @@ def where(frames: list[Frame] | None, path: str | None) -> str:
         return f"at {frames[-1]}"
     outer, inner = mine[0], mine[-1]
     what = "your file, being imported" if outer.function == "<module>" else f"your {outer.function}"
-    at = f"{inner.filename}:{inner.lineno}" + (f" in {inner.function}" if inner.function != outer.function else "")
+    at = f"{shown(inner.filename)}:{inner.lineno}" + (f" in {inner.function}" if inner.function != outer.function else "")
     return f"in {what}, at {at}" + (f": {inner.line}" if inner.line else "")
 
 
