@@ -72,7 +72,7 @@ def _on_rank(me, stage_name, clear_kind, scenario):
     options = {"find_unused_parameters": True} if "c " in scenario else {}
     stage = make_stage(stage_name, model, optimizer, make_comm("ring", check=True), **options)
     set_to_none = not clear_kind.endswith("(set_to_none=False)")
-    whom = {"stage": stage, "user": optimizer, "sharded": stage.optimizer}[clear_kind.split(".")[0]]
+    whom = {"stage": stage, "user": optimizer, "sharded": stage.optimizer, "model": model}[clear_kind.split(".")[0]]
     final = _loop(model, stage, lambda s: whom.zero_grad(set_to_none=set_to_none), me.rank, scenario, WORLD)
     if hasattr(stage, "full_state_dict"):  # zero3: the model holds placeholders between uses
         state = stage.full_state_dict()
@@ -80,8 +80,11 @@ def _on_rank(me, stage_name, clear_kind, scenario):
     return final
 
 
+# model.zero_grad(): a loop written for FSDP2 or DDP clears the model's gradients -- under ZeRO it used to leave
+# the pieces' (what the optimizer steps) in place, and the steps added up silently.
 CLEARS = ["stage.zero_grad()", "stage.zero_grad(set_to_none=False)", "user.zero_grad()",
-          "user.zero_grad(set_to_none=False)", "sharded.zero_grad()"]
+          "user.zero_grad(set_to_none=False)", "sharded.zero_grad()", "model.zero_grad()",
+          "model.zero_grad(set_to_none=False)"]
 
 
 @pytest.mark.parametrize("clear", CLEARS)

@@ -110,6 +110,7 @@ class Stage(nn.Module):
         claim(module, self)
         check_wrappable(module, self.rank)
         module.register_forward_pre_hook(self._refuse_direct_call)
+        self._route_model(module)
         if optimizer is not None:
             self._route(optimizer)
 
@@ -139,6 +140,12 @@ class Stage(nn.Module):
         the optimizer's own would step on unsynchronised (under ZeRO, unsharded; under mixed precision,
         16-bit) gradients."""
         optimizer.step, optimizer.zero_grad = self.step, self.zero_grad
+
+    def _route_model(self, module: nn.Module) -> None:
+        """``model.zero_grad()`` -- the call a loop written for FSDP2 or DDP makes -- clears what the stage steps:
+        under ZeRO the pieces' gradients, which the model's own zero_grad() would never reach (the steps
+        would add up silently)."""
+        module.zero_grad = self.zero_grad
 
     # ------------------------------------------------------------------ facts (minizero.stages.facts)
     @classmethod
@@ -281,7 +288,7 @@ class Stage(nn.Module):
         if self._optimizer_zero_grad is not None:
             self._optimizer_zero_grad(set_to_none=set_to_none)
         else:
-            self.module.zero_grad(set_to_none=set_to_none)
+            nn.Module.zero_grad(self.module, set_to_none=set_to_none)  # the model's own (its zero_grad is ours)
 
     def forget_gradients(self, set_to_none: bool) -> None:
         """What every zero_grad() does first: no local-only gradients any more, and, as in torch, a gradient set

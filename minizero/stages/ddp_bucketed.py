@@ -124,7 +124,7 @@ class BucketedDDP(DDP):
         """``.grad`` stays a view into its bucket: the buckets are zeroed and the views put back."""
         self.forget_gradients(set_to_none)
         if self.optimizer is None:
-            self.module.zero_grad(set_to_none=set_to_none)
+            nn.Module.zero_grad(self.module, set_to_none=set_to_none)  # the model's own (its zero_grad is ours)
         self._point_grads_into_buckets()
 
     def _point_grads_into_buckets(self) -> None:
