@@ -21,7 +21,7 @@ from tests.equivalence import covering, examples, experiments, run_and_check
 
 @covering
 @settings(max_examples=examples(20))
-@given(drawn=experiments("ddp-bucketed", max_accum=4))
+@given(drawn=experiments("ddp-bucketed", max_accum=4, wrap_first=True))
 def test_bucketed_matches_reference(pools, drawn):
     exp, world_size = drawn
     run_and_check(pools, exp, world_size)

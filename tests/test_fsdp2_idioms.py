@@ -183,6 +183,19 @@ def test_mixed_precision_with_the_optimizer_built_after_wrapping_is_single_devic
     run_and_check(pools, replace(exp, wrap_first=True, record_states=False), n)
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("stage", WRAP_FIRST[1:])
+@covering_every_world_size
+@settings(max_examples=examples(2), deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_optimizer_built_after_wrapping_is_single_device_training(pools, stage, world_size, data):
+    """FSDP2's and torch DDP's order in fp32: wrap, then the optimizer over ``stage.parameters()``, zeroed and stepped
+    by the loop -- ``optimizer.zero_grad()`` sets every ``.grad`` to None behind the stage's back (a bucket's view
+    lost, a piece's gradient gone) -- on every model the suite draws, the edge model included."""
+    exp, n = data.draw(experiments(stage, world_sizes=(world_size,), max_accum=3, wrap_first=True))
+    run_and_check(pools, replace(exp, wrap_first=True, record_states=False), n)
+
+
 @settings(max_examples=examples(6), deadline=None, suppress_health_check=list(HealthCheck))
 @given(drawn=experiments("reference", world_sizes=(1,), precision=True, max_accum=3))
 def test_the_reference_with_its_optimizer_built_after_wrapping_is_bit_for_bit_the_one_that_owns_it(pools, drawn):

@@ -162,3 +162,15 @@ def test_a_stage_that_does_not_use_the_files_unit_fails_naming_its_methods(pools
     assert not report.ok and report.failed == "your methods are what runs", report
     assert ("are never called in a training step: is your Unit the class the stage uses?" in report.why
             and "Unit.pre_forward" in report.why), report.why
+
+
+def test_a_bucket_view_not_restored_is_caught_now_that_the_checker_draws_the_users_own_zero_grad(pools, tmp_path):
+    """The bucketed lab's answer without ``keep_grad_in``: right while ``.grad`` stays the bucket's view, wrong once
+    the user's own ``optimizer.zero_grad()`` sets it to None -- which the checker draws now (the optimizer built after
+    wrapping), as it draws the edge model.  It used to pass."""
+    solution = (Path(__file__).parent / "lab_solutions" / "ddp_bucketed.py").read_text()
+    path = tmp_path / "no_keep_grad_in.py"
+    path.write_text(solution.replace("        keep_grad_in(param, bucket.views[i])\n", ""))
+    report = check("ddp-bucketed", impl=str(path), examples=25, pools=pools, out=quiet)
+    assert not report.ok and report.failed == "equivalence to single-device training", report
+    assert "differs from the reference" in report.why, report.why

@@ -16,10 +16,10 @@ from tests.equivalence import assert_same_optimizer_state, covering, examples, e
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2"])
 @covering
-@settings(max_examples=examples(16))
+@settings(max_examples=examples(28))
 @given(data=st.data())
 def test_zero_matches_reference(pools, stage, data):
-    exp, world_size = data.draw(experiments(stage, max_accum=4))
+    exp, world_size = data.draw(experiments(stage, max_accum=4, wrap_first=True))
     run_and_check(pools, exp, world_size)
 
 

@@ -16,6 +16,7 @@ round-off.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import torch
 
@@ -74,7 +75,11 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     # and the stage's reduction of them.
     stage = Stage(model, optimizer, precision=precision)
     params_by_name = dict(model.named_parameters())
-    reduction = stage_class.reduction(model, optimizer, n, **exp.options)  # the stage's own buffers
+    # The stage's own buffers -- laid out by the optimizer's param groups, or, with the optimizer built after
+    # wrapping, by one group of every trainable parameter (what the stage had to lay out before it existed).
+    laid_out = SimpleNamespace(param_groups=[{"params": [p for p in model.parameters() if p.requires_grad]}]) \
+        if exp.wrap_first else optimizer
+    reduction = stage_class.reduction(model, laid_out, n, **exp.options)
     residuals: dict = {}
     settling: dict = {}  # under loss scaling, residuals are kept only if the step is taken (Wire.settle)
     record = RankResult(params=[], losses=[])

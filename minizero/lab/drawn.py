@@ -83,8 +83,10 @@ assert sorted(SIMPLEST_FIRST) == sorted(OPTIMIZERS)
 @st.composite
 def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_accum: int = 3, compress: bool = False,
                 backends=("ring", "native"), stages: dict | None = None, precision: bool = False,
-                tasks=("mlp", "mlp", "edge", "gpt")):
-    """An experiment and its world size: model shape, batch split, optimizer, dtype..."""
+                tasks=("mlp", "mlp", "edge", "gpt"), wrap_first: bool = False):
+    """An experiment and its world size: model shape, batch split, optimizer, dtype...  With ``wrap_first``,
+    half the draws build the optimizer after wrapping, over ``stage.parameters()``, and the loop zeroes and steps
+    it itself (FSDP2's order: ``optimizer.zero_grad()`` sets every ``.grad`` to None behind the stage's back)."""
     world_size = draw(st.sampled_from(world_sizes))
     task = draw(st.sampled_from(tasks))
     model = {}
@@ -120,7 +122,8 @@ def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_
         options=draw(stage_options(stage, task, compress, stages, precision, world_size)),
         clip=draw(st.sampled_from(CLIPS)),
         param_groups=draw(st.booleans()),
-        record_states=True,
+        wrap_first=(wrapped := wrap_first and draw(st.booleans())),
+        record_states=not wrapped,  # (the loop's own optimizer holds the pieces' states, not a consolidated one)
         stages=stages,
     )
     return exp, world_size

@@ -26,6 +26,7 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float, param_groups: b
     shapes = ({n: shape for n, (shape, _) in over.full_state_shapes().items()} if over is not None  # (ZeRO-3's model
               else {n: list(p.shape) for n, p in model.named_parameters()})                   # holds placeholders)
     vector = {n for n, shape in shapes.items() if len(shape) <= 1}
+    named = [(n.removeprefix("module."), p) for n, p in named]  # a replicating stage's names are torch DDP's
     optimizer = OPTIMIZERS[name]([p for n, p in named if n not in vector], lr)
     optimizer.add_param_group({"params": [p for n, p in named if n in vector], "lr": 2 * lr, "weight_decay": 0.0})
     return optimizer

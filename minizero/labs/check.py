@@ -158,16 +158,33 @@ class Checker:
 
     # ------------------------------------------------------------ naming the mistake
     def diagnose(self, exp, world_size: int, results) -> str | None:
-        """The known mistake whose run of this very case gives the learner's numbers, if one does."""
-        for mistake in self.lab.mistakes:
+        """The known mistake whose run of this very case gives the learner's numbers, if one does.  Two mistakes
+        may give the same numbers on one small case: then a second case -- two steps of K = 2 on a plain MLP, on
+        at least two ranks, the learner's own class run again -- tells them apart, and the one that still agrees is
+        named."""
+        matching = [m for m in self.lab.mistakes if self._same_as(m.name, exp, world_size, results)]
+        if len(matching) > 1:
+            second = replace(exp, task="mlp", model={"sizes": (3, 5, 2)}, accum=2, steps=2, wrap_first=False,
+                             record_states=True, rank_sizes=None)
+            n = max(world_size, 2)  # (on one rank, a mistake in averaging averages nothing)
             try:
-                theirs = self.run(world_size, replace(exp, stage=mistake.name))
+                mine = self.run(n, second)
             except Failed:
-                continue
-            same = all(judge([mine], its, exp.dtype).ok for mine, its in zip(results, theirs, strict=True))
-            if same and not judge(theirs, reference_of(replace(exp, stages=self.stages), world_size), exp.dtype).ok:
-                return mistake.mistake
-        return None
+                mine = None
+            if mine is not None:
+                matching = [m for m in matching if self._same_as(m.name, second, n, mine)] or matching
+        return matching[0].mistake if len(matching) == 1 else None
+
+    def _same_as(self, stage: str, exp, world_size: int, results) -> bool:
+        """Does ``stage`` give ``results`` on ``exp`` -- and are they wrong (judged as the property judged)?"""
+        try:
+            theirs = self.run(world_size, replace(exp, stage=stage))
+        except Failed:
+            return False
+        states = exp.record_states
+        same = all(judge([mine], its, exp.dtype, states=states).ok for mine, its in zip(results, theirs, strict=True))
+        return same and not judge(theirs, reference_of(replace(exp, stages=self.stages), world_size), exp.dtype,
+                                  states=states).ok
 
     def diagnose_cost(self, exp, world_size: int, sent: float) -> str | None:
         """The known mistake that sends exactly the learner's bytes on this case, if one does."""

@@ -97,6 +97,7 @@ class Stage(nn.Module):
         self._optimizer_zero_grad = optimizer.zero_grad if optimizer is not None else None
         self.steps_taken = 0  # optimizer steps so far
         self.backwards = 0  # backward passes through the stage's output since the last step
+        self.synchronised = 0  # synchronising backward passes so far
         self._local_grads = False  # a backward ran inside no_sync(), and no synchronising one since
         self._forwarding = False  # inside the stage's own forward
         self._used: set[int] = set()  # parameters that got a gradient here since the last synchronisation
@@ -221,6 +222,7 @@ class Stage(nn.Module):
     def _run_post_backward(self) -> None:
         self._sync_queued = False
         self.post_backward()
+        self.synchronised += 1
         if self.master is not None and self.master.optimizer_outside:
             self.master.hand_over()  # the averaged gradients, in fp32, on the masters the user's optimizer steps
         self._local_grads = False

@@ -59,6 +59,7 @@ class ZeRO(Stage):
         self.groups: list[FlatGroup] = []
         self._shared_versions: list[int] = []  # each group's version counter when last all-gathered
         self._nothing: dict[str, nn.Parameter] = {}  # the empty pieces of parameters this rank owns none of
+        self._synchronised_at_share = 0  # self.synchronised when the full parameters were last made current
 
     def param_groups(self) -> list[dict]:
         """What the flat groups are built from: the user's optimizer's param groups, or all trainable
@@ -161,14 +162,26 @@ class ZeRO(Stage):
     def remember_shared(self) -> None:
         """The full parameters are current now (all-gathered, or loaded): note each group's version."""
         self._shared_versions = [self._version_of(group) for group in self.groups]
+        self._synchronised_at_share = self.synchronised
 
     def stepped_outside(self) -> bool:
         """Did anything write the owned shards since the last all-gather -- an optimizer built over
         ``stage.parameters()``, which the stage does not drive?  The parameters' version counter says:
         every in-place update of a piece bumps it (evaluation forwards and backward do not).  ZeRO-1 and
-        ZeRO-2 all-gather then, at the next forward; ZeRO-3 keeps no full parameters to bring up to date."""
-        return bool(self._shared_versions) and any(
-            self._version_of(group) != version for group, version in zip(self.groups, self._shared_versions, strict=True))
+        ZeRO-2 all-gather then, at the next forward; ZeRO-3 keeps no full parameters to bring up to date.
+
+        The ranks must agree: a rank whose pieces the step left alone (none had a gradient, or it owns none)
+        sees no change where the others do, and would leave them waiting in the all-gather.  So, with the
+        optimizer outside, the first forward after new gradients asks every rank (a MAX of one flag)."""
+        if not self._shared_versions:
+            return False
+        changed = any(self._version_of(group) != version
+                      for group, version in zip(self.groups, self._shared_versions, strict=True))
+        if self.user_optimizer is not None or self.synchronised == self._synchronised_at_share:
+            return changed  # the stage steps its optimizer itself (and shares at once), or no gradient came
+        flag = torch.tensor([float(changed)])
+        self.comm.all_reduce(flag, ReduceOp.MAX, tag=self.tag("stepped since the last all-gather?"))
+        return bool(flag.item())
 
     @staticmethod
     def _version_of(group) -> int:
