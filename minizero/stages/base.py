@@ -333,22 +333,6 @@ class Stage(nn.Module):
         return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None and p.grad.numel() > 0],
                                               max_norm, norm_type)
 
-    def full_gradients(self) -> dict[str, torch.Tensor | None]:
-        """Every trainable parameter's (averaged) gradient in its full shape, by name: here each rank holds
-        them whole (ZeRO gathers them from the pieces) -- under mixed precision with the optimizer built after
-        wrapping, the fp32 masters' gradients, which that optimizer steps."""
-        outside = self.master is not None and self.master.optimizer_outside
-        return {n: None if g is None else g.detach().clone()
-                for n, p in self.trainable() for g in [(self.master.master_of(p) if outside else p).grad]}
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The model state this rank keeps between steps, by kind -- what memory accounting walks."""
-        params = [p for _, p in self.trainable()]
-        return {"params": params,
-                "grads": [p.grad for p in params if p.grad is not None],
-                "master": self.master.masters if self.master else [],
-                "optimizer": optimizer_tensors(getattr(self, "master_optimizer", self.optimizer))}
-
     def add_observer(self, observer) -> None:
         """Instrumentation outside the algorithm: ``observer(event, nbytes, source)`` hears of memory a stage
         takes and gives back while it computes (ZeRO-3's gathered parameters, by unit).  Most stages have none."""
@@ -357,6 +341,8 @@ class Stage(nn.Module):
     # ------------------------------------------------------------------ state dicts (minizero.stages.state)
     check_checkpointable = classmethod(state.check_checkpointable)
     full_state_dict = state.full_state_dict
+    full_gradients = state.full_gradients
+    held_tensors = state.held_tensors
     full_optimizer_state_dict = state.full_optimizer_state_dict
     sharded_names = state.sharded_names
     full_state_shapes = state.full_state_shapes
@@ -367,10 +353,6 @@ class Stage(nn.Module):
     _with_masters = state.with_masters
     _full_shape = state.full_shape
     _load_module_tensors = state.load_module_tensors
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    return [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)] if optimizer else []
 
 
 def agree_on_use(comm: Comm, used: list[bool], tag: Tag) -> list[bool]:

@@ -116,3 +116,26 @@ def load_full_optimizer_state_dict(self, saved: dict) -> None:
         groups.append({**settings(kept), "params": list(range(j, j + len(group["params"])))})
         j += len(group["params"])
     self.master_optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ------------------------------------------------------------------ what this rank holds now
+def full_gradients(self) -> dict[str, torch.Tensor | None]:
+    """Every trainable parameter's (averaged) gradient in its full shape, by name: here each rank holds
+    them whole (ZeRO gathers them from the pieces) -- under mixed precision with the optimizer built after
+    wrapping, the fp32 masters' gradients, which that optimizer steps."""
+    outside = self.master is not None and self.master.optimizer_outside
+    return {n: None if g is None else g.detach().clone()
+            for n, p in self.trainable() for g in [(self.master.master_of(p) if outside else p).grad]}
+
+
+def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+    """The model state this rank keeps between steps, by kind -- what memory accounting walks."""
+    params = [p for _, p in self.trainable()]
+    return {"params": params,
+            "grads": [p.grad for p in params if p.grad is not None],
+            "master": self.master.masters if self.master else [],
+            "optimizer": optimizer_tensors(getattr(self, "master_optimizer", self.optimizer))}
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)] if optimizer else []

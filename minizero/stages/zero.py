@@ -36,7 +36,8 @@ from ..layout import FlatGroup
 from ..parts import Part, flat_range
 from ..precision import MasterWeights, Precision, cast_parameters
 from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
-from .base import Stage, optimizer_tensors, unused_error
+from .base import Stage, unused_error
+from .state import optimizer_tensors
 from .wrap import broadcast_module, check_same_model
 
 
