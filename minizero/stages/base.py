@@ -48,6 +48,7 @@ from ..kept_state import check_keepable
 from ..precision import MasterWeights, Precision
 from ..rebuilt import follow
 from . import facts, mixed, state
+from . import options as options_module
 from .facts import Shards
 from .options import PRECISION
 from .wrap import check_wrappable, claim
@@ -122,6 +123,12 @@ class Stage(nn.Module):
     _cast_call = mixed.cast_call  # the forward in 16 bits
 
     @property
+    def masters_outside(self) -> bool:
+        """Mixed precision with the optimizer built after wrapping: it steps the fp32 masters itself
+        (:class:`~minizero.precision.MasterWeights`' ``optimizer_outside``)."""
+        return self.master is not None and self.master.optimizer_outside
+
+    @property
     def loss_scale(self) -> float:
         """The loss scale of the next backward (1 without dynamic loss scaling)."""
         return self.master.loss_scale if self.master else 1.0
@@ -149,10 +156,7 @@ class Stage(nn.Module):
         module.zero_grad = self.zero_grad
 
     # ------------------------------------------------------------------ facts (minizero.stages.facts)
-    @classmethod
-    def option_names(cls) -> list[str]:
-        """The keywords of :attr:`options`, the stage's declared options (:mod:`minizero.stages.options`)."""
-        return [option.name for option in cls.options]
+    option_names = classmethod(options_module.option_names)  # the keywords of the declared options
 
     sent_bytes_per_step = classmethod(facts.sent_bytes_per_step)
     busiest_sent_bytes_per_step = classmethod(facts.busiest_sent_bytes_per_step)
@@ -170,7 +174,7 @@ class Stage(nn.Module):
             if self._sync_queued:  # a backward that raised never ran its queued synchronisation
                 self._sync_queued = False
                 self._abandon_backward()
-        if self.master is not None and self.master.optimizer_outside:
+        if self.masters_outside:
             self.master.refresh()  # the user's optimizer stepped the fp32 masters: round them into the model
         self.pre_forward()
         output = self.call_module(*args, **kwargs)
@@ -223,7 +227,7 @@ class Stage(nn.Module):
         self._sync_queued = False
         self.post_backward()
         self.synchronised += 1
-        if self.master is not None and self.master.optimizer_outside:
+        if self.masters_outside:
             self.master.hand_over()  # the averaged gradients, in fp32, on the masters the user's optimizer steps
         self._local_grads = False
 
@@ -314,7 +318,7 @@ class Stage(nn.Module):
         """The model's parameters -- or, under mixed precision with the optimizer built after wrapping, their
         fp32 masters: what that optimizer must step (FSDP2's ``MixedPrecisionPolicy``: fp32 parameters, the
         16-bit copy made for compute)."""
-        if self.master is None or not self.master.optimizer_outside:
+        if not self.masters_outside:
             yield from super().named_parameters(prefix, recurse, remove_duplicate)
             return
         for name, p in self.trainable():

@@ -120,6 +120,7 @@ WIRE_AND_USE = (COMPRESS, ERROR_FEEDBACK, FIND_UNUSED_PARAMETERS, PRECISION)
 
 
 def option_names(stage: type) -> list[str]:
+    """The keywords of ``stage``'s declared options (``Stage.option_names`` is this)."""
     return [option.name for option in stage.options]
 
 

@@ -123,7 +123,7 @@ def full_gradients(self) -> dict[str, torch.Tensor | None]:
     """Every trainable parameter's (averaged) gradient in its full shape, by name: here each rank holds
     them whole (ZeRO gathers them from the pieces) -- under mixed precision with the optimizer built after
     wrapping, the fp32 masters' gradients, which that optimizer steps."""
-    outside = self.master is not None and self.master.optimizer_outside
+    outside = self.masters_outside
     return {n: None if g is None else g.detach().clone()
             for n, p in self.trainable() for g in [(self.master.master_of(p) if outside else p).grad]}
 

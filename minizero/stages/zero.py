@@ -117,7 +117,7 @@ class ZeRO(Stage):
         under mixed precision, the piece's fp32 master (FSDP2's sharded fp32 parameter).  A parameter this rank
         owns none of is an empty tensor, as a DTensor's local shard is: an optimizer built over the pieces is
         never empty, however small the model and many the ranks."""
-        outside = self.master is not None and self.master.optimizer_outside
+        outside = self.masters_outside
         owned = {id(piece.segment): piece for piece in self.pieces()}
         for group in self.groups:
             for segment in group.segments:
@@ -221,7 +221,7 @@ class ZeRO(Stage):
         from every rank's pieces; None where no rank holds one.  A collective: every rank calls it, and gets
         all of them (the pieces' dtype; under mixed precision with the optimizer built after wrapping, the
         fp32 masters' gradients, which that optimizer steps)."""
-        outside = self.master is not None and self.master.optimizer_outside
+        outside = self.masters_outside
         gradients = {}
         for g, group in enumerate(self.groups):
             dtype = group.optimizer_dtype if outside else group.dtype
