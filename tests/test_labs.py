@@ -28,20 +28,23 @@ def test_a_blank_skeleton_fails_naming_the_property_the_case_and_what_to_write(p
 
 
 @pytest.mark.parametrize("lab", list(LABS))
-def test_a_skeleton_leaves_the_package_s_own_methods_to_write(lab):
-    """No renaming layer: each method the learner writes is the package's method of the same name, on the package
-    class the skeleton's class derives from, so the lab reads as the stage does; and each one left blank names
-    itself when it raises."""
+def test_a_skeleton_builds_on_a_base_without_the_answer(lab):
+    """No renaming layer: each method the learner writes is the package's method of the same name, so the lab reads
+    as the stage does -- but the skeleton's base (``minizero.labs.given``) has it taken out: the package's class with
+    that method raising, naming itself.  A learner who deletes it gets that error, not the answer."""
     skeleton = importlib.import_module(f"minizero.labs.skeletons.{lab.replace('-', '_')}")
     for todo in LABS[lab].todo:
         cls_name, method = todo.split(".")
         cls = getattr(skeleton, cls_name)
         given = cls.__mro__[1]
-        assert given.__module__.startswith("minizero.") and not given.__module__.startswith("minizero.labs"), given
+        package = next(c for c in cls.__mro__ if not c.__module__.startswith("minizero.labs"))
+        assert given.__module__ == "minizero.labs.given", given
         assert method in vars(cls), f"{todo}: the skeleton does not define it"
-        assert any(method in vars(c) for c in given.__mro__ if c is not object), \
-            f"{todo}: not a method of the package's {given.__name__}: the skeleton renames it"
+        assert any(method in vars(c) for c in package.__mro__ if c is not object), \
+            f"{todo}: not a method of the package's {package.__name__}: the skeleton renames it"
         assert f'NotImplementedError("write {todo}' in inspect.getsource(vars(cls)[method]), todo
+        with pytest.raises(NotImplementedError, match=f"write {todo} "):
+            getattr(given, method)(None)
 
 
 @pytest.mark.parametrize("lab", list(LABS))

@@ -15,10 +15,7 @@ class Wire(skeleton.Wire):
 
 
 class DDP(skeleton.DDP):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.wire is not None:  # this file's wire, as the skeleton's __init__ installs its own
-            self.wire = Wire(self.comm, self.wire.wire_dtype)
+    wire_class = Wire  # this file's wire, not the skeleton's
 
     @contextmanager
     def no_sync(self):

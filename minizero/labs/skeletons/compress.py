@@ -20,8 +20,8 @@ from contextlib import contextmanager
 
 import torch
 
-from minizero.compress import Wire as GivenWire
-from minizero.stages import DDP as GivenDDP
+from minizero.labs.given import CompressDDP as GivenDDP
+from minizero.labs.given import Wire as GivenWire
 
 
 class Wire(GivenWire):
@@ -49,10 +49,7 @@ class Wire(GivenWire):
 
 
 class DDP(GivenDDP):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.wire is not None:  # your wire instead of the package's
-            self.wire = Wire(self.comm, self.wire.wire_dtype)
+    wire_class = Wire  # the stage builds its compressed wire from this class: yours
 
     @contextmanager
     def no_sync(self):

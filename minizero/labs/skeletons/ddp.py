@@ -13,7 +13,7 @@ against the ring all-reduce's 2(N-1)/N x Psi x b per step.
 """
 from __future__ import annotations
 
-from minizero.stages import DDP as GivenDDP
+from minizero.labs.given import DDP as GivenDDP
 
 
 class DDP(GivenDDP):

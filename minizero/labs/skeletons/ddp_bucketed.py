@@ -14,7 +14,7 @@ all-reduce must leave while backward still has gradients to compute (overlap).
 """
 from __future__ import annotations
 
-from minizero.stages import BucketedDDP as GivenBucketedDDP
+from minizero.labs.given import BucketedDDP as GivenBucketedDDP
 
 
 class BucketedDDP(GivenBucketedDDP):

@@ -16,7 +16,7 @@ rank holds: 1/N of DDP's.
 """
 from __future__ import annotations
 
-from minizero.stages import ZeRO1 as GivenZeRO1
+from minizero.labs.given import ZeRO1 as GivenZeRO1
 
 
 class ZeRO1(GivenZeRO1):

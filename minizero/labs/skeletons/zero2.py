@@ -16,7 +16,7 @@ bucket shows there -- and watches a backward for overlap.
 """
 from __future__ import annotations
 
-from minizero.stages import ZeRO2 as GivenZeRO2
+from minizero.labs.given import ZeRO2 as GivenZeRO2
 
 
 class ZeRO2(GivenZeRO2):

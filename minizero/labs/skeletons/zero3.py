@@ -19,8 +19,8 @@ resharding after forward) -- and the parameters each rank holds after a step:
 """
 from __future__ import annotations
 
-from minizero.stages import ZeRO3 as GivenZeRO3
-from minizero.units import Unit as GivenUnit
+from minizero.labs.given import Unit as GivenUnit
+from minizero.labs.given import ZeRO3 as GivenZeRO3
 
 
 class Unit(GivenUnit):

@@ -1,0 +1,69 @@
+"""What a lab's skeleton builds on: the package's class with the lab's answer taken out.
+
+A skeleton that subclassed the finished stage would hand a learner the answer
+for every method they deleted or left empty -- ``class DDP(GivenDDP): pass``
+trained correctly and passed.  Here each method the lab asks for is replaced by
+one that raises, naming it: what is given (wrapping, the layout, the hooks, the
+optimizer) is the package's; what is the lesson's idea is the learner's, or
+nothing.  The checker also verifies that the learner's file defines each method
+and that a step calls it (:func:`minizero.labs.ranks.yours_run`), so a file that
+imports the finished class instead is refused before any property.
+"""
+from __future__ import annotations
+
+from ..comm import RingComm
+from ..compress import Wire as PackageWire
+from ..stages import DDP as PackageDDP
+from ..stages import BucketedDDP as PackageBucketedDDP
+from ..stages import ZeRO1 as PackageZeRO1
+from ..stages import ZeRO2 as PackageZeRO2
+from ..stages import ZeRO3 as PackageZeRO3
+from ..units import Unit as PackageUnit
+
+
+def without(cls: type, *methods: str, name: str | None = None, **given) -> type:
+    """A subclass of ``cls`` whose ``methods`` raise ``NotImplementedError("write Class.method ...")``: what a
+    learner's file runs for a method it does not write.  ``given``: class attributes set on it (the unit or wire
+    class the stage builds, itself a base with the lab's methods taken out)."""
+    shown = name or cls.__name__
+
+    def unwritten(method: str):
+        def raises(self, *args, **kwargs):
+            raise NotImplementedError(f"write {shown}.{method} (your file does not define it: the lab's base "
+                                      f"leaves it to you)")
+
+        raises.__name__ = raises.__qualname__ = method
+        raises.__doc__ = f"Yours to write: {shown}.{method} (see the lab's skeleton for what it must do)."
+        return raises
+
+    body = {method: unwritten(method) for method in methods}
+    body["__doc__"] = f"The package's {cls.__name__} without {', '.join(methods)}: the lab's part, left to you."
+    body["__module__"] = __name__
+    body.update(given)
+    return type(shown, (cls,), body)
+
+
+# One base per class a lab's methods are on (the lab catalogue names the methods: minizero.labs.catalogue).
+Ring = without(RingComm, "_ring_reduce_scatter", "_ring_all_gather", name="Ring")
+DDP = without(PackageDDP, "post_backward")
+BucketedDDP = without(PackageBucketedDDP, "post_accumulate_grad", "_all_reduce")
+Wire = without(PackageWire, "encode", "decode")
+
+
+class CompressDDP(without(PackageDDP, "no_sync", name="DDP")):
+    """DDP whose compressed wire is ``wire_class`` -- the learner's ``Wire`` once their DDP names it, as ZeRO-3 names
+    its ``unit_class``."""
+
+    wire_class = Wire
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.wire is not None:
+            self.wire = self.wire_class(self.comm, self.wire.wire_dtype)
+
+
+CompressDDP.__name__ = CompressDDP.__qualname__ = "DDP"
+ZeRO1 = without(PackageZeRO1, "post_backward", "all_gather_parameters")
+ZeRO2 = without(PackageZeRO2, "post_accumulate_grad", "_reduce_scatter", "post_backward")
+Unit = without(PackageUnit, "unshard", "pre_forward", "post_forward", "pre_backward", "post_backward")
+ZeRO3 = without(PackageZeRO3, unit_class=Unit)  # its methods are the package's; its units are the learner's
