@@ -76,6 +76,11 @@ LABS: dict[str, Lab] = _labs(
         ZeRO3, ("Unit.unshard", "Unit.pre_forward", "Unit.post_forward", "Unit.pre_backward",
                 "Unit.post_backward"), STAGE_PROPERTIES + ("memory",),
         (mistakes.NeverReshards, mistakes.StaleAfterBackward)),
+    # -- new labs (issue 26), one entry each, in lesson order of their own:
+    # lab: tree (lesson 1)
+    # lab: mixed-precision (lesson 8)
+    # lab: reshard (lesson 10)
+    # lab: local-sgd (lesson 11)
 )
 
 assert all(lab.stage in STAGES for lab in LABS.values())

@@ -246,3 +246,9 @@ PROPERTIES = {
     "ring bytes and messages": ("bytes and messages per rank: the ring's", ring_cost),
     "training over your ring": ("stages trained over your ring equal single-device training", over_your_ring),
 }
+
+# -- the new labs' properties (issue 26), each lab's in a module of its own, merged here:
+# properties: tree
+# properties: mixed-precision
+# properties: reshard
+# properties: local-sgd
