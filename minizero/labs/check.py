@@ -158,21 +158,21 @@ class Checker:
 
     # ------------------------------------------------------------ naming the mistake
     def diagnose(self, exp, world_size: int, results) -> str | None:
-        """The known mistake whose run of this very case gives the learner's numbers, if one does.  Two mistakes
-        may give the same numbers on one small case: then a second case -- two steps of K = 2 on a plain MLP, on
-        at least two ranks, the learner's own class run again -- tells them apart, and the one that still agrees is
-        named."""
+        """The known mistake whose run of this very case gives the learner's numbers, if one does -- confirmed on a
+        second case: on the smallest case two different slips often give the same numbers (one SGD step cannot
+        tell averaging the parameters from never averaging at all), so a match is named only if it also agrees on
+        two steps of K = 2 on a plain MLP, on at least two ranks, the learner's own class run again."""
         matching = [m for m in self.lab.mistakes if self._same_as(m.name, exp, world_size, results)]
-        if len(matching) > 1:
-            second = replace(exp, task="mlp", model={"sizes": (3, 5, 2)}, accum=2, steps=2, wrap_first=False,
-                             record_states=True, rank_sizes=None)
-            n = max(world_size, 2)  # (on one rank, a mistake in averaging averages nothing)
-            try:
-                mine = self.run(n, second)
-            except Failed:
-                mine = None
-            if mine is not None:
-                matching = [m for m in matching if self._same_as(m.name, second, n, mine)] or matching
+        if not matching:
+            return None
+        second = replace(exp, task="mlp", model={"sizes": (3, 5, 2)}, accum=2, steps=2, wrap_first=False,
+                         record_states=True, rank_sizes=None)
+        n = max(world_size, 2)  # (on one rank, a mistake in averaging averages nothing)
+        try:
+            mine = self.run(n, second)
+        except Failed:
+            return None  # the learner's class raised where the mistake did not: not the same mistake
+        matching = [m for m in matching if self._same_as(m.name, second, n, mine)]
         return matching[0].mistake if len(matching) == 1 else None
 
     def _same_as(self, stage: str, exp, world_size: int, results) -> bool:

@@ -17,6 +17,7 @@ from ..lab.equivalence import agrees, judge
 from ..lab.experiment import Experiment, reference_of
 from ..lab.optimizers import STATE_TENSORS
 from ..stages import DDP, Stage, ZeRO2
+from .diagnosis import explain, initial_parameters
 from .ranks import Raised, collectives_round, overlap_probe
 from .ranks import yours_run as yours_run_on_rank
 
@@ -60,16 +61,24 @@ def equivalence(checker, compress: bool = False) -> str:
     def examine(drawn):
         exp, n = drawn
         results = checker.run(n, exp)
-        verdict = judge(results, reference_of(replace(exp, stages=checker.stages), n), exp.dtype,
-                        states=exp.record_states)
-        if not verdict.ok:
-            return verdict.nonfinite or verdict.violation, results
-        return None
+        why = wrong(results, reference_of(replace(exp, stages=checker.stages), n), exp, n)
+        return (why, results) if why else None
 
     checker.search(strategy, examine, describe)
     return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, "
             f"SGD/momentum/Adam, float64 and float32, the edge model, the optimizer built before and after wrapping"
             + (", fp16 and bf16 wires" if compress else ""))
+
+
+def wrong(results: list, reference, exp: Experiment, world_size: int) -> str | None:
+    """None when ``results`` equal ``reference`` by the suite's rule; else what is wrong, in words a learner can act
+    on (:mod:`minizero.labs.diagnosis`): the parameter, the rank, the step, the ratio and the direction."""
+    verdict = judge(results, reference, exp.dtype, states=exp.record_states)
+    if verdict.ok:
+        return None
+    if verdict.nonfinite:
+        return verdict.nonfinite
+    return explain(results, reference, initial_parameters(exp), exp.dtype, world_size, exp.accum) or verdict.violation
 
 
 # ------------------------------------------------------------------ bytes, memory, overlap: the cost
@@ -210,9 +219,9 @@ def over_your_ring(checker) -> str:
     for stage in (DDP.name, ZeRO2.name):
         exp = Experiment(stage=stage, task="gpt", steps=2, accum=2, dtype="float64", backend=checker.key)
         results = checker.run_case(3, exp)
-        verdict = judge(results, reference_of(exp, 3), exp.dtype)
-        if not verdict.ok:
-            raise Failed(verdict.nonfinite or verdict.violation, describe(exp, 3))
+        why = wrong(results, reference_of(exp, 3), exp, 3)
+        if why:
+            raise Failed(why, describe(exp, 3))
     return "ddp and zero2 over your ring equal single-device training (world size 3, K = 2)"
 
 
