@@ -119,6 +119,9 @@ class Stage(nn.Module):
     # ------------------------------------------------------------------ mixed precision (minizero.stages.mixed)
     _check_mixed_precision = mixed.check_mixed_precision
     keep_masters = mixed.keep_masters
+    #: What keeps the fp32 masters and steps through them: the package's, or a lab's own (as ZeRO-3 names its
+    #: ``unit_class``), built by keep_masters and by ZeRO for its owned shard.
+    master_class = MasterWeights
     _settle_wire = mixed.settle_wire
     _cast_call = mixed.cast_call  # the forward in 16 bits
 

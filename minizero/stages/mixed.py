@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..kept_state import keep_state
-from ..precision import MasterWeights, cast_parameters, check_half_model, check_supported
+from ..precision import cast_parameters, check_half_model, check_supported
 from ..rebuilt import rebuild
 
 
@@ -36,8 +36,8 @@ def keep_masters(self) -> None:
     masters = [nn.Parameter(p.detach().clone()) for p in trainable]
     originals = cast_parameters(self.module, self.precision.working_dtype)
     self._frozen = {k: v for k, v in originals.items() if k not in {id(p) for p in trainable}}
-    self.master = MasterWeights(trainable, masters, self.precision, self.comm,
-                                self.tag if self.comm else None, optimizer_outside=optimizer is None)
+    self.master = self.master_class(trainable, masters, self.precision, self.comm,
+                                     self.tag if self.comm else None, optimizer_outside=optimizer is None)
     settle_wire(self)
     if optimizer is None:
         return

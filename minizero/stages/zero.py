@@ -34,7 +34,7 @@ from ..comm import Comm, ReduceOp
 from ..compress import make_wire
 from ..layout import FlatGroup
 from ..parts import Part, flat_range
-from ..precision import MasterWeights, Precision, cast_parameters
+from ..precision import Precision, cast_parameters
 from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
 from .base import Stage, unused_error
 from .state import optimizer_tensors
@@ -93,8 +93,8 @@ class ZeRO(Stage):
         working = [piece.param for group in self.groups for piece in group.pieces]
         pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
                   for group, master in zip(self.groups, masters, strict=True) for piece in group.pieces]
-        self.master = MasterWeights(working, pieces, self.precision, self.comm, self.tag,
-                                    masters[0].dtype if masters else None, optimizer_outside=self.user_optimizer is None)
+        self.master = self.master_class(working, pieces, self.precision, self.comm, self.tag,
+                                         masters[0].dtype if masters else None, optimizer_outside=self.user_optimizer is None)
         self._settle_wire()
 
     def _master_values(self) -> dict[int, torch.Tensor]:
