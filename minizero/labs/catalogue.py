@@ -64,7 +64,7 @@ LABS: dict[str, Lab] = _labs(
         (mistakes.TensorHookDDP, mistakes.PostHookArgumentAsGradient)),
     Lab("compress", "lessons/04_accumulation_and_compression.ipynb",
         "accumulation with no_sync() and the 16-bit wire", DDP, ("DDP.no_sync", "Wire.encode", "Wire.decode"),
-        ("equivalence", "one all-reduce per step", "compressed equivalence", "compressed bytes"),
+        ("equivalence", "one all-reduce per step", "no_sync nests", "compressed equivalence", "compressed bytes"),
         (mistakes.SyncsEveryMicroBatch, mistakes.FP16HookDivision), compress=True, precision=False),
     Lab(ZeRO1.name, "lessons/05_zero1.ipynb", "ZeRO-1: reduce-scatter, step the owned shard, all-gather", ZeRO1,
         ("ZeRO1.post_backward", "ZeRO1.all_gather_parameters"), STAGE_PROPERTIES + ("memory",),

@@ -18,7 +18,7 @@ from ..lab.experiment import Experiment, reference_of
 from ..lab.optimizers import STATE_TENSORS
 from ..stages import DDP, Stage, ZeRO2
 from .diagnosis import explain, initial_parameters
-from .ranks import Raised, collectives_round, overlap_probe
+from .ranks import Raised, collectives_round, no_sync_probe, overlap_probe
 from .ranks import yours_run as yours_run_on_rank
 
 
@@ -113,6 +113,21 @@ def one_sync_per_step(checker) -> str:
                          f"all-reduce of the gradients, {formula:,.0f})", describe(exp, 3),
                          checker.diagnose_cost(exp, 3, sent))
     return "K = 1 and K = 3 micro-batches each send one all-reduce per optimizer step"
+
+
+def no_sync_nests(checker) -> str:
+    """``no_sync()`` nested, and left by an exception: torch DDP's restores the flag it found, in a finally."""
+    exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (3, 4, 2)}, steps=1, dtype="float64")
+    for n in (2, 3):
+        seen = checker.on_ranks(n, no_sync_probe, checker.impl, replace(exp, stages=None))
+        case = f"world size {n}, an MLP (3, 4, 2): backward inside no_sync() nested in no_sync(), then an exception " \
+               f"raised inside no_sync()"
+        for problems in seen:
+            if isinstance(problems, Raised):
+                raise Failed(str(problems), case)
+            if problems:
+                raise Failed(problems[0], case)
+    return "nested blocks keep synchronisation off until the outer one ends; an exception inside one restores it"
 
 
 def memory(checker) -> str:
@@ -249,6 +264,7 @@ PROPERTIES = {
     "bytes": ("bytes sent per step against the formula", sent_bytes),
     "compressed bytes": ("bytes on the 16-bit wire: half of fp32's", lambda c: sent_bytes(c, {"compress": "fp16"})),
     "one all-reduce per step": ("one all-reduce per optimizer step, whatever K", one_sync_per_step),
+    "no_sync nests": ("no_sync() nested and left by an exception", no_sync_nests),
     "memory": ("model state held per rank against the formula", memory),
     "overlap": ("communication overlaps backward", overlap),
     "collectives": ("every collective's result", collectives),

@@ -211,3 +211,45 @@ def collectives_round(me: Rank, impl: Impl, numel: int, dtype: str, seed: int) -
         return cases
     except Exception as error:  # noqa: BLE001
         return Raised.now(me.rank, error, impl.path)
+
+
+def no_sync_probe(me: Rank, impl: Impl, exp) -> list[str] | Raised:
+    """``no_sync()`` as users write it around torch DDP: nested (a helper that accumulates, called inside a block
+    of the user's own), and left by an exception (a skipped micro-batch, a KeyboardInterrupt in a notebook).  What
+    is judged is what a backward sends after each -- nothing inside a block, the gradients once outside -- not
+    the flag: the problems, in words ([] when it behaves)."""
+    try:
+        stage, model, comm, _ = build(me, replace(exp, stages=impl.stages()))
+        ledger = Ledger()
+        comm.add_observer(ledger)
+        task = TASKS[exp.task]
+        x, y = task.make_batch(2 * me.world_size, exp.seed, 0, torch.float64, **exp.model)
+
+        def sends() -> int:
+            before = sum(ledger.snapshot().values())
+            stage(x[me.rank::me.world_size]).pow(2).sum().backward()
+            return sum(ledger.snapshot().values()) - before
+
+        problems = []
+        with stage.no_sync():
+            with stage.no_sync():
+                pass
+            if sends():
+                problems.append("a backward inside a no_sync() block, after a no_sync() nested in it had ended, sent "
+                                "gradients: leaving the inner block turned synchronisation back on -- put back the "
+                                "value it had before the block, not True")
+        if not sends():
+            problems.append("a backward after nested no_sync() blocks ended sent nothing: synchronisation was not "
+                            "turned back on")
+        try:
+            with stage.no_sync():
+                raise KeyError("raised inside no_sync()")
+        except KeyError:
+            pass
+        if not sends():
+            problems.append("after an exception left a no_sync() block, backward sent nothing: synchronisation stayed "
+                            "off for good -- restore it in a finally: (or a try/finally around the yield)")
+        comm.close()
+        return [f"rank {me.rank}: {p}" for p in problems]
+    except Exception as error:  # noqa: BLE001
+        return Raised.now(me.rank, error, impl.path)
