@@ -98,7 +98,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         stage.add_observer(gathered)
         if comm:
             comm.add_observer(ledger)  # after wrapping: count training traffic only
-        params, losses, times, states, scales = [], [], [], [], []
+        params, losses, times, states, scales, per_step = [], [], [], [], [], []
         if exp.resume:
             checkpoint.load(stage, exp.resume)
         for s in range(exp.first_step, exp.first_step + exp.steps):
@@ -110,6 +110,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                 losses.append(train_step(stage, step, clip=exp.clip, sync_every_micro_batch=exp.sync_every_micro_batch,
                                          optimizer=optimizer))
             times.append(time.perf_counter() - start)
+            per_step.append(sum(v for k, v in ledger.snapshot().items() if k != "check") - sum(per_step))
             scales.append(getattr(stage, "loss_scale", 1.0))
             if comm:
                 comm.remove_observer(ledger)  # what follows is inspection, not training traffic
@@ -131,7 +132,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     sent = ledger.snapshot()
     check_bytes = sent.pop("check", 0)  # fingerprints: apart from the traffic the formulas describe
     return RankResult(params=params, losses=losses, global_count=step.global_count, step_s=times,
-                      sent_bytes=sum(sent.values()), sent_by_kind=sent, check_bytes=check_bytes, psi=psi,
+                      sent_bytes=sum(sent.values()), sent_by_kind=sent, sent_per_step=per_step,
+                      check_bytes=check_bytes, psi=psi,
                       grad_bytes=wire_bytes(exp), param_bytes=precision_of(exp).working_bytes(element_size(exp)),
                       held_bytes=held, gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state,
                       optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak,

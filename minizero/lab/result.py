@@ -14,6 +14,7 @@ class RankResult:
     step_s: list[float] = field(default_factory=list)
     sent_bytes: int = 0  # training traffic the ledger counted, fingerprints excluded
     sent_by_kind: dict = field(default_factory=dict)
+    sent_per_step: list[int] = field(default_factory=list)  # training traffic of each step (a cost failure names its step)
     check_bytes: int = 0  # the fingerprints' own traffic
     psi: int = 0  # trainable parameters
     grad_bytes: int = 0  # bytes per gradient element on the wire

@@ -82,24 +82,39 @@ def wrong(results: list, reference, exp: Experiment, world_size: int) -> str | N
 
 
 # ------------------------------------------------------------------ bytes, memory, overlap: the cost
+#: Where every cost property is measured: the world sizes the equivalence draws, one micro-batch and several.
+COST_CASES = tuple((n, k) for n in (1, 2, 3, 4) for k in (1, 2))
+
+
+def how_far(measured: float, formula: float, unit: str) -> str:
+    """A measured cost against its formula: the ratio and the direction."""
+    if formula == 0:
+        return f"{measured:,.0f} {unit} where the formula says none"
+    ratio = measured / formula
+    return f"{ratio:.3g}x the formula's {formula:,.0f} ({'too many' if ratio > 1 else 'too few'})"
+
+
 def sent_bytes(checker, options: dict | None = None) -> str:
-    """Bytes per step per rank as the ledger counted them, against the stage's formula; the kinds of collective
-    against the answer key's."""
+    """Bytes each rank sent in each step as the ledger counted them, against the stage's formula; the kinds of
+    collective against the answer key's -- at every world size 1-4, K = 1 and K = 2."""
     options = {**checker.options, **(options or {})}
-    for n in (2, 3):
-        exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=2, dtype="float32", optimizer="adamw",
+    for n, k in COST_CASES:
+        exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=k, dtype="float32", optimizer="adamw",
                          options=options)
         results = checker.run_case(n, exp)
         first = results[0]
-        sent = sum(r.sent_bytes for r in results) / (n * exp.steps)
         formula = checker.lab.answer.sent_bytes_per_step(first.psi, n, first.grad_bytes, first.param_bytes, **options)
-        kinds = set(first.sent_by_kind)
         want = set(checker.run(n, replace(exp, stage=checker.lab.stage))[0].sent_by_kind)
-        if not agrees(sent, formula) or kinds != want:
-            raise Failed(f"each rank sent {sent:,.0f} bytes per step as {sorted(kinds)}; the formula says "
-                         f"{formula:,.0f} as {sorted(want)}",
-                         describe(exp, n), checker.diagnose_cost(exp, n, sent))
-    return f"the ledger's bytes per step equal the formula ({checker.lab.answer.__name__}) at N = 2 and 3"
+        for r, result in enumerate(results):
+            kinds = set(result.sent_by_kind)
+            for step, sent in enumerate(result.sent_per_step):
+                if not agrees(sent, formula) or kinds != want:
+                    average = sum(x.sent_bytes for x in results) / (n * exp.steps)
+                    raise Failed(f"rank {r} sent {sent:,.0f} bytes in step {step + 1} as {sorted(kinds)}: "
+                                 f"{how_far(sent, formula, 'bytes')}, as {sorted(want)}",
+                                 describe(exp, n), checker.diagnose_cost(exp, n, average))
+    return (f"the ledger's bytes in every step, on every rank, equal the formula ({checker.lab.answer.__name__}) at "
+            f"N = 1-4, K = 1 and 2")
 
 
 def one_sync_per_step(checker) -> str:
@@ -131,49 +146,58 @@ def no_sync_nests(checker) -> str:
 
 
 def memory(checker) -> str:
-    """Model state each rank holds after a step, against the stage's formula.  What is counted is what the
-    stage's ``held_tensors()`` accounts for -- the machinery's buffers, parameters, gradients and optimizer
-    states; a tensor a learner keeps on an attribute of their own is not seen."""
-    n = 4
+    """Model state each rank holds after a step, against the stage's formula, at every world size 1-4, K = 1 and
+    2.  What is counted is what the stage's ``held_tensors()`` accounts for -- the machinery's buffers, parameters,
+    gradients and optimizer states; a tensor a learner keeps on an attribute of their own is not seen."""
     options = checker.options
     if getattr(options.get("precision"), "scaled", False):  # fp16: the first steps at torch's initial loss scale
         # overflow and are skipped, creating no optimizer state -- measure a step that is taken
         options = {**options, "precision": replace(options["precision"], loss_scale=1.0)}
-    exp = Experiment(stage=checker.key, task="gpt", steps=1, dtype="float32", optimizer="adamw", options=options)
-    results = checker.run_case(n, exp)
-    formula = checker.lab.answer.state_bytes(results[0].psi, n, 4, STATE_TENSORS["adamw"], **checker.options)
-    for r, result in enumerate(results):
-        held = result.held_bytes
-        if not agrees(held["total"], formula):
-            parts = ", ".join(f"{k} {v:,}" for k, v in held.items() if k != "total")
-            raise Failed(f"rank {r} holds {held['total']:,} bytes of model state ({parts}); the formula says "
-                         f"{formula:,.0f} ({checker.lab.answer.state_formula(4, 2, **checker.options)})",
-                         describe(exp, n))
+    for n, k in COST_CASES:
+        exp = Experiment(stage=checker.key, task="gpt", steps=1, accum=k, dtype="float32", optimizer="adamw",
+                         options=options)
+        results = checker.run_case(n, exp)
+        formula = checker.lab.answer.state_bytes(results[0].psi, n, 4, STATE_TENSORS["adamw"], **checker.options)
+        for r, result in enumerate(results):
+            held = result.held_bytes
+            if not agrees(held["total"], formula):
+                parts = ", ".join(f"{k} {v:,}" for k, v in held.items() if k != "total")
+                raise Failed(f"after step 1, rank {r} holds {held['total']:,} bytes of model state ({parts}): "
+                             f"{how_far(held['total'], formula, 'bytes')} -- "
+                             f"{checker.lab.answer.state_formula(4, 2, **checker.options)}", describe(exp, n))
     return (f"model state per rank equals {checker.lab.answer.state_formula(4, 2, **checker.options)} (AdamW) "
-            f"at N = {n}")
+            f"at N = 1-4, K = 1 and 2")
 
 
 def overlap(checker) -> str:
-    """Backward keeps computing while the first bucket's collective is in flight."""
-    exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (8, 16, 16, 4)}, steps=2, dtype="float32",
-                     optimizer="sgd", options={**checker.options, "bucket_mb": 1e-9})
-    case = describe(exp, 2) + " (one parameter per bucket)"
-    seen = checker.on_ranks(2, overlap_probe, checker.impl, exp)
-    for r, backwards in enumerate(seen):
-        if isinstance(backwards, Raised):
-            raise Failed(str(backwards), case)
-        if len(backwards) != exp.steps:
-            raise Failed(f"rank {r}: {len(backwards)} synchronising backward(s) seen in {exp.steps} steps", case)
-        for b in backwards:
-            if b["blocking"]:
-                raise Failed(f"rank {r}: a {b['blocking'][0]} ran on the main thread during backward, so backward "
-                             f"waited for it -- return the collective from the launch instead, for the "
-                             f"communication thread to run", case)
-            if not b["launches"] or b["launches"][0] >= b["params"] - 1:
-                raise Failed(f"rank {r}: no bucket left while backward still had gradients to compute "
-                             f"(first launch after {b['launches'][0] if b['launches'] else 'none'} of "
-                             f"{b['params']} gradients): nothing overlapped", case)
-    return "the first bucket's collective leaves while backward is still computing"
+    """Backward keeps computing while the first bucket's collective is in flight -- with one micro-batch and with
+    two (the first, inside ``no_sync()``, launching nothing), on two and on three ranks."""
+    for n, k in ((2, 1), (2, 2), (3, 2)):
+        exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (8, 16, 16, 4)}, steps=2, accum=k,
+                         dtype="float32", optimizer="sgd", options={**checker.options, "bucket_mb": 1e-9})
+        case = describe(exp, n) + " (one parameter per bucket)"
+        seen = checker.on_ranks(n, overlap_probe, checker.impl, exp)
+        for r, backwards in enumerate(seen):
+            if isinstance(backwards, Raised):
+                raise Failed(str(backwards), case)
+            if len(backwards) != exp.steps:
+                raise Failed(f"rank {r}: {len(backwards)} synchronising backward(s) seen in {exp.steps} steps", case)
+            for step, b in enumerate(backwards):
+                if b["blocking"]:
+                    raise Failed(f"rank {r}, step {step + 1}: {_a(b['blocking'][0])} ran on the main thread during "
+                                 f"backward, so backward waited for it -- return the collective from the launch "
+                                 f"instead, for the communication thread to run", case)
+                if not b["launches"] or b["launches"][0] >= b["params"] - 1:
+                    raise Failed(f"rank {r}, step {step + 1}: no bucket left while backward still had gradients to "
+                                 f"compute (the first launch came after "
+                                 f"{b['launches'][0] if b['launches'] else 'none'} of {b['params']} gradients): too "
+                                 f"late -- nothing overlapped", case)
+    return "the first bucket's collective leaves while backward is still computing (N = 2 and 3, K = 1 and 2)"
+
+
+def _a(kind: str) -> str:
+    """'an all_reduce', 'a reduce_scatter'."""
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
 # ------------------------------------------------------------------ the ring

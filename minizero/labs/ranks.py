@@ -126,8 +126,8 @@ def overlap_probe(me: Rank, impl: Impl, exp) -> list[dict] | Raised:
             p.register_post_accumulate_grad_hook(counted)
 
         def backward_starts(module, args, output):  # the output's gradient comes before any parameter's
-            if output.requires_grad:
-                output.register_hook(lambda grad: state.update(in_backward=True))
+            if output.requires_grad:  # (a micro-batch inside no_sync() counted its gradients too: start again)
+                output.register_hook(lambda grad: state.update(in_backward=True, ready=0, launches=[], blocking=[]))
 
         model.register_forward_hook(backward_starts)
         submit = comm.submit
