@@ -16,6 +16,7 @@ or a crash is a verdict too.  The pool is killed, and respawned for what follows
 from __future__ import annotations
 
 import re
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -29,7 +30,7 @@ from ..precision import Precision
 from .catalogue import LABS, Lab, check_lab_name
 from .loading import Impl
 from .properties import PROPERTIES, Failed, describe
-from .ranks import Raised, import_file, lab_experiment
+from .ranks import Raised, gloo_words, import_file, lab_experiment, stderr_to
 from .verdicts import died, raised_at_import, stopped
 
 SHRINK_S = 20.0  # at most this long shrinking a failure: each example is a distributed run
@@ -54,6 +55,7 @@ class Checker:
 
     def __post_init__(self):
         self.stages = self.impl.stand_in_stages()  # the learner's file is imported by the ranks alone
+        self._noise = tempfile.TemporaryDirectory(prefix="minizero-check-")  # the ranks' C-level stderr
 
     @property
     def options(self) -> dict:
@@ -96,7 +98,7 @@ class Checker:
         """When ranks failed apart (not all, or not alike), messages one sent may be unread by another: the
         pool goes too."""
         try:
-            results = self.pools.run_within(self.deadline_s, world_size, fn, *args)
+            results = self.pools.run_within(self.deadline_s, world_size, stderr_to, self._noise.name, fn, *args)
         except RankError as error:
             if error.exitcode is not None:
                 why = died(error, importing)
@@ -104,9 +106,12 @@ class Checker:
                 why = stopped(error, self.impl.path, self.deadline_s, importing)
             else:
                 why = str(error).split("\nThe run was stopped")[0].strip()
+            said = gloo_words(self._noise.name)
+            if said:
+                why += f"\n        gloo's own words, {said}"
             if "exit code -6" in why:  # gloo aborts a process whose receive does not match what was sent
-                why += (" -- gloo aborts a rank that receives a message of another size than it posted: each step's "
-                        "send must be the chunk its neighbour receives")
+                why += ("\n        gloo aborts a rank that receives a message of another size than it posted: each "
+                        "step's send must be the chunk its neighbour receives")
             raise Failed(why, final=True) from None  # nothing to shrink: each replay would cost the same wait
         raised = [r for r in results if isinstance(r, Raised)]
         if raised:

@@ -5,6 +5,7 @@ skeleton then costs no process spawn per example."""
 from __future__ import annotations
 
 import inspect
+import linecache
 import os
 import sys
 import threading
@@ -31,9 +32,17 @@ class Raised:
     where: str
 
     @classmethod
-    def now(cls, rank: int, error: BaseException, path: str | None) -> "Raised":
+    def now(cls, rank: int, error: BaseException, path: str | None, last_of_yours: str = "") -> "Raised":
+        """``last_of_yours``: the learner's last line that ran, said when the traceback holds none of theirs."""
         frames = traceback.extract_tb(error.__traceback__)
-        mine = [f for f in frames if path and f.filename == path] or frames[-1:]
+        mine = [f for f in frames if path and f.filename == path]
+        if not mine and last_of_yours:
+            at = frames[-1]
+            where = (f"{last_of_yours}\n    (the last line of yours that ran: the error itself was raised in "
+                     f"{shown(at.filename)}:{at.lineno} in {at.name}, which runs no code of yours"
+                     + (" -- torch's autograd engine, during backward" if "autograd" in at.filename else "") + ")")
+            return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
+        mine = mine or frames[-1:]
         where = f"{shown(mine[-1].filename)}:{mine[-1].lineno} in {mine[-1].name}: {mine[-1].line}" if mine else ""
         return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
 
@@ -51,11 +60,51 @@ def import_file(me: Rank, impl: Impl) -> str | Raised:
 
 
 def lab_experiment(me: Rank, impl: Impl, exp):
-    """This rank's result of ``exp`` with the learner's stage (``exp.stage`` names it) -- or what it raised."""
+    """This rank's result of ``exp`` with the learner's stage (``exp.stage`` names it) -- or what it raised, traced
+    back to the learner's last line that ran when the error surfaced elsewhere (:class:`LastOfYours`)."""
+    last = LastOfYours(impl.path)
     try:
-        return run_experiment(me, replace(exp, stages=impl.stages()))
+        with last:
+            return run_experiment(me, replace(exp, stages=impl.stages()))
     except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
-        return Raised.now(me.rank, error, impl.path)
+        return Raised.now(me.rank, error, impl.path, last.where())
+
+
+class LastOfYours:
+    """The last line of the learner's file that ran, on any thread.  An error raised inside torch's autograd engine
+    -- a unit not gathered for backward, a gradient of the wrong size -- has no frame of the learner's in its
+    traceback: it surfaces in ``backward()``, far from the line that caused it.  The line that ran last is where
+    to look.  Only frames of the learner's file are traced line by line; every other call costs one comparison."""
+
+    def __init__(self, path: str | None):
+        self.path, self.frame, self.lineno = path, None, 0
+
+    def _trace(self, frame, event, arg):
+        if frame.f_code.co_filename != self.path:
+            return None
+        self.frame, self.lineno = frame.f_code, frame.f_lineno
+        return self._line
+
+    def _line(self, frame, event, arg):
+        self.frame, self.lineno = frame.f_code, frame.f_lineno
+        return self._line
+
+    def __enter__(self):
+        if self.path:
+            threading.settrace(self._trace)
+            sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc):
+        if self.path:
+            sys.settrace(None)
+            threading.settrace(None)
+
+    def where(self) -> str:
+        if self.frame is None:
+            return ""
+        line = linecache.getline(self.path, self.lineno).strip()
+        return f"{shown(self.path)}:{self.lineno} in {self.frame.co_name}: {line}"
 
 
 def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:
@@ -253,3 +302,35 @@ def no_sync_probe(me: Rank, impl: Impl, exp) -> list[str] | Raised:
         return [f"rank {me.rank}: {p}" for p in problems]
     except Exception as error:  # noqa: BLE001
         return Raised.now(me.rank, error, impl.path)
+
+
+def stderr_to(me: Rank, directory: str, fn, *args):
+    """``fn(me, *args)`` with this rank's C-level stderr in ``directory/rank<r>.stderr`` (truncated first).  gloo
+    prints its abort -- a dozen lines of C++ ending in a ``what():`` -- there, not to the learner's terminal before the
+    verdict; the checker reads the one line that says what happened (:func:`gloo_words`)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(os.path.join(directory, f"rank{me.rank}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        return fn(me, *args)
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def gloo_words(directory: str) -> str:
+    """What gloo said before a rank died, in one line per rank that said something: its ``what():`` (the enforce
+    that failed: "op.preamble.length <= op.nbytes. 72 vs 8 ...")."""
+    said = []
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+        what = [line for line in lines if line.startswith("what():") or "Error" in line or "error" in line]
+        if what:
+            words = what[0].removeprefix("what():").strip()
+            words = words.split("] ", 1)[1] if words.startswith("[enforce fail") and "] " in words else words
+            said.append(f"{name.removesuffix('.stderr').replace('rank', 'rank ')}: {words}")
+    return "; ".join(said)
