@@ -269,13 +269,14 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
 
 
 def format_failure(report: Report) -> str:
-    lines = [f"  FAIL  {report.failed}"]
+    """What went wrong first -- the parameter, the rank, the step and the direction, or where a rank stopped --
+    then the known mistake it matches, then the case it happened on."""
+    lines = [f"  FAIL  {report.failed}", f"        what went wrong: {report.why}"]
+    if report.mistake:
+        lines.append(f"        a known mistake gives exactly these numbers: {report.mistake}")
     if report.case:
         lines.append(f"        {'failing case (not shrunk: the ranks were stopped)' if report.final else 'smallest failing case'}:"
                      f" {report.case}")
-    lines.append(f"        what went wrong: {report.why}")
-    if report.mistake:
-        lines.append(f"        a known mistake gives exactly these numbers: {report.mistake}")
     if report.final:
         lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it).")
     else:
