@@ -1,50 +1,95 @@
-"""The labs are tested: every blank skeleton fails, naming the property and the smallest case; the
-package's own stage -- the answer key -- passes every property; a known mistake is named."""
+"""The labs are tested at both levels (contract, guided): every blank skeleton fails, naming the property, the
+smallest case and the method to write; every answer key -- the package's own stage, and a file written from each
+level's skeleton alone -- passes every property; a known mistake is named.
+
+Every test over the labs is parametrised over ``LABS`` x ``LEVELS``, so a lab added to the catalogue is covered at
+once -- and one whose skeleton or answer key at a level is missing fails here, never skips."""
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 import pytest
 
 from minizero.__main__ import main
 from minizero.comm import Comm
-from minizero.labs import LABS, check, skeleton_path, start
+from minizero.labs import LABS, LEVELS, check, skeleton_path, start
 from minizero.labs import mistakes as known
+from minizero.labs.properties import PROPERTIES
+
+SOLUTIONS = Path(__file__).parent / "lab_solutions"
+EVERY_LEVEL = [pytest.param(lab, level, id=f"{lab}-{level}") for lab in LABS for level in LEVELS]
 
 
 def quiet(_):
     pass
 
 
-@pytest.mark.parametrize("lab", list(LABS))
-def test_a_blank_skeleton_fails_naming_the_property_the_case_and_what_to_write(pools, lab):
-    report = check(lab, impl=skeleton_path(lab), examples=5, pools=pools, out=quiet)
+def module_name(lab: str) -> str:
+    return lab.replace("-", "_")
+
+
+def skeleton_of(lab: str, level: str) -> Path:
+    path = skeleton_path(lab, level)
+    assert path.is_file(), f"lab {lab!r} has no {level} skeleton: write {path} (every lab ships both levels)"
+    return path
+
+
+def answer_key(lab: str, level: str) -> Path:
+    """The file written from the ``level`` skeleton alone: ``tests/lab_solutions/<level>/<lab>.py``."""
+    path = SOLUTIONS / level / f"{module_name(lab)}.py"
+    assert path.is_file(), f"lab {lab!r} has no {level} answer key: write {path} (every lab ships both)"
+    return path
+
+
+@pytest.mark.parametrize("lab, level", EVERY_LEVEL)
+def test_a_blank_skeleton_fails_naming_the_property_the_case_and_what_to_write(pools, lab, level):
+    report = check(lab, impl=skeleton_of(lab, level), examples=5, pools=pools, out=quiet)
     assert not report.ok
-    assert report.failed == ("every collective's result" if lab == "ring" else "equivalence to single-device training")
-    assert report.case.startswith("world size 1")  # shrunk to the smallest world
+    assert report.failed == PROPERTIES[LABS[lab].properties[0]][0], report  # the first property after "yours"
+    assert report.case.startswith("world size 1"), report.case  # shrunk to the smallest world
     assert any(f"NotImplementedError: write {method}" in report.why for method in LABS[lab].todo), report.why
 
 
-@pytest.mark.parametrize("lab", list(LABS))
-def test_a_skeleton_builds_on_a_base_without_the_answer(lab):
+@pytest.mark.parametrize("lab, level", EVERY_LEVEL)
+def test_a_skeleton_builds_on_a_base_without_the_answer(lab, level):
     """No renaming layer: each method the learner writes is the package's method of the same name, so the lab reads
     as the stage does -- but the skeleton's base (``minizero.labs.given``) has it taken out: the package's class with
-    that method raising, naming itself.  A learner who deletes it gets that error, not the answer."""
-    skeleton = importlib.import_module(f"minizero.labs.skeletons.{lab.replace('-', '_')}")
+    that method raising, naming itself.  A learner who deletes it gets that error, not the answer.  The skeleton's own
+    method is blank too -- a docstring and the raise, nothing of the answer."""
+    skeleton_of(lab, level)
+    skeleton = importlib.import_module(f"minizero.labs.skeletons.{level}.{module_name(lab)}")
     for todo in LABS[lab].todo:
         cls_name, method = todo.split(".")
         cls = getattr(skeleton, cls_name)
         given = cls.__mro__[1]
         package = next(c for c in cls.__mro__ if not c.__module__.startswith("minizero.labs"))
         assert given.__module__ == "minizero.labs.given", given
-        assert method in vars(cls), f"{todo}: the skeleton does not define it"
+        assert method in vars(cls), f"{todo}: the {level} skeleton does not define it"
         assert any(method in vars(c) for c in package.__mro__ if c is not object), \
             f"{todo}: not a method of the package's {package.__name__}: the skeleton renames it"
-        assert f'NotImplementedError("write {todo}' in inspect.getsource(vars(cls)[method]), todo
+        source = inspect.getsource(vars(cls)[method])
+        assert f'NotImplementedError("write {todo}' in source, todo
+        body = ast.parse(inspect.cleandoc("\n" + source)).body[0].body
+        kinds = [type(node.value if isinstance(node, ast.Expr) else node).__name__ for node in body]
+        assert kinds in (["Constant", "Raise"], ["Constant", "Raise", "Yield"]), \
+            f"{todo} in the {level} skeleton is not blank (a docstring, the raise): {kinds}"
         with pytest.raises(NotImplementedError, match=f"write {todo} "):
             getattr(given, method)(None)
+
+
+#: A collective called with its arguments: what the guided level no longer dictates, and the contract never names.
+DICTATED_CALL = re.compile(r"comm\.(all_reduce|reduce_scatter|all_gather|broadcast)\(\w")
+
+
+@pytest.mark.parametrize("lab, level", EVERY_LEVEL)
+def test_a_skeleton_says_how_to_check_it_and_dictates_no_call(lab, level):
+    text = skeleton_of(lab, level).read_text()
+    assert f"python -m minizero check {lab} --impl THIS_FILE" in text
+    assert not DICTATED_CALL.search(text), f"the {level} skeleton of {lab} dictates a call: {DICTATED_CALL.search(text)[0]}"
 
 
 @pytest.mark.parametrize("lab", list(LABS))
@@ -52,6 +97,17 @@ def test_the_answer_key_passes_every_property(pools, lab):
     report = check(lab, examples=3, pools=pools, out=quiet)
     assert report.ok, (report.failed, report.why, report.case)
     assert len(report.passed) == 1 + len(LABS[lab].properties)  # "your methods are what runs" first
+
+
+@pytest.mark.parametrize("lab, level", EVERY_LEVEL)
+def test_a_skeleton_filled_in_from_its_level_alone_passes(pools, lab, level):
+    """Each level is enough: ``tests/lab_solutions/guided/`` follows the guided skeleton's hints line by line;
+    ``tests/lab_solutions/contract/`` was written from the contract alone -- where it was not enough, the contract
+    was missing something."""
+    solution = answer_key(lab, level)
+    assert f"skeletons.{level}" in solution.read_text(), f"{solution} does not build on the {level} skeleton"
+    report = check(lab, impl=solution, examples=2, pools=pools, out=quiet)
+    assert report.ok, (report.failed, report.why, report.case)
 
 
 EQUIVALENCE, BYTES = "equivalence to single-device training", "bytes sent per step against the formula"
@@ -81,12 +137,23 @@ def test_check_command_exits_1_with_the_property_and_the_smallest_case(capsys):
     assert "NotImplementedError: write DDP.post_backward" in out
 
 
-def test_lab_command_copies_the_skeleton_and_never_overwrites(tmp_path, capsys):
+def test_lab_command_copies_the_skeleton_at_either_level_and_never_overwrites(tmp_path, capsys):
     target = tmp_path / "mine.py"
     assert main(["lab", "zero2", str(target)]) == 0
-    assert target.read_text() == skeleton_path("zero2").read_text()
+    assert target.read_text() == skeleton_path("zero2", "contract").read_text()  # the contract by default
+    assert "contract level" in capsys.readouterr().out.split("\n")[0]
     assert main(["lab", "zero2", str(target)]) == 2
     assert f"{target} exists" in capsys.readouterr().err
+    guided = tmp_path / "guided.py"
+    assert main(["lab", "zero2", str(guided), "--level", "guided"]) == 0
+    assert guided.read_text() == skeleton_path("zero2", "guided").read_text() != target.read_text()
+    out = capsys.readouterr().out
+    assert "guided level" in out and "--level contract" in out  # and it names the other level
+    with pytest.raises(SystemExit):  # argparse: not a level
+        main(["lab", "zero2", str(tmp_path / "x.py"), "--level", "hints"])
+    assert "invalid choice: 'hints' (choose from 'contract', 'guided')" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"unknown level 'hints'; the levels: contract, guided"):
+        skeleton_path("zero2", "hints")
     assert main(["lab", "--list"]) == 0
 
 
@@ -118,14 +185,6 @@ def test_a_lab_is_checked_in_mixed_precision_too(pools):
         check("ring", precision="bf16", pools=pools, out=quiet)
 
 
-@pytest.mark.parametrize("lab", list(LABS))
-def test_a_skeleton_filled_in_as_its_docstrings_say_passes(pools, lab):
-    """The skeleton's instructions are enough: tests/lab_solutions/ follows them, line by line."""
-    solution = Path(__file__).parent / "lab_solutions" / f"{lab.replace('-', '_')}.py"
-    report = check(lab, impl=solution, examples=2, pools=pools, out=quiet)
-    assert report.ok, (report.failed, report.why, report.case)
-
-
 #: What a learner's file subclasses, by the class names the labs' methods are on: an empty subclass of each.
 PACKAGE_CLASSES = {"Ring": "minizero.comm:RingComm", "Wire": "minizero.compress:Wire", "Unit": "minizero.units:Unit"}
 
@@ -155,10 +214,11 @@ def test_a_file_whose_classes_are_empty_fails_naming_what_it_does_not_define(poo
 def test_a_stage_that_does_not_use_the_files_unit_fails_naming_its_methods(pools, tmp_path):
     """The zero3 lab's Unit written in full, but the stage never handed it (``unit_class = Unit`` deleted): the
     package's Unit would run, so the file's is never called."""
-    solution = (Path(__file__).parent / "lab_solutions" / "zero3.py").read_text()
+    solution = answer_key("zero3", "guided").read_text()
     path = tmp_path / "zero3_without_unit_class.py"
     given = "from minizero.stages import ZeRO3 as GivenZeRO3\nfrom minizero.units import Unit as GivenUnit"
-    path.write_text(solution.replace("from minizero.labs.skeletons import zero3 as skeleton", given)
+    assert "from minizero.labs.skeletons.guided import zero3 as skeleton" in solution
+    path.write_text(solution.replace("from minizero.labs.skeletons.guided import zero3 as skeleton", given)
                     .replace("class Unit(skeleton.Unit):", "class Unit(GivenUnit):")
                     .replace("class ZeRO3(skeleton.ZeRO3):\n    unit_class = Unit", "class ZeRO3(GivenZeRO3):\n    pass"))
     report = check("zero3", impl=str(path), examples=3, pools=pools, out=quiet)
@@ -171,9 +231,10 @@ def test_a_bucket_view_not_restored_is_caught_now_that_the_checker_draws_the_use
     """The bucketed lab's answer without ``keep_grad_in``: right while ``.grad`` stays the bucket's view, wrong once
     the user's own ``optimizer.zero_grad()`` sets it to None -- which the checker draws now (the optimizer built after
     wrapping), as it draws the edge model.  It used to pass."""
-    solution = (Path(__file__).parent / "lab_solutions" / "ddp_bucketed.py").read_text()
+    solution = answer_key("ddp-bucketed", "guided").read_text()
     path = tmp_path / "no_keep_grad_in.py"
+    assert "        keep_grad_in(param, bucket.views[i])\n" in solution
     path.write_text(solution.replace("        keep_grad_in(param, bucket.views[i])\n", ""))
     report = check("ddp-bucketed", impl=str(path), examples=25, pools=pools, out=quiet)
     assert not report.ok and report.failed == "equivalence to single-device training", report
-    assert "differs from the reference" in report.why, report.why
+    assert re.search(r"'s [\w.]+ differs from", report.why), report.why  # a parameter named

@@ -1,9 +1,11 @@
 """The labs: one per lesson, each a skeleton the learner completes and the properties that judge it.
 
 A lab names the package's own class that answers it (the answer key: the
-checker passes it, and CI proves that), the skeleton the learner starts from
-(``skeletons/``: the machinery given, the lesson's one or two methods left to
-write), the properties it must satisfy -- the same the package's stages are held
+checker passes it, and CI proves that), the skeletons the learner starts from --
+two levels, ``skeletons/contract/`` (each method's contract and the properties
+that judge it, no recipe) and ``skeletons/guided/`` (what to do and which parts of
+minizero exist for it), both the machinery given and the lesson's methods left to
+write -- the properties it must satisfy -- the same the package's stages are held
 to in ``tests/`` -- and the known mistakes the checker compares a failure with.
 """
 from __future__ import annotations
@@ -16,6 +18,8 @@ from ..stages import DDP, STAGES, BucketedDDP, Stage, ZeRO1, ZeRO2, ZeRO3
 from . import mistakes
 
 SKELETONS = Path(__file__).parent / "skeletons"
+#: The skeletons' levels, the default first: the contract alone, then the contract with hints.
+LEVELS = ("contract", "guided")
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,16 @@ class Lab:
         """What the learner's file defines: a stage, or a communication layer."""
         return Comm if issubclass(self.answer, Comm) else Stage
 
+    def skeleton_at(self, level: str = LEVELS[0]) -> Path:
+        """The blank skeleton at ``level`` (:data:`LEVELS`): ``skeletons/<level>/<name>.py``."""
+        if level not in LEVELS:
+            raise ValueError(f"unknown level {level!r}; the levels: {', '.join(LEVELS)}")
+        return SKELETONS / level / f"{self.name.replace('-', '_')}.py"
+
     @property
     def skeleton(self) -> Path:
-        return SKELETONS / f"{self.name.replace('-', '_')}.py"
+        """The default level's skeleton (the contract)."""
+        return self.skeleton_at()
 
     @property
     def stage(self) -> str:

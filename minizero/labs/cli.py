@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 
 from ..precision import PRECISIONS
-from . import LABS, check, start
+from . import LABS, LEVELS, check, start
 from .check import DEADLINE_S
 
 
@@ -12,6 +12,9 @@ def add_commands(sub) -> None:
     lab = sub.add_parser("lab", help="copy a lab's skeleton to a file of yours; --list: the labs")
     lab.add_argument("name", nargs="?", choices=list(LABS))
     lab.add_argument("to", nargs="?", help="where to copy it (default lab_<name>.py here; never overwritten)")
+    lab.add_argument("--level", choices=list(LEVELS), default=LEVELS[0],
+                     help="contract (default): each method's contract and the properties that judge it; "
+                          "guided: also what to do and which parts of minizero exist for it")
     lab.add_argument("--list", action="store_true")
     judge = sub.add_parser("check", help="judge a lab with the package's own property tests; exit 1 if one fails")
     judge.add_argument("name", choices=list(LABS))
@@ -29,11 +32,18 @@ def lab_main(args) -> tuple[int, str]:
         return 0, "\n".join(f"{name:<13}{lab.title}  ({lab.lesson}; you write {', '.join(lab.todo)})"
                             for name, lab in LABS.items())
     try:
-        path = start(args.name, args.to)
+        path = start(args.name, args.to, args.level)
     except FileExistsError as error:
         raise ValueError(str(error)) from None
-    return 0, f"{path}: lab {args.name}'s skeleton. Write {', '.join(LABS[args.name].todo)}, then:\n" \
-              f"  python -m minizero check {args.name} --impl {path}"
+    other = next(level for level in LEVELS if level != args.level)
+    return 0, (f"{path}: lab {args.name}'s skeleton, {args.level} level. Write {', '.join(LABS[args.name].todo)}, "
+               f"then:\n  python -m minizero check {args.name} --impl {path}\n"
+               f"{OTHER_LEVEL[other]}:\n  python -m minizero lab {args.name} ANOTHER_FILE --level {other}")
+
+
+#: What the lab command says of the level not taken.
+OTHER_LEVEL = {"guided": "Stuck? The guided level adds hints -- what to do, and which parts of minizero exist for it",
+               "contract": "The contract level states only what each method must do and the properties that judge it"}
 
 
 def check_main(args) -> tuple[int, str]:

@@ -1,9 +1,9 @@
-"""Lab ``compress`` filled in from the skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
+"""Lab ``compress`` filled in from the guided skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 
-from minizero.labs.skeletons import compress as skeleton
+from minizero.labs.skeletons.guided import compress as skeleton
 
 
 class Wire(skeleton.Wire):

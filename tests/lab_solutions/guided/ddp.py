@@ -1,9 +1,9 @@
-"""Lab ``ddp`` filled in from the skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
+"""Lab ``ddp`` filled in from the guided skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
 from minizero.flat import group_by_dtype, pack, unpack
-from minizero.labs.skeletons.ddp import DDP as Skeleton
+from minizero.labs.skeletons.guided.ddp import DDP as Skeleton
 
 
 class DDP(Skeleton):

@@ -1,9 +1,9 @@
-"""Lab ``ddp-bucketed`` filled in from the skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
+"""Lab ``ddp-bucketed`` filled in from the guided skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
 from minizero.flat import keep_grad_in
-from minizero.labs.skeletons.ddp_bucketed import BucketedDDP as Skeleton
+from minizero.labs.skeletons.guided.ddp_bucketed import BucketedDDP as Skeleton
 
 
 class BucketedDDP(Skeleton):

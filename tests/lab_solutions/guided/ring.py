@@ -1,9 +1,9 @@
-"""Lab ``ring`` filled in from the skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
+"""Lab ``ring`` filled in from the guided skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
 import torch
 
-from minizero.labs.skeletons.ring import Ring as Skeleton
+from minizero.labs.skeletons.guided.ring import Ring as Skeleton
 
 
 class Ring(Skeleton):

@@ -1,8 +1,8 @@
-"""Lab ``zero1`` filled in from the skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
+"""Lab ``zero1`` filled in from the guided skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.zero1 import ZeRO1 as Skeleton
+from minizero.labs.skeletons.guided.zero1 import ZeRO1 as Skeleton
 
 
 class ZeRO1(Skeleton):

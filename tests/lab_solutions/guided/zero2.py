@@ -1,10 +1,10 @@
-"""Lab ``zero2`` filled in from the skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
+"""Lab ``zero2`` filled in from the guided skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.zero2 import ZeRO2 as Skeleton
+from minizero.labs.skeletons.guided.zero2 import ZeRO2 as Skeleton
 
 
 class ZeRO2(Skeleton):

@@ -1,4 +1,5 @@
 """Lab 3 -- buckets launched during backward (lessons/03_bucketing_and_overlap.ipynb).
+Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: the buckets (``self.buckets``: flat buffers filled last layer first, each
 ``.grad`` a view into its bucket), the pipeline (``self.pipeline``) that launches
@@ -24,12 +25,15 @@ class BucketedDDP(GivenBucketedDDP):
 
         (Not a tensor hook on ``param``: that fires *before* accumulation, and syncing there averages the last
         micro-batch only.  And the hook receives the *parameter*: it is ``param.grad`` that gets reduced.)
-        Do three things:
-          1. keep the gradient in its bucket: ``bucket, i = self._slot[id(param)]``, then
-             ``minizero.flat.keep_grad_in(param, bucket.views[i])`` (a user's ``zero_grad`` may have replaced it);
-          2. record that it has a gradient: ``self._used.add(id(param))``;
-          3. if this backward synchronises (``self._syncing``; False inside ``no_sync()``), tell the pipeline:
-             ``self.pipeline.mark(param)`` -- it launches every bucket that is now complete, in order.
+        Three things:
+          1. the gradient must live in its bucket: a user's ``optimizer.zero_grad()`` may have set ``.grad`` to
+             None, and autograd then made a fresh tensor -- put its value back into the bucket's view and make
+             that view ``.grad`` again (``self._slot`` maps a parameter's id to its bucket and position;
+             ``minizero.flat`` has a function for exactly this);
+          2. record that it got a gradient here: ``self._used``, a set of parameter ids, which the given
+             ``post_backward`` reads;
+          3. if this backward synchronises (``self._syncing``; False inside ``no_sync()``), tell the pipeline
+             the parameter is ready -- it launches every bucket that is now complete, in order.
         """
         raise NotImplementedError("write BucketedDDP.post_accumulate_grad: keep the gradient in its bucket, "
                                   "record it, mark it ready")
@@ -38,10 +42,8 @@ class BucketedDDP(GivenBucketedDDP):
         """Bucket ``index`` is complete: return a function of no arguments that averages it in place.
 
         The pipeline runs what you return on the communication thread while backward goes on -- so do no
-        communication here, only in the returned function.  With ``bucket = self.buckets[index]`` and
-        ``tag = self.tag(f"bucket {index}")``, the function calls
-        ``self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)``
-        (``minizero.comm.ReduceOp``): the mean over ranks, over the 16-bit wire when compression is on
-        (``key``: the bucket, for the wire's error feedback).
+        communication here, only in the returned function.  It averages the bucket's flat buffer over the ranks
+        through ``self.comm``, over the stage's wire ``self.wire`` (with the bucket as its ``key``), labelled
+        with ``self.tag(...)`` -- take the tag here, on the main thread: it records where training is now.
         """
         raise NotImplementedError("write BucketedDDP._all_reduce: return the bucket's all-reduce, to run later")

@@ -1,4 +1,5 @@
 """Lab 5 -- ZeRO-1's step: reduce-scatter, step the owned shard, all-gather (lessons/05_zero1.ipynb).
+Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: the flat sharded layout (``self.groups``: one ``FlatGroup`` per optimizer
 param group and dtype, padded to a multiple of N, each rank owning one shard of
@@ -24,22 +25,16 @@ class ZeRO1(GivenZeRO1):
         """Backward has finished on every rank: give each piece, as ``.grad``, its range of the gradient averaged
         over ranks -- with half an all-reduce.
 
-        1. which parameters got a gradient (those the optimizer steps):
-           ``used = self.used_anywhere([s.param for group in self.groups for s in group.segments])``;
-        2. for each group ``group`` (index ``index``) and its full gradient buffer ``buffer``
-           (``zip(self.groups, self.full_grads.buffers)``), reduce-scatter the buffer into this rank's shard of
-           it, averaged over ranks:
-           ``self.comm.reduce_scatter(group.shard_of(buffer), buffer, ReduceOp.AVG,
-           tag=self.tag(f"group {index} gradients"), wire=self.wire, key=index)`` (``minizero.comm.ReduceOp``).
-           The output is a view of the input: rank r's shard of the buffer,
-           ``buffer[r * group.shard_size:(r + 1) * group.shard_size]``, receives the mean of every rank's shard r;
-        3. hand it over: ``self.full_grads.take_averaged(index, used)`` makes each piece's range of the averaged
-           shard its ``.grad`` (pieces of parameters in ``used``) and zeroes the other ranks' shards of the
-           buffer -- they own those averages;
-        4. when every group is done, ``self.full_grads.window_open = False``: the next forward opens a new
-           accumulation window.
-        (The package's answer first names a parameter without a gradient on this rank,
-        ``self.refuse_unused_here(self.groups)``; the training loop the checker runs never leaves one out.)
+        1. find which parameters got a gradient (those the optimizer steps): the base's ``used_anywhere``
+           (over every group's segments) -- with ``find_unused_parameters`` the ranks agree on it;
+        2. for each group and its full gradient buffer, reduce-scatter the buffer, averaged, through
+           ``self.comm`` into this rank's shard of that same buffer (``group.shard_of``): rank r's shard
+           receives the mean of every rank's shard r.  Average over the stage's wire, ``self.wire``, with the
+           group's index as its ``key``; label it with ``self.tag(...)``;
+        3. hand each shard to the pieces: ``self.full_grads`` has the method that makes each piece's range of
+           the averaged shard its ``.grad`` (for the parameters found in 1) and zeroes the other ranks' shards;
+        4. when every group is done, close the accumulation window (``self.full_grads.window_open``): the next
+           forward opens a new one.
         """
         raise NotImplementedError("write ZeRO1.post_backward: reduce-scatter each group's gradient buffer into the "
                                   "owned shard and hand it to the pieces")
@@ -54,13 +49,11 @@ class ZeRO1(GivenZeRO1):
     def all_gather_parameters(self) -> None:
         """Every rank stepped only its own shard; every rank needs every updated parameter for the next forward.
 
-        1. for each group (index ``g``), all-gather its owned shard into the full flat parameters ``group.data``
-           (the parameters are views into it):
-           ``self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters"))``
-           (the clone: ``group.shard`` is a view into ``group.data``, which the all-gather writes);
-        2. then ``self.remember_shared()``: the full parameters are current.  (Without it the next forward sees
-           the shards changed since the last all-gather -- as after an optimizer the stage does not drive -- and
-           all-gathers them again: a third Psi of bytes.)
-        (The package's answer skips a group none of whose parameters had a gradient anywhere: it did not change.)
+        1. for each group, all-gather the owned shard (``group.shard``) into the full flat parameters
+           (``group.data``, which the parameters are views into) through ``self.comm``.  The shard is a view
+           into the very buffer the all-gather writes: send a copy of it;
+        2. then tell the base the full parameters are current (``self.remember_shared()``) -- without it the
+           next forward sees shards changed since the last all-gather (as after an optimizer the stage does not
+           drive) and all-gathers them again: a third Psi of bytes.
         """
         raise NotImplementedError("write ZeRO1.all_gather_parameters: all-gather each group's updated shard")

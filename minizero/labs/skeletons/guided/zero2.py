@@ -1,4 +1,5 @@
 """Lab 6 -- ZeRO-2's per-bucket reduce-scatter during backward (lessons/06_zero2.ipynb).
+Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: buckets that are flat sharded groups of their own (``self.groups``, last
 layer first, each padded to a multiple of N: the owned shards of all buckets
@@ -21,20 +22,20 @@ from minizero.labs.given import ZeRO2 as GivenZeRO2
 
 class ZeRO2(GivenZeRO2):
     def post_accumulate_grad(self, param) -> None:
-        """The post-accumulate-grad hook: ``param.grad`` is final for this backward.
-        Record it (``self._used.add(id(param))``) and, if this backward synchronises (``self._syncing``; False
-        inside ``no_sync()``, where gradients accumulate in full), mark it ready: ``self.pipeline.mark(param)``
-        -- the pipeline then launches every bucket that is complete, in order, through your ``_reduce_scatter``."""
+        """The post-accumulate-grad hook: ``param.grad`` is final for this backward.  Record that it got a
+        gradient here (``self._used``, a set of parameter ids) and, if this backward synchronises
+        (``self._syncing``; False inside ``no_sync()``, where gradients accumulate in full), tell the pipeline
+        it is ready -- the pipeline then launches every bucket that is complete, in order, through your
+        ``_reduce_scatter``."""
         raise NotImplementedError("write ZeRO2.post_accumulate_grad: record the gradient, mark it ready")
 
     def _reduce_scatter(self, index: int):
-        """Bucket ``index`` is complete.  Here, on the main thread: pack its gradients into a new flat tensor and
-        *free* every full gradient -- the memory ZeRO-2 saves: ``full = group.take_gradients()`` with
-        ``group = self.groups[index]``.  Return a function of no arguments, run later on the communication
-        thread, that reduce-scatters ``full`` into a new shard-sized tensor
-        ``averaged = torch.empty_like(group.shard)`` with
-        ``self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)``
-        (``tag = self.tag(f"bucket {index}")``, taken here; ``minizero.comm.ReduceOp``) and returns ``averaged``.
+        """Bucket ``index`` (``self.groups[index]``) is complete.  Here, on the main thread: pack its gradients
+        into a new flat tensor and *free* every full gradient -- the memory ZeRO-2 saves; the group has a method
+        that does both.  Return a function of no arguments, run later on the communication thread, that
+        reduce-scatters the packed gradients, averaged over ranks, into a new tensor the size of the group's
+        shard and returns it -- through ``self.comm``, over the stage's wire ``self.wire`` with the bucket as
+        its ``key``, labelled with a ``self.tag(...)`` taken here, on the main thread.
         """
         raise NotImplementedError("write ZeRO2._reduce_scatter: take the bucket's gradients (packed, freed), "
                                   "return its reduce-scatter")
@@ -42,17 +43,16 @@ class ZeRO2(GivenZeRO2):
     def post_backward(self) -> None:
         """Backward has finished: every bucket's reduce-scatter launched, waited for, and handed to the pieces.
 
-        All of it inside ``with self.pipeline.round():`` -- one backward's round: whatever happens, nothing is
-        left running or marked for the next one:
-          1. ``self.pipeline.launch_rest()``: launch the buckets that never completed (parameters whose gradient
-             came from earlier micro-batches only);
-          2. ``used = self.used_anywhere([s.param for group in self.groups for s in group.segments])``: which
-             parameters got a gradient (those the optimizer steps);
-          3. ``for index, averaged in self.pipeline.wait_all():`` -- every bucket's result, in index order --
-             ``self.accumulate(self.groups[index], averaged, used)`` gives each piece its range of ``averaged`` as
-             ``.grad`` (added to a ``.grad`` it has, as autograd does).
-        (The package's answer first names a parameter without a gradient on this rank,
-        ``self.refuse_unused_here(self.groups)``; the training loop the checker runs never leaves one out.)
+        All of it inside the pipeline's ``round()`` -- one backward's round: whatever happens, nothing is left
+        running or marked for the next one:
+          1. launch the buckets that never completed (parameters whose gradient came from earlier micro-batches
+             only) -- the pipeline can;
+          2. find which parameters got a gradient (those the optimizer steps): the base's ``used_anywhere``,
+             over every group's segments -- after every bucket is launched, so that its bitmap (with
+             ``find_unused_parameters``) queues behind them in the same place on every rank;
+          3. wait for every bucket's result, in index order (the pipeline again), and give each piece its range
+             of its bucket's averaged shard as ``.grad`` -- added to a ``.grad`` it has, as autograd does; the
+             base's ``accumulate`` does that for one group.
         """
         raise NotImplementedError("write ZeRO2.post_backward: launch the rest, wait for every bucket, give the "
                                   "pieces their averaged gradients")
