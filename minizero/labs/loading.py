@@ -28,7 +28,7 @@ _loaded: dict[tuple[str, int], object] = {}
 
 def shown(path: str) -> str:
     """A file as a verdict names it: relative to where the checker runs when both are inside the directory that
-    holds the package (a lesson's ``../minizero/labs/skeletons/ddp.py``), so the words do not depend on the
+    holds the package (a lesson's ``../minizero/labs/skeletons/contract/ddp.py``), so the words do not depend on the
     machine; anywhere else, as it is."""
     home = Path(__file__).resolve().parents[2]  # the directory holding minizero/: the repository's root
     inside = all(Path(p).resolve().is_relative_to(home) for p in (path, os.getcwd()))
