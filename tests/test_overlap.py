@@ -6,7 +6,9 @@ collective that overlaps backward shows as one whose span starts before the last
 that waited for its collectives shows as a last gradient no earlier than the transfers' sum."""
 import pytest
 
+from minizero.lab.costs import overlap_problem
 from minizero.lab.experiment import Experiment
+from minizero.lab.overlap import backward_launches
 from minizero.lab.timelines import timeline_on_rank
 from minizero.launch import RankPool
 from minizero.stages import BucketedDDP, ZeRO2, with_stages
@@ -86,23 +88,37 @@ def _zero3_steps(pool, prefetch: int) -> list:
 
 
 def _prefetch_overlap(steps: list) -> float:
-    """The share of the blocks' forward time during which the next unit's all-gather was in flight (the
-    blocks that have a next one; summed over ranks and steps, since the communication thread takes up to a
-    few ms to wake, and a block computes for about that long)."""
-    inside = total = 0.0
-    for step in steps:
-        for i in range(2):  # blocks 0 and 1 have a next block, whose all-gather prefetch starts early
-            total += sum(e - b for w, b, e in step.compute if w == f"forward unit {i}")
-            inside += step.overlap_s(f"forward unit {i}", f"all_gather unit {i + 2} ")
-    return inside / total
+    """The share of the blocks' forwards during which the next unit's all-gather was in flight at all (the blocks
+    that have a next one, over ranks and steps).  A share of *time* would depend on the machine's load -- a
+    descheduled communication thread wakes late, a stretched forward dilutes it (0.23 seen at a load of 14 on two
+    cores, against 0.69-0.91 when idle) -- while whether the gather ran during the forward at all does not: with
+    prefetch it does in nearly every block, without it never."""
+    pairs = [step.overlap_s(f"forward unit {i}", f"all_gather unit {i + 2} ") > 0 for step in steps for i in range(2)]
+    return sum(pairs) / len(pairs)
 
 
 def test_zero3_prefetch_gathers_the_next_unit_while_this_one_computes(pool):
-    assert _prefetch_overlap(_zero3_steps(pool, 1)) > 0.3  # seen 0.69-0.91; without prefetch exactly 0
+    assert _prefetch_overlap(_zero3_steps(pool, 1)) >= 0.5  # seen 1.0, at a load of 14 on two cores too; without
+    # prefetch exactly 0
     without = _zero3_steps(pool, 0)
     assert _prefetch_overlap(without) == 0.0  # without prefetch the gather waits for the unit before it
-    for step in without:  # and the waits for it are exposed, not compute: forward's span holds them
+    for step in without:  # and the waits for it are exposed: the step waited through most of its communication
+        # (both sides are the dialled wire's time, which load does not shorten; forward's own compute is not
+        # compared with them -- at a load of 10 on two cores it stretched past half the waits)
         waits = sum(e - b for b, e in step.waits)
-        forward = sum(e - b for w, b, e in step.compute if w == "forward")
-        assert waits > 0.5 * step.comm_s() and forward < 0.5 * waits, (waits, forward, step.comm_s())
+        assert waits > 0.5 * step.comm_s(), (waits, step.comm_s())
         assert step.exposed_s() > 0.5 * step.comm_s()
+
+
+@pytest.mark.parametrize("stage, k", [("ddp-bucketed", 1), ("ddp-bucketed", 2), ("zero2", 2)])
+def test_overlap_as_a_structure_the_checker_judges_the_same_way(pool, stage, k):
+    """The labs' checker's definition (:mod:`minizero.lab.overlap`, :func:`minizero.lab.costs.overlap_problem`),
+    held by the package's stages -- and failed by both serialising stages, each for its own reason."""
+    def probe(stage_name):
+        exp = Experiment(stage=stage_name, task="mlp", model={"sizes": (8, 16, 16, 4)}, steps=2, accum=k,
+                         dtype="float32", optimizer="sgd", options={"bucket_mb": 1e-9}, stages=STAGES)
+        return overlap_problem(pool.run(backward_launches, exp), exp.steps)
+
+    assert probe(stage) is None
+    assert "ran on the main thread" in probe("blocking-buckets")
+    assert "no bucket left while backward still had gradients" in probe("buckets-after-backward")

@@ -16,9 +16,9 @@ import torch
 
 from ..comm import Ledger, ReduceOp
 from ..lab.experiment import build, run_experiment
+from ..lab.overlap import backward_launches
 from ..lab.tasks import TASKS
 from ..launch import Rank
-from ..train import shard_step, train_step
 from .loading import Impl, load_file, shown
 
 
@@ -158,61 +158,9 @@ def _where(code) -> str:
 
 
 def overlap_probe(me: Rank, impl: Impl, exp) -> list[dict] | Raised:
-    """Watch each synchronising backward: how many gradients were final when the first collective was
-    *submitted* to the communication thread, and whether a collective ran on the main thread -- blocking
-    backward -- before backward ended."""
+    """:func:`minizero.lab.overlap.backward_launches` with the learner's stage -- or what it raised."""
     try:
-        exp = replace(exp, stages=impl.stages())
-        stage, model, comm, _ = build(me, exp)
-        params = [p for _, p in stage.trainable()]
-        state = {"ready": 0, "in_backward": False, "launches": [], "blocking": []}
-        main = threading.main_thread()
-
-        def counted(param):
-            state["ready"] += 1
-
-        for p in params:
-            p.register_post_accumulate_grad_hook(counted)
-
-        def backward_starts(module, args, output):  # the output's gradient comes before any parameter's
-            if output.requires_grad:  # (a micro-batch inside no_sync() counted its gradients too: start again)
-                output.register_hook(lambda grad: state.update(in_backward=True, ready=0, launches=[], blocking=[]))
-
-        model.register_forward_hook(backward_starts)
-        submit = comm.submit
-
-        def spied_submit(fn):
-            if state["in_backward"]:
-                state["launches"].append(state["ready"])
-            return submit(fn)
-
-        comm.submit = spied_submit
-        for kind in ("all_reduce", "reduce_scatter", "all_gather"):
-            original = getattr(comm, kind)
-
-            def spied(*args, _original=original, _kind=kind, **kwargs):
-                if state["in_backward"] and threading.current_thread() is main and not kwargs.get("async_op"):
-                    state["blocking"].append(_kind)
-                return _original(*args, **kwargs)
-
-            setattr(comm, kind, spied)
-        post_backward = stage.post_backward
-        seen = []
-
-        def spied_post_backward():  # the end of a synchronising backward: what happened during it
-            seen.append({"launches": list(state["launches"]), "blocking": list(state["blocking"]),
-                         "params": len(params)})
-            state.update(ready=0, in_backward=False, launches=[], blocking=[])
-            return post_backward()
-
-        stage.post_backward = spied_post_backward
-        task, n = TASKS[exp.task], me.world_size
-        for s in range(exp.steps):
-            x, y = task.make_batch(exp.global_batch(n), exp.seed, s, torch.float64 if exp.dtype == "float64"
-                                   else torch.float32, **exp.model)
-            train_step(stage, shard_step(x, y, me.rank, n, exp.accum))
-        comm.close()
-        return seen
+        return backward_launches(me, replace(exp, stages=impl.stages()))
     except Exception as error:  # noqa: BLE001
         return Raised.now(me.rank, error, impl.path)
 
