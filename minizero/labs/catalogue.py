@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.flat import Reshard
 from ..comm import Comm, RingComm
+from ..comm.tree import TreeComm
 from ..stages import DDP, STAGES, BucketedDDP, Stage, ZeRO1, ZeRO2, ZeRO3
 from . import mistakes
 
@@ -37,8 +39,9 @@ class Lab:
 
     @property
     def kind(self) -> type:
-        """What the learner's file defines: a stage, or a communication layer."""
-        return Comm if issubclass(self.answer, Comm) else Stage
+        """What the learner's file defines: a stage, a communication layer -- or, for a lab whose idea runs outside
+        a training step (resharding a checkpoint), a subclass of the package's class itself."""
+        return next((kind for kind in (Comm, Stage) if issubclass(self.answer, kind)), self.answer)
 
     def skeleton_at(self, level: str = LEVELS[0]) -> Path:
         """The blank skeleton at ``level`` (:data:`LEVELS`): ``skeletons/<level>/<name>.py``."""
@@ -88,9 +91,12 @@ LABS: dict[str, Lab] = _labs(
                 "Unit.post_backward"), STAGE_PROPERTIES + ("memory",),
         (mistakes.NeverReshards, mistakes.StaleAfterBackward)),
     # -- new labs (issue 26), one entry each, in lesson order of their own:
-    # lab: tree (lesson 1)
+    Lab("tree", "lessons/01_collectives_from_send_recv.ipynb", "a binomial-tree all-reduce from send/recv",
+        TreeComm, ("Tree._tree_reduce", "Tree._tree_broadcast"),
+        ("tree results", "tree rounds and bytes", "training over your tree"), precision=False),
     # lab: mixed-precision (lesson 8)
-    # lab: reshard (lesson 10)
+    Lab("reshard", "lessons/10_training_runs.ipynb", "resharding a flat ZeRO checkpoint from N ranks to M", Reshard,
+        ("Reshard.owned_range", "Reshard.reshard"), ("reshard ranges", "resumed on M ranks"), precision=False),
     # lab: local-sgd (lesson 11)
 )
 

@@ -67,3 +67,13 @@ ZeRO1 = without(PackageZeRO1, "post_backward", "all_gather_parameters")
 ZeRO2 = without(PackageZeRO2, "post_accumulate_grad", "_reduce_scatter", "post_backward")
 Unit = without(PackageUnit, "unshard", "pre_forward", "post_forward", "pre_backward", "post_backward")
 ZeRO3 = without(PackageZeRO3, unit_class=Unit)  # its methods are the package's; its units are the learner's
+# Lab tree (lesson 1): the binomial tree's two phases; the all-reduce that calls them, and every other collective
+# (the ring's), are given.
+from ..comm.tree import TreeComm  # noqa: E402 -- appended with its lab
+
+Tree = without(TreeComm, "_tree_reduce", "_tree_broadcast", name="Tree")
+# Lab reshard (lesson 10): a rank's range of the flat layout at M, and its shards built from the N saved; the
+# driver over the flat groups (reshard_all) is given.
+from ..checkpoint.flat import Reshard as PackageReshard  # noqa: E402 -- appended with its lab
+
+Reshard = without(PackageReshard, "owned_range", "reshard")

@@ -1,0 +1,35 @@
+"""The reduce copies what arrives from a child over its own tensor (``copy_``) instead of combining the two."""
+from __future__ import annotations
+
+import torch
+
+from minizero.labs import given
+
+
+class Tree(given.Tree):
+    def _tree_reduce(self, tensor, op) -> None:
+        n, r = self.world_size, self.rank
+        incoming = torch.empty_like(tensor)
+        bit = 1
+        while bit < n:
+            if r & bit:
+                self._send(tensor, r - bit)
+                return
+            if r + bit < n:
+                self._recv(incoming, r + bit)
+                tensor.copy_(incoming)
+            bit *= 2
+
+    def _tree_broadcast(self, tensor) -> None:
+        n, r = self.world_size, self.rank
+        bit = 1
+        while bit < n and not r & bit:
+            bit *= 2
+        if r:
+            self._recv(tensor, r - bit)
+        bit //= 2
+        while bit:
+            if r + bit < n:
+                self._send(tensor, r + bit)
+            bit //= 2
+
