@@ -94,10 +94,22 @@ LABS: dict[str, Lab] = _labs(
     Lab("tree", "lessons/01_collectives_from_send_recv.ipynb", "a binomial-tree all-reduce from send/recv",
         TreeComm, ("Tree._tree_reduce", "Tree._tree_broadcast"),
         ("tree results", "tree rounds and bytes", "training over your tree"), precision=False),
-    # lab: mixed-precision (lesson 8)
+    Lab("mixed-precision", "lessons/08_mixed_precision.ipynb",
+        "the mixed-precision step: unscale, agree on overflow, step the fp32 masters, refresh the 16-bit copy", ZeRO2,
+        ("MasterWeights.unscale_", "MasterWeights._agree_on_overflow", "MasterWeights.step", "MasterWeights.refresh"),
+        ("mixed-precision step", "mixed-precision training"),
+        __import__("minizero.labs.mistakes_precision", fromlist=["MISTAKES"]).MISTAKES,
+        # fp16 at a scale that does not overflow: the first check needs one step taken (all four methods run)
+        options={"precision": __import__("minizero.precision", fromlist=["Precision"]).Precision("fp16", loss_scale=16.0)},
+        precision=False),  # the lab draws its precisions itself
     Lab("reshard", "lessons/10_training_runs.ipynb", "resharding a flat ZeRO checkpoint from N ranks to M", Reshard,
         ("Reshard.owned_range", "Reshard.reshard"), ("reshard ranges", "resumed on M ranks"), precision=False),
-    # lab: local-sgd (lesson 11)
+    Lab("local-sgd", "lessons/11_parameter_server_async_local_sgd.ipynb",
+        "local SGD: every H steps average the replicas (DiLoCo: an outer step on the averaged change)",
+        STAGES["local-sgd"],
+        ("LocalSGD.step", "LocalSGD.average"), ("local-sgd H=1", "local-sgd package", "local-sgd bytes"),
+        __import__("minizero.labs.mistakes_local_sgd", fromlist=["MISTAKES"]).MISTAKES,
+        options={"average_every": 1}, precision=False),  # H = 1: the first check's one step averages
 )
 
 assert all(lab.stage in STAGES for lab in LABS.values())

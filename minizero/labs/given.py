@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from ..comm import RingComm
 from ..compress import Wire as PackageWire
+from ..precision import MasterWeights as PackageMasterWeights
 from ..stages import DDP as PackageDDP
 from ..stages import BucketedDDP as PackageBucketedDDP
+from ..stages import LocalSGD as PackageLocalSGD
 from ..stages import ZeRO1 as PackageZeRO1
 from ..stages import ZeRO2 as PackageZeRO2
 from ..stages import ZeRO3 as PackageZeRO3
@@ -67,6 +69,17 @@ ZeRO1 = without(PackageZeRO1, "post_backward", "all_gather_parameters")
 ZeRO2 = without(PackageZeRO2, "post_accumulate_grad", "_reduce_scatter", "post_backward")
 Unit = without(PackageUnit, "unshard", "pre_forward", "post_forward", "pre_backward", "post_backward")
 ZeRO3 = without(PackageZeRO3, unit_class=Unit)  # its methods are the package's; its units are the learner's
+
+
+# Lab mixed-precision (lesson 8): the step through the fp32 masters is the learner's; the stage around it is ZeRO-2's,
+# whose ranks each see only their shard of the averaged gradient -- an inf in one rank's gradient lands in one
+# rank's shard, so only an overflow verdict agreed across ranks skips the step everywhere.
+MasterWeights = without(PackageMasterWeights, "unscale_", "_agree_on_overflow", "step", "refresh")
+MixedZeRO2 = without(PackageZeRO2, name="ZeRO2", master_class=MasterWeights,
+                     __doc__="The package's ZeRO-2, whole: its masters are the learner's MasterWeights "
+                             "(``master_class``), as ZeRO-3's units are its ``unit_class``.")
+# Lab local-sgd (lesson 11): when to average, and the average itself (DiLoCo's outer step when outer_lr is given).
+LocalSGD = without(PackageLocalSGD, "step", "average")
 # Lab tree (lesson 1): the binomial tree's two phases; the all-reduce that calls them, and every other collective
 # (the ring's), are given.
 from ..comm.tree import TreeComm  # noqa: E402 -- appended with its lab

@@ -1,0 +1,29 @@
+"""``average`` all-reduces a copy of each parameter and never writes the mean back: nothing is averaged."""
+from __future__ import annotations
+
+import torch
+
+from minizero.comm import ReduceOp
+from minizero.flat import group_by_dtype, pack
+from minizero.labs import given
+
+
+class LocalSGD(given.LocalSGD):
+    def step(self) -> None:
+        with self.stepping():
+            self.optimizer_step()
+            if (self.steps_taken + 1) % self.average_every == 0:
+                self.average()
+
+    @torch.no_grad()
+    def average(self) -> None:
+        params = [p for _, p in self.trainable()]
+        for group in group_by_dtype(params).values():
+            flat = pack([p.detach() for p in group])
+            self.comm.all_reduce(flat, ReduceOp.AVG, tag=self.tag("parameters, averaged"))
+        if self.outer is not None:
+            for anchor, p in zip(self.anchor, params, strict=True):
+                anchor.grad = anchor.detach() - p
+            self.outer.step()
+            for anchor, p in zip(self.anchor, params, strict=True):
+                p.copy_(anchor)

@@ -1,0 +1,30 @@
+"""``step`` averages before this rank's optimizer step, not after: the replicas leave every average apart again."""
+from __future__ import annotations
+
+import torch
+
+from minizero.comm import ReduceOp
+from minizero.flat import group_by_dtype, pack, unpack
+from minizero.labs import given
+
+
+class LocalSGD(given.LocalSGD):
+    def step(self) -> None:
+        with self.stepping():
+            if (self.steps_taken + 1) % self.average_every == 0:
+                self.average()
+            self.optimizer_step()
+
+    @torch.no_grad()
+    def average(self) -> None:
+        params = [p for _, p in self.trainable()]
+        for group in group_by_dtype(params).values():
+            flat = pack([p.detach() for p in group])
+            self.comm.all_reduce(flat, ReduceOp.AVG, tag=self.tag("parameters, averaged"))
+            unpack(flat, group)
+        if self.outer is not None:
+            for anchor, p in zip(self.anchor, params, strict=True):
+                anchor.grad = anchor.detach() - p
+            self.outer.step()
+            for anchor, p in zip(self.anchor, params, strict=True):
+                p.copy_(anchor)
