@@ -60,7 +60,8 @@ def sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[float, float] | None = None,
-               sync_every_micro_batch: bool = False, optimizer: torch.optim.Optimizer | None = None) -> float:
+               sync_every_micro_batch: bool = False, optimizer: torch.optim.Optimizer | None = None,
+               zero_grad: Callable[[], None] | None = None) -> float:
     """One optimizer step; returns this rank's *summed* loss (add over ranks, divide by global_count).
 
     ``clip=(max_norm, norm_type)`` clips the averaged gradient by its global
@@ -70,9 +71,10 @@ def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[floa
     (under ZeRO-2 a rank then never holds full gradients between micro-batches: lesson 6 measures both).
     ``optimizer``: one built *after* wrapping, over ``stage.parameters()`` (FSDP2's order), which the loop
     zeroes and steps itself; without it the stage's own ``zero_grad()`` and ``step()`` run the optimizer it
-    was given.
+    was given.  ``zero_grad``: what the user's loop calls instead to zero the gradients -- ``model.zero_grad()``,
+    say, which wrapping routes to the stage's.
     """
-    (optimizer or stage).zero_grad()
+    (zero_grad or (optimizer or stage).zero_grad)()
     scale = stage.world_size / step.global_count
     total = 0.0
     last = len(step.micro_batches) - 1

@@ -86,7 +86,8 @@ def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_
                 tasks=("mlp", "mlp", "edge", "gpt"), wrap_first: bool = False):
     """An experiment and its world size: model shape, batch split, optimizer, dtype...  With ``wrap_first``,
     half the draws build the optimizer after wrapping, over ``stage.parameters()``, and the loop zeroes and steps
-    it itself (FSDP2's order: ``optimizer.zero_grad()`` sets every ``.grad`` to None behind the stage's back)."""
+    it itself (FSDP2's order: ``optimizer.zero_grad()`` sets every ``.grad`` to None behind the stage's back); and
+    half zero the gradients as a user's loop often does, with ``model.zero_grad()``."""
     world_size = draw(st.sampled_from(world_sizes))
     task = draw(st.sampled_from(tasks))
     model = {}
@@ -125,5 +126,7 @@ def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_
         wrap_first=(wrapped := wrap_first and draw(st.booleans())),
         record_states=not wrapped,  # (the loop's own optimizer holds the pieces' states, not a consolidated one)
         stages=stages,
+        # the user's own idiom, model.zero_grad() -- which wrapping routes to the stage's -- half the time
+        zero_grad=draw(st.sampled_from(["optimizer", "model"])) if wrap_first else "optimizer",
     )
     return exp, world_size

@@ -61,6 +61,7 @@ class Experiment:
     consolidated: bool = False  # ... consolidated (one torch.load-able file) instead of sharded
     stages: dict | None = field(default=None, repr=False)  # a registry other than the lab's (mutants, new stages)
     wrap_first: bool = False  # the optimizer built after wrapping, over stage.parameters(), stepped by the loop (FSDP2)
+    zero_grad: str = "optimizer"  # what the loop zeroes with: the optimizer's (or stage's) zero_grad, or "model"'s
 
     def global_batch(self, world_size: int) -> int:
         return sum(self.rank_sizes) if self.rank_sizes else self.micro_batch * self.accum * world_size
@@ -108,7 +109,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             start = time.perf_counter()
             with poison_gradient(model, exp, s, rank, n if me else None):
                 losses.append(train_step(stage, step, clip=exp.clip, sync_every_micro_batch=exp.sync_every_micro_batch,
-                                         optimizer=optimizer))
+                                         optimizer=optimizer,
+                                         zero_grad=model.zero_grad if exp.zero_grad == "model" else None))
             times.append(time.perf_counter() - start)
             per_step.append(sum(v for k, v in ledger.snapshot().items() if k != "check") - sum(per_step))
             scales.append(getattr(stage, "loss_scale", 1.0))
