@@ -57,7 +57,7 @@ def test_resharding_n_to_m_is_laying_out_at_m(n, m):
 @pytest.mark.parametrize("level", ["contract", "guided"])
 def test_a_blank_skeleton_fails_naming_the_method(pools, level):
     report = check("reshard", impl=SKELETONS / level / "reshard.py", examples=3, pools=pools, out=quiet, shrink_s=1.0)
-    assert report.failed == RANGES and report.case.startswith("saved by 1 rank(s)"), report
+    assert report.failed == RANGES and report.case.startswith("world size 1 -> "), report
     assert "NotImplementedError: write Reshard.reshard" in report.why, report.why
 
 

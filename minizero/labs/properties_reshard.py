@@ -54,7 +54,7 @@ class Case:
 
     def __str__(self) -> str:
         groups = ([5 * self.hidden, self.hidden + 2] if self.param_groups else [6 * self.hidden + 2])
-        return (f"saved by {self.saved_by} rank(s) after {self.saved_after} step(s), resharded to {self.loaded_by}, "
+        return (f"world size {self.saved_by} -> {self.loaded_by}: saved after {self.saved_after} step(s), resharded, "
                 f"{self.more} more step(s); mlp (3, {self.hidden}, 2): flat group(s) of {groups} elements; "
                 f"{self.optimizer} (lr 0.01), float64, data seed {self.seed}")
 
