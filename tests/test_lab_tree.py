@@ -34,7 +34,7 @@ def quiet(_):
 
 
 def sends(*pairs):
-    """Events of the one-port replay: ('send', peer) / ('recv', peer), 4 bytes each."""
+    """Events of the one-port replay: ('send', peer) / ('recv', peer) (blocking), 4 bytes each."""
     return [(what, peer, 4) for what, peer in pairs]
 
 
@@ -52,6 +52,10 @@ def test_the_critical_path_counts_rounds_under_the_one_port_rule():
     star = [sends(("recv", 1), ("recv", 2), ("recv", 3), ("send", 1), ("send", 2), ("send", 3))] + \
         [sends(("send", 0), ("recv", 0))] * 3
     assert critical_path(star) == 6  # the root's port takes one message a round
+    ring = [sends(*[("isend", (r + 1) % 3), ("recv", (r - 1) % 3)] * 4) for r in range(3)]
+    assert critical_path(ring) == 4  # 2(N-1) steps, each a send and a receive at once (full duplex)
+    blocking = [[("send", *event[1:]) if event[0] == "isend" else event for event in rank] for rank in ring]
+    assert critical_path(blocking) == 8  # a blocking send holds the rank back: its receive comes a round later
     assert critical_path([sends(("recv", 1)), []]) is None  # a receive nobody sent to
     assert critical_path([[]]) == 0 == tree_rounds(1)
 

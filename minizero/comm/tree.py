@@ -14,8 +14,9 @@ latency is the whole cost, and a tree pays it ``2 ceil(log2 N)`` times instead.
   for each ``2^k`` below ``lowbit(r)`` (every ``2^k < N`` for rank 0), **farthest child first**: that child
   heads the deepest subtree, so it must start forwarding soonest.
 
-Each rank sends or receives one message per round -- the alpha-beta model's rule: a port carries one message
-at a time -- so the critical path is ``2 ceil(log2 N)`` rounds (:func:`tree_rounds`).  The alternatives:
+In every round a rank sends at most one message and receives at most one -- the alpha-beta model's rule: a
+port carries one message at a time each way -- so the critical path is ``2 ceil(log2 N)`` rounds
+(:func:`tree_rounds`; the ring's is ``2(N-1)``, each of its steps a send and a receive at once).  The alternatives:
 a binary *heap* tree (children ``2r+1``, ``2r+2``) makes each parent take two messages per level, two rounds
 per level; *recursive doubling* (every rank exchanges with ``r XOR 2^k``) needs ``log2 N`` rounds but only for
 powers of two -- N = 3 needs an extra step folding the odd rank in and out.

@@ -25,7 +25,7 @@ from .loading import Impl
 from .mistakes_tree import TREE_MISTAKES
 from .properties import Failed, describe
 from .ranks import Raised
-from .rounds import critical_path, recorded
+from .rounds import SENDS, critical_path, recorded
 
 OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX)
 
@@ -146,15 +146,16 @@ def bytes_problem(rounds: list, n: int) -> str | None:
         for rank, cases in enumerate(rounds):
             case = cases[name]
             size = case["got"].numel() * case["got"].element_size()
-            watched = sum(b for what, _, b in case["events"] if what == "send")
+            watched = sum(b for call, _, b in case["events"] if call in SENDS)
             want = tree_bytes_sent(case["got"].numel(), case["got"].element_size(), n, rank)
             if case["sent"] != watched:
                 return (f"{name}: rank {rank} sent {watched} bytes, of which the ledger counted {case['sent']}: send "
                         f"with self._send (it reports each message to the ledger)")
             if case["sent"] != want:
                 children = tree_children(rank, n)
-                return (f"{name}: rank {rank} sent {case['sent'] / size:g}x the tensor ({case['sent']} bytes); the "
-                        f"binomial tree's rank {rank} sends {want / size:g}x -- "
+                return (f"{name}: rank {rank} sent {case['sent'] / size:g}x the tensor ({case['sent']} bytes), "
+                        f"{'too many' if case['sent'] > want else 'too few'}: the binomial tree's rank {rank} sends "
+                        f"{want / size:g}x -- "
                         + ("nothing up (the root)" if rank == 0 else "once up to its parent")
                         + (f", once down to each child {children}" if children else ", and has no children"))
     return None

@@ -8,10 +8,11 @@ messages tells them apart, so that is what is recorded.
 
 :func:`recorded` watches every point-to-point call a rank makes inside one kind of collective (``dist.send``,
 ``recv``, ``isend``, ``irecv``: whatever helper the learner's code calls, it comes down to these), in program
-order.  :func:`critical_path` then replays every rank's list under the alpha-beta model's **one-port** rule: a
-rank sends or receives one message per round; a send leaves in the sender's next round (a sender does not wait
-for its receiver: sends are buffered), and a receive completes in the receiver's next round, but not before the
-round the message left in.  The largest round any rank reaches is the critical path.
+order.  :func:`critical_path` then replays every rank's list in the alpha-beta model's **one-port, full-duplex**
+rule: per round a rank sends at most one message and receives at most one (a ring step does both at once); a
+message is received no earlier than the round it left in; a blocking ``send`` or ``recv`` finishes before the
+rank's next message leaves, an ``isend`` does not hold the rank back.  Sends are buffered: a sender never waits
+for its receiver.  The last round any rank sends or receives in is the critical path.
 """
 from __future__ import annotations
 
@@ -20,16 +21,17 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-_CALLS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+CALLS = ("send", "isend", "recv", "irecv")
+SENDS = ("send", "isend")
 
 
 @contextmanager
 def recorded(comm, kind: str):
-    """Yields a list that fills with ``(what, peer, nbytes)`` -- ``what`` is ``"send"`` or ``"recv"``, ``peer`` a
-    global rank -- for each point-to-point call ``comm`` makes while it runs a collective of ``kind`` (not the
-    fingerprint exchange before it).  Messages of no bytes are not messages: they are left out."""
+    """Yields a list that fills with ``(call, peer, nbytes)`` -- ``call`` one of ``send``, ``isend``, ``recv``,
+    ``irecv``, ``peer`` a global rank -- for each point-to-point call ``comm`` makes while it runs a collective of
+    ``kind`` (not the fingerprint exchange before it).  Messages of no bytes are not messages: they are left out."""
     events: list[tuple[str, int, int]] = []
-    originals = {name: getattr(dist, name) for name in _CALLS}
+    originals = {name: getattr(dist, name) for name in CALLS}
 
     def watched(name):
         original = originals[name]
@@ -37,12 +39,12 @@ def recorded(comm, kind: str):
         def call(tensor, peer=None, *args, **kwargs):
             if getattr(comm._local, "kind", None) == kind and tensor.numel():
                 where = peer if peer is not None else kwargs.get("dst", kwargs.get("src"))
-                events.append((_CALLS[name], where, tensor.numel() * tensor.element_size()))
+                events.append((name, where, tensor.numel() * tensor.element_size()))
             return original(tensor, peer, *args, **kwargs)
 
         return call
 
-    for name in _CALLS:
+    for name in CALLS:
         setattr(dist, name, watched(name))
     try:
         yield events
@@ -53,27 +55,29 @@ def recorded(comm, kind: str):
 
 def critical_path(events: list[list[tuple[str, int, int]]]) -> int | None:
     """The rounds on the critical path of every rank's ``events`` (``events[r]``: rank r's, in program order) under
-    the one-port rule; None if some receive has no matching send (the k-th receive at b from a matches the k-th
-    send from a to b)."""
+    the one-port, full-duplex rule; None if some receive has no matching send (the k-th receive at b from a
+    matches the k-th send from a to b)."""
     n = len(events)
-    clock, at = [0] * n, [0] * n
+    sent, received, ready, at = [0] * n, [0] * n, [0] * n, [0] * n  # last round of each port; of the last wait
     in_flight: dict[tuple[int, int], deque] = defaultdict(deque)  # (from, to) -> rounds their messages left in
     moved = True
     while moved:
         moved = False
         for r in range(n):
             while at[r] < len(events[r]):
-                what, peer, _ = events[r][at[r]]
-                if what == "send":
-                    clock[r] += 1
-                    in_flight[r, peer].append(clock[r])
+                call, peer, _ = events[r][at[r]]
+                if call in SENDS:
+                    sent[r] = max(sent[r], ready[r]) + 1
+                    in_flight[r, peer].append(sent[r])
+                    if call == "send":
+                        ready[r] = sent[r]
                 else:
                     waiting = in_flight[peer, r]
                     if not waiting:
                         break  # its sender has not got there yet: the other ranks go on
-                    clock[r] = max(clock[r] + 1, waiting.popleft())
+                    received[r] = ready[r] = max(received[r] + 1, ready[r] + 1, waiting.popleft())
                 at[r] += 1
                 moved = True
     if any(at[r] < len(events[r]) for r in range(n)):
         return None
-    return max(clock, default=0)
+    return max([*sent, *received], default=0)

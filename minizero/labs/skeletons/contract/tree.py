@@ -22,8 +22,9 @@ The checker's properties, in order:
   2. every all-reduce's result: SUM, AVG and MAX on drawn world sizes 1-4 and tensors of 0-40 elements, float64
      and float32, integer values (every sum exact) -- every element on every rank exactly what it must be;
   3. rounds and bytes, at N = 1-4: the rounds on the critical path -- the order of every rank's sends and
-     receives replayed under the one-port rule (a rank sends or receives one message per round; a receive comes
-     no earlier than the round its message left in) -- at most 2 ceil(log2 N): 0, 2, 4, 4; and each rank's bytes
+     receives replayed under the one-port rule (per round a rank sends at most one message and receives at most
+     one; a message is received no earlier than the round it left in; a blocking send or receive finishes before
+     the rank's next message leaves) -- at most 2 ceil(log2 N): 0, 2, 4, 4; and each rank's bytes
      the binomial tree's: the whole tensor once to its parent (not rank 0) and once to each child;
   4. ddp and ddp-bucketed trained over your tree equal single-device training (N = 3 and 4, K = 2, float64).
 
