@@ -6,6 +6,7 @@ import os
 from dataclasses import replace
 
 from minizero.lab import drawn
+from minizero.lab.diagnosis import what_is_wrong
 from minizero.lab.drawn import BUCKET_MB, PRECISION_POLICIES, stage_options
 from minizero.lab.equivalence import bit_identical, judge, optimizer_state_violation
 from minizero.lab.experiment import Experiment, reference_of, run_experiment
@@ -79,9 +80,13 @@ def covering_every_world_size(test):
 
 
 def assert_equivalent(results: list, reference, exp: Experiment, rtol: float | None = None) -> None:
-    """The one definition of equivalent (:func:`minizero.lab.equivalence.judge`), as an assertion."""
+    """The one definition of equivalent (:func:`minizero.lab.equivalence.judge`), as an assertion -- which, when it
+    fails, says what the labs' checker would say (:func:`minizero.lab.diagnosis.what_is_wrong`): the parameter,
+    the rank, the step, the ratio and the direction."""
     verdict = judge(results, reference, exp.dtype, rtol, states=exp.record_states)
-    assert verdict.ok, f"{verdict.nonfinite or verdict.violation}  ({exp})"
+    if not verdict.ok:
+        why = what_is_wrong(results, reference, exp, len(results)) if rtol is None else None
+        raise AssertionError(f"{why or verdict.nonfinite or verdict.violation}  ({exp})")
 
 
 def assert_same_optimizer_state(got: dict, want: dict, rtol: float, where: str) -> None:

@@ -1,5 +1,5 @@
-"""A wrong number, said so that a learner can act on it: which parameter, on which rank, after which step,
-and how its update compares with single-device training's.
+"""A wrong number, said so that a learner -- or a maintainer reading a red suite -- can act on it: which
+parameter, on which rank, after which step, and how its update compares with single-device training's.
 
 "differs by 1.19e-09 (tolerance 1e-09 x 1.19)" reads as equal.  What a learner
 needs is the *shape* of the error, which points at the line that made it:
@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from ..lab.equivalence import DTYPES, RTOL, parameter_errors
-from ..lab.tasks import TASKS
+from .equivalence import DTYPES, RTOL, judge, parameter_errors
+from .tasks import TASKS
 
 
 def explain(results: list, reference, initial: dict, dtype: str, world_size: int, accum: int = 1) -> str | None:
@@ -114,3 +114,15 @@ def initial_parameters(exp) -> dict:
     wrap-time broadcast)."""
     model = TASKS[exp.task].make_model(exp.seed, DTYPES[exp.dtype], **exp.model)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def what_is_wrong(results: list, reference, exp, world_size: int) -> str | None:
+    """None when ``results`` equal ``reference`` by the suite's rule (:func:`~minizero.lab.equivalence.judge`);
+    else what is wrong, in words: a NaN or inf where it is, else :func:`explain`'s parameter, rank, step, ratio and
+    direction, else judge's own words (a loss or an optimizer state)."""
+    verdict = judge(results, reference, exp.dtype, states=exp.record_states)
+    if verdict.ok:
+        return None
+    if verdict.nonfinite:
+        return verdict.nonfinite
+    return explain(results, reference, initial_parameters(exp), exp.dtype, world_size, exp.accum) or verdict.violation

@@ -13,12 +13,11 @@ from hypothesis import strategies as st
 
 from ..comm import ring_bytes_sent
 from ..lab.costs import bytes_problem, memory_problem, overlap_problem
+from ..lab.diagnosis import what_is_wrong
 from ..lab.drawn import experiments
-from ..lab.equivalence import judge
 from ..lab.experiment import Experiment, reference_of
 from ..lab.optimizers import STATE_TENSORS
 from ..stages import DDP, Stage, ZeRO2
-from .diagnosis import explain, initial_parameters
 from .ranks import Raised, collectives_round, no_sync_probe, overlap_probe
 from .ranks import yours_run as yours_run_on_rank
 
@@ -63,7 +62,7 @@ def equivalence(checker, compress: bool = False) -> str:
     def examine(drawn):
         exp, n = drawn
         results = checker.run(n, exp)
-        why = wrong(results, reference_of(replace(exp, stages=checker.stages), n), exp, n)
+        why = what_is_wrong(results, reference_of(replace(exp, stages=checker.stages), n), exp, n)
         return (why, results) if why else None
 
     checker.search(strategy, examine, describe)
@@ -72,18 +71,6 @@ def equivalence(checker, compress: bool = False) -> str:
             + (", fp16 and bf16 wires" if compress else ""))
 
 
-def wrong(results: list, reference, exp: Experiment, world_size: int) -> str | None:
-    """None when ``results`` equal ``reference`` by the suite's rule; else what is wrong, in words a learner can act
-    on (:mod:`minizero.labs.diagnosis`): the parameter, the rank, the step, the ratio and the direction."""
-    verdict = judge(results, reference, exp.dtype, states=exp.record_states)
-    if verdict.ok:
-        return None
-    if verdict.nonfinite:
-        return verdict.nonfinite
-    return explain(results, reference, initial_parameters(exp), exp.dtype, world_size, exp.accum) or verdict.violation
-
-
-# ------------------------------------------------------------------ bytes, memory, overlap: the cost
 #: Where every cost property is measured: the world sizes the equivalence draws, one micro-batch and several.
 COST_CASES = tuple((n, k) for n in (1, 2, 3, 4) for k in (1, 2))
 
@@ -229,7 +216,7 @@ def over_your_ring(checker) -> str:
     for stage in (DDP.name, ZeRO2.name):
         exp = Experiment(stage=stage, task="gpt", steps=2, accum=2, dtype="float64", backend=checker.key)
         results = checker.run_case(3, exp)
-        why = wrong(results, reference_of(exp, 3), exp, 3)
+        why = what_is_wrong(results, reference_of(exp, 3), exp, 3)
         if why:
             raise Failed(why, describe(exp, 3))
     return "ddp and zero2 over your ring equal single-device training (world size 3, K = 2)"

@@ -156,9 +156,9 @@ def steps_on_local_gradients(self):
 def loop(scale_of: Callable, sync_every: bool = False, clear: bool = True, clip_after: bool = False):
     """``minizero.train.train_step`` with one thing changed (its signature kept: the experiment calls it so)."""
     def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip=None, sync_every_micro_batch: bool = False,
-                   optimizer=None):
+                   optimizer=None, zero_grad=None):
         if clear:
-            (optimizer or stage).zero_grad()
+            (zero_grad or (optimizer or stage).zero_grad)()
         total, last = 0.0, len(step.micro_batches) - 1
         for k, (x, y) in enumerate(step.micro_batches):
             syncs = k == last or sync_every or sync_every_micro_batch
