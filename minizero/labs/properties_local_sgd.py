@@ -14,11 +14,12 @@ from dataclasses import replace
 import torch
 from hypothesis import strategies as st
 
+from ..lab.diagnosis import what_is_wrong
 from ..lab.drawn import experiments
 from ..lab.equivalence import RTOL, agrees, parameter_errors
 from ..lab.experiment import Experiment, reference_of
 from ..stages import LocalSGD
-from .properties import Failed, describe, wrong
+from .properties import Failed, describe
 
 #: DiLoCo's outer optimizer as drawn: none (plain averaging), the paper's (0.7, Nesterov 0.9), lr 1 without momentum
 #: (plain averaging again, through the anchor), and one in between.
@@ -39,7 +40,7 @@ def h1_is_single_device(checker) -> str:
     def examine(drawn):
         exp, n = drawn
         results = checker.run(n, exp)
-        why = wrong(results, reference_of(replace(exp, stages=checker.stages), n), exp, n)
+        why = what_is_wrong(results, reference_of(replace(exp, stages=checker.stages), n), exp, n)
         return (why, results) if why else None
 
     checker.search(_runs(checker, optimizer="sgd", clip=None, options={"average_every": 1}), examine, describe)

@@ -11,15 +11,16 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
+from ..lab.diagnosis import what_is_wrong
 from ..lab.drawn import experiments
 from ..lab.experiment import Experiment, reference_of
 from ..precision import Precision
 from .loading import Impl
 from .master_rounds import MasterCase, master_rounds
-from .properties import Failed, describe, wrong
+from .properties import Failed, describe
 from .ranks import Raised
 
-#: The case every run checks first, whatever is drawn: an inf on rank 1 only -- under ZeRO, in rank 1's shard only.
+#: The case every run checks, whatever is drawn: an inf on rank 1 only -- under ZeRO, in rank 1's shard only.
 AGREEMENT = MasterCase(world_size=2, precision="fp16", loss_scale=2.0 ** 10, sizes=(3, 2), missing=((), ()),
                        poison=(1, 0, 1, "inf"), optimizer="sgd", clip_first=True, outside=False, seed=1)
 
@@ -76,12 +77,10 @@ def _verdict(checker, case: MasterCase, impl=None) -> str | None:
 
 
 def mixed_step(checker) -> str:
-    """The step alone, on every rank, against the package's on the same gradients: the agreement case first, then
-    drawn cases (world sizes 1-4, fp16 and bf16, an inf or NaN on one rank, the minimum scale, clipping first, the
-    optimizer built before or after wrapping, tensors without a gradient or with no elements)."""
-    why = _verdict(checker, AGREEMENT)
-    if why:
-        raise Failed(why, AGREEMENT.describe(), _named(checker, AGREEMENT, why))
+    """The step alone, on every rank, against the package's on the same gradients: drawn cases (world sizes 1-4,
+    fp16 and bf16, an inf or NaN on one rank, the minimum scale, clipping first, the optimizer built before or after
+    wrapping, tensors without a gradient or with no elements), shrunk to the smallest that fails; then, whatever was
+    drawn, the agreement case (an inf on rank 1 only)."""
     failing = {}
 
     def examine(drawn):
@@ -94,6 +93,9 @@ def mixed_step(checker) -> str:
     except Failed as failed:
         case = failing.get(failed.why)
         raise Failed(failed.why, failed.case, case and _named(checker, case, failed.why), failed.final) from None
+    why = _verdict(checker, AGREEMENT)  # and, whatever was drawn, the case the lab is about
+    if why:
+        raise Failed(why, AGREEMENT.describe(), _named(checker, AGREEMENT, why))
     return (f"an inf on one rank skips the step on every rank; {checker.examples} drawn cases: world sizes 1-4, fp16 "
             f"and bf16, inf or NaN on one rank, the minimum scale, clipping first, the optimizer before or after "
             f"wrapping -- masters, working copy, loss scale and optimizer state equal the package's, bit for bit")
@@ -149,7 +151,7 @@ def mixed_training(checker) -> str:
                 return (f"rank {r} skipped {result.skipped_steps} step(s), its loss scale after each step "
                         f"{result.loss_scales}; the same-recipe reference skipped {reference.skipped_steps}, "
                         f"{reference.loss_scales}"), results
-        why = wrong(results, reference, exp, n)
+        why = what_is_wrong(results, reference, exp, n)
         return (why, results) if why else None
 
     for exp in OVERFLOW_RUNS:

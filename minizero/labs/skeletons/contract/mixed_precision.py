@@ -16,7 +16,7 @@ The state the contract speaks of (all given, on ``self``):
     ``masters[i]``: its fp32 master, an ``nn.Parameter`` -- what the optimizer steps;
   * ``loss_scale``: S (1.0 in bf16); ``scaler``: the loss scaler in fp16 (None in bf16), whose
     ``update(overflow)`` halves S after an overflow and counts the skipped step;
-  * ``comm``: the ranks' communication layer (``comm.all_reduce(tensor, ReduceOp.MAX, tag=...)``), ``tag(what)``;
+  * ``comm``: the ranks' communication layer (its all-reduce takes a ``ReduceOp``: MAX among them), ``tag(what)``;
   * ``_overflow``: this step's verdict once decided, None before (``reset()``, at zero_grad, sets None);
   * ``optimizer_outside``: the optimizer was built after wrapping, over the masters, and the user steps it;
   * ``_refreshed[i]``: ``masters[i]._version`` when it was last rounded into ``working[i]``;
