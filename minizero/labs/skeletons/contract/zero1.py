@@ -65,12 +65,8 @@ class ZeRO1(GivenZeRO1):
         raise NotImplementedError("write ZeRO1.post_backward: each owned shard of the gradient buffers the mean "
                                   "over ranks, the pieces' .grad")
 
-    def step(self) -> None:
-        """Given, as the package's: step the owned pieces (False: a step skipped for fp16 overflow -- nothing
-        changed), then share them with your all-gather."""
-        with self.stepping():
-            if self.optimizer.step_owned():
-                self.all_gather_parameters()
+    # Given, in the base: ``step()`` steps the owned pieces -- unless fp16 overflowed, when nothing changed -- and
+    # then calls your ``all_gather_parameters()`` to share them.
 
     def all_gather_parameters(self) -> None:
         """Called on every rank at once, after the owned shards were stepped.  After it: every group's ``data`` --

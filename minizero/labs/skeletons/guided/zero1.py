@@ -39,12 +39,8 @@ class ZeRO1(GivenZeRO1):
         raise NotImplementedError("write ZeRO1.post_backward: reduce-scatter each group's gradient buffer into the "
                                   "owned shard and hand it to the pieces")
 
-    def step(self) -> None:
-        """Given, as the package's: step the owned pieces (False: a step skipped for fp16 overflow -- nothing
-        changed), then share them with your all-gather."""
-        with self.stepping():
-            if self.optimizer.step_owned():
-                self.all_gather_parameters()
+    # Given, in the base: ``step()`` steps the owned pieces -- unless fp16 overflowed, when nothing changed -- and
+    # then calls your ``all_gather_parameters()`` to share them.
 
     def all_gather_parameters(self) -> None:
         """Every rank stepped only its own shard; every rank needs every updated parameter for the next forward.

@@ -1,0 +1,81 @@
+"""The checker cannot be passed by accident: whatever part of a correct file a learner deletes, the check fails and
+names the method -- the package's finished stage never stands in for theirs (issue 26's first "Done when")."""
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from minizero.labs import LABS, LEVELS, check, given
+
+SOLUTIONS = Path(__file__).parent / "lab_solutions"
+
+
+def quiet(_):
+    pass
+
+
+def _members(path: Path) -> list[tuple[str, str]]:
+    """(class, member) of every method and class attribute the file's classes define."""
+    tree = ast.parse(path.read_text())
+    return [(c.name, m.name if isinstance(m, ast.FunctionDef) else ast.unparse(m.targets[0]))
+            for c in tree.body if isinstance(c, ast.ClassDef)
+            for m in c.body if isinstance(m, (ast.FunctionDef, ast.Assign))]
+
+
+def _without(path: Path, owner: str, member: str) -> str:
+    """The file's source with ``owner.member`` deleted (a class left empty gets ``pass``)."""
+    tree = ast.parse(path.read_text())
+    for c in tree.body:
+        if isinstance(c, ast.ClassDef) and c.name == owner:
+            c.body = [m for m in c.body if not (
+                (isinstance(m, ast.FunctionDef) and m.name == member)
+                or (isinstance(m, ast.Assign) and ast.unparse(m.targets[0]) == member))] or [ast.Pass()]
+    return ast.unparse(tree)
+
+
+@pytest.mark.parametrize("lab", list(LABS))
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_skeleton_holds_only_the_learners_methods_and_pointers_to_their_classes(lab, level):
+    """What a skeleton's classes define besides the lab's methods is only ``unit_class = Unit``-style pointers from
+    the stage to the learner's other class -- and the base's own pointer (:mod:`minizero.labs.given`) leads to a
+    class whose lab methods raise: deleting it cannot bring back the package's answer.  (A given method restated
+    in a skeleton would be the package's behaviour by another name: deleting it would change nothing a check can
+    see, so there are none.)"""
+    spec = LABS[lab]
+    module = importlib.import_module(f"minizero.labs.skeletons.{level}.{lab.replace('-', '_')}")
+    for owner, member in _members(spec.skeleton_at(level)):
+        if f"{owner}.{member}" in spec.todo:
+            continue
+        assert member.endswith("_class"), f"{level}/{lab}: {owner}.{member} is neither a lab method nor a pointer"
+        base = getattr(module, owner).__mro__[1]
+        assert base.__module__ == given.__name__ and getattr(base, member).__module__ == given.__name__, \
+            (lab, owner, member, getattr(base, member))
+
+
+def _variants():
+    for lab, spec in LABS.items():
+        for level in LEVELS:
+            path = SOLUTIONS / level / f"{lab.replace('-', '_')}.py"
+            for owner, member in _members(path):
+                yield pytest.param(lab, path, owner, member, id=f"{level}-{lab}-{owner}.{member}")
+
+
+@pytest.mark.parametrize("lab, path, owner, member", list(_variants()))
+def test_an_answer_key_with_any_part_deleted_fails_naming_a_method(pools, tmp_path, lab, path, owner, member):
+    """A lab method deleted from a correct file leaves the skeleton's, which raises: the check fails naming it.  A
+    pointer deleted (``unit_class = Unit``) leaves the base's, whose methods raise: the check fails naming them.
+    A helper of the learner's own, deleted, is named by what raises where it was called."""
+    variant = tmp_path / f"{lab.replace('-', '_')}_without_{member}.py"
+    variant.write_text(_without(path, owner, member))
+    report = check(lab, impl=str(variant), examples=2, pools=pools, out=quiet, shrink_s=1.0)
+    assert not report.ok, f"{variant.name} passed: the deleted {owner}.{member} was not needed, or was replaced"
+    todo = f"{owner}.{member}"
+    if todo in LABS[lab].todo:
+        assert todo in report.why, (report.failed, report.why)
+    elif member.endswith("_class"):  # the base's pointer leads to its raising class: one of its methods is named
+        assert [t for t in LABS[lab].todo if t in report.why], (todo, report.failed, report.why)
+    else:  # a helper of the learner's own: what raised names it
+        assert member in report.why, (todo, report.failed, report.why)
