@@ -1,0 +1,18 @@
+"""Marks every gradient ready, inside ``no_sync()`` too (the ``self._syncing`` check left out)."""
+from __future__ import annotations
+
+from minizero.comm import ReduceOp
+from minizero.flat import keep_grad_in
+from minizero.labs import given
+
+
+class BucketedDDP(given.BucketedDDP):
+    def post_accumulate_grad(self, param) -> None:
+        bucket, i = self._slot[id(param)]
+        keep_grad_in(param, bucket.views[i])
+        self._used.add(id(param))
+        self.pipeline.mark(param)
+
+    def _all_reduce(self, index: int):
+        bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
+        return lambda: self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)

@@ -1,0 +1,29 @@
+"""Reduce-scatter forwards what arrives without adding its own contribution, and adds only at the last step."""
+from __future__ import annotations
+
+import torch
+
+from minizero.labs import given
+
+
+class Ring(given.Ring):
+    def _ring_reduce_scatter(self, chunks, out, op) -> None:
+        n, r = self.world_size, self.rank
+        if n == 1:
+            if out is not chunks[r]:
+                out.copy_(chunks[r])
+            return
+        send = chunks[(r - 1) % n].clone()
+        for step in range(n - 1):
+            index = (r - step - 2) % n
+            incoming = torch.empty_like(chunks[index])
+            self._send_right_recv_left(send, incoming, "reduce-scatter", step)
+            if index == r:
+                op.combine(incoming, chunks[index], out=out)
+            else:
+                send = incoming  # passed on as it came: this rank's share of chunk `index` never joins the sum
+
+    def _ring_all_gather(self, chunks) -> None:
+        n, r = self.world_size, self.rank
+        for step in range(n - 1):
+            self._send_right_recv_left(chunks[(r - step) % n], chunks[(r - step - 1) % n], "all-gather", step)

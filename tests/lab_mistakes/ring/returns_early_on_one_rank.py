@@ -1,0 +1,27 @@
+"""With one rank the reduce-scatter returns at once ("nothing to send") and never copies its chunk into out."""
+from __future__ import annotations
+
+import torch
+
+from minizero.labs import given
+
+
+class Ring(given.Ring):
+    def _ring_reduce_scatter(self, chunks, out, op) -> None:
+        n, r = self.world_size, self.rank
+        if n == 1:
+            return  # out is left as it was when it is not chunks[r] (a reduce-scatter's output)
+        send = chunks[(r - 1) % n].clone()
+        for step in range(n - 1):
+            index = (r - step - 2) % n
+            incoming = torch.empty_like(chunks[index])
+            self._send_right_recv_left(send, incoming, "reduce-scatter", step)
+            if index == r:
+                op.combine(incoming, chunks[index], out=out)
+            else:
+                send = op.combine(incoming, chunks[index], out=incoming)
+
+    def _ring_all_gather(self, chunks) -> None:
+        n, r = self.world_size, self.rank
+        for step in range(n - 1):
+            self._send_right_recv_left(chunks[(r - step) % n], chunks[(r - step - 1) % n], "all-gather", step)

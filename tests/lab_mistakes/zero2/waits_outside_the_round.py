@@ -1,0 +1,31 @@
+"""Launches and waits for the buckets without ``with self.pipeline.round():``: the next backward finds them all marked."""
+from __future__ import annotations
+
+import torch
+
+from minizero.comm import ReduceOp
+from minizero.labs import given
+
+
+class ZeRO2(given.ZeRO2):
+    def post_accumulate_grad(self, param) -> None:
+        self._used.add(id(param))
+        if self._syncing:
+            self.pipeline.mark(param)
+
+    def _reduce_scatter(self, index: int):
+        group, tag = self.groups[index], self.tag(f"bucket {index}")
+        full = group.take_gradients()
+
+        def reduce_scatter():
+            averaged = torch.empty_like(group.shard)
+            self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
+            return averaged
+
+        return reduce_scatter
+
+    def post_backward(self) -> None:
+        self.pipeline.launch_rest()
+        used = self.used_anywhere([s.param for group in self.groups for s in group.segments])
+        for index, averaged in self.pipeline.wait_all():
+            self.accumulate(self.groups[index], averaged, used)

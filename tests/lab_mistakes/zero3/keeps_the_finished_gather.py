@@ -1,0 +1,29 @@
+"""``unshard`` uses the all-gather's result but never clears ``self._gathering``: the next step's forward reuses that old result."""
+from __future__ import annotations
+
+from minizero.labs import given
+
+
+class Unit(given.Unit):
+    def unshard(self, why: str) -> None:
+        self.start_gather(why)
+        if self._gathering is not None:
+            for group, full in zip(self.groups, self._gathering.result(), strict=True):
+                group.use(full)
+
+    def pre_forward(self) -> None:
+        self.unshard("forward")
+
+    def post_forward(self, reshard: bool) -> None:
+        if reshard:
+            self.reshard()
+
+    def pre_backward(self) -> None:
+        self.unshard("backward")
+
+    def post_backward(self, group) -> None:
+        self._free(group)
+
+
+class ZeRO3(given.ZeRO3):
+    unit_class = Unit

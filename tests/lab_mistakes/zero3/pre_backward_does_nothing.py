@@ -1,0 +1,30 @@
+"""``pre_backward`` leaves the parameters freed ("autograd saved what it needs"): backward meets empty parameters."""
+from __future__ import annotations
+
+from minizero.labs import given
+
+
+class Unit(given.Unit):
+    def unshard(self, why: str) -> None:
+        self.start_gather(why)
+        if self._gathering is not None:
+            for group, full in zip(self.groups, self._gathering.result(), strict=True):
+                group.use(full)
+            self._gathering = None
+
+    def pre_forward(self) -> None:
+        self.unshard("forward")
+
+    def post_forward(self, reshard: bool) -> None:
+        if reshard:
+            self.reshard()
+
+    def pre_backward(self) -> None:
+        pass
+
+    def post_backward(self, group) -> None:
+        self._free(group)
+
+
+class ZeRO3(given.ZeRO3):
+    unit_class = Unit

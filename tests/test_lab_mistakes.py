@@ -1,0 +1,72 @@
+"""The checker catches realistic slips it has no name for: every planted mistake under ``tests/lab_mistakes/`` fails
+the property the table there expects, with a verdict that says where -- so a learner can go to the line.
+
+What a verdict must name depends on what was measured (:data:`NAMES`): a wrong value, the parameter, the rank, the
+step and the direction; a ring collective's result, the collective, the rank, the element and what it should be; a
+cost (bytes, memory, overlap), the rank, the step and which way it is off.  A planted mistake whose verdict still
+misses some of that is listed in :data:`tests.lab_mistakes.VAGUE` (a strict xfail on the words only: once the verdict
+names them, the test says so); one the checker passes is in :data:`~tests.lab_mistakes.HOLES` (a strict xfail).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from minizero.labs import check
+from tests import lab_mistakes as planted
+from tests.lab_mistakes import key_of, lab_of
+
+RANK, STEP = ("the rank", r"\brank \d+"), ("the step", r"\bstep \d+")
+VALUE = [("the parameter", r"\brank \d+'s [\w.]+"), RANK, STEP,
+         ("the direction", r"too large|too small|opposite direction|never moved|ranks disagree|points another way|"
+                           r"almost the right length|moved it by|elements are wrong")]
+COLLECTIVE = ("the collective", r"\b(all_reduce|reduce_scatter|all_gather)\b")
+COST = [RANK, STEP, ("the direction", r"too many|too few|too late|ran on the main thread")]
+#: What a verdict must name, by the property that failed (a value property's words for any other).
+NAMES = {
+    planted.COLLECTIVES: [COLLECTIVE, RANK, ("the element", r"\belement \d+"), ("the direction", r"should be")],
+    planted.RING_COST: [COLLECTIVE, RANK, ("the direction", r"too many|too few")],
+    planted.BYTES: COST, planted.MEMORY: COST, planted.OVERLAP: COST,
+    planted.NESTS: [RANK, ("the direction", r"sent gradients|sent nothing")],
+}
+
+
+def quiet(_):
+    pass
+
+
+def unnamed(report) -> list[str]:
+    """What the verdict (``why`` and ``case``) does not name of what it must."""
+    verdict = f"{report.why}\n{report.case}"
+    return [what for what, pattern in NAMES.get(report.failed, VALUE) if not re.search(pattern, verdict)]
+
+
+def _param(path):
+    key = key_of(path)
+    hole = planted.HOLES.get(key)
+    marks = [pytest.mark.xfail(strict=True, reason=f"a hole in the checker: {hole}")] if hole else []
+    return pytest.param(path, id=key, marks=marks)
+
+
+@pytest.mark.parametrize("path", [_param(p) for p in planted.planted()])
+def test_a_planted_mistake_fails_naming_where(pools, path):
+    key = key_of(path)
+    assert key in planted.EXPECTED, f"{key}: add the property it must fail to EXPECTED in tests/lab_mistakes/__init__.py"
+    report = check(lab_of(path), impl=path, examples=planted.examples_for(key), pools=pools, out=quiet,
+                   shrink_s=planted.SHRINK_S)
+    assert not report.ok, f"{key} passes every property: a hole in the checker (or not a mistake)"
+    assert report.failed == planted.EXPECTED[key], (report.failed, report.why)
+    missing = unnamed(report)
+    if key in planted.VAGUE:
+        assert missing, f"{key}'s verdict now names everything: take it out of VAGUE -- {report.why}"
+        pytest.xfail(f"the verdict does not name {', '.join(missing)}: {planted.VAGUE[key]}")
+    assert not missing, f"{key}: the verdict does not name {', '.join(missing)}: {report.why} | {report.case}"
+
+
+def test_every_lab_has_five_planted_mistakes_the_checker_catches():
+    """Issue 26's bar: at least five per lab that are not holes."""
+    per_lab: dict[str, int] = {}
+    for path in planted.planted():
+        per_lab[lab_of(path)] = per_lab.get(lab_of(path), 0) + (key_of(path) not in planted.HOLES)
+    assert per_lab and all(n >= 5 for n in per_lab.values()), per_lab
