@@ -36,8 +36,8 @@ class Reshard(GivenReshard):
     def owned_range(self, numel: int, world_size: int, rank: int) -> tuple[int, int]:
         """``(start, stop)``: the range of a flat group of ``numel`` elements, padded to a multiple of
         ``world_size``, that rank ``rank`` owns -- the rank-th of ``world_size`` equal shards."""
-        raise NotImplementedError("write Reshard.owned_range: [start, stop) of the padded flat buffer that rank "
-                                  "rank of world_size owns")
+        raise NotImplementedError("write Reshard.owned_range: [start, stop) of the padded flat buffer that the "
+                                  "rank owns at this world size")
 
     def reshard(self, saved: list[FlatShard], world_size: int, rank: int) -> FlatShard:
         """One flat group: ``saved[k]`` is the shard rank k of N saved (all N of them, in rank order).  Returns rank
@@ -45,5 +45,5 @@ class Reshard(GivenReshard):
         been ``world_size``: values and every per-element state its range (from ``owned_range``), zeros past
         ``numel``; a 0-dim state the same as the saved shards'.  The saved shards are only read.
         """
-        raise NotImplementedError("write Reshard.reshard: rank rank of world_size's shard of this group, from the "
-                                  "N saved shards")
+        raise NotImplementedError("write Reshard.reshard: this rank's shard of the group at the new world size, "
+                                  "from the N saved shards")

@@ -26,8 +26,8 @@ class Reshard(GivenReshard):
         The group's ``numel`` elements are padded with zeros to the next multiple of ``world_size``, then cut
         into ``world_size`` equal shards; rank r owns the r-th.  (``minizero.layout`` has the padding rule.)
         """
-        raise NotImplementedError("write Reshard.owned_range: [start, stop) of the padded flat buffer that rank "
-                                  "rank of world_size owns")
+        raise NotImplementedError("write Reshard.owned_range: [start, stop) of the padded flat buffer that the "
+                                  "rank owns at this world size")
 
     def reshard(self, saved: list[FlatShard], world_size: int, rank: int) -> FlatShard:
         """Rank ``rank`` of ``world_size``'s shard of one flat group, from ``saved``: the N shards it was saved as,
@@ -41,5 +41,5 @@ class Reshard(GivenReshard):
         same for each per-element state; a 0-dim one is not cut -- every shard holds the whole count.  Return a
         new ``FlatShard(rank, world_size, numel, values, state)``; leave the saved ones as they are.
         """
-        raise NotImplementedError("write Reshard.reshard: rank rank of world_size's shard of this group, from the "
-                                  "N saved shards")
+        raise NotImplementedError("write Reshard.reshard: this rank's shard of the group at the new world size, "
+                                  "from the N saved shards")
