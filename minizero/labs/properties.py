@@ -75,11 +75,19 @@ def equivalence(checker, compress: bool = False) -> str:
 COST_CASES = tuple((n, k) for n in (1, 2, 3, 4) for k in (1, 2))
 
 
+def taken_steps(options: dict) -> dict:
+    """``options`` with fp16's loss scale at 1: at torch's initial scale (2^16) the first steps overflow and are
+    skipped -- no optimizer state created, no updated shard all-gathered -- and a cost formula is for a step taken."""
+    if getattr(options.get("precision"), "scaled", False):
+        return {**options, "precision": replace(options["precision"], loss_scale=1.0)}
+    return options
+
+
 def sent_bytes(checker, options: dict | None = None) -> str:
     """Bytes each rank sent in each step as the ledger counted them, against the stage's formula; the kinds of
     collective against the answer key's -- at every world size 1-4, K = 1 and K = 2 (:mod:`minizero.lab.costs`,
     as the suite judges the package's stages)."""
-    options = {**checker.options, **(options or {})}
+    options = taken_steps({**checker.options, **(options or {})})
     for n, k in COST_CASES:
         exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=k, dtype="float32", optimizer="adamw",
                          options=options)
@@ -127,10 +135,7 @@ def memory(checker) -> str:
     """Model state each rank holds after a step, against the stage's formula, at every world size 1-4, K = 1 and
     2.  What is counted is what the stage's ``held_tensors()`` accounts for -- the machinery's buffers, parameters,
     gradients and optimizer states; a tensor a learner keeps on an attribute of their own is not seen."""
-    options = checker.options
-    if getattr(options.get("precision"), "scaled", False):  # fp16: the first steps at torch's initial loss scale
-        # overflow and are skipped, creating no optimizer state -- measure a step that is taken
-        options = {**options, "precision": replace(options["precision"], loss_scale=1.0)}
+    options = taken_steps(checker.options)
     words = checker.lab.answer.state_formula(4, 2, **checker.options)
     for n, k in COST_CASES:
         exp = Experiment(stage=checker.key, task="gpt", steps=1, accum=k, dtype="float32", optimizer="adamw",
