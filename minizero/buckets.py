@@ -126,7 +126,12 @@ class BucketPipeline:
         self._works: dict[int, object] = {}
 
     def _launch(self, index: int) -> None:
-        self._works[index] = self.comm.submit(self._start(index))
+        collective = self._start(index)
+        if not callable(collective):  # else the communication thread's "'NoneType' object is not callable"
+            raise TypeError(f"rank {self.comm.rank}: launching bucket {index} returned {collective!r}, not a function: "
+                            f"{getattr(self._start, '__qualname__', 'the launch')} must return the collective for "
+                            f"the communication thread to run (a function of no arguments), not run it")
+        self._works[index] = self.comm.submit(collective)
 
     def mark(self, param: nn.Parameter) -> None:
         self._order.mark(param)

@@ -12,9 +12,10 @@ from minizero.checkpoint.flat import FlatShard, Reshard
 from minizero.labs import check
 from minizero.labs.catalogue import LABS, SKELETONS
 from minizero.labs.check import Checker
+from minizero.labs.failed import Failed
 from minizero.labs.loading import Impl
 from minizero.labs.mistakes_reshard import RESHARD_MISTAKES, StepRestarted
-from minizero.labs.properties import PROPERTIES, Failed
+from minizero.labs.property_table import PROPERTIES
 
 HERE = Path(__file__).parent
 RANGES = "every rank's new shard holds exactly its range"

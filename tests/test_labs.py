@@ -18,7 +18,7 @@ from minizero.__main__ import main
 from minizero.comm import Comm
 from minizero.labs import LABS, LEVELS, check, skeleton_path, start
 from minizero.labs import mistakes as known
-from minizero.labs.properties import PROPERTIES
+from minizero.labs.property_table import PROPERTIES
 
 SOLUTIONS = Path(__file__).parent / "lab_solutions"
 EVERY_LEVEL = [pytest.param(lab, level, id=f"{lab}-{level}") for lab in LABS for level in LEVELS]

@@ -77,10 +77,12 @@ class ProgressBoard:
         """``call`` (a :class:`~minizero.comm.fingerprint.Call`) begins."""
         now = time.time()
         self.text.value = call.tag.what.encode()[: TEXT - 1]
-        self._set(state=IN_COLLECTIVE, seq=float(call.seq), kind=float(KINDS.index(call.kind)),
+        # The time first, the state last: a watchdog reading between two writes (the row is not written at once)
+        # must never see a collective entered at time 0 -- "no progress for 1795639490 s" was once read so.
+        self._set(entered=now, progress=now, seq=float(call.seq), kind=float(KINDS.index(call.kind)),
                   numel=float(call.numel), part=float(len(PARTS) - 1), step=-1.0, waiting_on=NOBODY,
-                  entered=now, progress=now, tag_step=float(call.tag.step), tag_backward=float(call.tag.backward),
-                  tag_syncing=float(call.tag.syncing))
+                  tag_step=float(call.tag.step), tag_backward=float(call.tag.backward),
+                  tag_syncing=float(call.tag.syncing), state=IN_COLLECTIVE)
 
     def at(self, part: str, step: int = -1) -> None:
         """The collective moved on to ``part`` (step ``step``): that is progress."""

@@ -52,6 +52,9 @@ class RingComm(StarExchanges, Comm):
         reducing one overlaps receiving the next, measured slower on gloo: one
         large message per step is best.)
         """
+        if self.world_size == 1:  # gloo's own words would be "Pair is not connected"
+            raise RuntimeError(f"ring step {step} of the {part} on a world of one rank: it would send to itself -- "
+                               f"a ring of N ranks takes N - 1 steps per phase, none at N = 1")
         right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         self._at(part, step)
         if self._pair_steps:

@@ -16,8 +16,8 @@ from pathlib import Path
 from ..checkpoint.flat import Reshard
 from ..comm import Comm, RingComm
 from ..comm.tree import TreeComm
-from ..stages import DDP, STAGES, BucketedDDP, Stage, ZeRO1, ZeRO2, ZeRO3
-from . import mistakes
+from ..stages import DDP, STAGES, BucketedDDP, LocalSGD, Stage, ZeRO1, ZeRO2, ZeRO3
+from . import mistakes, mistakes_local_sgd
 
 SKELETONS = Path(__file__).parent / "skeletons"
 #: The skeletons' levels, the default first: the contract alone, then the contract with hints.
@@ -31,11 +31,14 @@ class Lab:
     title: str
     answer: type  # the package's class: what a correct file behaves like
     todo: tuple[str, ...]  # what the learner writes, as Class.method
-    properties: tuple[str, ...]  # names in minizero.labs.properties.PROPERTIES, checked in this order
+    properties: tuple[str, ...]  # names in minizero.labs.property_table.PROPERTIES, checked in this order
     mistakes: tuple[type, ...] = ()  # minizero.labs.mistakes: compared with a failure, to name it
     options: dict = field(default_factory=dict)  # stage options every example uses
     compress: bool = False  # draw compressed examples (the 16-bit wire)
     precision: bool = True  # can be checked under mixed precision (python -m minizero check LAB --precision bf16)
+    # checked before every other property: the learner's methods are what runs (where a lab runs them outside a
+    # training step -- resharding -- its own way of watching them)
+    yours: str = "yours"
 
     @property
     def kind(self) -> type:
@@ -103,12 +106,12 @@ LABS: dict[str, Lab] = _labs(
         options={"precision": __import__("minizero.precision", fromlist=["Precision"]).Precision("fp16", loss_scale=16.0)},
         precision=False),  # the lab draws its precisions itself
     Lab("reshard", "lessons/10_training_runs.ipynb", "resharding a flat ZeRO checkpoint from N ranks to M", Reshard,
-        ("Reshard.owned_range", "Reshard.reshard"), ("reshard ranges", "resumed on M ranks"), precision=False),
-    Lab("local-sgd", "lessons/11_parameter_server_async_local_sgd.ipynb",
-        "local SGD: every H steps average the replicas (DiLoCo: an outer step on the averaged change)",
-        STAGES["local-sgd"],
+        ("Reshard.owned_range", "Reshard.reshard"), ("reshard ranges", "resumed on M ranks"), precision=False,
+        yours="yours while resharding"),
+    Lab(LocalSGD.name, "lessons/11_parameter_server_async_local_sgd.ipynb",
+        "local SGD: every H steps average the replicas (DiLoCo: an outer step on the averaged change)", LocalSGD,
         ("LocalSGD.step", "LocalSGD.average"), ("local-sgd H=1", "local-sgd package", "local-sgd bytes"),
-        __import__("minizero.labs.mistakes_local_sgd", fromlist=["MISTAKES"]).MISTAKES,
+        mistakes_local_sgd.MISTAKES,
         options={"average_every": 1}, precision=False),  # H = 1: the first check's one step averages
 )
 

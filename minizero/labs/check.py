@@ -28,8 +28,9 @@ from ..lab.experiment import reference_of
 from ..launch import RankError, RankPools
 from ..precision import Precision
 from .catalogue import LABS, Lab, check_lab_name
+from .failed import Failed, describe
 from .loading import Impl
-from .properties import PROPERTIES, Failed, describe
+from .property_table import PROPERTIES
 from .ranks import Raised, gloo_words, import_file, lab_experiment, stderr_to
 from .verdicts import died, raised_at_import, stopped
 
@@ -191,14 +192,17 @@ class Checker:
         return same and not judge(theirs, reference_of(replace(exp, stages=self.stages), world_size), exp.dtype,
                                   states=states).ok
 
-    def diagnose_cost(self, exp, world_size: int, sent: float) -> str | None:
-        """The known mistake that sends exactly the learner's bytes on this case, if one does."""
+    def diagnose_cost(self, exp, world_size: int, sent: float, kinds: set[str] | None = None) -> str | None:
+        """The known mistake that sends exactly the learner's bytes on this case, by the same ``kinds`` of
+        collective when given (forgetting that the parameters were shared sends 1.5x ZeRO-1's bytes as a
+        reduce-scatter and two all-gathers -- not the all-reduce and all-gather of the mistake with that ratio)."""
         for mistake in self.lab.mistakes:
             try:
                 theirs = self.run(world_size, replace(exp, stage=mistake.name))
             except Failed:
                 continue
-            if sum(r.sent_bytes for r in theirs) / (world_size * exp.steps) == sent:
+            if sum(r.sent_bytes for r in theirs) / (world_size * exp.steps) == sent and (
+                    kinds is None or set(theirs[0].sent_by_kind) == kinds):
                 return mistake.mistake
         return None
 
@@ -213,6 +217,7 @@ class Report:
     case: str = ""
     mistake: str | None = None
     final: bool = False  # the ranks were stopped or died: the case is the first that did it, not shrunk
+    shrink_s: float = SHRINK_S  # how long shrinking was allowed
 
     @property
     def ok(self) -> bool:
@@ -240,7 +245,7 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
     out(f"checking {implementation.label}")
     out(f"  (a rank {deadline_s:g} s in no collective -- your code looping, say -- or {pools.timeout_s:g} s without "
         f"progress in one is stopped and shown where it was; --deadline SECONDS)")
-    report = Report(spec.name, implementation.label, [])
+    report = Report(spec.name, implementation.label, [], shrink_s=shrink_s)
     try:
         checker = Checker(spec, implementation, pools, examples, shrink_s, precision, deadline_s)
         try:
@@ -249,7 +254,7 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
             report.failed, report.why, report.final = "loading your file", failed.why, True
             out(format_failure(report))
             return report
-        for name in ("yours", *spec.properties):  # first: the learner's methods are what runs
+        for name in (spec.yours, *spec.properties):  # first: the learner's methods are what runs
             title, prop = PROPERTIES[name]
             start = time.monotonic()
             try:
@@ -281,5 +286,5 @@ def format_failure(report: Report) -> str:
         lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it).")
     else:
         lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it; "
-                     f"shrinking stops after {SHRINK_S:g} s: the smallest case found by then).")
+                     f"shrinking stops after {report.shrink_s:g} s: the smallest case found by then).")
     return "\n".join(lines)

@@ -18,32 +18,9 @@ from ..lab.drawn import experiments
 from ..lab.experiment import Experiment, reference_of
 from ..lab.optimizers import STATE_TENSORS
 from ..stages import DDP, Stage, ZeRO2
+from .failed import Failed, describe
 from .ranks import Raised, collectives_round, no_sync_probe, overlap_probe
 from .ranks import yours_run as yours_run_on_rank
-
-
-class Failed(Exception):
-    """A property failed: ``case`` is the smallest example, in words; ``why`` what went wrong there.
-    ``final``: the ranks were stopped or died (or the file did not import) -- not a wrong number, so nothing
-    a smaller example would say better: it is not shrunk."""
-
-    def __init__(self, why: str, case: str = "", mistake: str | None = None, final: bool = False):
-        super().__init__(why)
-        self.why, self.case, self.mistake, self.final = why, case, mistake, final
-
-
-def describe(exp: Experiment, world_size: int) -> str:
-    """An experiment as a learner reads it: 'world size 2, K = 2, sgd (lr 0.01), mlp (3, 1), float64, ...'."""
-    model = exp.task + (" (" + ", ".join(f"{k} {v}" for k, v in exp.model.items()) + ")" if exp.model else "")
-    batch = f"samples per rank {list(exp.rank_sizes)}" if exp.rank_sizes else f"{exp.micro_batch} sample(s) per micro-batch"
-    extras = [f"{k}={v}" for k, v in sorted(exp.options.items())]
-    extras += [f"clip {exp.clip}"] if exp.clip else []
-    extras += ["two param groups"] if exp.param_groups else []
-    extras += ["the optimizer built after wrapping (the loop zeroes and steps it)"] if exp.wrap_first else []
-    extras += ["the loop zeroes with model.zero_grad()"] if exp.zero_grad == "model" else []
-    return (f"world size {world_size}, K = {exp.accum} micro-batch(es), {exp.optimizer} (lr {exp.lr}), {model}, "
-            f"{batch}, {exp.dtype}, {exp.steps} step(s), {exp.backend} collectives"
-            + (f", {', '.join(extras)}" if extras else ""))
 
 
 # ------------------------------------------------------------------ training equals single-device training
@@ -98,7 +75,7 @@ def sent_bytes(checker, options: dict | None = None) -> str:
         problem = bytes_problem(results, formula, kinds)
         if problem:
             average = sum(x.sent_bytes for x in results) / (n * exp.steps)
-            raise Failed(problem, describe(exp, n), checker.diagnose_cost(exp, n, average))
+            raise Failed(problem, describe(exp, n), checker.diagnose_cost(exp, n, average, set(first.sent_by_kind)))
     return (f"the ledger's bytes in every step, on every rank, equal the formula ({checker.lab.answer.__name__}) at "
             f"N = 1-4, K = 1 and 2")
 
@@ -258,9 +235,3 @@ PROPERTIES = {
     "ring bytes and messages": ("bytes and messages per rank: the ring's", ring_cost),
     "training over your ring": ("stages trained over your ring equal single-device training", over_your_ring),
 }
-
-# -- the new labs' properties (issue 26), each lab's in a module of its own, merged here:
-from .properties_tree import PROPERTIES as _tree; PROPERTIES.update(_tree)  # noqa: E402, E702, I001
-from .properties_precision import PROPERTIES as _mixed; PROPERTIES.update(_mixed)  # noqa: E402, E702, I001
-from .properties_reshard import PROPERTIES as _reshard; PROPERTIES.update(_reshard)  # noqa: E402, E702, I001
-from .properties_local_sgd import PROPERTIES as _local; PROPERTIES.update(_local)  # noqa: E402, E702, I001

@@ -25,9 +25,10 @@ from hypothesis import strategies as st
 from ..checkpoint.flat import FlatShard, Reshard
 from ..lab.equivalence import judge
 from ..lab.experiment import Experiment, exact_reference_of
+from ..stages import ZeRO1
+from .failed import Failed
 from .mistakes_reshard import named
 from .properties import PROPERTIES as SUITE
-from .properties import Failed
 from .ranks import Raised
 from .reshard_ranks import resume_run, save_run, yours_reshard
 
@@ -47,7 +48,7 @@ class Case:
     seed: int = 0
 
     def experiment(self, steps: int, first_step: int = 0, world_size: int | None = None) -> Experiment:
-        return Experiment(stage="zero1", task="mlp", model={"sizes": (3, self.hidden, 2)}, steps=steps,
+        return Experiment(stage=ZeRO1.name, task="mlp", model={"sizes": (3, self.hidden, 2)}, steps=steps,
                           first_step=first_step, dtype="float64", optimizer=self.optimizer, lr=0.01,
                           rank_sizes=SPLITS[world_size or self.saved_by], param_groups=self.param_groups,
                           seed=self.seed, record_states=True)
@@ -200,13 +201,11 @@ def resumed(checker) -> str:
 
 
 # ------------------------------------------------------------------ your methods are what runs
-_SUITE_YOURS = SUITE["yours"]
 
 
 def yours(checker) -> str:
-    """The suite's first property, but for the reshard lab: its methods run while a rank builds its shards."""
-    if checker.lab.name != "reshard":
-        return _SUITE_YOURS[1](checker)
+    """The checker's first property, for the reshard lab: its methods run while a rank builds its shards (not in
+    a training step, where :func:`minizero.labs.properties.yours_run` looks)."""
     if checker.impl.path is None:
         ours = checker.impl.module == checker.lab.answer.__module__ and checker.impl.qualname == checker.lab.answer.__name__
         return "the package's own class (the answer key)" if ours else f"a class of the package's, {checker.impl.label}"
@@ -223,7 +222,7 @@ def yours(checker) -> str:
 
 
 PROPERTIES = {
-    "yours": (_SUITE_YOURS[0], yours),
+    "yours while resharding": (SUITE["yours"][0], yours),
     "reshard ranges": ("every rank's new shard holds exactly its range", ranges),
     "resumed on M ranks": ("resumed on M ranks, training equals single-device training", resumed),
 }

@@ -21,9 +21,9 @@ from ..lab.equivalence import judge
 from ..lab.experiment import Experiment, reference_of
 from ..launch import Rank
 from ..stages import DDP, BucketedDDP
+from .failed import Failed, describe
 from .loading import Impl
 from .mistakes_tree import TREE_MISTAKES
-from .properties import Failed, describe
 from .ranks import Raised
 from .rounds import SENDS, critical_path, recorded
 

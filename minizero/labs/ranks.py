@@ -47,7 +47,11 @@ class Raised:
         return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
 
     def __str__(self) -> str:
-        return f"rank {self.rank} raised {self.kind}: {self.message}" + (f"\n    at {self.where}" if self.where else "")
+        hint = (" (a None where a tensor was expected -- a parameter without a .grad? A frozen parameter never has "
+                "one, an unused one not in this step: the checker's edge model has both)"
+                if self.kind in ("AttributeError", "TypeError") and "'NoneType' object" in self.message else "")
+        return f"rank {self.rank} raised {self.kind}: {self.message}{hint}" + (
+            f"\n    at {self.where}" if self.where else "")
 
 
 def import_file(me: Rank, impl: Impl) -> str | Raised:

@@ -277,7 +277,10 @@ class Stage(nn.Module):
             raise RuntimeError(
                 f"rank {self.rank}: step() after backward passes inside no_sync() only: those gradients were "
                 f"never averaged across ranks, so the replicas would drift apart silently. Run the last "
-                f"micro-batch of each step outside no_sync() (train_step does), or call zero_grad() first.")
+                f"micro-batch of each step outside no_sync() (train_step does), or call zero_grad() first"
+                + (" -- synchronisation is still off (require_backward_grad_sync is False) outside any no_sync() "
+                   "block: a no_sync() that does not put back the value it found leaves it so"
+                   if not self.require_backward_grad_sync else "") + ".")
         self._require_optimizer("step")
         yield
         self.steps_taken += 1
