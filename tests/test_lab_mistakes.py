@@ -29,6 +29,15 @@ NAMES = {
     planted.RING_COST: [COLLECTIVE, RANK, ("the direction", r"too many|too few")],
     planted.BYTES: COST, planted.MEMORY: COST, planted.OVERLAP: COST,
     planted.NESTS: [RANK, ("the direction", r"sent gradients|sent nothing")],
+    # the tree lab: a collective's result as the ring's; its cost as rounds and bytes, either way off
+    "every all-reduce's result (SUM, AVG, MAX)": [COLLECTIVE, RANK, ("the element", r"\belement \d+|tensor of rank"),
+                                                  ("the direction", r"should be|never entered|divided by N")],
+    "rounds on the critical path and bytes per rank: the tree's": [
+        COLLECTIVE, ("the direction", r"too many|too few|ledger counted|rounds on the critical path")],
+    # the reshard lab: the rank, the flat group, and what its range must hold
+    "every rank's new shard holds exactly its range": [
+        RANK, ("the group", r"flat group \d+"),
+        ("what it must hold", r"owns \[|should be|saved shards'|they are its|zeros")],
 }
 
 
