@@ -116,7 +116,7 @@ def master_rounds(me, impl: Impl, case: MasterCase) -> list[dict] | Raised:
                 w.grad = _gradient(case, me.rank, step, t, dtype)
                 wr.grad = None if w.grad is None else w.grad.clone()
             calls.clear()
-            before, scale = [m.detach().clone() for m in masters], ref.loss_scale
+            before = ([m.detach().clone() for m in masters], [w.detach().clone() for w in working], ref.loss_scale)
             record = {"overflow": overflow, "stepped": None, "raised": None, "problem": None}
             try:
                 want = _drive(ref, o_ref, case)
@@ -137,7 +137,7 @@ def master_rounds(me, impl: Impl, case: MasterCase) -> list[dict] | Raised:
                 steps.append(record)
                 break
             record["problem"] = _differs(me.rank, step, case, (working, masters, optimizer, mine),
-                                         (w_ref, m_ref, o_ref, ref), want, record["stepped"], (before, scale))
+                                         (w_ref, m_ref, o_ref, ref), want, record["stepped"], before)
             steps.append(record)
         return steps
     except Exception as error:  # noqa: BLE001
@@ -171,48 +171,53 @@ def _clip(weights) -> None:
 
 
 def _differs(rank: int, step: int, case: MasterCase, mine, ref, want_stepped, stepped, start) -> str | None:
-    """The first thing the learner's class left different from the package's, in words.  ``start``: the masters
-    before the step, and the loss scale it used."""
-    before, scale = start
+    """The first thing the learner's class left different from the package's, in words: the step, the rank, the
+    tensor, and which way it is off.  ``start``: the masters and working copies before the step, and its scale."""
+    before, before_working, scale = start
     working, masters, optimizer, weights = mine
     w_ref, m_ref, o_ref, ref = ref
-    at = f"rank {rank}, step {step + 1}"
+    at = f"step {step + 1}, rank {rank}'s"
     if not case.outside and not want_stepped and stepped:
-        return (f"{at}: some rank's gradient held an inf or NaN, but this rank took the step -- a step in which any "
-                f"rank's gradient overflowed must be skipped on every rank, touching nothing")
+        moved = [(float((m.detach() - b).abs().max()), t) for t, (m, b) in enumerate(zip(masters, before, strict=True))
+                 if m.numel()]
+        most, t = max(moved, default=(0.0, 0))
+        return (f"{at} master {t}: the step was taken and moved it by {most:.3g}, though some rank's gradient held an "
+                f"inf or NaN -- a step in which any rank's gradient overflowed is skipped on every rank, touching "
+                f"nothing")
     if not case.outside and want_stepped and stepped is not True:
-        return (f"{at}: step() returned {stepped!r} after a step that should be taken (no rank's gradient "
-                f"overflowed); return True then -- ZeRO-1/2 all-gather the updated shards only after a step that "
-                f"returned True")
+        return (f"{at} step() returned {stepped!r} after a step that should be taken (no rank's gradient "
+                f"overflowed): ZeRO-1/2 all-gather the updated shards only after a step that returns True, so the "
+                f"other ranks' copies of this shard never moved")
     for t, (m, mr, b) in enumerate(zip(masters, m_ref, before, strict=True)):
         if not torch.equal(m.detach(), mr.detach()):
-            return f"{at}: master {t} is {_first(m, mr)}" + _why(case, step, m, mr, b, scale)
-    for t, (w, wr, m) in enumerate(zip(working, w_ref, masters, strict=True)):
+            return f"{at} master {t}: {_first(m, mr)}" + _why(case, step, m, mr, b, scale)
+    for t, (w, wr, m, b) in enumerate(zip(working, w_ref, masters, before_working, strict=True)):
         if not torch.equal(w.detach(), wr.detach()):
             rounded = torch.equal(w.detach(), m.detach().to(w.dtype))
-            return (f"{at}: working copy {t} is {_first(w, wr)} -- " +
-                    ("its master rounded, but not the package's: the masters it was rounded from differ"
-                     if rounded else f"not its master rounded to {case.precision}: round every stepped master into "
-                                     f"its working copy after the optimizer's step (refresh)"))
+            return (f"{at} working copy {t}: {_first(w, wr)} -- " +
+                    ("its master rounded, but not the package's: the masters it was rounded from differ" if rounded
+                     else ("it never moved in this step" if torch.equal(w.detach(), b) else "not its master rounded")
+                     + ": round every stepped master into its working copy after the optimizer's step (refresh)"))
     if weights.loss_scale != ref.loss_scale or weights.skipped_steps != ref.skipped_steps:
-        return (f"{at}: the loss scale is {weights.loss_scale:g} after {weights.skipped_steps} skipped step(s); it "
-                f"should be {ref.loss_scale:g} after {ref.skipped_steps} -- tell the scaler every step whether it "
+        way = "too large" if weights.loss_scale > ref.loss_scale else "too small"
+        return (f"{at} loss scale: {weights.loss_scale:g} after {weights.skipped_steps} skipped step(s), should be "
+                f"{ref.loss_scale:g} after {ref.skipped_steps} ({way}) -- tell the scaler every step whether it "
                 f"overflowed (it halves the scale then, and counts the skip)")
     if not case.outside:
         kept = [t for t, m in enumerate(masters) if m.grad is not None]
         if kept:
-            return (f"{at}: master(s) {kept} still hold their fp32 gradient after step(): they are transient, 4 bytes "
-                    f"per parameter kept between steps, and a later step without a gradient for them would reuse it "
-                    f"-- set each master's .grad to None when the step ends, taken or skipped")
+            return (f"{at} master(s) {kept}: their fp32 gradients are still held after step() -- the state kept "
+                    f"between steps is too large by 4 bytes a parameter, and a later step without a gradient for "
+                    f"them would reuse it: set each master's .grad to None when the step ends, taken or skipped")
     mine_state, ref_state = optimizer.state_dict()["state"], o_ref.state_dict()["state"]
     for i in ref_state:
         for k, v in ref_state[i].items():
             if i not in mine_state or not torch.equal(torch.as_tensor(mine_state[i][k]), torch.as_tensor(v)):
-                return f"{at}: the optimizer's {k} of master {i} differs from the package's"
+                return f"{at} optimizer state ({k} of master {i}): its elements are wrong, against the package's"
     if case.outside:
         versions = [w._version for w in working]
         if weights.refresh() or [w._version for w in working] != versions:
-            return (f"{at}: refresh() right after a refresh, with no master changed since, wrote the working copy "
+            return (f"{at} working copy: refresh() right after a refresh, with no master changed since, wrote it "
                     f"again (or returned True) -- ZeRO-1/2 take a write to the working copy for a step to all-gather: "
                     f"round only the masters whose value changed since they were last rounded")
     return None
@@ -221,18 +226,20 @@ def _differs(rank: int, step: int, case: MasterCase, mine, ref, want_stepped, st
 def _first(got: torch.Tensor, want: torch.Tensor) -> str:
     bad = (got.detach() != want.detach()).nonzero()
     i = int(bad[0]) if len(bad) else 0
-    return f"{got.detach()[i].item():.9g} in element {i}, should be {want.detach()[i].item():.9g}"
+    return f"element {i} is {got.detach()[i].item():.9g}, should be {want.detach()[i].item():.9g}"
 
 
 def _why(case: MasterCase, step: int, m, mr, before, scale: float) -> str:
-    """A hint from the shape of the difference: stepped where every rank should have skipped, or an update that is
-    the package's times one factor (the loss scale: not unscaled; 1/S: unscaled twice; 2: clipping undone)."""
-    if step == 0 and _overflow_anywhere(case, 0, torch.float16 if case.precision == "fp16" else torch.bfloat16):
-        return (" -- but some rank's gradient held an inf or NaN this step: every rank must skip it, touching no "
-                "master (agree on the overflow across ranks: one flag, all-reduced with MAX)")
-    if not math.isfinite(m.detach().abs().max().item()):
-        return " -- an inf or NaN reached the masters"
+    """Which way the master is off, and a hint from the shape of the difference: stepped where every rank should
+    have skipped, or an update that is the package's times one factor (the loss scale: not unscaled; 1/S: unscaled
+    twice; 2: clipping undone)."""
     mine, want = (m.detach() - before).double(), (mr.detach() - before).double()
+    if step == 0 and _overflow_anywhere(case, 0, torch.float16 if case.precision == "fp16" else torch.bfloat16):
+        return (f" -- the step moved it by {mine.abs().max().item():.3g}, though some rank's gradient held an inf or "
+                f"NaN: every rank must skip that step, touching no master (agree on the overflow across ranks: one "
+                f"flag, all-reduced with MAX)")
+    if not math.isfinite(m.detach().abs().max().item()):
+        return " -- the step moved it by inf: an inf or NaN reached the masters"
     moved = want.abs() > 1e-3 * before.double().abs()  # updates well above the master's rounding: ratios exact to 1e-4
     if moved.any():
         ratios = mine[moved] / want[moved]
@@ -241,11 +248,16 @@ def _why(case: MasterCase, step: int, m, mr, before, scale: float) -> str:
             hint = {scale: "the gradients were not divided by the loss scale",
                     1 / scale: "the gradients were divided by the loss scale twice",
                     2.0: "clipping scaled the unscaled gradients before the step, and a second unscale in the same "
-                         "step undid it: unscale once a step",
-                    0.0: "this master never moved"}
-            near = next((words for r, words in hint.items() if abs(ratio - r) <= 1e-2 * max(abs(r), 1e-9)), None)
+                         "step undid it: unscale once a step"}
+            near = next((words for r, words in hint.items() if abs(ratio - r) <= 1e-2 * abs(r)), None)
+            if abs(ratio) < 1e-2:
+                return " -- it never moved: the step did not reach it"
             if near and (ratio != 2.0 or case.clip_first):
-                return f" -- its update is {ratio:.4g} x the package's: {near}"
-    return (f" (scale {scale:g}): unscale each gradient once per step -- widened to the masters' dtype "
-            f"first, then divided by the scale there, where a power of two divides exactly (in 16 bits, small "
-            f"gradients lose their bits)")
+                return f" -- its update is {ratio:.4g}x the package's ({'too large' if ratio > 1 else 'too small'}): {near}"
+    length = mine.norm().item() / max(want.norm().item(), 1e-300)
+    cosine = float(mine @ want) / max(mine.norm().item() * want.norm().item(), 1e-300)
+    way = ("points another way" if cosine < 0.999 else "is almost the right length" if abs(length - 1) < 1e-2 else
+           "is too large" if length > 1 else "is too small")
+    return (f" -- its update {way} (cosine {cosine:.4f}, {length:.4g}x as long, scale {scale:g}): unscale each "
+            f"gradient once per step -- widened to the masters' dtype first, then divided by the scale there, where a "
+            f"power of two divides exactly (in 16 bits, small gradients lose their bits)")

@@ -14,12 +14,12 @@ from dataclasses import replace
 import torch
 from hypothesis import strategies as st
 
-from ..lab.diagnosis import what_is_wrong
+from ..lab.diagnosis import initial_parameters, what_is_wrong
 from ..lab.drawn import experiments
 from ..lab.equivalence import RTOL, agrees, parameter_errors
 from ..lab.experiment import Experiment, reference_of
 from ..stages import LocalSGD
-from .properties import Failed, describe
+from .failed import Failed, describe
 
 #: DiLoCo's outer optimizer as drawn: none (plain averaging), the paper's (0.7, Nesterov 0.9), lr 1 without momentum
 #: (plain averaging again, through the anchor), and one in between.
@@ -64,8 +64,8 @@ def _same_everywhere(results: list, step: int) -> bool:
 
 
 def departs(results: list, theirs: list, exp: Experiment) -> str | None:
-    """Where the learner's run first leaves the package's: the step, the rank, the parameter -- and whether an
-    average happened there that should not have, or did not that should."""
+    """Where the learner's run first leaves the package's: the step, the rank, the parameter, which way its update is
+    off -- and whether an average happened there that should not have, or did not that should."""
     every, rtol = exp.options["average_every"], RTOL[exp.dtype]
     for step in range(exp.steps):
         for rank, (mine, its) in enumerate(zip(results, theirs, strict=True)):
@@ -74,19 +74,35 @@ def departs(results: list, theirs: list, exp: Experiment) -> str | None:
                     continue
                 kind = "an averaging step" if (step + 1) % every == 0 else "a local step"
                 why = (f"after step {step + 1} (H = {every}: {kind}), rank {rank}'s {name} differs from the package's "
-                       f"local SGD by {err:.3g} (tolerance {rtol:g} x {scale:.3g})")
+                       f"local SGD by {err:.3g}")
                 agree, should = _same_everywhere(results, step), _same_everywhere(theirs, step)
                 if len(results) > 1 and agree != should:
-                    return why + (f" -- your replicas {'agree' if agree else 'differ'} after it, the package's "
-                                  f"{'agree' if should else 'differ'}: " +
-                                  ("an average happened where none should (steps H, 2H, ... counted from 1)" if agree
-                                   else "no average happened where one should"))
+                    return why + (" -- your ranks agree after it, the package's ranks disagree: an average happened "
+                                  "where none should (steps H, 2H, ... counted from 1)" if agree else
+                                  " -- your ranks disagree after it, the package's agree: no average happened where "
+                                  "one should")
+                before = its.params[step - 1][name] if step else initial_parameters(exp)[name]
+                why += " -- " + _update_words(mine.params[step][name] - before, its.params[step][name] - before)
                 if "outer_lr" in exp.options and (step + 1) % every == 0:
-                    return why + (f" -- the outer step (DiLoCo, outer lr {exp.options['outer_lr']:g}, momentum "
+                    return why + (f"; the outer step (DiLoCo, outer lr {exp.options['outer_lr']:g}, momentum "
                                   f"{exp.options['outer_momentum']:g}): the anchor's gradient is anchor - mean, the "
                                   f"outer optimizer steps it, every replica becomes the anchor")
                 return why
     return None
+
+
+def _update_words(mine: torch.Tensor, want: torch.Tensor) -> str:
+    """The update against the package's, in one phrase: never moved, N x (too large or too small), another way."""
+    mine, want = mine.double().flatten(), want.double().flatten()
+    if not mine.abs().max() > 0:
+        return "it never moved, where the package's moved"
+    length = mine.norm().item() / max(want.norm().item(), 1e-300)
+    cosine = float(mine @ want) / max(mine.norm().item() * want.norm().item(), 1e-300)
+    if cosine < -0.999:
+        return f"its update points the opposite direction ({length:.3g}x as long)"
+    if cosine < 0.999:
+        return f"its update points another way than the package's (cosine {cosine:.3f}, {length:.3g}x as long)"
+    return f"its update is {length:.3g}x the package's ({'too large' if length > 1 else 'too small'})"
 
 
 #: Checked first, whatever is drawn: plain averaging over two periods and a step past them, and DiLoCo's Nesterov
@@ -127,17 +143,21 @@ def local_sgd_bytes(checker) -> str:
         exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (5, 7, 3)}, steps=2 * every, accum=k,
                          dtype="float32", optimizer="adam", options={"average_every": every, **outer})
         results = checker.run_case(n, exp)
-        sent = sum(r.sent_bytes for r in results) / (n * exp.steps)
         formula = LocalSGD.sent_bytes_per_step(results[0].psi, n, results[0].grad_bytes, results[0].param_bytes,
                                                average_every=every)
-        kinds = sorted(results[0].sent_by_kind)
+        # The formula is the mean over ranks: a ring all-reduce of a tensor smaller than N chunks it unevenly.
+        sent = sum(r.sent_bytes for r in results) / (n * exp.steps)
+        kinds = sorted({kind for r in results for kind in r.sent_by_kind})
         if not agrees(sent, formula) or kinds != ["all_reduce"]:
+            rank = max(range(n), key=lambda r: results[r].sent_bytes)
             ratio = sent / formula if formula else float("inf")
-            hint = ": nothing was sent -- the ranks never averaged" if sent == 0 else (
-                ": one all-reduce of every trainable parameter, in its own dtype, every H-th step, nothing more")
-            raise Failed(f"each rank sent {sent:,.0f} bytes per step as {kinds} over {exp.steps} steps; the formula -- "
-                         f"one all-reduce of the parameters every H = {every} steps -- says {formula:,.0f} "
-                         f"({ratio:.3g}x){hint}", describe(exp, n))
+            way = "nothing: the ranks never averaged" if sent == 0 else (
+                f"{ratio:.3g}x the formula, too {'large' if ratio > 1 else 'small'}: one all-reduce of every "
+                f"trainable parameter, in its own dtype, every H-th step, and nothing more")
+            raise Failed(f"the ranks' traffic from step 1 to step {exp.steps}: {sent:,.0f} bytes a step each on "
+                         f"average as {kinds} (rank {rank}'s the most, {results[rank].sent_bytes / exp.steps:,.0f}); "
+                         f"the formula -- one all-reduce of the parameters every H = {every} steps -- says "
+                         f"{formula:,.0f} as ['all_reduce'] -- {way}", describe(exp, n))
     return "one all-reduce of the parameters every H steps (N = 2-4, H = 1-3, K = 1 and 2, DiLoCo's too)"
 
 

@@ -15,9 +15,9 @@ from ..lab.diagnosis import what_is_wrong
 from ..lab.drawn import experiments
 from ..lab.experiment import Experiment, reference_of
 from ..precision import Precision
+from .failed import Failed, describe
 from .loading import Impl
 from .master_rounds import MasterCase, master_rounds
-from .properties import Failed, describe
 from .ranks import Raised
 
 #: The case every run checks, whatever is drawn: an inf on rank 1 only -- under ZeRO, in rank 1's shard only.
@@ -63,16 +63,18 @@ def _verdict(checker, case: MasterCase, impl=None) -> str | None:
             skipped = [r for r, record in enumerate(taken) if not record["stepped"]]
             if skipped and len(skipped) < len(taken):
                 stepped = [r for r in range(len(taken)) if r not in skipped]
-                return (f"step {step + 1}: rank(s) {skipped} skipped the step and rank(s) {stepped} took it -- an "
-                        f"overflow on any rank must skip the step on every rank: each rank sees only its shard of the "
-                        f"gradients, so the ranks must agree (one flag, all-reduced with MAX)")
+                return (f"step {step + 1}: the ranks disagree -- rank(s) {skipped} skipped the step, rank(s) {stepped} "
+                        f"took it (rank {stepped[0]}'s masters moved): an overflow on any rank must skip the step on "
+                        f"every rank; each rank sees only its shard of the gradients, so the ranks must agree (one "
+                        f"flag, all-reduced with MAX)")
         problem = next((record["problem"] for record in taken if record["problem"]), None)
         if problem:
             return problem
-        busiest = max(record["all_reduces"] for record in taken)
-        if busiest > 1:
-            return (f"step {step + 1}: a rank called all_reduce {busiest} times -- agreeing on the overflow costs one "
-                    f"all-reduce of one flag per step (unscale_ decides once per step: clipping calls it before step)")
+        busiest = max(range(len(taken)), key=lambda r: taken[r]["all_reduces"])
+        if taken[busiest]["all_reduces"] > 1:
+            return (f"step {step + 1}, rank {busiest}'s all-reduces: {taken[busiest]['all_reduces']}, too large a count "
+                    f"-- agreeing on the overflow costs one all-reduce of one flag a step (unscale_ decides once a "
+                    f"step: clipping calls it before step)")
     return None
 
 
