@@ -123,17 +123,14 @@ EXPECTED: dict[str, str] = {
 #: Planted mistakes the checker passes -- holes in the checker, each with why it is not caught.  Their test is a
 #: strict xfail: once the checker catches one, the test says so, and its row moves out of here.
 HOLES: dict[str, str] = {
-    "ddp/first_dtype_only": "the checker never draws a model with two dtypes (the mixed task): one flat buffer is "
-                            "all there is",
-    "zero3/uses_the_buffers_in_reverse": "it shows only in a unit of two flat groups -- two param groups with the "
-                                         "optimizer built before wrapping, the unit not replicated -- which 25 drawn "
-                                         "examples do not reach (40 do: a view error in group.use, not naming the "
-                                         "group)",
 }
 
 #: Planted mistakes caught, but with a verdict that does not yet name all it must (tests/test_lab_mistakes.py says
 #: what is missing): a strict xfail on the words only, so the test says when the verdict improves.
 VAGUE: dict[str, str] = {
+    "zero3/uses_the_buffers_in_reverse": "caught on the checker's explicit corner (two param groups: two flat groups "
+                                         "in a unit) by a view error at the learner's group.use line: the line, not "
+                                         "which group got the other's buffer",
     "compress/no_sync_never_restores": "the stage's own guard raises (step() after backward passes inside no_sync() "
                                        "only): true, but not that the learner's no_sync() left synchronisation off",
     "ddp/every_module_parameter": "an AttributeError on a None .grad: which parameter had none (frozen, unused) is "
