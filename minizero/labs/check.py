@@ -21,7 +21,7 @@ import time
 import weakref
 from dataclasses import dataclass, field, replace
 
-from hypothesis import HealthCheck, Phase, example, given, reporting, settings
+from hypothesis import HealthCheck, Phase, given, reporting, settings
 
 from ..lab.equivalence import judge
 from ..lab.experiment import reference_of
@@ -124,9 +124,8 @@ class Checker:
             raise Failed(raised_at_import(raised[0]) if importing else str(raised[0]), final=importing)
         return results
 
-    def search(self, strategy, examine, describe, explicit: tuple = ()) -> None:
-        """Draw examples until ``examine(drawn)`` returns ``(why, results)``; shrink; raise :class:`Failed`.
-        ``explicit``: cases tried first, whatever the draws -- corners a few derandomized draws rarely reach."""
+    def search(self, strategy, examine, describe) -> None:
+        """Draw examples until ``examine(drawn)`` returns ``(why, results)``; shrink; raise :class:`Failed`."""
         best: dict = {}
 
         @settings(max_examples=self.examples, derandomize=True, database=None, deadline=None, print_blob=False,
@@ -151,8 +150,6 @@ class Checker:
                 best.update(key=key, drawn=drawn, why=found[0], results=found[1], until=until)
                 raise _Falsified(found[0])
 
-        for case in reversed(explicit):
-            prop = example(drawn=case)(prop)
         with reporting.with_reporter(lambda *_: None):
             try:
                 prop()
