@@ -57,10 +57,11 @@ def _explain_one(results, want: dict, before: dict, name: str, step: int, rank: 
     mine = got[rank]
     wrong = ((mine - ref).abs() > tol).reshape(-1)
     part = ""
-    if 0 < int(wrong.sum()) < wrong.numel():
-        idx = wrong.nonzero().reshape(-1)
-        part = (f"; {int(wrong.sum())} of its {wrong.numel()} elements are wrong (flat indices {int(idx[0])}-"
-                f"{int(idx[-1])}), the others match -- a range left out, or a shard's offset?")
+    idx = wrong.nonzero().reshape(-1)
+    if 0 < len(idx) < wrong.numel() and int(idx[-1] - idx[0]) + 1 == len(idx):  # one block, the rest right:
+        # a range's doing (a shard's offset, a piece left out) -- not rounding, which scatters over the tensor
+        part = (f"; {len(idx)} of its {wrong.numel()} elements are wrong (flat indices {int(idx[0])}-"
+                f"{int(idx[-1])}, one block), the others match -- a range left out, or a shard's offset?")
     same = " (the same on every rank)" if len(got) > 1 else ""
     return f"{at}{same} is off by {(mine - ref).abs().max().item():.3g}: {_update(mine - start, ref - start, tol, n, accum)}{part}"
 
