@@ -117,43 +117,58 @@ def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:
     one step of ``exp`` never calls (a class the stage does not use, say): each in words; [] when all run; None
     when the step raised (whether they run is then unknown: the properties report the error)."""
     try:
-        module = load_file(impl.path)
-        mine, problems = {}, []
-        for todo in impl.lab.todo:
-            owner, method = todo.split(".")
-            cls = getattr(module, owner, None)
-            fn = inspect.unwrap(getattr(cls, method, None)) if cls is not None else None
-            code = getattr(fn, "__code__", None)
-            if code is None or os.path.realpath(code.co_filename) != os.path.realpath(impl.path):
-                problems.append(f"your file does not define {todo}" + (
-                    f" (your {owner} inherits it: it would run {_where(code)}, not yours)" if code is not None else ""))
-            else:
-                mine[code] = todo
-        called: set = set()
-
-        def profile(frame, event, arg):
-            if event == "call" and frame.f_code in mine:
-                called.add(frame.f_code)
-
+        mine, problems = learners_methods(impl)
         if problems:
             return problems
-        threading.setprofile(profile)  # the communication thread starts within the run: it is watched too
-        sys.setprofile(profile)
-        try:
-            run_experiment(me, replace(exp, stages=impl.stages()))
-        except Exception:  # noqa: BLE001 -- a method that raises (a blank one) is the properties' to report, on
-            return None    # the smallest case they find
-        finally:
-            sys.setprofile(None)
-            threading.setprofile(None)
-        never = [todo for code, todo in mine.items() if code not in called]
+        never = never_called(mine, lambda: run_experiment(me, replace(exp, stages=impl.stages())))
         if never:
             owners = sorted({todo.split(".")[0] for todo in never})
-            problems.append(f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called in a training "
-                            f"step: is your {' and '.join(owners)} the class the stage uses?")
-        return problems
+            return [f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called in a training "
+                    f"step: is your {' and '.join(owners)} the class the stage uses?"]
+        return never
     except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
         return Raised.now(me.rank, error, impl.path)
+
+
+def learners_methods(impl: Impl) -> tuple[dict, list[str]]:
+    """``({code: "Class.method"}, problems)``: each lab method the learner's file defines itself, and, in words,
+    each it does not -- it would inherit the skeleton's (which raises) or the package's."""
+    module = load_file(impl.path)
+    mine, problems = {}, []
+    for todo in impl.lab.todo:
+        owner, method = todo.split(".")
+        cls = getattr(module, owner, None)
+        fn = inspect.unwrap(getattr(cls, method, None)) if cls is not None else None
+        code = getattr(fn, "__code__", None)
+        if code is None or os.path.realpath(code.co_filename) != os.path.realpath(impl.path):
+            problems.append(f"your file does not define {todo}" + (
+                f" (your {owner} inherits it: it would run {_where(code)}, not yours)" if code is not None else ""))
+        else:
+            mine[code] = todo
+    return mine, problems
+
+
+def never_called(mine: dict, run) -> list[str] | None:
+    """``run()`` watched on every thread (a communication thread it starts too): the ``mine`` methods it never
+    called; None when it raised or returned a :class:`Raised` -- whether they run is then unknown, and the
+    properties report the error, on the smallest case they find."""
+    called: set = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in mine:
+            called.add(frame.f_code)
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        if isinstance(run(), Raised):
+            return None
+    except Exception:  # noqa: BLE001 -- a method that raises (a blank one) is the properties' to report
+        return None
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return [todo for code, todo in mine.items() if code not in called]
 
 
 def _where(code) -> str:

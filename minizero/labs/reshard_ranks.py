@@ -8,9 +8,6 @@ continuation.  A rank reports its own exception as a value, in the learner's wor
 from __future__ import annotations
 
 import copy
-import inspect
-import os
-import sys
 from dataclasses import replace
 
 from ..checkpoint.flat import FlatShard, load_flat_shards, save_flat_shards
@@ -20,8 +17,8 @@ from ..lab.result import RankResult
 from ..lab.tasks import TASKS
 from ..launch import Rank
 from ..train import shard_step, train_step
-from .loading import Impl, load_file, shown
-from .ranks import Raised
+from .loading import Impl
+from .ranks import Raised, learners_methods, never_called
 
 
 def _train(me: Rank, exp, stage, model) -> RankResult:
@@ -71,38 +68,13 @@ def yours_reshard(me: Rank, impl: Impl, exp, saved: list[list[FlatShard]]) -> li
     file, and each called while this rank builds its shards (:func:`minizero.labs.ranks.yours_run`'s words);
     None when the reshard raised (the properties report it)."""
     try:
-        module = load_file(impl.path)
-        mine, problems = {}, []
-        for todo in impl.lab.todo:
-            owner, method = todo.split(".")
-            cls = getattr(module, owner, None)
-            fn = inspect.unwrap(getattr(cls, method, None)) if cls is not None else None
-            code = getattr(fn, "__code__", None)
-            if code is None or os.path.realpath(code.co_filename) != os.path.realpath(impl.path):
-                problems.append(f"your file does not define {todo}" + (
-                    f" (your {owner} inherits it: it would run {shown(code.co_filename)}:{code.co_firstlineno}, "
-                    f"not yours)" if code is not None else ""))
-            else:
-                mine[code] = todo
+        mine, problems = learners_methods(impl)
         if problems:
             return problems
-        called: set = set()
-
-        def profile(frame, event, arg):
-            if event == "call" and frame.f_code in mine:
-                called.add(frame.f_code)
-
-        sys.setprofile(profile)
-        try:
-            ran = resume_run(me, impl, replace(exp, steps=0), saved, train=False)
-        finally:
-            sys.setprofile(None)
-        if isinstance(ran, Raised):
-            return None
-        never = [todo for code, todo in mine.items() if code not in called]
+        never = never_called(mine, lambda: resume_run(me, impl, replace(exp, steps=0), saved, train=False))
         if never:
-            problems.append(f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called while a "
-                            f"rank builds its shards: does your reshard call it?")
-        return problems
+            return [f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called while a rank builds "
+                    f"its shards: does your reshard call it?"]
+        return never
     except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
         return Raised.now(me.rank, error, impl.path)
