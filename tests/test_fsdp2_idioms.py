@@ -206,3 +206,43 @@ def test_the_reference_with_its_optimizer_built_after_wrapping_is_bit_for_bit_th
     got, want = (pools.run(n, run_experiment, e)[0] for e in (replace(exp, wrap_first=True), exp))
     for step, (a, b) in enumerate(zip(got.params, want.params, strict=True)):
         assert all(torch.equal(a[k], b[k]) for k in b), (step, exp)
+
+
+# ---------------------------------------------------------------------------- a loop with no snapshot between steps
+def _users_loop(me, stage_name: str, steps: int):
+    """An FSDP2 user's loop, and nothing else: the optimizer over ``stage.parameters()``, ``model.zero_grad()``
+    between its ``step()`` and the next forward -- no state dict read between steps (reading one shares the
+    updated shards, which would hide a stage that never does)."""
+    from minizero.comm import Ledger
+    model = Blocks()
+    comm = make_comm("ring", check=True)
+    stage = make_stage(stage_name, model, None, comm, find_unused_parameters=True)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    ledger = Ledger()
+    comm.add_observer(ledger)
+    for step in range(steps):
+        model.zero_grad()
+        total = sum(5 + r + 10 * step for r in range(WORLD))
+        (_loss(stage(_batch(me.rank + 10 * step)), total) * WORLD).backward()
+        optimizer.step()
+    sent = dict(ledger.sent)
+    comm.remove_observer(ledger)
+    return stage.full_state_dict(), sent
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_model_zero_grad_between_an_outside_step_and_the_next_forward_still_shares_the_step(pools, stage):
+    """ZeRO-1/2 with the optimizer outside share the stepped shards at the next forward; a ``model.zero_grad()``
+    in between once made them forget which groups had stepped: no all-gather at all, every rank training on its own
+    stale copy of the others' shards -- hidden wherever a state dict was read between steps."""
+    model = Blocks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        optimizer.zero_grad()
+        x = torch.cat([_batch(r + 10 * step) for r in range(WORLD)])
+        _loss(model(x), x.shape[0]).backward()
+        optimizer.step()
+    for state, sent in pools.run(WORLD, _users_loop, stage, 3):
+        assert sent.get("all_gather", 0) > 0, sent
+        for name, want in model.named_parameters():
+            assert torch.allclose(state[name], want, rtol=1e-10, atol=1e-12), (name, (state[name] - want).abs().max())

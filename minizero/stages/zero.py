@@ -59,6 +59,7 @@ class ZeRO(Stage):
         self.user_optimizer = optimizer
         self.groups: list[FlatGroup] = []
         self._shared_versions: list[int] = []  # each group's version counter when last all-gathered
+        self._unshared: set[int] = set()  # parameters with a gradient since the last all-gather (stepped, not shared)
         self._nothing: dict[str, nn.Parameter] = {}  # the empty pieces of parameters this rank owns none of
         self._synchronised_at_share = 0  # self.synchronised when the full parameters were last made current
 
@@ -155,15 +156,24 @@ class ZeRO(Stage):
 
     # ------------------------------------------------------------ after the step
     def stepped_groups(self):
-        """``(index, group)`` of the flat groups the last step changed: those with a gradient anywhere -- the
-        ones whose updated shards must be shared (a group no rank had a gradient for did not move)."""
+        """``(index, group)`` of the flat groups the last step changed: those with a gradient anywhere since the
+        last all-gather -- the ones whose updated shards must be shared (a group no rank had a gradient for did not
+        move).  Since the last all-gather, not since the last ``zero_grad()``: with the optimizer outside the stage,
+        a loop's ``model.zero_grad()`` comes between its ``optimizer.step()`` and the next forward, which shares."""
+        stepped = self._has_grad | self._unshared
         return [(g, group) for g, group in enumerate(self.groups)
-                if any(id(s.param) in self._has_grad for s in group.segments)]
+                if any(id(s.param) in stepped for s in group.segments)]
+
+    def forget_gradients(self, set_to_none: bool) -> None:
+        """As every stage's, but what had a gradient stays to be shared until the next all-gather."""
+        self._unshared |= self._has_grad
+        super().forget_gradients(set_to_none)
 
     def remember_shared(self) -> None:
         """The full parameters are current now (all-gathered, or loaded): note each group's version."""
         self._shared_versions = [self._version_of(group) for group in self.groups]
         self._synchronised_at_share = self.synchronised
+        self._unshared.clear()
 
     def stepped_outside(self) -> bool:
         """Did anything write the owned shards since the last all-gather -- an optimizer built over
