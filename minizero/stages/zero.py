@@ -272,9 +272,20 @@ class ZeRO(Stage):
         return self._require_optimizer("shard_optimizer_state_dict").state_dict()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        if self.stepped_outside():  # ZeRO-1/2: the full parameters first catch up with the shards
-            self.all_gather_parameters()
-        return super().full_state_dict()
+        """The shards stepped outside the stage are shared at the next forward; a state dict read before it reads
+        them without sharing them.  A state dict observes: sharing here -- as it once did -- hid a stage that never
+        shared (the experiments read one after every step)."""
+        state = super().full_state_dict()
+        if not self.stepped_outside() or self.master is not None:  # (the masters are read whole already)
+            return state
+        values = {}
+        for g, group in enumerate(self.groups):
+            full = group.data.new_empty(group.shard_size * group.world_size)
+            self.gather(full, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters, read"))
+            values.update({id(s.param): v for s, v in zip(group.segments, group.unpack_full(full), strict=True)})
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            state[name] = values.get(id(p), state[name])
+        return state
 
     # ------------------------------------------------------------ checkpoints
     def sharded_names(self) -> list[str]:
