@@ -16,8 +16,9 @@ from pathlib import Path
 from ..checkpoint.flat import Reshard
 from ..comm import Comm, RingComm
 from ..comm.tree import TreeComm
+from ..precision import Precision
 from ..stages import DDP, STAGES, BucketedDDP, LocalSGD, Stage, ZeRO1, ZeRO2, ZeRO3
-from . import mistakes, mistakes_local_sgd
+from . import mistakes, mistakes_local_sgd, mistakes_precision
 
 SKELETONS = Path(__file__).parent / "skeletons"
 #: The skeletons' levels, the default first: the contract alone, then the contract with hints.
@@ -74,6 +75,9 @@ LABS: dict[str, Lab] = _labs(
     Lab("ring", "lessons/01_collectives_from_send_recv.ipynb", "the ring reduce-scatter and all-gather from send/recv",
         RingComm, ("Ring._ring_reduce_scatter", "Ring._ring_all_gather"),
         ("collectives", "ring bytes and messages", "training over your ring"), precision=False),
+    Lab("tree", "lessons/01_collectives_from_send_recv.ipynb", "a binomial-tree all-reduce from send/recv",
+        TreeComm, ("Tree._tree_reduce", "Tree._tree_broadcast"),
+        ("tree results", "tree rounds and bytes", "training over your tree"), precision=False),
     Lab(DDP.name, "lessons/02_ddp_allreduce.ipynb", "DDP's gradient synchronisation", DDP, ("DDP.post_backward",),
         STAGE_PROPERTIES, (mistakes.SumInsteadOfMean, mistakes.SyncsWeights, mistakes.DropsLastParameter)),
     Lab(BucketedDDP.name, "lessons/03_bucketing_and_overlap.ipynb", "buckets launched during backward", BucketedDDP,
@@ -93,17 +97,13 @@ LABS: dict[str, Lab] = _labs(
         ZeRO3, ("Unit.unshard", "Unit.pre_forward", "Unit.post_forward", "Unit.pre_backward",
                 "Unit.post_backward"), STAGE_PROPERTIES + ("memory",),
         (mistakes.NeverReshards, mistakes.StaleAfterBackward)),
-    # -- new labs (issue 26), one entry each, in lesson order of their own:
-    Lab("tree", "lessons/01_collectives_from_send_recv.ipynb", "a binomial-tree all-reduce from send/recv",
-        TreeComm, ("Tree._tree_reduce", "Tree._tree_broadcast"),
-        ("tree results", "tree rounds and bytes", "training over your tree"), precision=False),
     Lab("mixed-precision", "lessons/08_mixed_precision.ipynb",
         "the mixed-precision step: unscale, agree on overflow, step the fp32 masters, refresh the 16-bit copy", ZeRO2,
         ("MasterWeights.unscale_", "MasterWeights._agree_on_overflow", "MasterWeights.step", "MasterWeights.refresh"),
         ("mixed-precision step", "mixed-precision training"),
-        __import__("minizero.labs.mistakes_precision", fromlist=["MISTAKES"]).MISTAKES,
+        mistakes_precision.MISTAKES,
         # fp16 at a scale that does not overflow: the first check needs one step taken (all four methods run)
-        options={"precision": __import__("minizero.precision", fromlist=["Precision"]).Precision("fp16", loss_scale=16.0)},
+        options={"precision": Precision("fp16", loss_scale=16.0)},
         precision=False),  # the lab draws its precisions itself
     Lab("reshard", "lessons/10_training_runs.ipynb", "resharding a flat ZeRO checkpoint from N ranks to M", Reshard,
         ("Reshard.owned_range", "Reshard.reshard"), ("reshard ranges", "resumed on M ranks"), precision=False,
