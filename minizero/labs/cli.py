@@ -29,7 +29,8 @@ def add_commands(sub) -> None:
 
 def lab_main(args) -> tuple[int, str]:
     if args.list or args.name is None:
-        return 0, "\n".join(f"{name:<13}{lab.title}  ({lab.lesson}; you write {', '.join(lab.todo)})"
+        width = max(map(len, LABS)) + 2
+    return 0, "\n".join(f"{name:<{width}}{lab.title}  ({lab.lesson}; you write {', '.join(lab.todo)})"
                             for name, lab in LABS.items())
     try:
         path = start(args.name, args.to, args.level)
