@@ -10,7 +10,7 @@ import torch
 
 from minizero.checkpoint.flat import FlatShard, Reshard
 from minizero.labs import check
-from minizero.labs.catalogue import LABS, SKELETONS
+from minizero.labs.catalogue import LABS
 from minizero.labs.check import Checker
 from minizero.labs.failed import Failed
 from minizero.labs.loading import Impl
@@ -19,16 +19,6 @@ from minizero.labs.property_table import PROPERTIES
 
 HERE = Path(__file__).parent
 RANGES = "every rank's new shard holds exactly its range"
-
-#: Each planted slip and words its verdict must have (every one fails the ranges property).
-PLANTED = {
-    "floor_shard_size": "parameters: shape (",
-    "last_shard_unpadded": "parameters: shape (",
-    "both_moments_from_exp_avg": "they are its optimizer state 'exp_avg'",
-    "step_summed": "optimizer state 'step'",
-    "pads_every_saved_shard": "of the group's flat parameters",
-    "state_not_resharded": "optimizer state 'exp_avg': shape (",
-}
 
 
 def quiet(_):
@@ -55,20 +45,6 @@ def test_resharding_n_to_m_is_laying_out_at_m(n, m):
         assert got.state["step"].item() == 3.0 and (got.rank, got.world_size, got.numel) == (r, m, 10)
 
 
-@pytest.mark.parametrize("level", ["contract", "guided"])
-def test_a_blank_skeleton_fails_naming_the_method(pools, level):
-    report = check("reshard", impl=SKELETONS / level / "reshard.py", examples=3, pools=pools, out=quiet, shrink_s=1.0)
-    assert report.failed == RANGES and report.case.startswith("world size 1 -> "), report
-    assert "NotImplementedError: write Reshard.reshard" in report.why, report.why
-
-
-@pytest.mark.parametrize("level", ["contract", "guided"])
-def test_the_answer_key_passes_at_both_levels(pools, level):
-    report = check("reshard", impl=HERE / "lab_solutions" / level / "reshard.py", examples=4, pools=pools, out=quiet)
-    assert report.ok, (report.failed, report.why, report.case)
-    assert report.passed[0] == "your methods are what runs"
-
-
 def test_a_file_that_leaves_a_method_to_the_package_fails_naming_it(pools, tmp_path):
     """A reshard written without its owned_range: the base's raises, so the file's reshard cannot call it -- and one
     that computes the range inline, leaving owned_range unused, is named too."""
@@ -83,14 +59,6 @@ def test_a_file_that_leaves_a_method_to_the_package_fails_naming_it(pools, tmp_p
     empty.write_text("from minizero.checkpoint.flat import Reshard as Given\n\n\nclass Reshard(Given):\n    pass\n")
     report = check("reshard", impl=empty, examples=2, pools=pools, out=quiet)
     assert "your file does not define Reshard.owned_range" in report.why, report.why
-
-
-@pytest.mark.parametrize("name", PLANTED)
-def test_a_planted_mistake_fails_on_the_property_it_breaks(pools, name):
-    path = HERE / "lab_mistakes" / "reshard" / f"{name}.py"
-    report = check("reshard", impl=path, examples=5, pools=pools, out=quiet, shrink_s=1.0)
-    assert report.failed == RANGES and PLANTED[name] in report.why, (report.why, report.case)
-    assert report.mistake is None  # planted: none of the known mistakes
 
 
 @pytest.mark.parametrize("mistake", RESHARD_MISTAKES, ids=lambda m: m.name)
