@@ -14,7 +14,7 @@ from minizero.comm import make_comm
 from minizero.lab.experiment import Experiment, run_experiment
 from minizero.lab.models import MLP, EdgeModel
 from minizero.launch import RankError
-from minizero.stages import make_stage
+from minizero.stages import BucketedDDP, make_stage
 from minizero.train import shard_step, train_step
 from tests.equivalence import covering, examples, experiments, run_and_check
 
@@ -214,3 +214,36 @@ def test_a_bucket_is_sent_only_when_all_its_gradients_are_final(pools):
     want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     for got in pools.run(2, _one_bucket_across_a_slow_layer):
         assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+
+
+class _LaunchRunsTheCollective(BucketedDDP):
+    """A bucket's launch that runs the all-reduce and returns its result -- None -- instead of a function."""
+    name = "launch-runs-it"
+
+    def _all_reduce(self, index: int):
+        super()._all_reduce(index)()
+
+
+def _launch_returns_none(me):
+    from minizero.comm import make_comm
+    from minizero.lab.models import MLP
+    model = MLP((3, 4, 2), seed=0, dtype=torch.float64)
+    stage = _LaunchRunsTheCollective(model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"))
+    try:
+        stage(torch.ones(2, 3, dtype=torch.float64)).sum().backward()
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_launch_that_returns_no_function_is_named(pools):
+    said = pools.run(2, _launch_returns_none)[0]
+    assert "launching bucket 0 returned None, not a function" in said and "must return the collective" in said, said
+
+
+def test_a_ring_step_on_one_rank_is_refused_before_gloo_sees_it():
+    from minizero.comm import RingComm
+    ring = RingComm.__new__(RingComm)
+    ring.rank, ring.world_size = 0, 1
+    with pytest.raises(RuntimeError, match="a ring of N ranks takes N - 1 steps per phase, none at N = 1"):
+        ring._send_right_recv_left(torch.ones(1), torch.empty(1), "all-gather", 0)
