@@ -24,7 +24,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minizero.__main__ import main as cli
-from minizero.lab.costs import memory_problem
 from minizero.lab.experiment import Experiment, exact_reference_of, reference_of, run_experiment
 from minizero.lab.models import MLP
 from minizero.precision import PRECISIONS, Precision, check_supported
@@ -156,9 +155,9 @@ def test_measured_state_bytes_are_the_papers_formulas(pools, world_size, precisi
         exp = Experiment(stage=stage, task="gpt", optimizer="adam", steps=2, dtype="float32",
                          options={"precision": precision})
         results = pools.run(world_size, run_experiment, exp)
-        psi = results[0].psi
+        psi, held = results[0].psi, max(r.held_bytes["total"] for r in results)  # (a server holds the most)
         formula = STAGES[stage].state_bytes(psi, world_size, 4, 2, precision)
-        assert memory_problem(results, formula) is None, stage
+        assert abs(held - formula) <= 0.02 * formula, (stage, held, formula)
         assert max(r.held_bytes["master"] for r in results) >= 4 * psi / world_size  # fp32 masters, at least 1/N
 
 
