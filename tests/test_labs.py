@@ -169,7 +169,7 @@ def test_lab_command_copies_the_skeleton_at_either_level_and_never_overwrites(tm
 def test_bad_input_is_named(pools, tmp_path, capsys):
     assert main(["check", "ddp", "--impl", str(tmp_path / "missing.py")]) == 2
     assert "no file" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"unknown lab 'ddp3'; the labs: ring, ddp"):
+    with pytest.raises(ValueError, match=r"unknown lab 'ddp3'; the labs: ring, tree, ddp"):
         start("ddp3")
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")

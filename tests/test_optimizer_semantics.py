@@ -74,10 +74,11 @@ def _on_rank(me, stage_name, clear_kind, scenario):
     set_to_none = not clear_kind.endswith("(set_to_none=False)")
     whom = {"stage": stage, "user": optimizer, "sharded": stage.optimizer, "model": model}[clear_kind.split(".")[0]]
     final = _loop(model, stage, lambda s: whom.zero_grad(set_to_none=set_to_none), me.rank, scenario, WORLD)
-    if hasattr(stage, "full_state_dict"):  # zero3: the model holds placeholders between uses
+    if stage_name == "zero3":  # the model holds placeholders between uses: its state dict gathers them
         state = stage.full_state_dict()
         final = torch.cat([state[n].reshape(-1) for n, _ in model.named_parameters()])
-    return final
+    return final  # everyone else: straight from the module, as a user reads it after step() -- a stage that left
+    # its full parameters stale there (all-gathered before the step) shows; its state dict reads the shards
 
 
 # model.zero_grad(): a loop written for FSDP2 or DDP clears the model's gradients -- under ZeRO it used to leave

@@ -30,7 +30,7 @@ def add_commands(sub) -> None:
 def lab_main(args) -> tuple[int, str]:
     if args.list or args.name is None:
         width = max(map(len, LABS)) + 2
-    return 0, "\n".join(f"{name:<{width}}{lab.title}  ({lab.lesson}; you write {', '.join(lab.todo)})"
+        return 0, "\n".join(f"{name:<{width}}{lab.title}  ({lab.lesson}; you write {', '.join(lab.todo)})"
                             for name, lab in LABS.items())
     try:
         path = start(args.name, args.to, args.level)
