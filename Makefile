@@ -35,11 +35,13 @@ demo: install
 lint: install
 	$(PY) -m ruff check minizero tests
 
-# The lessons run two at a time (pytest-xdist): each waits on spawns, kernels and dialled wires as much as on
-# the CPU, and nothing in them is asserted on timing.  The suite itself runs in one process: its timing tests do.
+# First, alone, the tests that measure time (tests/conftest.py marks them `alone`: the dialled network, overlap,
+# the launcher's and the faults' timeouts, the mutants...).  Then the rest beside the lessons, two at a time
+# (pytest-xdist): they wait on spawns, kernels and ranks as much as on the CPU, and nothing in them is asserted on
+# timing.
 test: install lint
-	$(PY) -m pytest -q tests
-	$(PY) -m pytest -q lessons --nbmake --nbmake-timeout=300 -n 2
+	$(PY) -m pytest -q tests -m alone
+	$(PY) -m pytest -q -n 2 -m "not alone" tests lessons --nbmake --nbmake-timeout=300
 
 # Hunting: many more random examples, fresh seeds each run.
 test-deep: install

@@ -18,7 +18,7 @@ HERE = Path(__file__).parent
 #: searches (the checker's default number of drawn examples: the search stops at the first failure, so this costs
 #: only when the slip needs a rarer draw); a slip in a later property (bytes, memory, overlap, nesting) needs the
 #: properties before it to pass, which is not what is tested here, so they draw few.  Shrinking is kept short.
-EXAMPLES = 25
+EXAMPLES = 10
 FEW = 3
 SHRINK_S = 2.0
 
@@ -151,9 +151,18 @@ VALUES = {"equivalence to single-device training", "equivalence to a reference a
           "every collective's result"}
 
 
+#: Slips only some draws show -- a 16-bit rounding in one order and not the other, a window left open that only the
+#: user's own model.zero_grad() exposes: searched with the checker's default number of examples, as a learner's run
+#: is.  (Every other value slip is caught within :data:`EXAMPLES`: the test would fail if one were not.)
+SUBTLE = {"compress/decode_divides_in_16_bits", "compress/encode_casts_then_divides", "zero1/leaves_the_window_open"}
+CHECKERS_DEFAULT = 25
+
+
 def examples_for(key: str) -> int:
     """Drawn examples for the planted mistake ``key``: :data:`EXAMPLES` for a slip in the values, :data:`FEW` for
     one in a later property -- and for a hole, which the table (``python -m tests.lab_mistakes.table``) shows."""
+    if key in SUBTLE:
+        return CHECKERS_DEFAULT
     return EXAMPLES if EXPECTED.get(key) in VALUES and key not in HOLES else FEW
 
 

@@ -13,7 +13,7 @@ import time
 from minizero.labs import check
 from minizero.launch import RankPools
 
-from . import EXAMPLES, EXPECTED, SHRINK_S, key_of, lab_of, planted
+from . import CHECKERS_DEFAULT, EXPECTED, SHRINK_S, key_of, lab_of, planted
 
 
 def _cell(text: str) -> str:
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     try:
         for path in files:
             start = time.monotonic()
-            report = check(lab_of(path), impl=path, examples=EXAMPLES, pools=pools, out=lambda _: None,
+            report = check(lab_of(path), impl=path, examples=CHECKERS_DEFAULT, pools=pools, out=lambda _: None,
                            shrink_s=SHRINK_S)
             seconds = time.monotonic() - start
             expected = EXPECTED.get(key_of(path))
