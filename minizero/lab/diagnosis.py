@@ -63,25 +63,28 @@ def _explain_one(results, want: dict, before: dict, name: str, step: int, rank: 
         part = (f"; {len(idx)} of its {wrong.numel()} elements are wrong (flat indices {int(idx[0])}-"
                 f"{int(idx[-1])}, one block), the others match -- a range left out, or a shard's offset?")
     same = " (the same on every rank)" if len(got) > 1 else ""
-    return f"{at}{same} is off by {(mine - ref).abs().max().item():.3g}: {_update(mine - start, ref - start, tol, n, accum)}{part}"
+    how = update_words(mine - start, ref - start, tol, n, accum)
+    return f"{at}{same} is off by {(mine - ref).abs().max().item():.3g}: {how}{part}"
 
 
-def _update(mine: torch.Tensor, want: torch.Tensor, tol: float, n: int, accum: int) -> str:
-    """How this step's update compares with the reference's: a ratio and a direction."""
+def update_words(mine: torch.Tensor, want: torch.Tensor, tol: float, n: int, accum: int,
+                 theirs: str = "the reference") -> str:
+    """How this step's update compares with ``theirs``' (single-device training's, or a lab's own yardstick -- the
+    package's local SGD): a ratio and a direction."""
     size, wanted = mine.norm().item(), want.norm().item()
     if wanted <= tol:
-        return (f"the reference left it where it was, yours moved it by {mine.abs().max().item():.3g} "
+        return (f"{theirs} left it where it was, yours moved it by {mine.abs().max().item():.3g} "
                 f"(a frozen, unused or zero-gradient parameter stepped?)")
     if size <= tol:
-        return (f"it never moved (the reference moved it by {want.abs().max().item():.3g}): its update was lost -- "
+        return (f"it never moved ({theirs} moved it by {want.abs().max().item():.3g}): its update was lost -- "
                 f"no averaged gradient reached it, or it was overwritten after the step")
     ratio = torch.dot(mine.reshape(-1), want.reshape(-1)).item() / wanted ** 2
     residual = (mine - ratio * want).norm().item() / wanted
     if residual > 0.05:
         cosine = torch.dot(mine.reshape(-1), want.reshape(-1)).item() / (size * wanted)
-        return (f"its update points another way than the reference's (cosine {cosine:.2f}, {size / wanted:.3g}x as "
+        return (f"its update points another way than {theirs}'s (cosine {cosine:.2f}, {size / wanted:.3g}x as "
                 f"long): not a scaling of the right gradient -- other data, another parameter's gradient, or a mix")
-    return f"its update is {ratio:.4g}x the reference's ({_ratio_words(ratio, n, accum)})"
+    return f"its update is {ratio:.4g}x {theirs}'s ({_ratio_words(ratio, n, accum)})"
 
 
 def _ratio_words(ratio: float, n: int, accum: int) -> str:

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 from hypothesis import strategies as st
 
-from ..lab.diagnosis import initial_parameters, what_is_wrong
+from ..lab.diagnosis import initial_parameters, update_words, what_is_wrong
 from ..lab.drawn import experiments
 from ..lab.equivalence import RTOL, agrees, parameter_errors
 from ..lab.experiment import Experiment, reference_of
@@ -82,27 +82,14 @@ def departs(results: list, theirs: list, exp: Experiment) -> str | None:
                                   " -- your ranks disagree after it, the package's agree: no average happened where "
                                   "one should")
                 before = its.params[step - 1][name] if step else initial_parameters(exp)[name]
-                why += " -- " + _update_words(mine.params[step][name] - before, its.params[step][name] - before)
+                why += " -- " + update_words(mine.params[step][name] - before, its.params[step][name] - before,
+                                             rtol * scale, len(results), exp.accum, theirs="the package's")
                 if "outer_lr" in exp.options and (step + 1) % every == 0:
                     return why + (f"; the outer step (DiLoCo, outer lr {exp.options['outer_lr']:g}, momentum "
                                   f"{exp.options['outer_momentum']:g}): the anchor's gradient is anchor - mean, the "
                                   f"outer optimizer steps it, every replica becomes the anchor")
                 return why
     return None
-
-
-def _update_words(mine: torch.Tensor, want: torch.Tensor) -> str:
-    """The update against the package's, in one phrase: never moved, N x (too large or too small), another way."""
-    mine, want = mine.double().flatten(), want.double().flatten()
-    if not mine.abs().max() > 0:
-        return "it never moved, where the package's moved"
-    length = mine.norm().item() / max(want.norm().item(), 1e-300)
-    cosine = float(mine @ want) / max(mine.norm().item() * want.norm().item(), 1e-300)
-    if cosine < -0.999:
-        return f"its update points the opposite direction ({length:.3g}x as long)"
-    if cosine < 0.999:
-        return f"its update points another way than the package's (cosine {cosine:.3f}, {length:.3g}x as long)"
-    return f"its update is {length:.3g}x the package's ({'too large' if length > 1 else 'too small'})"
 
 
 #: Checked first, whatever is drawn: plain averaging over two periods and a step past them, and DiLoCo's Nesterov
