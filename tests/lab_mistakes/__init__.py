@@ -48,7 +48,9 @@ EXPECTED: dict[str, str] = {
     "ddp/rank_zero_divides": EQUIVALENCE,
     "ddp/averages_copies_in_double": EQUIVALENCE,
     "ddp/every_module_parameter": EQUIVALENCE,
-    "ddp_bucketed/marks_inside_no_sync": EQUIVALENCE,
+    # (a race of the learner's own: buckets launched from inside no_sync() race the communication thread, so the
+    # values come out wrong on some runs and only the overlap probe's count on others -- caught either way)
+    "ddp_bucketed/marks_inside_no_sync": (EQUIVALENCE, OVERLAP),
     "ddp_bucketed/all_reduces_on_the_main_thread": OVERLAP,
     "ddp_bucketed/forgets_to_record_use": EQUIVALENCE,
     "ddp_bucketed/all_reduces_a_copy": EQUIVALENCE,
@@ -163,7 +165,13 @@ def examples_for(key: str) -> int:
     one in a later property -- and for a hole, which the table (``python -m tests.lab_mistakes.table``) shows."""
     if key in SUBTLE:
         return CHECKERS_DEFAULT
-    return EXAMPLES if EXPECTED.get(key) in VALUES and key not in HOLES else FEW
+    return EXAMPLES if expected(key)[0] in VALUES and key not in HOLES else FEW
+
+
+def expected(key: str) -> tuple[str, ...]:
+    """The properties ``key`` may fail (most name one)."""
+    want = EXPECTED.get(key, ())
+    return want if isinstance(want, tuple) else (want,)
 
 
 def lab_of(path: Path) -> str:
