@@ -68,7 +68,7 @@ def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[floa
     norm before the step, as ``torch.nn.utils.clip_grad_norm_`` would on one device.
     ``sync_every_micro_batch=True`` leaves out ``no_sync()``: every micro-batch's backward synchronises and
     adds its average to the averaged gradient -- the same update, K reductions per step instead of one
-    (under ZeRO-2 a rank then never holds full gradients between micro-batches: lesson 6 measures both).
+    (under ZeRO-2 a rank then never holds full gradients between micro-batches: lesson 7 measures both).
     ``optimizer``: one built *after* wrapping, over ``stage.parameters()`` (FSDP2's order), which the loop
     zeroes and steps itself; without it the stage's own ``zero_grad()`` and ``step()`` run the optimizer it
     was given.  ``zero_grad``: what the user's loop calls instead to zero the gradients -- ``model.zero_grad()``,

@@ -185,7 +185,7 @@ def test_bad_input_is_named(pools, tmp_path, capsys):
 
 
 def test_a_lab_is_checked_in_mixed_precision_too(pools):
-    """Lesson 8's exercise: the learner's ZeRO in the paper's setting, against the same-recipe reference -- in fp16
+    """Lesson 5's exercise: the learner's ZeRO in the paper's setting, against the same-recipe reference -- in fp16
     too, whose first steps overflow at torch's initial loss scale (the memory is measured on a step taken)."""
     for precision in ("bf16", "fp16"):
         report = check("zero2", precision=precision, examples=3, pools=pools, out=quiet)

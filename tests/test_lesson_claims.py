@@ -1,6 +1,6 @@
 """Claims the lessons make that no other test pins down.
 
-* Lesson 6: reducing every micro-batch (``sync_every_micro_batch``, no ``no_sync()``) is the same update as
+* Lesson 7: reducing every micro-batch (``sync_every_micro_batch``, no ``no_sync()``) is the same update as
   accumulating locally, for K reduce-scatters per step; between micro-batches a ZeRO-2 rank then holds only
   its gradient shard.
 * Lesson 4: minizero's split of the division by N around a 16-bit sum is not FSDP2's -- checked against

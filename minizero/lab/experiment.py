@@ -42,7 +42,7 @@ class Experiment:
     steps: int = 3
     micro_batch: int = 4  # samples per rank per micro-batch
     accum: int = 1  # K micro-batches per optimizer step
-    sync_every_micro_batch: bool = False  # reduce every micro-batch, not once per step (no no_sync(); lesson 6)
+    sync_every_micro_batch: bool = False  # reduce every micro-batch, not once per step (no no_sync(); lesson 7)
     dtype: str = "float64"
     seed: int = 0
     backend: str = "ring"  # ring (send/recv) or native (torch collectives)

@@ -71,7 +71,7 @@ Unit = without(PackageUnit, "unshard", "pre_forward", "post_forward", "pre_backw
 ZeRO3 = without(PackageZeRO3, unit_class=Unit)  # its methods are the package's; its units are the learner's
 
 
-# Lab mixed-precision (lesson 8): the step through the fp32 masters is the learner's; the stage around it is ZeRO-2's,
+# Lab mixed-precision (lesson 5): the step through the fp32 masters is the learner's; the stage around it is ZeRO-2's,
 # whose ranks each see only their shard of the averaged gradient -- an inf in one rank's gradient lands in one
 # rank's shard, so only an overflow verdict agreed across ranks skips the step everywhere.
 MasterWeights = without(PackageMasterWeights, "unscale_", "_agree_on_overflow", "step", "refresh")

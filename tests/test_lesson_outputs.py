@@ -1,0 +1,115 @@
+"""What a lesson prints is today's, and is nobody's machine.
+
+* Every block of source a lesson prints went through :func:`minizero.lab.show.show_source`; rendered again from
+  today's code it must read the same, line for line.  A lesson that calls ``inspect.getsource`` itself escapes the
+  check, so that is refused too.
+* No committed output holds an absolute path: a learner reading the notebook on the web should not see the path of
+  the machine that ran it (and a path is a sign the output depends on where it ran).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import re
+from itertools import zip_longest
+from pathlib import Path
+
+import pytest
+
+from minizero.lab.show import render_source
+
+LESSONS = sorted((Path(__file__).resolve().parent.parent / "lessons").glob("*.ipynb"))
+HEADER = re.compile(r"^# source of (\S+)  \(([^,()]+)(?:, lines (.+) to (.+))?\)$")
+#: A path from the root of a file system: /home/..., /tmp/..., a venv's site-packages, C:\...
+ABSOLUTE = re.compile(r"(?<![\w.:/~-])/(?:home|work|tmp|Users|root|usr|opt|var|private|mnt|srv|etc|nix)/"
+                      r"|site-packages|[A-Za-z]:\\\\")
+
+
+def _cells(path: Path):
+    return json.loads(path.read_text())["cells"]
+
+
+def _texts(cell) -> list[str]:
+    """Every text a code cell's committed outputs hold (streams, results, errors)."""
+    texts = []
+    for out in cell.get("outputs", []):
+        if "text" in out:
+            texts.append("".join(out["text"]))
+        for mime, value in out.get("data", {}).items():
+            if mime.startswith("text/") or mime == "application/json":
+                texts.append(value if isinstance(value, str) else "".join(value))
+        if "traceback" in out:
+            texts.append("\n".join(out["traceback"]))
+    return texts
+
+
+def _resolve(dotted: str):
+    """The object named ``module.path.Class.method``: the longest importable prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def printed_sources(path: Path):
+    """(cell number, name, printed lines, today's lines) for every source block the lesson printed."""
+    for number, cell in enumerate(_cells(path)):
+        if cell["cell_type"] != "code":
+            continue
+        for text in _texts(cell):
+            lines = text.splitlines()
+            for i, line in enumerate(lines):
+                match = HEADER.match(line)
+                if not match:
+                    continue
+                name, _, start, stop = match.groups()
+                marks = [ast.literal_eval(m) if m is not None else None for m in (start, stop)]
+                today = render_source(_resolve(name), *marks).splitlines()
+                yield number, name, lines[i:i + len(today)], today
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_printed_source_is_todays(path):
+    for number, cell in enumerate(_cells(path)):
+        if cell["cell_type"] == "code":
+            assert "getsource(" not in "".join(cell["source"]), (
+                f"{path.name} cell {number} prints source with inspect.getsource: print it with "
+                f"minizero.lab.show.show_source, which the suite holds to today's code")
+    for number, name, printed, today in printed_sources(path):
+        assert printed == today, (
+            f"{path.name} cell {number} prints {name} as it was, not as it is: re-execute the lesson "
+            f"(first difference at line {next(i for i, (a, b) in enumerate(zip_longest(printed, today)) if a != b)})")
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_no_output_holds_an_absolute_path(path):
+    for number, cell in enumerate(_cells(path)):
+        if cell["cell_type"] != "code":
+            continue
+        for text in _texts(cell):
+            found = ABSOLUTE.search(text)
+            assert found is None, (f"{path.name} cell {number} prints a path of the machine that ran it: "
+                                   f"...{text[max(0, found.start() - 60):found.end() + 60]}...")
+
+
+def test_the_checks_can_fail(tmp_path):
+    """A stale block and a path are found: the two checks above are not vacuous."""
+    from minizero.lab.show import HEADER as FORMAT
+    stale = FORMAT.format(name="minizero.lab.show.show_source", path="minizero/lab/show.py", cut="")
+    nb = {"cells": [{"cell_type": "code", "source": "", "outputs": [
+        {"output_type": "stream", "name": "stdout", "text": stale + "\ndef show_source(obj):\n    pass\n"},
+        {"output_type": "stream", "name": "stderr", "text": "warning in /home/someone/x.py line 3"}]}]}
+    path = tmp_path / "00_stale.ipynb"
+    path.write_text(json.dumps(nb))
+    with pytest.raises(AssertionError, match="as it was, not as it is"):
+        test_printed_source_is_todays(path)
+    with pytest.raises(AssertionError, match="prints a path"):
+        test_no_output_holds_an_absolute_path(path)
+    assert next(printed_sources(path))[3][1].startswith("def show_source(")
