@@ -1,0 +1,43 @@
+"""Lesson 13's table of production names is right about the installed torch, and its check can fail."""
+from __future__ import annotations
+
+import pytest
+
+from minizero.lab.production import ROWS, Ours, Row, Torch, table_markdown, wrong
+
+
+def test_every_checked_name_is_in_the_installed_torch():
+    assert wrong() == []
+
+
+def test_every_torch_row_is_checked_and_every_deepspeed_row_says_it_is_not():
+    for row in ROWS:
+        if row.deepspeed:
+            assert row.verdict().startswith("from DeepSpeed's source, not checked here"), row.name
+        else:
+            assert row.torch and row.verdict().startswith("ok: "), row.name
+
+
+@pytest.mark.parametrize("fact, says", [
+    (Torch("torch.distributed.fsdp.fully_shard_everything"), "does not resolve"),
+    (Torch("torch.distributed.optimizer.ZeRO"), "does not resolve"),  # a name the source documents invent
+    (Torch("torch.nn.parallel.DistributedDataParallel", "bucket_size_mb"), "takes no parameter 'bucket_size_mb'"),
+    (Torch("torch.nn.parallel.DistributedDataParallel", "static_graph", True), "defaults to False, not True"),
+    (Torch("torch.distributed.fsdp.ShardingStrategy", member="ZERO_2"), "has no member ZERO_2"),
+    (Torch("torch.distributed._DEFAULT_FIRST_BUCKET_BYTES", value=25 * 2**20), "is 1048576"),
+    (Torch("torch.distributed.fsdp.fully_shard", "reshard_after_forward", annotation="float"), "does not take float"),
+    (Ours("zero3", "prefetch", 2), "defaults to 1, not 2"),
+    (Ours("zero2", "reshard_after_forward"), "has no option"),
+    (Ours("zero4", "units"), "no stage 'zero4'"),
+])
+def test_a_made_up_name_is_caught(fact, says):
+    row = Row("made up", "nothing", "none", torch=(fact,) if isinstance(fact, Torch) else (),
+              ours=(fact,) if isinstance(fact, Ours) else ())
+    verdict = row.verdict()
+    assert verdict.startswith("WRONG: ") and says in verdict, verdict
+    assert wrong((*ROWS, row)) == [f"made up: {verdict}"]
+    assert "WRONG" in table_markdown((row,))
+
+
+def test_the_table_has_a_line_per_row():
+    assert len(table_markdown().splitlines()) == len(ROWS) + 2
