@@ -180,12 +180,15 @@ ROWS: tuple[Row, ...] = (
         "ddp-bucketed and zero2: bucket_mb=25.0",
         (Torch(_DDP, "bucket_cap_mb", None), Torch("torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB", value=25)),
         (Ours("ddp-bucketed", "bucket_mb", 25.0),)),
-    Row("DDP first bucket", "the first bucket is capped at 1 MiB, so the first all-reduce starts early",
+    Row("DDP first bucket", "with bucket_cap_mb left at None, the first bucket is capped at 1 MiB so the first "
+        "all-reduce starts early; a cap you set applies to every bucket",
         "none: every bucket has the same cap", (Torch("torch.distributed._DEFAULT_FIRST_BUCKET_BYTES", value=2**20),)),
     Row("DDP bucket rebuild",
-        "after the first iteration, re-buckets parameters in the order their gradients became ready",
+        "without find_unused_parameters, the first iteration has one bucket of everything; then buckets are "
+        "rebuilt in the order gradients became ready",
         "none: buckets stay in reverse registration order (minizero.buckets.assign_buckets)",
-        (Torch("torch._C._distributed_c10d.Reducer._rebuild_buckets"),)),
+        (Torch("torch._C._distributed_c10d.Reducer._rebuild_buckets"),
+         Torch("torch.nn.parallel.distributed._BucketCapacityConfig.compute_bucket_size_limits", "static_graph"))),
     Row("DDP gradient_as_bucket_view", ".grad becomes a view into its bucket: no copy, one gradient buffer less",
         "ddp-bucketed always does this", (Torch(_DDP, "gradient_as_bucket_view", False),)),
     Row("DDP static_graph",
@@ -241,3 +244,28 @@ def table_markdown(rows: tuple[Row, ...] = ROWS) -> str:
 def wrong(rows: tuple[Row, ...] = ROWS) -> list[str]:
     """The rows whose facts are not so, with what is wrong: empty when every checked name is right."""
     return [f"{row.name}: {row.verdict()}" for row in rows if row.verdict().startswith("WRONG")]
+
+
+def layouts(named_params: list[tuple[str, "torch.nn.Parameter"]], world_size: int) -> list[dict]:
+    """Who owns how many elements of each parameter, under FSDP2's dim-0 sharding and under minizero's flat layout.
+
+    FSDP2's side uses torch's own ``_chunk_with_empty`` (what ``FSDPParam`` shards with): rank r keeps chunk r of
+    dim 0, padded to chunk 0's size.  minizero's side builds a :class:`~minizero.layout.FlatGroup` per rank over
+    copies of the parameters and reads its pieces.  Per parameter: ``fsdp2`` and ``flat`` are elements held per
+    rank, ``fsdp2_pad`` the padding FSDP2 adds for it; the group's one padding is in the last row's ``flat_pad``."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from minizero.layout import FlatGroup
+    copies = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in named_params]
+    groups = [FlatGroup(copies, rank, world_size) for rank in range(world_size)]
+    rows = []
+    for i, (name, p) in enumerate(named_params):
+        chunks = _chunk_with_empty(p.detach(), world_size, dim=0)
+        held = [c.numel() for c in chunks]
+        padded = chunks[0].numel()
+        flat = [sum(pc.stop - pc.start for pc in g.pieces if pc.segment.name == name) for g in groups]
+        rows.append({"name": name, "shape": tuple(p.shape), "fsdp2": held, "fsdp2_pad": padded * world_size - p.numel(),
+                     "flat": flat})
+    rows[-1]["flat_pad"] = groups[0].shard_size * world_size - groups[0].numel
+    return rows
