@@ -246,7 +246,7 @@ def wrong(rows: tuple[Row, ...] = ROWS) -> list[str]:
     return [f"{row.name}: {row.verdict()}" for row in rows if row.verdict().startswith("WRONG")]
 
 
-def layouts(named_params: list[tuple[str, "torch.nn.Parameter"]], world_size: int) -> list[dict]:
+def layouts(named_params: list[tuple[str, object]], world_size: int) -> list[dict]:
     """Who owns how many elements of each parameter, under FSDP2's dim-0 sharding and under minizero's flat layout.
 
     FSDP2's side uses torch's own ``_chunk_with_empty`` (what ``FSDPParam`` shards with): rank r keeps chunk r of
