@@ -18,7 +18,7 @@ HEADER = "# source of {name}  ({path}{cut})"
 
 def _relative_path(obj) -> str:
     """``minizero/comm/ring.py``, ``torch/distributed/...``: the file from its top-level package down."""
-    file = Path(inspect.getsourcefile(obj)).resolve()
+    file = Path(inspect.getsourcefile(inspect.unwrap(obj))).resolve()  # a decorated function's own file, as getsource
     top = sys.modules[obj.__module__.split(".")[0]]
     root = Path(top.__file__).resolve().parent.parent
     return file.relative_to(root).as_posix()
