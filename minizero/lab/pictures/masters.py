@@ -62,7 +62,7 @@ def draw(stages: list[str], world_size: int, precision: str = "bf16", measured: 
             ax.axvline(x, color="grey", linewidth=0.5)
             x += width
         formula = STAGES[stage].state_formula(MASTER_BYTES, ADAM_STATES, precision)
-        title = f"{stage}: {formula} = {bytes_per_parameter(stage, world_size, precision):g} B per parameter"
+        title = f"{stage}: {formula} = {bytes_per_parameter(stage, world_size, precision):.3g} B per parameter"
         if measured and stage in measured:
             title += f"  (measured {measured[stage]:.2f})"
         ax.set_title(title, fontsize=9, loc="left")
