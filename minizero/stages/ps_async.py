@@ -1,4 +1,4 @@
-"""Stage ``ps-async``: the parameter server without the wait -- and the answer it no longer equals.
+"""Stage ``ps-async``: the parameter server with stale pulls -- and the answer it no longer equals.
 
 In an asynchronous parameter server (Dean et al.'s Downpour SGD, NeurIPS 2012;
 Ho et al.'s Stale Synchronous Parallel, NeurIPS 2013) no worker waits for the
@@ -6,6 +6,12 @@ others: each pulls whatever parameters the servers hold when its request
 arrives, and its gradient reaches the servers after they have already applied
 others'.  So a gradient is computed on parameters ``tau`` updates old.  With
 a staleness bound ``s`` (SSP), ``0 <= tau <= s``.
+
+This stage models the staleness, not the asynchrony: every step is still
+synchronous -- every rank pushes, the servers average all N gradients and
+apply one update -- and only the parameters a rank pulls are old.  It has no
+straggler tolerance and no per-worker updates (Downpour's, Hogwild!'s); lesson
+11 says so.
 
 A real cluster draws ``tau`` from its timing, so no two runs agree and no test
 could replay one.  Here the **schedule** draws it -- seeded, per step and rank
