@@ -85,6 +85,9 @@ class CommThread:
                 future.set_result(fn(*args))
             except BaseException as error:  # noqa: BLE001 -- delivered to whoever waits
                 future.set_exception(error)
+            # Let go of the task now, not when the next one arrives: its closure may hold a bucket's packed full
+            # gradients (ZeRO-2), which would otherwise outlive their reduce-scatter -- the last one past the step.
+            del item, future, fn, args
 
     def stop(self) -> None:
         """Stop once what was submitted is done; do not wait for it."""
