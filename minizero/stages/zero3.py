@@ -61,7 +61,7 @@ class ZeRO3(ZeRO):
                       draw=lambda d: (True, False)),
                Option("prefetch", 1, "units whose all-gather starts ahead of use", natural_int, draw=lambda d: (0, 1, 2)),
                Option("replicate", None, "submodules (or their names) kept whole on every rank and all-reduced, not "
-                      "sharded -- FSDP2's modules left outside fully_shard", None, draw=lambda d: REPLICATED.get(d.task, ())),
+                      "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: REPLICATED.get(d.task, ())),
                *WIRE_AND_USE)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
 
