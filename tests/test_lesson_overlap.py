@@ -30,3 +30,15 @@ def test_the_first_bucket_completes_during_backward_and_the_embeddings_bucket_la
     assert complete == sorted(complete), "buckets complete in index order: the order ReadyOrder launches them"
     assert complete[0] < len(ready) - 1 and complete[-1] == len(ready) - 1
     assert ready[-1].endswith("embedding.weight") and ready[-1] in buckets[-1].names
+
+
+def test_at_0_05_mib_each_block_weight_matrix_is_a_bucket_of_its_own():
+    """Lesson 3's bucket sweep: at 0.05 MiB every block's weight matrix is alone in its bucket, 29 buckets in all
+    (the small vectors between them, and the two embeddings with blocks.0.ln1, share)."""
+    model = TASKS["gpt"].make_model(0, torch.float32, **BENCH_GPT)
+    buckets = assign_buckets(list(model.named_parameters()), 0.05)
+    assert len(buckets) == 29
+    for b in buckets:
+        if any(n.startswith("blocks.") and n.endswith(".weight") and "ln" not in n for n in b.names):
+            assert len(b.names) == 1, b.names
+    assert {"position_embedding.weight", "token_embedding.weight"} <= set(buckets[-1].names)
