@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from minizero.lab.production import ROWS, Ours, Row, Torch, table_markdown, wrong
+from minizero.lab.production import ROWS, Ours, Row, Torch, left_out, table_markdown, wrong
 
 
 def test_every_checked_name_is_in_the_installed_torch():
@@ -41,3 +41,11 @@ def test_a_made_up_name_is_caught(fact, says):
 
 def test_the_table_has_a_line_per_row():
     assert len(table_markdown().splitlines()) == len(ROWS) + 2
+
+
+def test_what_minizero_leaves_out_is_read_from_the_table():
+    names = left_out()
+    assert "DDP static_graph" in names and "DeepSpeed offload_optimizer" in names
+    assert all(row.minizero.startswith("none") == (row.name in names) for row in ROWS)
+    extra = Row("made up", "nothing", "none: not built")
+    assert left_out((*ROWS, extra)) == [*names, "made up"]

@@ -1,10 +1,12 @@
 """Lesson 12's picture: the CPU timeline measured here, beside a GPU timeline drawn as a schematic.
 
 The top panel is data: intervals the lesson timed with ``time.perf_counter`` on this machine (the main thread's
-compute, minizero's communication thread holding the dialled wire, a gloo ``Work`` waited on).  The bottom panel
-is *not* measured -- this machine has no GPU -- and says so in its title: it lays out, in order only, what the
-lesson's text says a GPU does (kernels queued on a compute stream, an NCCL kernel on its own stream behind an
-event, ``work.wait()`` as a stream-side wait while the host runs ahead).  Its lengths are arbitrary.
+compute, minizero's communication thread holding the dialled wire, a gloo ``Work`` waited on); a call too short to
+see as a bar is a labelled diamond. The bottom panel is *not* measured -- this machine has no GPU -- and says so in
+its title: it lays out, in order only, what the lesson's text says a GPU does (kernels queued on a compute stream,
+an NCCL kernel on its own stream behind an event, ``work.wait()`` as a stream-side wait while the host runs ahead)
+-- torch's ``async_op=True`` path; with ``async_op=False`` the kernel would sit on the compute stream instead. Its
+lengths are arbitrary.
 """
 from __future__ import annotations
 
@@ -22,13 +24,29 @@ def _lane(ax, y: float, spans, colour: str, labels=None) -> None:
 
 
 def draw_measured(ax, lanes: list[tuple[str, str, list[tuple[float, float]]]], t0: float) -> None:
-    """``lanes``: (name, colour key, [(start, stop), ...]) in seconds from ``perf_counter``; drawn in ms from ``t0``."""
-    for y, (_, kind, spans) in enumerate(lanes):
-        _lane(ax, y, [((a - t0) * 1e3, (b - t0) * 1e3) for a, b in spans], COLOURS[kind])
+    """``lanes``: (name, colour key, [(start, stop), ...]) in seconds from ``perf_counter``; drawn in ms from ``t0``.
+
+    The lanes come from experiments run one after the other, each timed from its own call, so a dashed line
+    parts lanes whose names begin with a different word.  A call shorter than 1% of the axis would be an
+    invisible bar -- and its shortness is the point -- so it is drawn as a diamond labelled with its time."""
+    ms = [[((a - t0) * 1e3, (b - t0) * 1e3) for a, b in spans] for _, _, spans in lanes]
+    right = max((b for spans in ms for _, b in spans), default=1.0)
+    for y, ((name, kind, _), spans) in enumerate(zip(lanes, ms, strict=True)):
+        long = [(a, b) for a, b in spans if b - a >= 0.01 * right]
+        _lane(ax, y, long, COLOURS[kind])
+        for a, b in spans:
+            if b - a < 0.01 * right:
+                ax.plot(a, y, marker="D", markersize=6, color=COLOURS[kind])
+                left = a > 0.7 * right  # near the right edge, the label goes left of the diamond
+                ax.text(a + (-0.015 if left else 0.015) * right, y, f"returned after {b - a:.2f} ms", fontsize=7,
+                        va="center", ha="right" if left else "left")
+        if y and name.split()[0] != lanes[y - 1][0].split()[0]:
+            ax.axhline(y - 0.5, color="#8c8c8c", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(len(lanes)), [name for name, _, _ in lanes], fontsize=8)
+    ax.set_xlim(-0.02 * right, 1.05 * right)  # a diamond at 0 ms stays whole
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the collective was issued (measured on this machine)")
-    ax.set_title("CPU, measured: minizero's thread and gloo's Work", fontsize=9)
+    ax.set_xlabel("ms since each experiment's call (measured on this machine)")
+    ax.set_title("CPU, measured: minizero's thread and gloo's Work, one experiment after the other", fontsize=9)
 
 
 def draw_gpu_schematic(ax) -> None:
@@ -50,7 +68,8 @@ def draw_gpu_schematic(ax) -> None:
     ax.set_ylim(2.6, -0.6)
     ax.set_xticks([])
     ax.set_xlabel("time (schematic: order only, lengths arbitrary)")
-    ax.set_title("GPU, SCHEMATIC (not measured: no GPU here): one rank, bucketed backward", fontsize=9)
+    ax.set_title("GPU, SCHEMATIC (not measured: no GPU here): one rank, bucketed backward, async_op=True",
+                 fontsize=9)
 
 
 def figure(lanes, t0: float):
