@@ -16,5 +16,7 @@ def test_zero2_frees_each_bucket_at_its_launch_and_keeps_only_shards(pools):
         assert s["buckets"] >= 3 and s["all_freed_at_take"]  # every bucket taken in backward, its .grads gone
         assert [i for i, _ in z.launches] == list(range(s["buckets"]))  # in index order on every rank
         assert z.grad_bytes_after_backward() == z.shard_bytes  # only the averaged shards: 4Ψ/N, padding included
-        assert z.memory[-1][2] == 0  # every packed copy freed within the step
+        # each packed copy is freed when its reduce-scatter has run: none is left once post_backward returns
+        assert next(packed for _, _, packed, why in z.memory if why == "backward done") == 0
+        assert z.memory[-1][2] == 0  # and none outlives the step
         assert s["zero2_grad_peak"] < 4 and s["ddp_min"] == s["ddp_max"] == 4  # ddp-bucketed: 4Ψ at every sample
