@@ -79,15 +79,21 @@ class CommThread:
             if item is None:
                 return
             future, fn, args = item
+            del item
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(*args))
+                outcome, failed = fn(*args), False
             except BaseException as error:  # noqa: BLE001 -- delivered to whoever waits
-                future.set_exception(error)
-            # Let go of the task now, not when the next one arrives: its closure may hold a bucket's packed full
-            # gradients (ZeRO-2), which would otherwise outlive their reduce-scatter -- the last one past the step.
-            del item, future, fn, args
+                outcome, failed = error, True
+            # Let go of the task before anyone hears it is done, not when the next one arrives: its closure may
+            # hold a bucket's packed full gradients (ZeRO-2), which must not outlive their reduce-scatter.
+            del fn, args
+            if failed:
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+            del future, outcome
 
     def stop(self) -> None:
         """Stop once what was submitted is done; do not wait for it."""
