@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from minizero.lab.production import ROWS, Ours, Row, Torch, left_out, table_markdown, wrong
+from minizero.stages import ZeRO2, ZeRO3
 
 
 def test_every_checked_name_is_in_the_installed_torch():
@@ -26,9 +27,9 @@ def test_every_torch_row_is_checked_and_every_deepspeed_row_says_it_is_not():
     (Torch("torch.distributed.fsdp.ShardingStrategy", member="ZERO_2"), "has no member ZERO_2"),
     (Torch("torch.distributed._DEFAULT_FIRST_BUCKET_BYTES", value=25 * 2**20), "is 1048576"),
     (Torch("torch.distributed.fsdp.fully_shard", "reshard_after_forward", annotation="float"), "does not take float"),
-    (Ours("zero3", "prefetch", 2), "defaults to 1, not 2"),
-    (Ours("zero2", "reshard_after_forward"), "has no option"),
-    (Ours("zero4", "units"), "no stage 'zero4'"),
+    (Ours(ZeRO3, "prefetch", 2), "defaults to 1, not 2"),
+    (Ours(ZeRO2, "reshard_after_forward"), "has no option"),
+    (Ours(type("ZeRO4", (ZeRO3,), {"name": "zero4"}), "units"), "registers no stage 'zero4'"),
 ])
 def test_a_made_up_name_is_caught(fact, says):
     row = Row("made up", "nothing", "none", torch=(fact,) if isinstance(fact, Torch) else (),

@@ -174,9 +174,9 @@ def transformer_params(layers: int, hidden: int) -> int:
 def zero3_step(layers: int, hidden: int, ranks: int, network: Network, element: int = 2) -> tuple[float, float]:
     """(bytes each rank sends, seconds of ring collectives) per step: ZeRO-3 over ``ranks``, one unit per
     block, all-gathered before forward and again before backward, gradients reduce-scattered."""
-    from ..stages import STAGES
+    from ..stages import ZeRO3
     psi = transformer_params(layers, hidden)
-    sent = STAGES["zero3"].sent_bytes_per_step(psi, ranks, element, element)
+    sent = ZeRO3.sent_bytes_per_step(psi, ranks, element, element)
     unit = psi / layers * element
     return sent, layers * (2 * ring_s("all_gather", unit, ranks, network) + ring_s("reduce_scatter", unit, ranks, network))
 

@@ -20,6 +20,8 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
+from ..stages import BucketedDDP, ZeRO2, ZeRO3
+
 #: Where the DeepSpeed rows come from: the class that parses the ``zero_optimization`` block of a config, read in the
 #: source distribution of a release (every key and default in the rows below was compared with it).
 DEEPSPEED_SOURCE = "DeepSpeed 0.19.8's DeepSpeedZeroConfig (deepspeed/runtime/zero/config.py, the PyPI release)"
@@ -88,22 +90,23 @@ class Torch:
 class Ours:
     """minizero's side: stage ``stage`` declares option ``option`` with default ``default``."""
 
-    stage: str
+    stage: type  # the stage's class: its name and options are read from it, never spelled here
     option: str
     default: object = _ANY
 
     def check(self) -> str:
         from minizero.stages import STAGES
-        if self.stage not in STAGES:
-            raise LookupError(f"minizero has no stage {self.stage!r}")
-        declared = {o.name: o.default for o in STAGES[self.stage].options}
+        name = self.stage.name
+        if STAGES.get(name) is not self.stage:
+            raise LookupError(f"minizero registers no stage {name!r} as {self.stage.__name__}")
+        declared = {o.name: o.default for o in self.stage.options}
         if self.option not in declared:
-            raise LookupError(f"stage {self.stage} has no option {self.option!r}")
+            raise LookupError(f"stage {name} has no option {self.option!r}")
         if self.default is not _ANY and declared[self.option] != self.default:
-            raise LookupError(f"{self.stage}({self.option}=...) defaults to {declared[self.option]!r}, "
+            raise LookupError(f"{name}({self.option}=...) defaults to {declared[self.option]!r}, "
                               f"not {self.default!r}")
         said = "" if self.default is _ANY else f"={declared[self.option]!r}"
-        return f"{self.stage}({self.option}{said})"
+        return f"{name}({self.option}{said})"
 
 
 @dataclass(frozen=True)
@@ -137,16 +140,16 @@ ROWS: tuple[Row, ...] = (
     Row("FSDP2 fully_shard(module)",
         "shards each parameter of the module on dim 0 as a DTensor (Shard(0), padded); the module is one unit",
         "zero3: a unit's parameters end to end in one flat buffer, cut in N equal shards; a parameter may "
-        "straddle two ranks", (Torch(f"{_FSDP}.fully_shard", "shard_placement_fn", None),), (Ours("zero3", "units"),)),
+        "straddle two ranks", (Torch(f"{_FSDP}.fully_shard", "shard_placement_fn", None),), (Ours(ZeRO3, "units"),)),
     Row("fully_shard(reshard_after_forward=True)",
         "frees gathered parameters after forward, all-gathers again in backward: 3Ψ bytes per step. "
         "Default None: True except for the root",
         "zero3(reshard_after_forward=True), the default",
-        (Torch(f"{_FSDP}.fully_shard", "reshard_after_forward", None),), (Ours("zero3", "reshard_after_forward", True),)),
+        (Torch(f"{_FSDP}.fully_shard", "reshard_after_forward", None),), (Ours(ZeRO3, "reshard_after_forward", True),)),
     Row("fully_shard(reshard_after_forward=False)",
         "keeps a unit gathered from forward to backward: 2Ψ bytes, unsharded parameters in memory meanwhile",
         "zero3(reshard_after_forward=False)", (Torch(f"{_FSDP}.fully_shard", "reshard_after_forward"),),
-        (Ours("zero3", "reshard_after_forward"),)),
+        (Ours(ZeRO3, "reshard_after_forward"),)),
     Row("fully_shard(reshard_after_forward=<int>)",
         "after forward, reshards to a smaller group (e.g. the node), so backward's all-gather stays in it",
         "none", (Torch(f"{_FSDP}.fully_shard", "reshard_after_forward", annotation="int"),)),
@@ -156,23 +159,23 @@ ROWS: tuple[Row, ...] = (
         "zero3(reshard_after_forward=False); zero2 moves the same 2Ψ but keeps all parameters on every rank",
         (Torch(f"{_FSDP}.ShardingStrategy", member="SHARD_GRAD_OP"),)),
     Row("FSDP1 ShardingStrategy.FULL_SHARD", "reshards after forward and after backward: ZeRO-3",
-        "zero3", (Torch(f"{_FSDP}.ShardingStrategy", member="FULL_SHARD"),)),
+        "zero3 with its default reshard_after_forward=True", (Torch(f"{_FSDP}.ShardingStrategy", member="FULL_SHARD"),)),
     Row("MixedPrecisionPolicy(param_dtype=...)",
         "dtype of the gathered parameters: the all-gather and the compute. The sharded parameters keep "
         "their dtype, and the optimizer steps them", "precision='bf16' or 'fp16': a 16-bit working copy, "
         "fp32 masters for the owned shard", (Torch(f"{_FSDP}.MixedPrecisionPolicy", "param_dtype", None),),
-        (Ours("zero3", "precision", "fp32"),)),
+        (Ours(ZeRO3, "precision", "fp32"),)),
     Row("MixedPrecisionPolicy(reduce_dtype=...)",
         "dtype of the gradient reduce-scatter or all-reduce; None: the compute dtype",
         "Precision(reduce_dtype=None or 'fp32'); in fp32 runs, compress='fp16'/'bf16'",
-        (Torch(f"{_FSDP}.MixedPrecisionPolicy", "reduce_dtype", None),), (Ours("zero2", "compress", None),)),
+        (Torch(f"{_FSDP}.MixedPrecisionPolicy", "reduce_dtype", None),), (Ours(ZeRO2, "compress", None),)),
     Row("fully_shard(offload_policy=CPUOffloadPolicy())",
         "keeps sharded parameters, gradients and the optimizer step on the CPU", "none",
         (Torch(f"{_FSDP}.CPUOffloadPolicy", "pin_memory", True),)),
     Row("FSDPModule.set_modules_to_forward_prefetch",
         "which units' all-gathers to issue ahead of use (implicit prefetch otherwise)",
         "zero3(prefetch=1): how many units ahead", (Torch(f"{_FSDP}.FSDPModule.set_modules_to_forward_prefetch"),),
-        (Ours("zero3", "prefetch", 1),)),
+        (Ours(ZeRO3, "prefetch", 1),)),
     Row("ZeroRedundancyOptimizer",
         "ZeRO-1 with whole parameters given to ranks; all-reduce, then each rank broadcasts its updated "
         "parameters: about 3Ψ", "zero1: flat shards, reduce-scatter + all-gather: 2Ψ",
@@ -181,7 +184,7 @@ ROWS: tuple[Row, ...] = (
     Row("DDP bucket_cap_mb", "bucket size; default None means 25 MiB",
         "ddp-bucketed and zero2: bucket_mb=25.0",
         (Torch(_DDP, "bucket_cap_mb", None), Torch("torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB", value=25)),
-        (Ours("ddp-bucketed", "bucket_mb", 25.0),)),
+        (Ours(BucketedDDP, "bucket_mb", 25.0),)),
     Row("DDP first bucket", "with bucket_cap_mb left at None, the first bucket is capped at 1 MiB so the first "
         "all-reduce starts early; a cap you set applies to every bucket",
         "none: every bucket has the same cap", (Torch("torch.distributed._DEFAULT_FIRST_BUCKET_BYTES", value=2**20),)),
@@ -199,7 +202,7 @@ ROWS: tuple[Row, ...] = (
     Row("DDP find_unused_parameters",
         "finds parameters that get no gradient this step and marks them ready, so buckets complete",
         "find_unused_parameters=False on every averaging stage; an all-reduced bitmap of used parameters",
-        (Torch(_DDP, "find_unused_parameters", False),), (Ours("ddp-bucketed", "find_unused_parameters", False),)),
+        (Torch(_DDP, "find_unused_parameters", False),), (Ours(BucketedDDP, "find_unused_parameters", False),)),
     Row("DDP no_sync()", "skips gradient synchronisation for accumulation micro-batches",
         "stage.no_sync(), same name", (Torch(f"{_DDP}.no_sync"),)),
     Row("DDP register_comm_hook(state, hook)", "replaces each bucket's all-reduce by your function",
@@ -208,13 +211,13 @@ ROWS: tuple[Row, ...] = (
         "casts the bucket to 16 bits, divides by N in 16 bits, all-reduces, casts back",
         "compress='fp16' / 'bf16': divides by a power of two before the cast, the rest after the sum",
         (Torch(f"{_HOOKS}.fp16_compress_hook", "bucket"), Torch(f"{_HOOKS}.bf16_compress_hook", "bucket")),
-        (Ours("ddp-bucketed", "compress", None),)),
+        (Ours(BucketedDDP, "compress", None),)),
     # ------------------------------------------------------------------ DeepSpeed: from its source, not checked
     Row("DeepSpeed overlap_comm", "overlaps gradient reduction with backward. Default None: True at "
         "stage 3, else False", "ddp-bucketed, zero2, zero3 always overlap (communication thread); ddp, zero1 never",
         deepspeed=True),
     Row("DeepSpeed reduce_bucket_size", "elements reduced at a time (default 5e8)",
-        "bucket_mb, in MiB not elements", ours=(Ours("zero2", "bucket_mb"),), deepspeed=True),
+        "bucket_mb, in MiB not elements", ours=(Ours(ZeRO2, "bucket_mb"),), deepspeed=True),
     Row("DeepSpeed allgather_bucket_size",
         "elements all-gathered at a time after the step, stages 1-2 (default 5e8)",
         "none: one all-gather per flat group", deepspeed=True),
@@ -222,10 +225,10 @@ ROWS: tuple[Row, ...] = (
         "copies gradients into a contiguous buffer as they are produced, against fragmentation (default True)",
         "ddp-bucketed: .grad is a view into its bucket; zero2 packs each bucket into a flat buffer", deepspeed=True),
     Row("DeepSpeed stage3_prefetch_bucket_size", "parameter elements fetched ahead of use (default 5e7)",
-        "zero3(prefetch=...), counted in units, not elements", ours=(Ours("zero3", "prefetch"),), deepspeed=True),
+        "zero3(prefetch=...), counted in units, not elements", ours=(Ours(ZeRO3, "prefetch"),), deepspeed=True),
     Row("DeepSpeed stage3_param_persistence_threshold",
         "parameters smaller than this are not partitioned (default 1e5 elements)",
-        "zero3(replicate=...): by module, not by size", ours=(Ours("zero3", "replicate", None),), deepspeed=True),
+        "zero3(replicate=...): by module, not by size", ours=(Ours(ZeRO3, "replicate", None),), deepspeed=True),
     Row("DeepSpeed stage3_max_live_parameters",
         "most parameters resident per GPU before releasing (default 1e9)",
         "none: the gathered set is the root, the unit computing and `prefetch` units", deepspeed=True),
