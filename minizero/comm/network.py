@@ -32,8 +32,9 @@ every message, on top of the real transfer:
 Presets are real links, with the source of their numbers.  They are for the
 scaling model (:mod:`minizero.cost_model`, ``python -m minizero scale``): on a laptop their delays are far
 below what loopback already costs.  The measured runs use slow dials
-(``"lesson"``, or ``alpha=2ms,bandwidth=50MB/s``), where the network, not the
-CPU, is what a step waits for -- so an effect shows the same on every run.
+(``"lesson"``, or ``alpha=2ms,bandwidth=50MB/s``), where the network is most of
+what a step waits for; the loopback transfer underneath still costs CPU, and
+more on a busy machine, so a measured time is read beside the model's.
 """
 from __future__ import annotations
 
