@@ -2,14 +2,14 @@
 
 The split is not drawn by hand: :func:`draw_ddp_flow` takes each rank's micro-batch sizes as the training loop's
 :func:`minizero.train.shard_step` cut them from a real global batch, and the bytes label from the stage's own
-``sent_bytes_per_step``.  So the picture shows the samples each replica really sees.
+``sent_bytes_per_step`` (the mean over the ranks).  So the picture shows the samples each replica really sees.
 """
 from __future__ import annotations
 
 
 def draw_ddp_flow(micro_batches: list[list[int]], psi: int, sent_bytes: float, title: str = ""):
     """``micro_batches[r]``: the sample counts of rank ``r``'s micro-batches, in order (contiguous in the global
-    batch); ``psi``: parameters per replica; ``sent_bytes``: what each rank sends per step."""
+    batch); ``psi``: parameters per replica; ``sent_bytes``: what a rank sends per step, averaged over the ranks."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
@@ -39,7 +39,9 @@ def draw_ddp_flow(micro_batches: list[list[int]], psi: int, sent_bytes: float, t
 
     # 3. one all-reduce (AVG) of the gradients across every rank
     ax.add_patch(Rectangle((6.2, 0.1), 1.3, n - 0.2, facecolor="0.85", edgecolor="0.4"))
-    ax.text(6.85, n / 2, f"all-reduce\nAVG\n\n{sent_bytes:,.0f} B\nsent per rank", ha="center", va="center",
+    # a mean over the ranks: where N does not divide psi, the ring's chunks differ by one element, so do the sends
+    about = "" if sent_bytes == round(sent_bytes) else "≈ "
+    ax.text(6.85, n / 2, f"all-reduce\nAVG\n\n{about}{sent_bytes:,.0f} B\nper rank (mean)", ha="center", va="center",
             fontsize=7)
 
     # 4. the same averaged gradient, the same optimizer step: the replicas stay equal
