@@ -189,11 +189,12 @@ ROWS: tuple[Row, ...] = (
         "all-reduce starts early; a cap you set applies to every bucket",
         "none: every bucket has the same cap", (Torch("torch.distributed._DEFAULT_FIRST_BUCKET_BYTES", value=2**20),)),
     Row("DDP bucket rebuild",
-        "without find_unused_parameters, the first iteration has one bucket of everything; then buckets are "
-        "rebuilt in the order gradients became ready",
-        "none: buckets stay in reverse registration order (minizero.buckets.assign_buckets)",
+        "unless find_unused_parameters=True and static_graph=False, or bucket_cap_mb_list sets each bucket's cap, "
+        "the first iteration has one bucket of everything; then buckets are rebuilt in the order gradients "
+        "became ready", "none: buckets stay in reverse registration order (minizero.buckets.assign_buckets)",
         (Torch("torch._C._distributed_c10d.Reducer._rebuild_buckets"),
-         Torch("torch.nn.parallel.distributed._BucketCapacityConfig.compute_bucket_size_limits", "static_graph"))),
+         Torch("torch.nn.parallel.distributed._BucketCapacityConfig.compute_bucket_size_limits", "static_graph"),
+         Torch(_DDP, "bucket_cap_mb_list", None))),
     Row("DDP gradient_as_bucket_view", ".grad becomes a view into its bucket: no copy, one gradient buffer less",
         "ddp-bucketed always does this", (Torch(_DDP, "gradient_as_bucket_view", False),)),
     Row("DDP static_graph",
@@ -214,8 +215,9 @@ ROWS: tuple[Row, ...] = (
         (Ours(BucketedDDP, "compress", None),)),
     # ------------------------------------------------------------------ DeepSpeed: from its source, not checked
     Row("DeepSpeed overlap_comm", "overlaps gradient reduction with backward. Default None: True at "
-        "stage 3, else False", "ddp-bucketed, zero2, zero3 always overlap (communication thread); ddp, zero1 never",
-        deepspeed=True),
+        "stage 3, else False",
+        "ddp-bucketed, zero2, zero3 overlap on the communication thread: on a CPU; on a GPU only the host's "
+        "launches (lesson 12); ddp, zero1 never", deepspeed=True),
     Row("DeepSpeed reduce_bucket_size", "elements reduced at a time (default 5e8)",
         "bucket_mb, in MiB not elements", ours=(Ours(ZeRO2, "bucket_mb"),), deepspeed=True),
     Row("DeepSpeed allgather_bucket_size",
