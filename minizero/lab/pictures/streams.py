@@ -28,7 +28,9 @@ def draw_measured(ax, lanes: list[tuple[str, str, list[tuple[float, float]]]], t
 
     The lanes come from experiments run one after the other, each timed from its own call, so a dashed line
     parts lanes whose names begin with a different word.  A call shorter than 1% of the axis would be an
-    invisible bar -- and its shortness is the point -- so it is drawn as a diamond labelled with its time."""
+    invisible bar -- and its shortness is the point -- so it is drawn as a diamond labelled with its time ("returned
+    after" for a call or a wait).  Many short spans of work (one backward pass after another) belong in one span: as
+    diamonds they would overprint each other."""
     ms = [[((a - t0) * 1e3, (b - t0) * 1e3) for a, b in spans] for _, _, spans in lanes]
     right = max((b for spans in ms for _, b in spans), default=1.0)
     for y, ((name, kind, _), spans) in enumerate(zip(lanes, ms, strict=True)):
@@ -38,7 +40,8 @@ def draw_measured(ax, lanes: list[tuple[str, str, list[tuple[float, float]]]], t
             if b - a < 0.01 * right:
                 ax.plot(a, y, marker="D", markersize=6, color=COLOURS[kind])
                 left = a > 0.7 * right  # near the right edge, the label goes left of the diamond
-                ax.text(a + (-0.015 if left else 0.015) * right, y, f"returned after {b - a:.2f} ms", fontsize=7,
+                said = f"returned after {b - a:.2f} ms" if kind in ("launch", "wait") else f"{b - a:.2f} ms"
+                ax.text(a + (-0.015 if left else 0.015) * right, y, said, fontsize=7,
                         va="center", ha="right" if left else "left")
         if y and name.split()[0] != lanes[y - 1][0].split()[0]:
             ax.axhline(y - 0.5, color="#8c8c8c", linestyle="--", linewidth=0.8)
