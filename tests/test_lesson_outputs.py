@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import re
 from itertools import zip_longest
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.lab.show import render_source
+from minizero.lab.show import render_source, resolve
 
 LESSONS = sorted((Path(__file__).resolve().parent.parent / "lessons").glob("*.ipynb"))
 HEADER = re.compile(r"^# source of (\S+)  \(([^,()]+)(?:, lines (.+) to (.+))?\)$")
@@ -44,20 +43,6 @@ def _texts(cell) -> list[str]:
     return texts
 
 
-def _resolve(dotted: str):
-    """The object named ``module.path.Class.method``: the longest importable prefix, then attributes."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:]:
-            obj = getattr(obj, name)
-        return obj
-    raise ImportError(dotted)
-
-
 def printed_sources(path: Path):
     """(cell number, name, printed lines, today's lines) for every source block the lesson printed."""
     for number, cell in enumerate(_cells(path)):
@@ -71,7 +56,7 @@ def printed_sources(path: Path):
                     continue
                 name, _, start, stop = match.groups()
                 marks = [ast.literal_eval(m) if m is not None else None for m in (start, stop)]
-                today = render_source(_resolve(name), *marks).splitlines()
+                today = render_source(resolve(name), *marks).splitlines()
                 yield number, name, lines[i:i + len(today)], today
 
 
@@ -113,3 +98,28 @@ def test_the_checks_can_fail(tmp_path):
     with pytest.raises(AssertionError, match="prints a path"):
         test_no_output_holds_an_absolute_path(path)
     assert next(printed_sources(path))[3][1].startswith("def show_source(")
+
+
+#: ``lesson 6, "Bytes: the same as DDP, by measurement"`` -- how the summary points at a section of a lesson.
+SECTION = re.compile(r'lesson (\d+), (?:"([^"]+)"|“([^”]+)”)')
+
+
+def headings(number: int) -> set[str]:
+    """The section headings of lesson ``number``, as written after the #s."""
+    (path,) = [p for p in LESSONS if p.name.startswith(f"{number:02d}_")]
+    return {line.lstrip("#").strip() for cell in _cells(path) if cell["cell_type"] == "markdown"
+            for line in "".join(cell["source"]).splitlines() if line.startswith("#")}
+
+
+def missing_sections(text: str) -> list[str]:
+    """Each ``lesson N, "heading"`` in ``text`` whose lesson has no such heading."""
+    return [f'lesson {m[1]}, "{m[2] or m[3]}"' for m in SECTION.finditer(text)
+            if (m[2] or m[3]) not in headings(int(m[1]))]
+
+
+def test_the_summary_points_at_sections_that_exist():
+    """The summary's myths table sends a reader to sections by name: a renamed heading must fail here, not on the web."""
+    summary = "".join("".join(c["source"]) for c in _cells(LESSONS[-1]) if c["cell_type"] == "markdown")
+    assert LESSONS[-1].name.startswith("99_") and len(SECTION.findall(summary)) >= 10
+    assert missing_sections(summary) == []
+    assert missing_sections('lesson 6, "A heading nobody wrote"') == ['lesson 6, "A heading nobody wrote"']

@@ -16,30 +16,16 @@ what minizero calls the same thing (or that it has none), and how that was check
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 
 from ..stages import BucketedDDP, ZeRO2, ZeRO3
+from .show import resolve
 
 #: Where the DeepSpeed rows come from: the class that parses the ``zero_optimization`` block of a config, read in the
 #: source distribution of a release (every key and default in the rows below was compared with it).
 DEEPSPEED_SOURCE = "DeepSpeed 0.19.8's DeepSpeedZeroConfig (deepspeed/runtime/zero/config.py, the PyPI release)"
 _ANY = object()  # "no default stated"
-
-
-def resolve(path: str):
-    """The object at a dotted ``path``: the longest importable module, then attributes."""
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:]:
-            obj = getattr(obj, name)  # AttributeError: the name is not there
-        return obj
-    raise ImportError(f"no module of {path!r} imports")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ path of the machine that ran it.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 from pathlib import Path
@@ -47,3 +48,18 @@ def render_source(obj, start: str | None = None, stop: str | None = None) -> str
 def show_source(obj, start: str | None = None, stop: str | None = None) -> None:
     """Print :func:`render_source` -- the one way a lesson shows code."""
     print(render_source(obj, start, stop))
+
+
+def resolve(path: str):
+    """The object at a dotted ``path``: the longest importable module, then attributes -- how a header's name (or a
+    production table's torch name) is read back."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)  # AttributeError: the name is not there
+        return obj
+    raise ImportError(f"no module of {path!r} imports")
