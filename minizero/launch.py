@@ -34,9 +34,12 @@ pool per world size.  The start method is ``fork`` on Linux CPU, which -- unlike
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import queue
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -48,7 +51,7 @@ import torch.distributed as dist
 from .comm import progress
 from .comm.stall import stalled
 from .rank import Rank, backstop_s
-from .stacks import StackSampler, outside_collectives, sample
+from .stacks import StackSampler, last_stack, outside_collectives, sample, stacks_on_fatal_signal
 from .torchrun import init_from_env, under_torchrun
 
 
@@ -92,9 +95,11 @@ def _rendezvous(rank: int, port, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port.value, None, False, timeout=timeout)
 
 
-def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, text, backend="gloo", stacks=None):
+def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, text, backend="gloo", stacks=None,
+               crash_log=None):
     """Body of each pool process: put up its board row, join the group, then run tasks until None."""
     torch.set_num_threads(threads)  # N ranks share the cores; oversubscribing them is slower
+    crash_file = stacks_on_fatal_signal(crash_log) if crash_log else None  # noqa: F841 -- kept open for life
     if stacks is not None:
         stacks.serve()  # answers "where are you?" for this (the main) thread
     board = progress.ProgressBoard(rank, row, text)
@@ -158,10 +163,12 @@ class RankPool:
         for r in range(world_size):
             progress.ProgressBoard(r, self._rows[r], self._texts[r])  # every row starts idle, now
         self._stacks = [StackSampler(context) for _ in range(world_size)]
+        self._crash_dir = tempfile.mkdtemp(prefix="minizero-ranks-")  # where a rank killed by a signal leaves its stack
         self._processes = [
             context.Process(target=_rank_main, name=f"minizero-rank{r}", daemon=True,
                             args=(r, world_size, port, self._tasks[r], self._results, threads_per_rank, timeout_s,
-                                  self._rows[r], self._texts[r], backend, self._stacks[r]))
+                                  self._rows[r], self._texts[r], backend, self._stacks[r],
+                                  os.path.join(self._crash_dir, f"rank{r}.txt")))
             for r in range(world_size)
         ]
         for process in self._processes:
@@ -233,9 +240,11 @@ class RankPool:
     def _check_deaths(self) -> None:
         for rank, process in enumerate(self._processes):
             if process.exitcode is not None:
+                stack = last_stack(os.path.join(self._crash_dir, f"rank{rank}.txt"))
                 self.close(kill=True)
+                said = f"\nIts Python stack when it died:\n{stack}" if stack else ""
                 raise RankError(f"rank {rank} died with exit code {process.exitcode} "
-                                f"(negative: killed by that signal); the other ranks were stopped", rank=rank,
+                                f"(negative: killed by that signal); the other ranks were stopped{said}", rank=rank,
                                 exitcode=process.exitcode)
 
     def close(self, kill: bool = False) -> None:
@@ -251,6 +260,7 @@ class RankPool:
             if process.is_alive():
                 process.kill()
             process.join(timeout=10)
+        shutil.rmtree(self._crash_dir, ignore_errors=True)
 
     def __enter__(self) -> "RankPool":
         return self

@@ -118,3 +118,30 @@ def sample(samplers: dict[int, StackSampler], wait_s: float = 2.0) -> dict[int, 
         sampler.ask()
     until = time.monotonic() + wait_s
     return {rank: sampler.answer(until) for rank, sampler in samplers.items()}
+
+
+# ------------------------------------------------------------------------------------- a rank that dies by a signal
+def stacks_on_fatal_signal(path: str):
+    """From now on, a fatal signal in this process (gloo aborts a rank whose peer broke; a segfault) writes every
+    thread's Python stack to ``path`` -- not to the terminal the ranks share with whoever started them, where a
+    test that breaks a collective on purpose would print pages of thread dumps.  The launcher reads it back into
+    the :class:`~minizero.launch.RankError` (:func:`last_stack`).  Returns the open file: faulthandler writes to it
+    only while it stays open, so the caller keeps it for the process's life."""
+    import faulthandler
+    crash_file = open(path, "w")  # noqa: SIM115 -- held open on purpose, see above
+    faulthandler.enable(file=crash_file, all_threads=True)
+    return crash_file
+
+
+def last_stack(path: str, lines: int = 40) -> str:
+    """What :func:`stacks_on_fatal_signal` wrote: the signal and the thread that took it first, at most ``lines``
+    lines; "" when the rank wrote nothing (it exited, or was killed by SIGKILL, which no handler sees)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    blocks = text.strip().split("\n\n")
+    current = [b for b in blocks if b.startswith("Current thread")]
+    chosen = ([blocks[0]] if blocks[0].startswith("Fatal Python error") else []) + current[:1]
+    return "\n".join("\n\n".join(chosen or blocks[:1]).splitlines()[:lines]) if text.strip() else ""

@@ -118,3 +118,21 @@ def test_under_torchrun_a_failed_rank_ends_every_rank(fault, place):
     else:
         assert "injected fault" in text and "rank      : 1" in text, text
     assert elapsed < 60, elapsed
+
+
+def _abort_on_rank_1(me):
+    if me.rank == FAULTY_RANK:
+        os.abort()  # what gloo does to a rank whose peer broke the connection
+    time.sleep(30)
+
+
+def test_a_rank_killed_by_a_signal_leaves_its_stack_in_the_error_not_on_the_terminal(capfd):
+    """Deliberately broken collectives make gloo abort ranks: their fatal-signal stacks go to the RankError, so the
+    suite's output holds pytest's lines, not pages of thread dumps."""
+    with RankPool(2, timeout_s=TIMEOUT_S) as pool:
+        with pytest.raises(RankError) as info:
+            pool.run(_abort_on_rank_1)
+    message = str(info.value)
+    assert "rank 1 died with exit code -6" in message and "Its Python stack when it died" in message, message
+    assert "_abort_on_rank_1" in message, message
+    assert "Fatal Python error" not in capfd.readouterr().err
