@@ -1,0 +1,151 @@
+"""Efficiency against the α–β bound: how close each stage's measured step on a dialled wire comes to the
+fastest step the wire allows.
+
+A speed ratio against torch says which of two implementations is faster; it cannot say whether both leave
+time on the table.  The bound can: on a network of latency ``alpha`` and bandwidth ``beta``
+(:class:`~minizero.comm.network.Network`) no step can take less than its own compute plus the
+communication that, by the stage's schedule, has nothing to hide behind.  The bound is built from parts
+measured and parts derived, never from the run it is compared with:
+
+* **compute** -- forward, backward and the optimizer step of the same model and stage, run *without* the
+  dial (the slowest rank's median over the steps after the first);
+* **what communication cannot hide** -- the stage's own :meth:`~minizero.stages.base.Stage.schedule`
+  replayed by :func:`minizero.cost_model.predict` on that compute and the dial's alpha and beta exactly
+  (the plan of the model's own units and buckets: :func:`minizero.lab.scale.measured_plan`).
+
+Unlike :func:`minizero.lab.scale.model_against_measured`, whose prediction adds the loopback's measured cost
+per message to alpha (to *predict* the step), the bound leaves loopback out: on a real NIC a transfer
+costs no CPU, so what loopback adds is time beyond the bound, and each row says how much of it went where.
+
+``fraction = bound / measured`` is 1 when the stage hides everything its schedule lets it hide and adds
+nothing of its own; below 1 is the time lost.  Above 1 would mean the step beat the wire -- impossible on
+the dial, so it says the bound is wrong: the undialled compute ran slower than the dialled one (a busy
+machine during the undialled run), or the schedule claims less overlap than the stage achieves.
+
+Rounds interleave the stages (each round runs every stage once, in a fresh random order), so a burst of
+other work on a shared machine lands on one round of every stage, not on every round of one stage.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import replace
+
+from ..comm.network import parse_network
+from ..cost_model import predict
+from ..launch import RankPool
+from ..stages import STAGES
+from .experiment import Experiment
+from .models import BENCH_GPT
+from .scale import measured_plan
+from .timelines import timeline_on_rank
+
+#: The stages measured, with the options that let each overlap on the bench GPT (3 MB of gradients: the default
+#: 25 MiB bucket would be one bucket, which cannot leave before backward ends).
+STAGE_OPTIONS: dict[str, dict] = {"ddp": {}, "ddp-bucketed": {"bucket_mb": 0.5}, "zero1": {},
+                                  "zero2": {"bucket_mb": 0.5}, "zero3": {"prefetch": 1}}
+COMPUTE = ("forward", "backward", "optimizer step")  # the timeline's compute spans
+
+
+def _base(stage: str, steps: int, model: dict) -> Experiment:
+    """The dialled benches' experiment (:mod:`minizero.lab.bench_network`): no fingerprints, which would
+    add messages the bound leaves out."""
+    return Experiment(stage=stage, task="gpt", model=model, optimizer="sgd", steps=steps, micro_batch=8,
+                      dtype="float32", check=False, options=STAGE_OPTIONS[stage])
+
+
+def _slowest_median(per_rank, what) -> float:
+    """The slowest rank's median over the steps after the first (the first pays autograd's and the
+    buffers' setup)."""
+    return max(statistics.median(what(step) for step in steps[1:]) for steps in per_rank)
+
+
+def _span(name: str):
+    return lambda step: sum(e - s for w, s, e in step.compute if w == name)
+
+
+def _compute(step) -> float:
+    return sum(_span(name)(step) for name in COMPUTE)
+
+
+def bound(exp: Experiment, world_size: int, network: str, quiet) -> dict:
+    """The α–β bound of ``exp``'s step from its undialled timelines ``quiet`` (one list of steps per rank)."""
+    forward_s, backward_s, step_s = (_slowest_median(quiet, _span(name)) for name in COMPUTE)
+    plan = measured_plan(exp, world_size, parse_network(network), forward_s, backward_s, step_s)
+    p = predict(STAGES[exp.stage], plan)
+    return {"bound_ms": p.step_s * 1e3, "compute_ms": p.compute_s * 1e3, "unhidden_ms": p.exposed_s * 1e3,
+            "wire_ms": p.comm_s * 1e3}
+
+
+def _where(runs, bound_row: dict) -> dict:
+    """Where a round's time beyond the bound went, in ms (medians over rounds): compute slower than
+    undialled (the loopback's transfers take CPU from backward), communication exposed beyond what the
+    schedule exposes (the loopback under the dial, thread hand-offs), and the rest of the step (hooks,
+    launches, Python between spans)."""
+    compute = [_slowest_median(run, _compute) * 1e3 for run in runs]
+    exposed = [_slowest_median(run, lambda st: st.exposed_s()) * 1e3 for run in runs]
+    steps = [_slowest_median(run, lambda st: st.end) * 1e3 for run in runs]
+    rest = [s - c - e for s, c, e in zip(steps, compute, exposed, strict=True)]
+    return {"extra_compute_ms": statistics.median(compute) - bound_row["compute_ms"],
+            "extra_exposed_ms": statistics.median(exposed) - bound_row["unhidden_ms"],
+            "other_ms": statistics.median(rest)}
+
+
+def bench_efficiency(world_size: int, network: str = "lesson", steps: int = 5, rounds: int = 3,
+                     model: dict | None = None, stages: list[str] | None = None, seed: int = 0) -> list[dict]:
+    """One row per stage: its measured dialled step per round beside its α–β bound on ``network``.
+
+    ``model``: the bench GPT's shape by default (a smaller one for tests); ``stages``: a subset of
+    :data:`STAGE_OPTIONS`; ``seed`` draws the order of the stages in each round."""
+    wire = parse_network(network)  # a bad name fails here, before any rank is spawned
+    if world_size < 2:
+        raise ValueError(f"world_size {world_size}: the bound is about communication; give 2 or more ranks")
+    if steps < 2:
+        raise ValueError(f"steps {steps}: the first step is warm-up and untimed; give 2 or more")
+    if rounds < 1:
+        raise ValueError(f"rounds {rounds}: give 1 or more")
+    names = list(STAGE_OPTIONS) if stages is None else stages
+    for name in names:
+        if name not in STAGE_OPTIONS:
+            raise ValueError(f"stage {name!r} has no efficiency row; choose from {', '.join(STAGE_OPTIONS)}")
+    exps = {name: _base(name, steps, BENCH_GPT if model is None else model) for name in names}
+    order = random.Random(seed)
+    with RankPool(world_size) as pool:
+        quiet = {name: pool.run(timeline_on_rank, exp) for name, exp in exps.items()}
+        runs: dict[str, list] = {name: [] for name in names}
+        for _ in range(rounds):
+            for name in order.sample(names, len(names)):
+                runs[name].append(pool.run(timeline_on_rank, replace(exps[name], network=network)))
+    rows = []
+    for name in names:
+        b = bound(exps[name], world_size, network, quiet[name])
+        measured = [_slowest_median(run, lambda st: st.end) * 1e3 for run in runs[name]]
+        fractions = [b["bound_ms"] / m for m in measured]
+        rows.append({"name": name, "options": STAGE_OPTIONS[name], "world_size": world_size, "network": network,
+                     "preset": wire.describe(), "measured_ms": measured, **b,
+                     "fraction": statistics.median(fractions), "fraction_min": min(fractions),
+                     "fraction_max": max(fractions), "rounds": rounds, "steps": steps,
+                     **_where(runs[name], b)})
+    return rows
+
+
+def format_efficiency(rows: list[dict]) -> str:
+    """The rows as a short table: measured step (median and range over rounds), the bound and its parts,
+    the fraction, and where the time beyond the bound went."""
+    if not rows:
+        return "no stages measured"
+    first = rows[0]
+    lines = [f"efficiency against the α–β bound, N={first['world_size']}, network {first['preset']}: "
+             f"{first['rounds']} rounds of {first['steps']} steps (first untimed), stages interleaved",
+             "bound = undialled compute + what the stage's schedule cannot hide on the dial (loopback left out); "
+             "fraction = bound / measured (1 = no time lost; > 1 would mean the bound is wrong)",
+             f"  {'stage':<14}{'measured ms':>18}{'bound':>8}{'compute':>9}{'unhidden':>9}{'fraction':>10}"
+             f"{'min-max':>12}   beyond the bound: +compute, +exposed, other (ms)"]
+    for r in rows:
+        m = r["measured_ms"]
+        measured = f"{statistics.median(m):.1f} ({min(m):.0f}-{max(m):.0f})"
+        lines.append(f"  {r['name']:<14}{measured:>18}{r['bound_ms']:>8.1f}{r['compute_ms']:>9.1f}"
+                     f"{r['unhidden_ms']:>9.1f}{r['fraction']:>10.2f}"
+                     f"{r['fraction_min']:>6.2f}-{r['fraction_max']:.2f}   "
+                     f"{r['extra_compute_ms']:+.1f}, {r['extra_exposed_ms']:+.1f}, {r['other_ms']:+.1f}")
+    return "\n".join(lines)
