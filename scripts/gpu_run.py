@@ -4,7 +4,8 @@ Why a script: the GPU measurements in ``docs/gpu-results.md`` were a list of com
 to fill by hand, and a GPU is lent for minutes.  This runs them all and writes one results file
 (markdown + json) with the machine at the top, so the minutes go to measuring:
 
-1. ``python -m minizero bench all --device cuda --json``: every stage beside its torch counterpart;
+1. ``python -m minizero bench all --device cuda --json``: every stage beside its torch counterpart, in rounds
+   with its ratio's interval (N = 2 sharing GPU 0: bench all's pool is gloo on the current device);
 2. every distributed stage through ``train --json``: with G >= 2 GPUs under NCCL at N = G (one rank per
    GPU); with one GPU, CUDA compute with gloo at N = 2 (the two ranks share GPU 0, which the file says);
 3. the peak CUDA memory per rank (train's summary) beside the stage's model-state formula.
@@ -42,7 +43,9 @@ def plan(gpus: int, model: str = "small", precision: str = "bf16", steps: int = 
     else:
         world, backend = gpus, "nccl"
         how = f"NCCL at N = {gpus}, one rank per GPU"
-    commands = [{"kind": "bench", "what": "bench all", "how": "gloo between ranks on the current CUDA device",
+    shared = ("N = 2 (its default), gloo between the ranks, both on GPU 0 (bench all starts its ranks with gloo "
+              "on the current device, whatever the GPU count)")
+    commands = [{"kind": "bench", "what": "bench all", "how": shared,
                  "argv": PY + ["bench", "all", "--device", "cuda", "--json"]}]
     for stage in distributed():  # the registry's stages: a new one is measured without editing this
         # A stage without a precision option (local-sgd) trains in fp32: train refuses --precision for it.
