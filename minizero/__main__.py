@@ -91,7 +91,11 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="speed against torch's own implementation, as ratios")
     bench.add_argument("what", choices=list(BENCHES))
     bench.add_argument("--world-size", type=positive_int, default=2)
-    bench.add_argument("--repeats", type=positive_int, default=5)
+    bench.add_argument("--repeats", type=positive_int, default=5,
+                       help="collectives, overlap: calls per timing (the median); each round times once")
+    bench.add_argument("--rounds", type=positive_int, default=5,
+                       help="rounds in which each stage and its counterpart alternate (at least 3): the ratio is "
+                            "their median, with a bootstrap 95%% interval; more rounds, a narrower interval")
     bench.add_argument("--network", default=None,
                        help="dial the network: 'alpha=2ms,bandwidth=50MB/s' or a preset (" + ", ".join(PRESETS) + "); "
                             "overlap, buckets, prefetch and compress measure on it (default for the last three: lesson)")
@@ -100,7 +104,7 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=["cpu", "cuda"], default=None, help="bench all: where the ranks compute (cpu)")
     bench.add_argument("--collectives", choices=list(BACKENDS), default=None,
                        help="bench all: minizero's collectives, torch's (native, default) or the send/recv ring")
-    bench.add_argument("--steps", type=positive_int, default=None, help="bench all: steps per run, 2 untimed (8)")
+    bench.add_argument("--steps", type=positive_int, default=None, help="bench all: steps per run, 2 untimed (5)")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="bench all: step-time ratio and memory per rank per stage against torch, as a PNG")
     bench.add_argument("--json", action="store_true")

@@ -1,4 +1,4 @@
-"""``bench all``: every stage beside torch's implementation of its kind, one pool, one run.
+"""``bench all``: every stage beside torch's implementation of its kind, one pool, in rounds.
 
 Timings are never asserted (they are measured on demand); what is asserted is what the table claims
 besides them: each stage meets the right counterpart, the bytes are the ledger's and match the stage's
@@ -15,6 +15,7 @@ from minizero.__main__ import main
 from minizero.lab.bench_all import bench_all, format_table, plot, row
 from minizero.lab.experiment import Experiment, run_experiment
 from minizero.lab.models import GPT_SIZES
+from minizero.lab.rounds import verdict
 from minizero.stages import STAGES, Shards, distributed
 
 N = 2
@@ -28,11 +29,12 @@ TORCH_STATE = {"torch-ddp": (16, 0), "torch-zero": (8, 8), "torch-fsdp2": (0, 16
 
 
 STEPS, MICRO_BATCH = 4, 2  # 4: local-sgd averages once in its default H = 4 steps, so its bytes are exact
+ROUNDS = 3  # the fewest the method accepts
 
 
 @pytest.fixture(scope="module")
 def rows(pools):
-    return bench_all(N, model="tiny", steps=STEPS, micro_batch=MICRO_BATCH, pool=pools.pool(N))
+    return bench_all(N, model="tiny", steps=STEPS, micro_batch=MICRO_BATCH, pool=pools.pool(N), rounds=ROUNDS)
 
 
 def test_every_stage_has_a_row_beside_the_counterpart_of_its_kind(rows):
@@ -40,7 +42,12 @@ def test_every_stage_has_a_row_beside_the_counterpart_of_its_kind(rows):
     for r in rows:
         assert r["counterpart"] == EXPECTED[STAGES[r["stage"]].shards], r
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
-        assert r["ratio"] == pytest.approx(r["step_ms"] / r["counterpart_step_ms"])
+        assert len(r["round_ms"]) == len(r["counterpart_round_ms"]) == r["rounds"] == ROUNDS
+        # The ratio is the median of the per-round ratios, inside its interval; a verdict only from the interval.
+        per_round = sorted(a / b for a, b in zip(r["round_ms"], r["counterpart_round_ms"], strict=True))
+        assert r["ratio"] == pytest.approx(per_round[1])
+        assert r["interval"][0] <= r["ratio"] <= r["interval"][1]
+        assert r["verdict"] == verdict(*r["interval"])
 
 
 def test_bytes_are_the_ledgers_and_match_the_stages_formula(rows):
@@ -72,11 +79,12 @@ def test_a_row_prints_the_measurement_where_it_differs_from_the_formula(rows):
     """Padding (N=3 here) makes the ledger exceed the formula; the row must say what was measured."""
     stage = next(r for r in rows if STAGES[r["stage"]].shards.parameters)["stage"]
     psi, exp = 27584, Experiment(task="gpt", optimizer="adamw", steps=3, dtype="float32")
-    mine = {"step_ms": 3.0, "sent": 220704.0, "held": 147188, "cuda_peak": 0, "psi": psi}  # zero3, tiny GPT, N=3
-    theirs = {"step_ms": 4.0, "sent": 0.0, "held": 147200, "cuda_peak": 0, "psi": psi}
+    mine = {"round_ms": [3.0, 3.0, 3.0], "sent": 220704.0, "held": 147188, "cuda_peak": 0, "psi": psi}  # zero3, N=3
+    theirs = {"round_ms": [4.0, 4.0, 4.0], "sent": 0.0, "held": 147200, "cuda_peak": 0, "psi": psi}
     r = row(stage, "torch-fsdp2", mine, theirs, exp, 3, "tiny")
     assert (r["sent_bytes_per_step"], r["held_bytes"], r["counterpart_held_bytes"]) == (220704.0, 147188, 147200)
     assert r["sent_bytes_formula"] == 220672.0 and r["bytes_match"] and r["ratio"] == 0.75
+    assert r["interval"] == [0.75, 0.75] and r["verdict"] == "faster"
 
 
 def test_memory_is_counted_from_live_tensors_beside_the_formula_and_torchs(rows):
@@ -94,7 +102,10 @@ def test_memory_is_counted_from_live_tensors_beside_the_formula_and_torchs(rows)
 def test_the_table_says_what_is_modelled_and_the_plot_is_a_png(rows, tmp_path):
     text = format_table(rows)
     assert all(r["stage"] in text and r["counterpart"] in text for r in rows)
-    assert "MODELLED" in text and "same run" in text
+    assert "MODELLED" in text and "same run" in text and "bootstrap interval" in text
+    for r in rows:  # each stage's ratio, its interval and its verdict, in one line
+        low, high = r["interval"]
+        assert f"{r['stage']} vs {r['counterpart']}: {r['ratio']:.2f}x [{low:.2f}, {high:.2f}] {r['verdict']}" in text
     path = tmp_path / "bench_all.png"
     plot(rows, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -116,6 +127,8 @@ def test_what_bench_all_cannot_do_is_refused_before_the_run(capsys, tmp_path):
     assert "name a file ending in .png" in capsys.readouterr().err
     assert main(["bench", "all", "--steps", "2"]) == 2  # every step would be a warm-up: nothing timed
     assert "bench all needs more than 2 steps: the first 2 warm up and are not timed" in capsys.readouterr().err
+    assert main(["bench", "ddp", "--rounds", "2"]) == 2  # no interval from two ratios
+    assert "--rounds 2: a ratio's interval needs at least 3 rounds" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: nothing to refuse")

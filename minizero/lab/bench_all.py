@@ -1,9 +1,10 @@
 """``python -m minizero bench all``: every stage beside torch's implementation of its kind, in one run.
 
 The per-kind benches (``bench ddp``, ``zero``, ``zero3``) each start their own ranks; their ratios cannot be
-set side by side, because the machine changes between runs.  Here one pool of ranks runs each torch
-counterpart once and each stage once, on the same experiment, so every ratio in the table is measured in
-the same sitting.  A stage's counterpart follows from its own ``shards`` fact, never from its name: a new
+set side by side, because the machine changes between runs.  Here one pool of ranks runs every torch
+counterpart and every stage in rounds (:mod:`minizero.lab.rounds`: each round all of them, in a shuffled
+order), so each ratio is the median of per-round ratios, with its interval and a verdict only where the
+interval allows one.  A stage's counterpart follows from its own ``shards`` fact, never from its name: a new
 stage is benchmarked against the right torch wrapper without anyone listing it here.
 
 Beside the step time, each row sets what the stage sent (the ledger) against its own formula and against
@@ -27,6 +28,7 @@ from .models import GPT_SIZES
 from .optimizers import STATE_TENSORS
 from .oracle import TorchDDP, TorchFSDP2, TorchZeRO
 from .registry import stage_class
+from .rounds import METHOD, check_rounds, compare, describe, measure_rounds
 
 WARMUP = 2  # steps skipped before timing, as the other benches do: first-touch allocations, connections
 ONLY_HERE = ("model", "device", "plot", "collectives", "steps")  # options only ``bench all`` takes
@@ -90,11 +92,13 @@ def _measure(pool, exp: Experiment, world_size: int) -> dict:
 
 
 def bench_all(world_size: int, model: str = "small", device: str = "cpu", collectives: str = "native",
-              steps: int = 8, micro_batch: int = 8, pool=None) -> list[dict]:
-    """One row per stage: its step time, bytes and memory beside its torch counterpart's, one pool.
+              steps: int = 5, micro_batch: int = 8, pool=None, rounds: int = 5) -> list[dict]:
+    """One row per stage: its step time, bytes and memory beside its torch counterpart's, one pool,
+    ``rounds`` rounds (each run's first steps are its untimed warm-up).
 
     ``pool``: a live pool of ``world_size`` ranks to run on (the tests'); else one is started here."""
     check_device(device)
+    check_rounds(rounds)
     if model not in GPT_SIZES:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(GPT_SIZES)}")
     if steps <= WARMUP:
@@ -103,33 +107,39 @@ def bench_all(world_size: int, model: str = "small", device: str = "cpu", collec
                       dtype="float32", check=False, backend=collectives, device=device)
     stages = distributed()
     kinds = {stage: counterpart(STAGES[stage].shards) for stage in stages}
-    # Each counterpart once, just before the first stage of its kind: a stage and its counterpart run close
-    # together, so a change in the machine's load during the run biases their ratio less.
-    order = list(dict.fromkeys(name for stage in stages for name in (kinds[stage], stage)))
+    names = list(dict.fromkeys(name for stage in stages for name in (kinds[stage], stage)))
+    last = {}
     own = pool is None
     if own:  # CUDA does not survive a fork once the parent has touched it: spawn fresh ranks for a GPU run
         pool = RankPool(world_size, start_method="spawn" if device == "cuda" else None)
     try:
-        measured = {name: _measure(pool, replace(base, stage=name), world_size) for name in order}
+        def measure(name):
+            last[name] = _measure(pool, replace(base, stage=name), world_size)
+            return last[name]["step_ms"]
+        times = measure_rounds(measure, names, rounds, warmup=False)
     finally:
         if own:
             pool.close()
-    return [row(stage, kinds[stage], measured[stage], measured[kinds[stage]], base, world_size, model)
+    return [row(stage, kinds[stage], {**last[stage], "round_ms": times[stage]},
+                {**last[kinds[stage]], "round_ms": times[kinds[stage]]}, base, world_size, model)
             for stage in stages]
 
 
 def row(stage: str, kind: str, mine: dict, theirs: dict, exp: Experiment, world_size: int, model: str) -> dict:
     """A stage's row from what it and its counterpart measured: the measurement is printed, and the
     formula beside it -- never in its place (at N=2 on the tiny GPT the two agree to the byte; with
-    padding they do not)."""
+    padding they do not).  The step times are the medians over the rounds; the ratio is the rounds'
+    (:func:`minizero.lab.rounds.compare`)."""
     cls, psi = stage_class(stage), mine["psi"]
     element, states = element_size(exp), STATE_TENSORS[exp.optimizer]
     sent_formula = cls.sent_bytes_per_step(psi, world_size, element, element)
     held_formula = cls.state_bytes(psi, world_size, element, states)
     return {"stage": stage, "counterpart": kind, "world_size": world_size, "model": model, "psi": psi,
             "device": exp.device, "collectives": exp.backend, "steps": exp.steps, "micro_batch": exp.micro_batch,
-            "step_ms": mine["step_ms"], "counterpart_step_ms": theirs["step_ms"],
-            "ratio": mine["step_ms"] / theirs["step_ms"],
+            "step_ms": statistics.median(mine["round_ms"]),
+            "counterpart_step_ms": statistics.median(theirs["round_ms"]),
+            **compare(mine["round_ms"], theirs["round_ms"]),
+            "round_ms": mine["round_ms"], "counterpart_round_ms": theirs["round_ms"],
             "sent_bytes_per_step": mine["sent"], "sent_bytes_formula": sent_formula,
             "bytes_match": agrees(mine["sent"], sent_formula),
             "counterpart_sent_bytes_modelled": torch_sent_bytes(kind, psi, world_size, element),
@@ -145,27 +155,35 @@ def format_table(rows: list[dict]) -> str:
     cuda = first["device"] == "cuda"
     lines = [f"bench all, N={first['world_size']} ranks, gpt {first['model']} (Ψ={first['psi']:,}), adamw, float32, "
              f"micro-batch {first['micro_batch']}, {first['collectives']} collectives, {first['device']}, "
-             f"{first['steps']} steps ({WARMUP} warm-up untimed; median step of the slowest rank)",
-             "every stage and its torch counterpart ran in the same pool, in the same run: the ratios are comparable",
+             f"{first['steps']} steps per run ({WARMUP} warm-up untimed; median step of the slowest rank), "
+             f"{first['rounds']} rounds",
+             f"every stage and its torch counterpart ran in the same pool, in the same run: {METHOD}",
              "sent: per rank per step, as our ledger counted it | formula: the stage's own | torch: MODELLED "
              "(our ledger cannot see torch's collectives)",
              "held: model-state bytes per rank (parameters, gradients, optimizer states; live tensors, the most "
              "on any rank)"]
-    header = (f"{'stage':<14}{'vs':<13}{'step ms':>9}{'torch ms':>10}{'ratio':>7}  {'sent MB':>9}{'formula':>9}"
+    header = (f"{'stage':<14}{'vs':<13}{'step ms':>9}{'torch ms':>10}{'ratio [95% interval]':>21}  "
+              f"{'sent MB':>9}{'formula':>9}"
               f"{'torch*':>9}  {'held MB':>9}{'formula':>9}  {'(paper)':<12}{'torch':>9}"
               + (f"{'peak MB':>10}{'torch':>9}" if cuda else ""))
     lines += [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r['stage']:<14}{r['counterpart']:<13}{r['step_ms']:>9.1f}{r['counterpart_step_ms']:>10.1f}"
-            f"{r['ratio']:>6.2f}x  {r['sent_bytes_per_step'] / mb:>9.3f}{r['sent_bytes_formula'] / mb:>9.3f}"
+            f"{_interval(r):>21}  {r['sent_bytes_per_step'] / mb:>9.3f}{r['sent_bytes_formula'] / mb:>9.3f}"
             f"{r['counterpart_sent_bytes_modelled'] / mb:>9.3f}  {r['held_bytes'] / mb:>9.3f}"
             f"{r['held_bytes_formula'] / mb:>9.3f}  {r['state_formula']:<12}{r['counterpart_held_bytes'] / mb:>9.3f}"
             + (f"{r['cuda_peak_bytes'] / mb:>10.1f}{r['counterpart_cuda_peak_bytes'] / mb:>9.1f}" if cuda else ""))
+    lines += [f"{r['stage']} vs {r['counterpart']}: {describe(r)}" for r in rows]
     lines += [f"{r['stage']}: the ledger's bytes differ from the formula's" for r in rows if not r["bytes_match"]]
     lines += [f"{r['stage']}: the held bytes differ from the formula's" for r in rows if not r["memory_match"]]
     return "\n".join(lines + ["* torch: modelled, ring costs (DDP 2(N-1)/N Ψ·4; ZeroRedundancyOptimizer and FSDP2 "
                               "3(N-1)/N Ψ·4)"])
+
+
+def _interval(r: dict) -> str:
+    low, high = r["interval"]
+    return f"{r['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -177,11 +195,12 @@ def plot(rows: list[dict], path: str) -> None:
 
     names, at = [r["stage"] for r in rows], range(len(rows))
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
-    speed.bar(at, [r["ratio"] for r in rows], color="tab:blue")
+    errors = [[r["ratio"] - r["interval"][0] for r in rows], [r["interval"][1] - r["ratio"] for r in rows]]
+    speed.bar(at, [r["ratio"] for r in rows], color="tab:blue", yerr=errors, capsize=4, ecolor="black")
     speed.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     speed.set_xticks(list(at), [f"{r['stage']}\nvs {r['counterpart']}" for r in rows], fontsize=8)
     speed.set_ylabel("step time / torch counterpart's")
-    speed.set_title("step time ratio (below 1: faster than torch)")
+    speed.set_title(f"step time ratio, 95% interval over {rows[0]['rounds']} rounds (below 1: faster)")
     width = 0.4
     memory.bar([i - width / 2 for i in at], [r["held_bytes"] / 1e6 for r in rows], width, label="minizero")
     memory.bar([i + width / 2 for i in at], [r["counterpart_held_bytes"] / 1e6 for r in rows], width,
@@ -192,7 +211,7 @@ def plot(rows: list[dict], path: str) -> None:
     memory.legend(fontsize=8)
     first = rows[0]
     fig.suptitle(f"bench all: gpt {first['model']} (Ψ={first['psi']:,}), N={first['world_size']}, {first['device']}, "
-                 f"{first['collectives']} collectives, one run")
+                 f"{first['collectives']} collectives, {first['rounds']} interleaved rounds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -203,7 +222,7 @@ def main(args) -> list[dict]:
     if args.plot:
         check_plot_path(args.plot)
     rows = bench_all(args.world_size, model=args.model or "small", device=args.device or "cpu",
-                     collectives=args.collectives or "native", steps=args.steps or 8)
+                     collectives=args.collectives or "native", steps=args.steps or 5, rounds=args.rounds)
     if args.plot:
         plot(rows, args.plot)
     return rows

@@ -1,5 +1,7 @@
 """Benchmarks on a dialled network (``--network``): what overlap, bucket size, prefetch and compression buy,
-measured three times each and set beside the scaling model's prediction (:mod:`minizero.cost_model`).
+measured in rounds (``--rounds``) and set beside the scaling model's prediction (:mod:`minizero.cost_model`):
+the ratio measured/model is the median of the rounds' ratios, with a bootstrap 95% interval
+(:mod:`minizero.lab.rounds`); fp16 compression's step is set against fp32's the same way, run by run.
 
 On loopback these effects drown in the CPU that moving bytes costs; on a dialled network a transfer is a wait
 that costs no CPU, as on a real NIC, so each figure comes out the same run to run -- the spread over the
@@ -13,6 +15,7 @@ from ..stages import STAGES
 from .experiment import Experiment
 from .models import BENCH_GPT
 from .registry import accepting, sharding
+from .rounds import check_rounds, compare, describe
 from .scale import model_against_measured
 
 REPEATS = 3
@@ -31,7 +34,8 @@ def _spread(values: list[float]) -> float:
 
 def _row(name: str, r: dict, **extra) -> dict:
     return {"name": name, "value": r["measured_ms"], "unit": "ms", "baseline": "model", "baseline_value":
-            r["predicted_ms"], "ratio": r["measured_ms"] / r["predicted_ms"], "runs_ms": r["runs_ms"],
+            r["predicted_ms"], **compare(r["runs_ms"], [r["predicted_ms"]] * len(r["runs_ms"])),
+            "runs_ms": r["runs_ms"],
             "spread": _spread(r["runs_ms"]), "hidden": r["hidden"], "runs_hidden": r["runs_hidden"],
             "hidden_spread": max(r["runs_hidden"]) - min(r["runs_hidden"]), "predicted_hidden": r["predicted_hidden"],
             "exposed_ms": r["exposed_ms"], "predicted_exposed_ms": r["predicted_exposed_ms"],
@@ -39,13 +43,13 @@ def _row(name: str, r: dict, **extra) -> dict:
             "network": r["network"], **extra}
 
 
-def bench_overlap_dialled(world_size: int, network: str, bucket_mb: float = 0.5, repeats: int = REPEATS) -> list[dict]:
+def bench_overlap_dialled(world_size: int, network: str, bucket_mb: float = 0.5, rounds: int = REPEATS) -> list[dict]:
     """ddp-bucketed on the bench GPT: the share of communication hidden behind backward, measured against
     the model's prediction."""
     stage = _bucketed()
     with RankPool(world_size) as pool:
         r = model_against_measured(pool, _base(network, stage=stage, options={"bucket_mb": bucket_mb}), network,
-                                   repeats)
+                                   check_rounds(rounds))
     return [_row(f"{stage} step, {bucket_mb:g} MiB buckets", r, bucket_mb=bucket_mb)]
 
 
@@ -55,30 +59,30 @@ def _bucketed() -> str:
 
 
 def bench_buckets(world_size: int, network: str, sizes=(0.01, 0.05, 0.25, 1.0, 8.0),
-                  repeats: int = REPEATS) -> list[dict]:
+                  rounds: int = REPEATS) -> list[dict]:
     """ddp-bucketed across bucket sizes: tiny buckets pay alpha per bucket (latency-bound), one huge
     bucket cannot leave before backward ends (nothing hides); the best lies between."""
     rows, stage = [], _bucketed()
     with RankPool(world_size) as pool:
         for mb in sizes:
-            r = model_against_measured(pool, _base(network, stage=stage, options={"bucket_mb": mb}), network, repeats)
+            r = model_against_measured(pool, _base(network, stage=stage, options={"bucket_mb": mb}), network, check_rounds(rounds))
             rows.append(_row(f"{stage} step, {mb:g} MiB buckets", r, bucket_mb=mb))
     return rows
 
 
-def bench_prefetch(world_size: int, network: str, depths=(0, 1, 2), repeats: int = REPEATS) -> list[dict]:
+def bench_prefetch(world_size: int, network: str, depths=(0, 1, 2), rounds: int = REPEATS) -> list[dict]:
     """zero3 with prefetch 0, 1, 2: the exposed all-gather wait shrinks as gathers start earlier."""
     rows = []
     with RankPool(world_size) as pool:
         for stage in accepting("prefetch"):
             for depth in depths:
                 r = model_against_measured(pool, _base(network, stage=stage, options={"prefetch": depth}), network,
-                                           repeats)
+                                           check_rounds(rounds))
                 rows.append(_row(f"{stage} step, prefetch={depth}", r, prefetch=depth))
     return rows
 
 
-def bench_compress(world_size: int, network: str, repeats: int = REPEATS) -> list[dict]:
+def bench_compress(world_size: int, network: str, rounds: int = REPEATS) -> list[dict]:
     """ddp and ddp-bucketed with fp16 compression against fp32: the step falls by the communication saved
     (half the bytes; the same number of messages, so not half the latency) -- and no more."""
     rows = []
@@ -86,16 +90,17 @@ def bench_compress(world_size: int, network: str, repeats: int = REPEATS) -> lis
         for stage in sharding():  # the unsharded stages: their one reduction is what compression halves
             for compress in (None, "fp16"):
                 options = {"compress": compress} if compress else {}
-                r = model_against_measured(pool, _base(network, stage=stage, options=options), network, repeats)
+                r = model_against_measured(pool, _base(network, stage=stage, options=options), network, check_rounds(rounds))
                 rows.append(_row(f"{stage} step, {compress or 'fp32'} gradients", r, compress=compress or "fp32"))
     for fp32, fp16 in zip(rows[::2], rows[1::2], strict=True):
         fp16["saved_ms"] = fp32["value"] - fp16["value"]
         fp16["predicted_saved_ms"] = fp32["baseline_value"] - fp16["baseline_value"]
         fp16["step_ratio"] = fp16["value"] / fp32["value"]
+        fp16["against_fp32"] = compare(fp16["runs_ms"], fp32["runs_ms"])
     return rows
 
 
-def bench_servers(world_size: int, network: str, repeats: int = REPEATS) -> list[dict]:
+def bench_servers(world_size: int, network: str, rounds: int = REPEATS) -> list[dict]:
     """The parameter server at N = 2 .. world_size, with one server and with every rank serving: one server
     sends the model to every other rank, so its step grows with N; S = N sends the ring's bytes and stays flat."""
     stage = next(s for s in accepting("servers") if STAGES[s].equivalent)
@@ -104,19 +109,21 @@ def bench_servers(world_size: int, network: str, repeats: int = REPEATS) -> list
         with RankPool(n) as pool:
             for servers in sorted({1, n}):
                 r = model_against_measured(pool, _base(network, stage=stage, options={"servers": servers}), network,
-                                           repeats)
+                                           check_rounds(rounds))
                 rows.append(_row(f"{stage} step, N={n}, S={servers}", r, servers=servers))
     return rows
 
 
 def format_rows(what: str, world_size: int, network: str, rows: list[dict]) -> str:
-    lines = [f"{what} on a dialled network ({network}), N={world_size}: median step of {REPEATS} runs "
-             f"(spread = (max-min)/median), beside the scaling model",
+    lines = [f"{what} on a dialled network ({network}), N={world_size}: median step of {len(rows[0]['runs_ms'])} runs "
+             f"(spread = (max-min)/median), beside the scaling model; measured/model: median of the runs' ratios "
+             f"[95% bootstrap interval]",
              f"  {'':<40}{'measured':>10}{'model':>9}{'spread':>8}{'hidden':>8}{'model':>7}{'exposed':>9}"]
     for r in rows:
         lines.append(f"  {r['name']:<40}{r['value']:>8.1f}ms{r['baseline_value']:>7.1f}ms{r['spread']:>8.1%}"
                      f"{r['hidden']:>8.0%}{r['predicted_hidden']:>7.0%}{r['exposed_ms']:>7.1f}ms")
+        lines.append(f"    measured/model {describe(r)}")
         if "saved_ms" in r:
             lines.append(f"    saved {r['saved_ms']:.1f} ms (model {r['predicted_saved_ms']:.1f} ms): the step is "
-                         f"{r['step_ratio']:.2f}x fp32's, not 0.5x")
+                         f"{r['step_ratio']:.2f}x fp32's, not 0.5x; fp16/fp32 {describe(r['against_fp32'])}")
     return "\n".join(lines)
