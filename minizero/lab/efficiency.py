@@ -78,17 +78,21 @@ def bound(exp: Experiment, world_size: int, network: str, quiet) -> dict:
 
 
 def _where(runs, bound_row: dict) -> dict:
-    """Where a round's time beyond the bound went, in ms (medians over rounds): compute slower than
-    undialled (the loopback's transfers take CPU from backward), communication exposed beyond what the
-    schedule exposes (the loopback under the dial, thread hand-offs), and the rest of the step (hooks,
-    launches, Python between spans)."""
-    compute = [_slowest_median(run, _compute) * 1e3 for run in runs]
-    exposed = [_slowest_median(run, lambda st: st.exposed_s()) * 1e3 for run in runs]
-    steps = [_slowest_median(run, lambda st: st.end) * 1e3 for run in runs]
-    rest = [s - c - e for s, c, e in zip(steps, compute, exposed, strict=True)]
-    return {"extra_compute_ms": statistics.median(compute) - bound_row["compute_ms"],
-            "extra_exposed_ms": statistics.median(exposed) - bound_row["unhidden_ms"],
-            "other_ms": statistics.median(rest)}
+    """Where a round's time beyond the bound went, in ms (medians over rounds), read on the round's slowest
+    rank (the one whose step the row measures -- taking each part's maximum over ranks would count the
+    skew twice: the late rank's compute and the early rank's wait for it): compute slower than undialled
+    (the loopback's transfers take CPU from backward), communication exposed beyond what the schedule
+    exposes (the loopback under the dial, sleeps that overrun), and the rest of the step (hooks, launches,
+    Python between spans).  Medians over steps, so the three add up to measured - bound only roughly."""
+    parts = []
+    for run in runs:
+        per_rank = [tuple(statistics.median(f(st) for st in steps[1:]) for f in (lambda st: st.end, _compute,
+                                                                                   lambda st: st.exposed_s()))
+                    for steps in run]
+        parts.append(max(per_rank))  # the slowest rank's (end, compute, exposed)
+    end, compute, exposed = (statistics.median(p[i] for p in parts) * 1e3 for i in range(3))
+    return {"extra_compute_ms": compute - bound_row["compute_ms"],
+            "extra_exposed_ms": exposed - bound_row["unhidden_ms"], "other_ms": end - compute - exposed}
 
 
 def bench_efficiency(world_size: int, network: str = "lesson", steps: int = 5, rounds: int = 3,
