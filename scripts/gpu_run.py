@@ -118,7 +118,7 @@ def markdown(m: dict, results: list[dict]) -> str:
     for b in bench:
         rows = _bench_rows(b["result"])
         if rows:
-            lines += [f"## bench all: N = {rows[0]['world_size']}, gpt {rows[0]['model']} (Ψ = {rows[0]['psi']:,}), "
+            lines += [f"## bench all: gpt {rows[0]['model']} (Ψ = {rows[0]['psi']:,}), "
                       f"{b['how']}", "",
                       "| stage | vs | step ms | torch ms | ratio | held (B) | formula (B) | peak CUDA (B) | torch peak (B) |",
                       "|---|---|---:|---:|---|---:|---:|---:|---:|"]
