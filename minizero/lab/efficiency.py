@@ -22,8 +22,13 @@ nothing of its own; below 1 is the time lost.  Above 1 would mean the step beat 
 the dial, so it says the bound is wrong: the undialled compute ran slower than the dialled one (a busy
 machine during the undialled run), or the schedule claims less overlap than the stage achieves.
 
-Rounds interleave the stages (each round runs every stage once, in a fresh random order), so a burst of
-other work on a shared machine lands on one round of every stage, not on every round of one stage.
+Rounds interleave the stages (each round runs every stage once, in a fresh random order, its undialled run
+just before its dialled one), so a burst of other work on a shared machine lands on one round of every stage,
+not on every round of one stage; each round's fraction divides that round's bound by that round's step.
+
+The undialled compute of a stage that overlaps (ddp-bucketed, zero2, zero3) carries loopback's transfers,
+which run on the same cores during backward: the bound is then generous, and a dialled round's compute
+can come out *below* it (a negative "+compute").
 """
 from __future__ import annotations
 
@@ -114,22 +119,23 @@ def bench_efficiency(world_size: int, network: str = "lesson", steps: int = 5, r
             raise ValueError(f"stage {name!r} has no efficiency row; choose from {', '.join(STAGE_OPTIONS)}")
     exps = {name: _base(name, steps, BENCH_GPT if model is None else model) for name in names}
     order = random.Random(seed)
+    quiet: dict[str, list] = {name: [] for name in names}
+    runs: dict[str, list] = {name: [] for name in names}
     with RankPool(world_size) as pool:
-        quiet = {name: pool.run(timeline_on_rank, exp) for name, exp in exps.items()}
-        runs: dict[str, list] = {name: [] for name in names}
         for _ in range(rounds):
-            for name in order.sample(names, len(names)):
+            for name in order.sample(names, len(names)):  # each stage's undialled run just before its dialled one
+                quiet[name].append(pool.run(timeline_on_rank, exps[name]))
                 runs[name].append(pool.run(timeline_on_rank, replace(exps[name], network=network)))
     rows = []
     for name in names:
-        b = bound(exps[name], world_size, network, quiet[name])
+        bounds = [bound(exps[name], world_size, network, q) for q in quiet[name]]
         measured = [_slowest_median(run, lambda st: st.end) * 1e3 for run in runs[name]]
-        fractions = [b["bound_ms"] / m for m in measured]
+        fractions = [b["bound_ms"] / m for b, m in zip(bounds, measured, strict=True)]
+        b = {k: statistics.median(r[k] for r in bounds) for k in bounds[0]}
         rows.append({"name": name, "options": STAGE_OPTIONS[name], "world_size": world_size, "network": network,
-                     "preset": wire.describe(), "measured_ms": measured, **b,
-                     "fraction": statistics.median(fractions), "fraction_min": min(fractions),
-                     "fraction_max": max(fractions), "rounds": rounds, "steps": steps,
-                     **_where(runs[name], b)})
+                     "preset": wire.describe(), "measured_ms": measured, "bounds_ms": [r["bound_ms"] for r in bounds],
+                     **b, "fraction": statistics.median(fractions), "fraction_min": min(fractions),
+                     "fraction_max": max(fractions), "rounds": rounds, "steps": steps, **_where(runs[name], b)})
     return rows
 
 
