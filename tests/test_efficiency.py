@@ -26,6 +26,8 @@ def test_every_stage_has_a_row_with_one_measurement_per_round(rows):
     assert [r["name"] for r in rows] == ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"]
     assert all(len(r["measured_ms"]) == 2 and r["preset"].startswith("lesson (alpha=2ms") for r in rows)
     assert next(r for r in rows if r["name"] == "zero3")["options"] == {"prefetch": 1}
+    # N=2: ddp's one all-reduce is 2 ring messages, zero1's reduce-scatter and all-gather 1 each
+    assert {r["name"]: r["messages"] for r in rows if r["name"] in ("ddp", "zero1")} == {"ddp": 2, "zero1": 2}
 
 
 def test_the_bound_holds_compute_and_the_unhideable_wire(rows):
