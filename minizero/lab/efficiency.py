@@ -103,8 +103,20 @@ def _where(runs, bound_row: dict) -> dict:
 def messages(steps, world_size: int) -> int:
     """Ring messages a rank sends per step (the median step after the first): each one pays the dial's
     alpha, so an overhead per message grows with the stage's count of collectives."""
-    return int(statistics.median(sum(RING_STEPS.get(w.split()[0], 1) for w, _, _ in st.comm) * (world_size - 1)
-                                 for st in steps[1:]))
+    return int(statistics.median(_messages(st, world_size) for st in steps[1:]))
+
+
+def _messages(step, world_size: int) -> int:
+    return sum(RING_STEPS.get(w.split()[0], 1) for w, _, _ in step.comm) * (world_size - 1)
+
+
+def loopback_per_message(quiet, world_size: int) -> float:
+    """Seconds one ring message costs undialled -- loopback's transfer, the ring's Python, the thread's wake-up --
+    read as :func:`minizero.lab.scale.model_against_measured` reads it: on the rank that arrives last at each
+    collective (it does not wait for the others, so its spans are the transfer).  The dial waits on top of
+    it, so it is the first suspect for the exposed time beyond the bound."""
+    return min(statistics.median(sum(e - s for _, s, e in st.comm) / max(_messages(st, world_size), 1)
+                                 for st in steps[1:]) for steps in quiet)
 
 
 def bench_efficiency(world_size: int, network: str = "lesson", steps: int = 5, rounds: int = 3,
@@ -143,7 +155,9 @@ def bench_efficiency(world_size: int, network: str = "lesson", steps: int = 5, r
                      "preset": wire.describe(), "measured_ms": measured, "bounds_ms": [r["bound_ms"] for r in bounds],
                      **b, "fraction": statistics.median(fractions), "fraction_min": min(fractions),
                      "fraction_max": max(fractions), "rounds": rounds, "steps": steps, **_where(runs[name], b),
-                     "messages": messages(runs[name][-1][0], world_size)})
+                     "messages": messages(runs[name][-1][0], world_size),
+                     "loopback_ms_per_message": statistics.median(loopback_per_message(q, world_size) * 1e3
+                                                                  for q in quiet[name])})
     return rows
 
 
@@ -158,7 +172,7 @@ def format_efficiency(rows: list[dict]) -> str:
              "bound = undialled compute + what the stage's schedule cannot hide on the dial (loopback left out); "
              "fraction = bound / measured (1 = no time lost; > 1 would mean the bound is wrong)",
              f"  {'stage':<14}{'measured ms':>18}{'bound':>8}{'compute':>9}{'unhidden':>9}{'fraction':>10}"
-             f"{'min-max':>12}   beyond the bound (ms): +compute, +exposed (per message), other"]
+             f"{'min-max':>12}   beyond the bound (ms): +compute, +exposed (per message; loopback's), other"]
     for r in rows:
         m = r["measured_ms"]
         measured = f"{statistics.median(m):.1f} ({min(m):.0f}-{max(m):.0f})"
@@ -166,5 +180,6 @@ def format_efficiency(rows: list[dict]) -> str:
                      f"{r['unhidden_ms']:>9.1f}{r['fraction']:>10.2f}"
                      f"{r['fraction_min']:>6.2f}-{r['fraction_max']:.2f}   "
                      f"{r['extra_compute_ms']:+.1f}, {r['extra_exposed_ms']:+.1f} "
-                     f"({r['extra_exposed_ms'] / max(r['messages'], 1):+.1f} x {r['messages']}), {r['other_ms']:+.1f}")
+                     f"({r['extra_exposed_ms'] / max(r['messages'], 1):+.1f} x {r['messages']}; "
+                     f"{r['loopback_ms_per_message']:.1f}), {r['other_ms']:+.1f}")
     return "\n".join(lines)
