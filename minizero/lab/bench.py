@@ -230,12 +230,13 @@ def bench_precision(world_size: int, steps: int = STEPS, precision: str = "bf16"
     is emulated and often slower than fp32: the ratios say what the recipe costs here, not on a GPU."""
     base = _base(steps, backend="native")
     variants = [("torch-fsdp2", replace(base, stage="torch-fsdp2", options={"precision": precision}))]
-    for stage in distributed():
+    stages = [stage for stage in distributed() if stage in accepting("precision")]  # local-sgd takes none
+    for stage in stages:
         variants += [(stage, replace(base, stage=stage, options={"precision": precision})),
                      (f"{stage}/fp32", replace(base, stage=stage))]
     measured = _measure(world_size, variants, rounds)
     theirs, rows = measured["torch-fsdp2"], []
-    for stage in distributed():
+    for stage in stages:
         m, fp32 = measured[stage], measured[f"{stage}/fp32"]
         rows.append(_ratio_row(f"{stage} {precision} step", m, f"torch-fsdp2 {precision} step", theirs, world_size,
                                sent_bytes=m["sent"]))
