@@ -9,7 +9,7 @@ import pytest
 
 from minizero.comm.network import parse_network
 from minizero.cost_model import predict
-from minizero.lab.efficiency import STAGE_OPTIONS, _base, bench_efficiency, bound, format_efficiency
+from minizero.lab.efficiency import _base, bench_efficiency, bound, format_efficiency, stage_options
 from minizero.lab.scale import measured_plan
 from minizero.stages import STAGES
 from minizero.timeline import StepTimeline
@@ -25,7 +25,8 @@ def rows():
 def test_every_stage_has_a_row_with_one_measurement_per_round(rows):
     assert [r["name"] for r in rows] == ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"]
     assert all(len(r["measured_ms"]) == 2 and r["preset"].startswith("lesson (alpha=2ms") for r in rows)
-    assert next(r for r in rows if r["name"] == "zero3")["options"] == {"prefetch": 1}
+    assert {r["name"]: r["options"] for r in rows} == {"ddp": {}, "ddp-bucketed": {"bucket_mb": 0.5}, "zero1": {},
+                                                       "zero2": {"bucket_mb": 0.5}, "zero3": {"prefetch": 1}}
     # N=2: ddp's one all-reduce is 2 ring messages, zero1's reduce-scatter and all-gather 1 each
     assert {r["name"]: r["messages"] for r in rows if r["name"] in ("ddp", "zero1")} == {"ddp": 2, "zero1": 2}
 
@@ -56,7 +57,7 @@ def test_the_time_beyond_the_bound_adds_up(rows):
 def test_the_table_names_every_stage_and_the_wire(rows):
     text = format_efficiency(rows)
     assert "lesson (alpha=2ms, bandwidth=50MB/s)" in text and "N=2" in text
-    for name in STAGE_OPTIONS:
+    for name in stage_options():
         assert any(line.split()[0] == name for line in text.splitlines()[3:]), name
 
 

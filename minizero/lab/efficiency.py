@@ -39,16 +39,24 @@ from dataclasses import replace
 from ..comm.network import parse_network
 from ..cost_model import RING_STEPS, predict
 from ..launch import RankPool
-from ..stages import STAGES
+from ..stages import STAGES, distributed
 from .experiment import Experiment
 from .models import BENCH_GPT
 from .scale import measured_plan
 from .timelines import timeline_on_rank
 
-#: The stages measured, with the options that let each overlap on the bench GPT (3 MB of gradients: the default
-#: 25 MiB bucket would be one bucket, which cannot leave before backward ends).
-STAGE_OPTIONS: dict[str, dict] = {"ddp": {}, "ddp-bucketed": {"bucket_mb": 0.5}, "zero1": {},
-                                  "zero2": {"bucket_mb": 0.5}, "zero3": {"prefetch": 1}}
+#: The options that let a stage overlap on the bench GPT (3 MB of gradients: the default 25 MiB bucket would be
+#: one bucket, which cannot leave before backward ends), each given to the stages that accept it.
+OVERLAP_OPTIONS = {"bucket_mb": 0.5, "prefetch": 1}
+
+
+def stage_options() -> dict[str, dict]:
+    """Every stage that takes single-device training's step (the contrast designs aside: their step is
+    another algorithm's), with the :data:`OVERLAP_OPTIONS` it accepts -- read from the stages' own facts."""
+    return {name: {k: v for k, v in OVERLAP_OPTIONS.items() if k in STAGES[name].option_names()}
+            for name in distributed() if not STAGES[name].contrast}
+
+
 COMPUTE = ("forward", "backward", "optimizer step")  # the timeline's compute spans
 
 
@@ -56,7 +64,7 @@ def _base(stage: str, steps: int, model: dict) -> Experiment:
     """The dialled benches' experiment (:mod:`minizero.lab.bench_network`): no fingerprints, which would
     add messages the bound leaves out."""
     return Experiment(stage=stage, task="gpt", model=model, optimizer="sgd", steps=steps, micro_batch=8,
-                      dtype="float32", check=False, options=STAGE_OPTIONS[stage])
+                      dtype="float32", check=False, options=stage_options()[stage])
 
 
 def _slowest_median(per_rank, what) -> float:
@@ -124,7 +132,7 @@ def bench_efficiency(world_size: int, network: str = "lesson", steps: int = 5, r
     """One row per stage: its measured dialled step per round beside its α–β bound on ``network``.
 
     ``model``: the bench GPT's shape by default (a smaller one for tests); ``stages``: a subset of
-    :data:`STAGE_OPTIONS`; ``seed`` draws the order of the stages in each round."""
+    :func:`stage_options`; ``seed`` draws the order of the stages in each round."""
     wire = parse_network(network)  # a bad name fails here, before any rank is spawned
     if world_size < 2:
         raise ValueError(f"world_size {world_size}: the bound is about communication; give 2 or more ranks")
@@ -132,10 +140,11 @@ def bench_efficiency(world_size: int, network: str = "lesson", steps: int = 5, r
         raise ValueError(f"steps {steps}: the first step is warm-up and untimed; give 2 or more")
     if rounds < 1:
         raise ValueError(f"rounds {rounds}: give 1 or more")
-    names = list(STAGE_OPTIONS) if stages is None else stages
+    known = stage_options()
+    names = list(known) if stages is None else stages
     for name in names:
-        if name not in STAGE_OPTIONS:
-            raise ValueError(f"stage {name!r} has no efficiency row; choose from {', '.join(STAGE_OPTIONS)}")
+        if name not in known:
+            raise ValueError(f"stage {name!r} has no efficiency row; choose from {', '.join(known)}")
     exps = {name: _base(name, steps, BENCH_GPT if model is None else model) for name in names}
     order = random.Random(seed)
     quiet: dict[str, list] = {name: [] for name in names}
@@ -151,7 +160,7 @@ def bench_efficiency(world_size: int, network: str = "lesson", steps: int = 5, r
         measured = [_slowest_median(run, lambda st: st.end) * 1e3 for run in runs[name]]
         fractions = [b["bound_ms"] / m for b, m in zip(bounds, measured, strict=True)]
         b = {k: statistics.median(r[k] for r in bounds) for k in bounds[0]}
-        rows.append({"name": name, "options": STAGE_OPTIONS[name], "world_size": world_size, "network": network,
+        rows.append({"name": name, "options": known[name], "world_size": world_size, "network": network,
                      "preset": wire.describe(), "measured_ms": measured, "bounds_ms": [r["bound_ms"] for r in bounds],
                      **b, "fraction": statistics.median(fractions), "fraction_min": min(fractions),
                      "fraction_max": max(fractions), "rounds": rounds, "steps": steps, **_where(runs[name], b),
