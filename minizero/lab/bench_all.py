@@ -198,7 +198,7 @@ def plot(rows: list[dict], path: str) -> None:
     errors = [[r["ratio"] - r["interval"][0] for r in rows], [r["interval"][1] - r["ratio"] for r in rows]]
     speed.bar(at, [r["ratio"] for r in rows], color="tab:blue", yerr=errors, capsize=4, ecolor="black")
     speed.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    speed.set_xticks(list(at), [f"{r['stage']}\nvs {r['counterpart']}" for r in rows], fontsize=8)
+    speed.set_xticks(list(at), [f"{r['stage']}\nvs {r['counterpart']}" for r in rows], fontsize=7, rotation=30, ha="right")
     speed.set_ylabel("step time / torch counterpart's")
     speed.set_title(f"step time ratio, 95% interval over {rows[0]['rounds']} rounds (below 1: faster)")
     width = 0.4
