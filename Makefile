@@ -60,6 +60,7 @@ bench: install
 	$(PY) -m minizero bench buckets --world-size 2 --network lesson
 	$(PY) -m minizero bench prefetch --world-size 2 --network lesson
 	$(PY) -m minizero bench compress --world-size 2 --network lesson
+	$(PY) -m minizero bench efficiency --world-size 2 --network lesson
 	$(PY) -m minizero scale --params 1.5e9 --world-size 1..1024 --network ethernet-100g --compute-ms 300
 
 # Every stage beside the reference for 500 steps: the largest deviation over the run (minutes, not CI).

@@ -19,6 +19,7 @@ from ..stages import distributed
 from ..train import shard_step, sum_loss
 from . import bench_all
 from .bench_network import bench_buckets, bench_compress, bench_overlap_dialled, bench_prefetch, bench_servers, format_rows
+from .efficiency import bench_efficiency, format_efficiency
 from .experiment import Experiment, run_experiment
 from .machine import Recorded
 from .machine import describe as describe_machine
@@ -263,6 +264,7 @@ BENCHES = {
     "check": lambda args: bench_check(args.world_size, rounds=args.rounds),
     "precision": lambda args: bench_precision(args.world_size, rounds=args.rounds),
     "all": bench_all.main,  # every stage beside its torch counterpart: step, bytes, memory
+    "efficiency": lambda args: bench_efficiency(args.world_size, _dial(args), rounds=args.rounds),
 }
 
 
@@ -289,6 +291,8 @@ def format_result(args, rows: list[dict]) -> str:
     """The rows as text: every timed ratio with its interval, and a verdict only where the interval allows."""
     if args.what == "all":
         return bench_all.format_table(rows)
+    if args.what == "efficiency":
+        return format_efficiency(rows)
     if args.what in DIALLED and (args.what != "overlap" or args.network):
         return format_rows(args.what, args.world_size, _dial(args), rows)
     if args.what == "collectives":
