@@ -114,6 +114,10 @@ def test_a_busy_machine_is_flagged_at_either_end_and_says_why():
     assert not quiet["busy"] and "WARNING" not in machine.describe(quiet)
     loaded = machine.state(_shot(0.2), _shot(3.0), cores=2)
     assert loaded["busy"] and loaded["busy_reasons"] == ["after: load 3.00 on 2 cores (> 0.5 per core)"]
+    own = machine.state(_shot(0.2), _shot(2.3, 40.0), cores=2, own=2)  # the bench's own 2 ranks: not "busy"
+    assert not own["busy"], own["busy_reasons"]
+    others = machine.state(_shot(0.2), _shot(3.4), cores=2, own=2)
+    assert others["busy_reasons"] == ["after, beyond its 2 ranks: load 1.40 on 2 cores (> 0.5 per core)"]
     pressed = machine.state(_shot(0.1, 25.0), _shot(0.1), cores=2)
     assert pressed["busy_reasons"] == ["before: CPU pressure 25.0% (> 10%)"]
     text = machine.describe(pressed)

@@ -280,7 +280,7 @@ def main(args) -> tuple[int, str]:
         parse_network(args.network)  # a bad dial is refused before any rank starts
         if args.what not in DIALLED:
             raise ValueError(f"bench {args.what} does not take --network; the dialled benches are {', '.join(DIALLED)}")
-    with Recorded() as recorded:
+    with Recorded(own=args.world_size) as recorded:
         rows = BENCHES[args.what](args)
     if args.json:
         return 0, json.dumps({"machine": recorded.state, "rows": rows}, indent=2)

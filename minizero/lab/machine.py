@@ -47,14 +47,20 @@ def busy_reasons(shot: dict, cores: int, load_per_core: float = LOAD_PER_CORE, p
     return reasons
 
 
-def state(before: dict, after: dict, cores: int | None = None) -> dict:
-    """Before and after, the core count, the versions, and whether the machine was busy at either end."""
+def state(before: dict, after: dict, cores: int | None = None, own: int = 0) -> dict:
+    """Before and after, the core count, the versions, and whether the machine was busy at either end.
+
+    ``own``: the processes the bench itself kept running (its ranks).  The 1-minute load average read just after
+    the run still counts them, and their own contention shows in the pressure, so *after* is judged by the load
+    beyond them alone -- else every bench on a small machine would flag itself."""
     import torch
 
     cores = cores or os.cpu_count() or 1
-    reasons = [f"{when}: {r}" for when, shot in (("before", before), ("after", after))
+    beyond = dict(after, load1=max(after["load1"] - own, 0.0), cpu_pressure_some_avg10=None) if own else after
+    reasons = [f"{when}: {r}" for when, shot in (("before", before), (f"after, beyond its {own} ranks" if own else
+                                                                          "after", beyond))
                for r in busy_reasons(shot, cores)]
-    return {"before": before, "after": after, "cores": cores, "torch": torch.__version__,
+    return {"before": before, "after": after, "cores": cores, "own": own, "torch": torch.__version__,
             "python": platform.python_version(), "busy": bool(reasons), "busy_reasons": reasons}
 
 
@@ -72,12 +78,15 @@ def describe(machine: dict) -> str:
 
 
 class Recorded:
-    """``with Recorded() as rec: ...`` -- a snapshot on entry and on exit; ``rec.state`` after."""
+    """``with Recorded(own=N) as rec: ...`` -- a snapshot on entry and on exit; ``rec.state`` after."""
+
+    def __init__(self, own: int = 0):
+        self.own = own
 
     def __enter__(self):
         self.before, self.state = snapshot(), None
         return self
 
     def __exit__(self, *exc):
-        self.state = state(self.before, snapshot())
+        self.state = state(self.before, snapshot(), own=self.own)
         return False
