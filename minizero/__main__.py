@@ -104,7 +104,9 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=["cpu", "cuda"], default=None, help="bench all: where the ranks compute (cpu)")
     bench.add_argument("--collectives", choices=list(BACKENDS), default=None,
                        help="bench all: minizero's collectives, torch's (native, default) or the send/recv ring")
-    bench.add_argument("--steps", type=positive_int, default=None, help="bench all: steps per run, 2 untimed (5)")
+    bench.add_argument("--steps", type=positive_int, default=None,
+                       help="bench all: steps per run, 2 untimed (4: a multiple of local-sgd's H = 4, so its bytes "
+                            "meet the formula)")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="bench all: step-time ratio and memory per rank per stage against torch, as a PNG")
     bench.add_argument("--json", action="store_true")

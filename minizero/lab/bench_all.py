@@ -92,7 +92,7 @@ def _measure(pool, exp: Experiment, world_size: int) -> dict:
 
 
 def bench_all(world_size: int, model: str = "small", device: str = "cpu", collectives: str = "native",
-              steps: int = 5, micro_batch: int = 8, pool=None, rounds: int = 5) -> list[dict]:
+              steps: int = 4, micro_batch: int = 8, pool=None, rounds: int = 5) -> list[dict]:
     """One row per stage: its step time, bytes and memory beside its torch counterpart's, one pool,
     ``rounds`` rounds (each run's first steps are its untimed warm-up).
 
@@ -222,7 +222,7 @@ def main(args) -> list[dict]:
     if args.plot:
         check_plot_path(args.plot)
     rows = bench_all(args.world_size, model=args.model or "small", device=args.device or "cpu",
-                     collectives=args.collectives or "native", steps=args.steps or 5, rounds=args.rounds)
+                     collectives=args.collectives or "native", steps=args.steps or 4, rounds=args.rounds)
     if args.plot:
         plot(rows, args.plot)
     return rows
