@@ -248,7 +248,7 @@ def bench_precision(world_size: int, steps: int = STEPS, precision: str = "bf16"
     return rows
 
 
-DIALLED = ("overlap", "buckets", "prefetch", "compress", "servers")  # measured on a dialled network (--network)
+DIALLED = ("overlap", "buckets", "prefetch", "compress", "servers", "efficiency")  # on a dialled network (--network)
 #: ``python -m minizero bench WHAT``: each benchmark, from the command line's arguments.
 BENCHES = {
     "collectives": lambda args: bench_collectives(args.world_size, repeats=args.repeats, rounds=args.rounds),
