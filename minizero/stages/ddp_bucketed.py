@@ -61,7 +61,7 @@ class BucketedDDP(DDP):
         self.pipeline = BucketPipeline(comm, [b.params for b in self.buckets], self._all_reduce)
         self._point_grads_into_buckets()
         for _, p in self.trainable():
-            p.register_post_accumulate_grad_hook(self.post_accumulate_grad)
+            self._when_accumulated(p)
 
     # -------------------------------------------------------------- backward
     def post_accumulate_grad(self, param: nn.Parameter) -> None:

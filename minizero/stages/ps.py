@@ -72,7 +72,7 @@ class ParameterServer(ZeRO):
         self.zero_grad()
         for group in self.groups:
             for s in group.segments:
-                s.param.register_post_accumulate_grad_hook(self.post_accumulate_grad)
+                self._when_accumulated(s.param)
 
     def layout(self) -> list:
         """The flat groups, sharded over the S servers: a rank from S on owns no shard (a pure worker)."""

@@ -54,7 +54,7 @@ class ZeRO1(ZeRO):
         self.zero_grad()
         for group in self.groups:
             for s in group.segments:
-                s.param.register_post_accumulate_grad_hook(self.post_accumulate_grad)
+                self._when_accumulated(s.param)
 
     # ------------------------------------------------------------ backward
     def pre_forward(self) -> None:

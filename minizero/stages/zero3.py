@@ -101,7 +101,7 @@ class ZeRO3(ZeRO):
             unit_module.register_forward_hook(lambda m, args, out, u=u: self.unit_post_forward(u, out))
         for group in self.groups:
             for s in group.segments:
-                s.param.register_post_accumulate_grad_hook(self.post_accumulate_grad)
+                self._when_accumulated(s.param)
 
     def add_observer(self, observer) -> None:
         self._observers.append(observer)
