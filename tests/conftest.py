@@ -76,6 +76,7 @@ BESIDE_THE_LESSONS = {
     # what the lessons print and draw: structure, names and bytes, never time
     "test_lesson_outputs", "test_production_names", "test_parallelism", "test_lesson_overlap",
     "test_lesson_ring_pictures", "test_lesson_layout", "test_lesson_debug_flags", "test_lesson_zero2_backward",
+    "test_stage_lifetime", "test_bench_method", "test_efficiency", "test_gpu_run",
 }
 
 
