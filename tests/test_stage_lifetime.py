@@ -28,6 +28,8 @@ def _run_then_count(me, exp: Experiment) -> int:
 @pytest.mark.parametrize("stage", ["ddp-bucketed", "zero1", "zero2", "zero3", "ps"])
 def test_a_finished_stage_leaves_nothing_alive(pools, stage):
     exp = Experiment(stage=stage, task="gpt", steps=1, dtype="float32", check=False)
-    first = pools.run(2, _run_then_count, exp)
-    again = pools.run(2, _run_then_count, exp)  # a second run of the same stage: nothing more may be alive
-    assert again == first, f"{stage}: live tensors per rank grew from {first} to {again} after one more run"
+    pools.run(2, _run_then_count, exp)  # warm: what earlier tests in this pool left may be freed during it
+    second = pools.run(2, _run_then_count, exp)
+    third = pools.run(2, _run_then_count, exp)  # one more run of the same stage: nothing more may stay alive
+    assert all(t <= s for s, t in zip(second, third, strict=True)), (
+        f"{stage}: live tensors per rank grew from {second} to {third} after one more run")
