@@ -189,11 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     if detect_gpus() == 0:  # --gpus given on a machine without CUDA: still nothing to run
         print(f"error: {NO_GPU}", file=sys.stderr)
         return 1
-    results = []
+    results, m = [], machine(gpus)
     for c in commands:
         print(f"running {c['what']} ({c['how']}) ...", file=sys.stderr, flush=True)
         results.append(run(c, args.timeout))
-    md, js = write(Path(args.out), machine(gpus), results)
+        # Written after every command: a GPU is lent for minutes, and a run cut short keeps what it measured.
+        md, js = write(Path(args.out), m, results)
     print(f"wrote {md} and {js}")
     return 0 if all(r["ok"] for r in results) else 1
 
