@@ -99,9 +99,19 @@ def _bench_rows(result) -> list[dict]:
 
 def _ratio(row: dict) -> str:
     """The ratio, with its 95% interval where the bench reports one."""
+    if row.get("ratio") is None:  # the counterpart could not run here: the verdict says why
+        return row.get("verdict", "not compared")
     ci = row.get("interval")
     text = f"{row['ratio']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{row['ratio']:.2f}"
     return text + (f" {row['verdict']}" if row.get("verdict") else "")
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _bytes(value) -> str:
+    return "-" if value is None else f"{value:,}"
 
 
 def markdown(m: dict, results: list[dict]) -> str:
@@ -122,9 +132,9 @@ def markdown(m: dict, results: list[dict]) -> str:
                       f"{b['how']}", "",
                       "| stage | vs | step ms | torch ms | ratio | held (B) | formula (B) | peak CUDA (B) | torch peak (B) |",
                       "|---|---|---:|---:|---|---:|---:|---:|---:|"]
-            lines += [f"| {x['stage']} | {x['counterpart']} | {x['step_ms']:.2f} | {x['counterpart_step_ms']:.2f} | "
+            lines += [f"| {x['stage']} | {x['counterpart']} | {x['step_ms']:.2f} | {_ms(x['counterpart_step_ms'])} | "
                       f"{_ratio(x)} | {x['held_bytes']:,} | {x['held_bytes_formula']:,.0f} | "
-                      f"{x['cuda_peak_bytes']:,} | {x['counterpart_cuda_peak_bytes']:,} |" for x in rows]
+                      f"{x['cuda_peak_bytes']:,} | {_bytes(x['counterpart_cuda_peak_bytes'])} |" for x in rows]
             lines.append("")
     trained = [r for r in results if r["kind"] == "train" and r["ok"]]
     if trained:

@@ -137,3 +137,24 @@ def test_cuda_without_cuda_is_refused_in_one_line_before_any_rank_starts(capsys)
     err = capsys.readouterr().err
     assert "torch sees no CUDA device here" in err and err.count("\n") == 1, err
     assert "run it on a machine with a GPU and a CUDA build of torch, or leave out --device" in err
+
+
+def test_a_counterpart_that_cannot_run_here_is_said_not_compared_and_nothing_is_made_up(pools, monkeypatch,
+                                                                                        tmp_path):
+    """On a GPU, bench all's gloo ranks cannot run FSDP2 (it dies with a segfault): the zero3 row must keep
+    zero3's own measurement, leave torch's cells empty, say why -- and never run the counterpart."""
+    import minizero.lab.bench_all as bench_all_module
+    ran = []
+    real = bench_all_module._measure
+    monkeypatch.setattr(bench_all_module, "_measure", lambda pool, exp, n: ran.append(exp.stage) or real(pool, exp, n))
+    monkeypatch.setattr(bench_all_module, "UNMEASURABLE", {("cpu", "torch-fsdp2"): "FSDP2 cannot run here"})
+    rows = bench_all(N, model="tiny", steps=STEPS, micro_batch=MICRO_BATCH, pool=pools.pool(N), rounds=ROUNDS)
+    assert "torch-fsdp2" not in ran and "torch-ddp" in ran
+    uncompared = [r for r in rows if r["counterpart"] == "torch-fsdp2"]
+    assert uncompared and all(r["ratio"] is None and r["counterpart_step_ms"] is None
+                              and r["verdict"] == "not compared: FSDP2 cannot run here" and r["step_ms"] > 0
+                              for r in uncompared)
+    assert all(r["ratio"] is not None for r in rows if r["counterpart"] != "torch-fsdp2")
+    text = format_table(rows)
+    assert all(f"{r['stage']} vs torch-fsdp2: not compared: FSDP2 cannot run here" in text for r in uncompared)
+    plot(rows, str(tmp_path / "p.png"))

@@ -171,3 +171,29 @@ def test_what_a_collective_cannot_take_is_refused_naming_the_rank(pools, what, m
     results = pools.run(2, _refused_on_rank, what)
     assert message.replace("rank 0", "rank 1") in results[1] or message in results[1]
     assert message in results[0]
+
+
+def test_each_backend_gets_memory_it_can_move():
+    """NCCL takes CUDA memory only; gloo's send/recv take host memory only (a CUDA address there failed on an
+    H200 with ``writev ... Bad address``); gloo's own collectives take either."""
+    from minizero.comm.base import travels_through
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert travels_through(nccl=True, point_to_point=False, device=cpu) == "cuda"
+    assert travels_through(nccl=True, point_to_point=True, device=cpu) == "cuda"
+    assert travels_through(nccl=True, point_to_point=True, device=cuda) is None
+    assert travels_through(nccl=False, point_to_point=True, device=cuda) == "cpu"
+    assert travels_through(nccl=False, point_to_point=True, device=cpu) is None
+    assert travels_through(nccl=False, point_to_point=False, device=cuda) is None
+
+
+def test_every_collective_built_from_send_recv_is_marked_point_to_point():
+    """The mark decides whether gloo's CUDA tensors detour through host memory: a ring collective left
+    unmarked would hand gloo a CUDA address on a GPU and crash there, where CI cannot see it."""
+    from minizero.comm.native import NativeComm
+    from minizero.comm.ring import RingComm
+    from minizero.comm.tree import TreeComm
+    torch_collectives = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "root_all_reduce")
+    for cls in (RingComm, TreeComm, NativeComm):
+        for kind in torch_collectives + ("push", "pull"):  # push and pull are send/recv on every Comm
+            built_from_send_recv = cls is not NativeComm or kind in ("push", "pull")
+            assert getattr(getattr(cls, kind), "point_to_point", None) is built_from_send_recv, (cls.__name__, kind)

@@ -133,28 +133,59 @@ def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Ta
         wire.decode(shard, arguments["output"], key, where)
 
 
-def on_device(method):
-    """Under a collective's :func:`collective` wrapper, on every backend: NCCL moves CUDA tensors only, so the
-    small CPU tensors of the bookkeeping (a loss for the log, bitmaps, the overflow flag, signatures, a
-    checkpoint's barrier, consolidated states) travel through the rank's current device and back."""
+WRITTEN = ("tensor", "output")  # what a collective writes: the only arguments copied back after a detour
+READ = ("input", "stale")  # read only (``stale``: ps-async's list of old shards, one per destination)
+
+
+def travels_through(nccl: bool, point_to_point: bool, device: torch.device) -> str | None:
+    """The memory a tensor on ``device`` must detour through for this call, or None where it can stay.
+
+    NCCL moves CUDA memory only.  gloo's *collectives* take CUDA tensors (torch stages them to the host
+    itself), but gloo's ``send``/``recv`` hand the tensor's address straight to the socket: a CUDA address
+    there fails with ``writev ... Bad address`` (seen on an H200, docs/gpu-results.md)."""
+    if nccl:
+        return "cuda" if device.type == "cpu" else None
+    return "cpu" if point_to_point and device.type == "cuda" else None
+
+
+def on_device(method=None, *, point_to_point: bool = False):
+    """Under a collective's :func:`collective` wrapper, on every backend: a tensor in memory the backend
+    cannot move travels through memory it can, and what the collective wrote is copied back.  Under NCCL
+    that is the small CPU tensors of the bookkeeping (a loss for the log, bitmaps, the overflow flag,
+    signatures, a checkpoint's barrier, consolidated states); under gloo, the CUDA tensors of the collectives
+    minizero builds from send/recv (``point_to_point=True``: the ring, the tree, the parameter server's
+    push and pull) -- one copy each way per call, not per message."""
+    if method is None:
+        return functools.partial(on_device, point_to_point=point_to_point)
     signature = inspect.signature(method)
+
+    def moved(tensor: torch.Tensor, comm: "Comm") -> torch.Tensor:
+        where = travels_through(comm._nccl, point_to_point, tensor.device)
+        if where is None:
+            return tensor
+        return tensor.to(torch.device("cuda", torch.cuda.current_device()) if where == "cuda" else "cpu")
 
     @functools.wraps(method)
     def wrapper(self: "Comm", *args, **kwargs):
-        if not self._nccl:  # gloo takes any tensor: nothing to look at on the way
+        if not self._nccl and not point_to_point:  # gloo's collectives take any tensor
             return method(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
-        on_cpu = [k for k in ("tensor", "input", "output") if k in bound.arguments
-                  and bound.arguments[k].device.type == "cpu"]
-        if not on_cpu:
-            return method(*bound.args, **bound.kwargs)
-        originals = {k: bound.arguments[k] for k in on_cpu}
-        for k in on_cpu:
-            bound.arguments[k] = originals[k].to(torch.device("cuda", torch.cuda.current_device()))
+        originals = {}
+        for k in WRITTEN + READ:
+            value = bound.arguments.get(k)
+            if isinstance(value, torch.Tensor):
+                bound.arguments[k] = moved(value, self)
+            elif isinstance(value, list):
+                bound.arguments[k] = [moved(t, self) for t in value]
+            else:
+                continue
+            originals[k] = value
         method(*bound.args, **bound.kwargs)
-        for k in on_cpu:
-            originals[k].copy_(bound.arguments[k])
+        for k in WRITTEN:  # not the read-only ones: an ``output`` may view its ``input`` (push, in place)
+            if k in originals and bound.arguments[k] is not originals[k]:
+                originals[k].copy_(bound.arguments[k])
 
+    wrapper.point_to_point = point_to_point  # read by the tests: every send/recv collective is marked
     return wrapper
 
 

@@ -155,7 +155,7 @@ class RingComm(StarExchanges, Comm):
 
     # -------------------------------------------------------- collectives
     @collective("all_reduce")
-    @on_device
+    @on_device(point_to_point=True)
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         chunks = self._chunks(tensor)
         mine = chunks[self.rank]
@@ -165,21 +165,21 @@ class RingComm(StarExchanges, Comm):
         self._ring_all_gather(chunks)
 
     @collective("reduce_scatter")
-    @on_device
+    @on_device(point_to_point=True)
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         self._ring_reduce_scatter(self._chunks(input), output.view(-1), op)
         if op is ReduceOp.AVG:
             output.div_(self.world_size)
 
     @collective("all_gather")
-    @on_device
+    @on_device(point_to_point=True)
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         chunks = self._chunks(output)
         chunks[self.rank].copy_(input.view(-1))
         self._ring_all_gather(chunks)
 
     @collective("broadcast")
-    @on_device
+    @on_device(point_to_point=True)
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """A pipelined chain ``src -> src+1 -> ... -> src-1``: 1 MiB messages are
         forwarded as soon as they arrive, so the chain costs about one tensor
@@ -205,7 +205,7 @@ class RingComm(StarExchanges, Comm):
             self._report_sent(message.numel() * message.element_size())
 
     @collective("root_all_reduce")
-    @on_device
+    @on_device(point_to_point=True)
     def root_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         """The naive all-reduce, for contrast: everyone sends to rank 0, rank 0
         adds, then sends the result back to everyone.  The root sends

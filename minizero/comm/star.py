@@ -58,7 +58,7 @@ class StarExchanges:
                 f"(see minizero.layout)")
 
     @collective("push")
-    @on_device
+    @on_device(point_to_point=True)
     def push(self, output: torch.Tensor, input: torch.Tensor, servers: int, op: ReduceOp = ReduceOp.SUM) -> None:
         """``input``: this rank's full flat tensor (``S`` shards).  On server ``j``, ``output`` (its shard's
         size; it may view ``input``) gets shard ``j`` reduced over every rank; on a worker it is empty."""
@@ -89,7 +89,7 @@ class StarExchanges:
             output.div_(n)
 
     @collective("pull")
-    @on_device
+    @on_device(point_to_point=True)
     def pull(self, output: torch.Tensor, input: torch.Tensor, servers: int,
              stale: list[torch.Tensor] | None = None) -> None:
         """``output``: the full flat tensor every rank fills from the servers' shards; ``input``: this

@@ -101,7 +101,7 @@ class TreeComm(RingComm):
 
     # -------------------------------------------------------- the collective
     @collective("all_reduce")
-    @on_device
+    @on_device(point_to_point=True)
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         """Reduce to rank 0, (AVG) divide there -- once, before the result is copied N-1 times -- broadcast."""
         flat = tensor.view(-1)

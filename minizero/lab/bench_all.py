@@ -53,6 +53,15 @@ def torch_sent_bytes(name: str, psi: int, world_size: int, element: int) -> floa
     return passes * (world_size - 1) / world_size * psi * element
 
 
+# Counterparts torch cannot run where bench all's ranks run (gloo between them, on ``device``): the row then
+# shows the stage measured and says why its counterpart was not, rather than a crash or a made-up ratio.
+UNMEASURABLE = {
+    ("cuda", TorchFSDP2.name): "torch's FSDP2 over gloo with CUDA tensors dies with a segmentation fault "
+                               "(torch 2.11 on an H200, docs/gpu-results.md); bench all's ranks talk gloo -- "
+                               "measure FSDP2 under NCCL, one GPU per rank",
+}
+
+
 def check_device(device: str) -> None:
     """Refused before any rank starts: a CUDA run on a machine without CUDA would fail in every rank."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -107,7 +116,8 @@ def bench_all(world_size: int, model: str = "small", device: str = "cpu", collec
                       dtype="float32", check=False, backend=collectives, device=device)
     stages = distributed()
     kinds = {stage: counterpart(STAGES[stage].shards) for stage in stages}
-    names = list(dict.fromkeys(name for stage in stages for name in (kinds[stage], stage)))
+    missing = {kind: UNMEASURABLE[(device, kind)] for kind in set(kinds.values()) if (device, kind) in UNMEASURABLE}
+    names = [n for n in dict.fromkeys(name for stage in stages for name in (kinds[stage], stage)) if n not in missing]
     last = {}
     own = pool is None
     if own:  # CUDA does not survive a fork once the parent has touched it: spawn fresh ranks for a GPU run
@@ -121,15 +131,18 @@ def bench_all(world_size: int, model: str = "small", device: str = "cpu", collec
         if own:
             pool.close()
     return [row(stage, kinds[stage], {**last[stage], "round_ms": times[stage]},
-                {**last[kinds[stage]], "round_ms": times[kinds[stage]]}, base, world_size, model)
+                None if kinds[stage] in missing else {**last[kinds[stage]], "round_ms": times[kinds[stage]]},
+                base, world_size, model, why_not=missing.get(kinds[stage]))
             for stage in stages]
 
 
-def row(stage: str, kind: str, mine: dict, theirs: dict, exp: Experiment, world_size: int, model: str) -> dict:
+def row(stage: str, kind: str, mine: dict, theirs: dict | None, exp: Experiment, world_size: int, model: str,
+        why_not: str | None = None) -> dict:
     """A stage's row from what it and its counterpart measured: the measurement is printed, and the
     formula beside it -- never in its place (at N=2 on the tiny GPT the two agree to the byte; with
     padding they do not).  The step times are the medians over the rounds; the ratio is the rounds'
-    (:func:`minizero.lab.rounds.compare`)."""
+    (:func:`minizero.lab.rounds.compare`).  ``theirs`` None: the counterpart could not run here
+    (``why_not``); its cells are None and the verdict says why."""
     cls, psi = stage_class(stage), mine["psi"]
     element, states = element_size(exp), STATE_TENSORS[exp.optimizer]
     sent_formula = cls.sent_bytes_per_step(psi, world_size, element, element)
@@ -137,16 +150,26 @@ def row(stage: str, kind: str, mine: dict, theirs: dict, exp: Experiment, world_
     return {"stage": stage, "counterpart": kind, "world_size": world_size, "model": model, "psi": psi,
             "device": exp.device, "collectives": exp.backend, "steps": exp.steps, "micro_batch": exp.micro_batch,
             "step_ms": statistics.median(mine["round_ms"]),
-            "counterpart_step_ms": statistics.median(theirs["round_ms"]),
-            **compare(mine["round_ms"], theirs["round_ms"]),
-            "round_ms": mine["round_ms"], "counterpart_round_ms": theirs["round_ms"],
+            **(_compared(mine, theirs) if theirs else _not_compared(mine, why_not)),
             "sent_bytes_per_step": mine["sent"], "sent_bytes_formula": sent_formula,
             "bytes_match": agrees(mine["sent"], sent_formula),
             "counterpart_sent_bytes_modelled": torch_sent_bytes(kind, psi, world_size, element),
             "held_bytes": mine["held"], "held_bytes_formula": held_formula,
             "state_formula": cls.state_formula(element, states),
-            "memory_match": agrees(mine["held"], held_formula), "counterpart_held_bytes": theirs["held"],
-            "cuda_peak_bytes": mine["cuda_peak"], "counterpart_cuda_peak_bytes": theirs["cuda_peak"]}
+            "memory_match": agrees(mine["held"], held_formula), "cuda_peak_bytes": mine["cuda_peak"]}
+
+
+def _compared(mine: dict, theirs: dict) -> dict:
+    return {"counterpart_step_ms": statistics.median(theirs["round_ms"]),
+            **compare(mine["round_ms"], theirs["round_ms"]),
+            "round_ms": mine["round_ms"], "counterpart_round_ms": theirs["round_ms"],
+            "counterpart_held_bytes": theirs["held"], "counterpart_cuda_peak_bytes": theirs["cuda_peak"]}
+
+
+def _not_compared(mine: dict, why_not: str) -> dict:
+    return {"counterpart_step_ms": None, "ratio": None, "interval": None, "verdict": f"not compared: {why_not}",
+            "rounds": len(mine["round_ms"]), "round_ratios": [], "round_ms": mine["round_ms"],
+            "counterpart_round_ms": [], "counterpart_held_bytes": None, "counterpart_cuda_peak_bytes": None}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -169,19 +192,28 @@ def format_table(rows: list[dict]) -> str:
     lines += [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['stage']:<14}{r['counterpart']:<13}{r['step_ms']:>9.1f}{r['counterpart_step_ms']:>10.1f}"
+            f"{r['stage']:<14}{r['counterpart']:<13}{r['step_ms']:>9.1f}{_cell(r['counterpart_step_ms'], 10, 1)}"
             f"{_interval(r):>21}  {r['sent_bytes_per_step'] / mb:>9.3f}{r['sent_bytes_formula'] / mb:>9.3f}"
             f"{r['counterpart_sent_bytes_modelled'] / mb:>9.3f}  {r['held_bytes'] / mb:>9.3f}"
-            f"{r['held_bytes_formula'] / mb:>9.3f}  {r['state_formula']:<12}{r['counterpart_held_bytes'] / mb:>9.3f}"
-            + (f"{r['cuda_peak_bytes'] / mb:>10.1f}{r['counterpart_cuda_peak_bytes'] / mb:>9.1f}" if cuda else ""))
-    lines += [f"{r['stage']} vs {r['counterpart']}: {describe(r)}" for r in rows]
+            f"{r['held_bytes_formula'] / mb:>9.3f}  {r['state_formula']:<12}"
+            f"{_cell(r['counterpart_held_bytes'], 9, 3, mb)}"
+            + (f"{r['cuda_peak_bytes'] / mb:>10.1f}{_cell(r['counterpart_cuda_peak_bytes'], 9, 1, mb)}" if cuda else ""))
+    lines += [f"{r['stage']} vs {r['counterpart']}: {describe(r) if r['ratio'] is not None else r['verdict']}"
+              for r in rows]
     lines += [f"{r['stage']}: the ledger's bytes differ from the formula's" for r in rows if not r["bytes_match"]]
     lines += [f"{r['stage']}: the held bytes differ from the formula's" for r in rows if not r["memory_match"]]
     return "\n".join(lines + ["* torch: modelled, ring costs (DDP 2(N-1)/N Ψ·4; ZeroRedundancyOptimizer and FSDP2 "
                               "3(N-1)/N Ψ·4)"])
 
 
+def _cell(value, width: int, digits: int, unit: float = 1.0) -> str:
+    """A number right-aligned, or a dash where the counterpart was not measured."""
+    return f"{'-':>{width}}" if value is None else f"{value / unit:>{width}.{digits}f}"
+
+
 def _interval(r: dict) -> str:
+    if r["interval"] is None:
+        return "not compared"
     low, high = r["interval"]
     return f"{r['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
@@ -195,15 +227,19 @@ def plot(rows: list[dict], path: str) -> None:
 
     names, at = [r["stage"] for r in rows], range(len(rows))
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
-    errors = [[r["ratio"] - r["interval"][0] for r in rows], [r["interval"][1] - r["ratio"] for r in rows]]
-    speed.bar(at, [r["ratio"] for r in rows], color="tab:blue", yerr=errors, capsize=4, ecolor="black")
+    # A row whose counterpart could not run has no ratio: no bar, and its label says so.
+    errors = [[r["ratio"] - r["interval"][0] if r["ratio"] is not None else 0 for r in rows],
+              [r["interval"][1] - r["ratio"] if r["ratio"] is not None else 0 for r in rows]]
+    speed.bar(at, [r["ratio"] or 0 for r in rows], color="tab:blue", yerr=errors, capsize=4, ecolor="black")
     speed.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    speed.set_xticks(list(at), [f"{r['stage']}\nvs {r['counterpart']}" for r in rows], fontsize=7, rotation=30, ha="right")
+    speed.set_xticks(list(at), [f"{r['stage']}\nvs {r['counterpart']}" + ("" if r["ratio"] is not None else
+                                                                             "\n(not compared)") for r in rows],
+                     fontsize=7, rotation=30, ha="right")
     speed.set_ylabel("step time / torch counterpart's")
     speed.set_title(f"step time ratio, 95% interval over {rows[0]['rounds']} rounds (below 1: faster)")
     width = 0.4
     memory.bar([i - width / 2 for i in at], [r["held_bytes"] / 1e6 for r in rows], width, label="minizero")
-    memory.bar([i + width / 2 for i in at], [r["counterpart_held_bytes"] / 1e6 for r in rows], width,
+    memory.bar([i + width / 2 for i in at], [(r["counterpart_held_bytes"] or 0) / 1e6 for r in rows], width,
                label="torch counterpart", color="tab:gray")
     memory.set_xticks(list(at), names, fontsize=8)
     memory.set_ylabel("model state per rank (MB)")
