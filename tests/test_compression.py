@@ -120,4 +120,4 @@ def test_compression_on_16_bit_gradients_is_refused(pools):
 def test_unknown_compression_is_refused():
     from minizero.compress import check_compress
     with pytest.raises(ValueError, match="compress must be one of none, fp16, bf16"):
-        check_compress("int8")
+        check_compress("int16")

@@ -119,6 +119,10 @@ def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Ta
     """An average over a wire: encode, sum the encodings, decode the sum (the division by N is the wire's:
     it splits it around the sum, :mod:`minizero.compress`)."""
     arguments = {k: v for k, v in arguments.items() if k != "self"}
+    if getattr(wire, "gathers", False):  # a codec's wire: its messages do not add up (minizero.compress.gathered)
+        if arguments.get("op") is not ReduceOp.AVG:
+            raise ValueError(f"rank {comm.rank}: a {kind} over a wire averages: pass op=ReduceOp.AVG")
+        return wire.reduce(kind, arguments, key, tag)
     if arguments.get("op") is not ReduceOp.AVG:
         raise ValueError(f"rank {comm.rank}: a {kind} over a wire averages: pass op=ReduceOp.AVG")
     where = (tag or Tag()).describe()

@@ -21,7 +21,9 @@ from types import SimpleNamespace
 import torch
 
 from ..comm import chunk_bounds
-from ..compress import check_compress, split_division
+from ..compress import Codec, check_compress, split_division
+from ..compress import parse as parse_compress
+from ..compress.gathered import average_messages, stream
 from ..flat import pack, unpack
 from ..layout import padded_size
 from ..precision import REDUCE_DTYPES, Precision
@@ -67,6 +69,8 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     if wire is None and precision.reduce_dtype is not None:
         wire = REDUCE_DTYPES[precision.reduce_dtype]  # a wider wire: 16-bit gradients summed in fp32
     error_feedback = exp.options.get("error_feedback", False)
+    codec = parse_compress(exp.options.get("compress"))
+    codec = codec if isinstance(codec, Codec) else None
     pre, post = split_division(n)
     model = task.make_model(exp.seed, dtype, **exp.model)
     optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
@@ -107,7 +111,17 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
             if padded:  # a reduce-scatter of a buffer padded to a multiple of N (or of S, a push)
                 size = padded_size(flats[0].numel(), reduction.shards or n)
                 flats = [torch.cat([f, f.new_zeros(size - f.numel())]) for f in flats]
-            if wire is None:
+            if codec is not None:  # every rank's message decoded and added in rank order (compress.gathered)
+                messages = []
+                for r, flat in enumerate(flats):
+                    carried = flat.clone()
+                    if error_feedback and (r, key) in residuals:
+                        carried += residuals[(r, key)]
+                    messages.append(codec.encode(carried, stream(r, carried) if codec.stochastic else None))
+                    if error_feedback:
+                        residuals[(r, key)] = carried - codec.decode(messages[-1], flat.numel(), flat.dtype)
+                averaged = average_messages(codec, messages, flats[0].numel(), flats[0].dtype)
+            elif wire is None:
                 averaged = ring_sum(flats, reduction.shards if padded else None) / n
             else:  # divide by pre and post in the wider of the two dtypes (minizero.compress.Wire)
                 wide = torch.promote_types(flats[0].dtype, wire)

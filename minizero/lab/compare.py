@@ -72,6 +72,9 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
     sent = sum(r.sent_bytes for r in results) / (len(results) * exp.steps)
     sent_formula = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, first.param_bytes, **exp.options)
     busiest = getattr(cls, "busiest_sent_bytes_per_step", cls.sent_bytes_per_step)  # torch's oracles state none
+    if first.wire_sent_bytes_per_step is not None:  # a codec's wire: its formula on the stage's own buffers
+        sent_formula = first.wire_sent_bytes_per_step
+        busiest = lambda *args, **kwargs: sent_formula  # noqa: E731  (every rank sends its message to N-1)
     state = max(r.held_bytes["total"] for r in results)
     formula_args = (element_size(exp), STATE_TENSORS[exp.optimizer])  # masters' bytes and states per parameter
     state_formula = cls.state_bytes(first.psi, world_size, *formula_args, **exp.options)
@@ -116,7 +119,8 @@ def compare(world_size: int, stages: list[str], exp: Experiment, timeout_s: floa
     check_world_size(world_size)
     check_stage_names(stages, distributed_only=True, stages=exp.stages or LAB_STAGES)
     if options.get("error_feedback") and options.get("compress") in (None, "none"):
-        raise ValueError("error feedback carries the rounding error of compression: it needs --compress fp16 or bf16")
+        raise ValueError("error feedback carries the rounding error of compression: it needs --compress (fp16, bf16, "
+                         "int8, int4, topk:F or sign)")
     check_options_used(stages, exp.stages, options)
     experiments = [replace(exp, stage=stage, options=stage_options(stage, exp.stages, **options)) for stage in stages]
     if under_torchrun():

@@ -17,6 +17,7 @@ import torch
 from .. import checkpoint
 from ..comm import Ledger, make_comm
 from ..compress import check_compress
+from ..compress import parse as parse_compress
 from ..launch import Rank
 from ..memory import GatheredMemory, held_bytes
 from ..precision import Precision
@@ -122,6 +123,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             if comm:
                 comm.add_observer(ledger)
         held = held_bytes(stage.held_tensors())
+        wire = getattr(stage, "wire", None)  # a codec's bytes depend on each buffer's size: its formula, per step
+        wire_formula = wire.sent_bytes() if hasattr(wire, "sent_bytes") else None
         cuda_peak = torch.cuda.max_memory_allocated() if exp.device.startswith("cuda") else 0
         if comm:
             comm.remove_observer(ledger)
@@ -138,6 +141,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                       check_bytes=check_bytes, psi=psi,
                       grad_bytes=wire_bytes(exp), param_bytes=precision_of(exp).working_bytes(element_size(exp)),
                       held_bytes=held, gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state,
+                      wire_sent_bytes_per_step=wire_formula,
                       optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak,
                       skipped_steps=getattr(stage, "skipped_steps", 0))
 
@@ -166,7 +170,7 @@ def snapshot_parameters(stage, model) -> dict:
 def reference_of(exp: Experiment, world_size: int) -> RankResult:
     """Single-device training on the global batch -- or, for a compressed run, the
     reference that applies the same casts (:mod:`minizero.lab.casts_reference`)."""
-    if check_compress(exp.options.get("compress")) is not None or precision_of(exp).mixed:
+    if parse_compress(exp.options.get("compress")) is not None or precision_of(exp).mixed:
         if exp.sync_every_micro_batch:  # the same-casts reference rounds one reduction per step
             raise ValueError("sync_every_micro_batch has no same-casts reference: it rounds K reductions per "
                              "step; compare it with exact_reference_of")

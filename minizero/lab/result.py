@@ -26,3 +26,4 @@ class RankResult:
     loss_scales: list[float] = field(default_factory=list)  # the loss scale after each step (fp16)
     skipped_steps: int = 0  # steps skipped for overflow (fp16 dynamic loss scaling)
     cuda_peak_bytes: int = 0  # torch.cuda.max_memory_allocated() over the run (device="cuda")
+    wire_sent_bytes_per_step: float | None = None  # a codec's wire: its formula on this rank's own buffers

@@ -100,14 +100,27 @@ def choice(*values: str) -> Callable[[str], str]:
     return parse
 
 
+def compress_spec(text: str) -> str:
+    """``--compress``: a wire minizero.compress can build (``topk:0.01``, ``int8:block=64``), checked here."""
+    from ..compress import NAMES, parse
+    try:
+        parse(text)
+    except ValueError as refused:
+        raise argparse.ArgumentTypeError(str(refused)) from None
+    return text
+
+
+compress_spec.choices = ("none", "fp16", "bf16", "int8", "int4", "topk:F", "sign")  # what --help lists
+
+
 # ---------------------------------------------------------------------- the options several stages share
 #: Bucket caps the suite draws: one parameter per bucket, a few buckets, one bucket (25 MiB: torch's default).
 BUCKET_MB_DRAWN = (1e-9, 2e-4, 1e-3, 25.0)
 
 BUCKET_MB = Option("bucket_mb", 25.0, "bucket size in MiB (torch DDP's bucket_cap_mb: 25)", positive_float,
                    draw=lambda d: BUCKET_MB_DRAWN)
-COMPRESS = Option("compress", None, "send gradients in 16 bits: fp16 or bf16 (minizero.compress)",
-                  choice("none", "fp16", "bf16"))
+COMPRESS = Option("compress", None, "the gradients' wire: fp16, bf16, int8, int4, topk:FRACTION or sign "
+                  "(minizero.compress)", compress_spec)
 ERROR_FEEDBACK = Option("error_feedback", False, "carry the compression error to the next step", None)
 FIND_UNUSED_PARAMETERS = Option(
     "find_unused_parameters", False, "agree every step on which parameters got a gradient anywhere (torch's name)",

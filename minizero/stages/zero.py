@@ -53,7 +53,8 @@ class ZeRO(Stage):
         self.find_unused_parameters = find_unused_parameters
         if optimizer is not None:
             check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
-        self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision)
+        self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision,
+                              averages_with="reduce_scatter")
         check_same_model(module, comm)
         broadcast_module(module, comm)
         self.user_optimizer = optimizer

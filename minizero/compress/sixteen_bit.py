@@ -1,4 +1,4 @@
-"""The 16-bit wire: gradients averaged across ranks in fp16 or bf16 (``compress=``).
+"""The 16-bit wire: gradients averaged across ranks in fp16 or bf16 (``compress="fp16"`` or ``"bf16"``).
 
 Compression is a *wire format*, an option of every stage, written once here:
 a stage averages over it by passing it to the collective --
@@ -35,53 +35,16 @@ import math
 
 import torch
 
-from .comm import Comm
-from .precision import REDUCE_DTYPES, Precision
+from ..comm import Comm
+from ..precision import REDUCE_DTYPES, Precision
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def check_compress(compress: str | None) -> torch.dtype | None:
-    if compress in (None, "none"):
-        return None
-    if compress not in WIRE_DTYPES:
-        raise ValueError(f"compress must be one of none, {', '.join(WIRE_DTYPES)}; got {compress!r}")
-    return WIRE_DTYPES[compress]
 
 
 def split_division(world_size: int) -> tuple[int, float]:
     """(pre, post): divide by ``pre`` before the 16-bit sum and by ``post`` after; pre * post = N."""
     pre = 1 << int(math.log2(math.isqrt(world_size))) if world_size > 1 else 1
     return pre, world_size / pre
-
-
-def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, named_params=(),
-              precision: Precision | None = None) -> "Wire | None":
-    """The wire gradients are averaged over, or None: they travel in their own dtype.
-
-    ``compress`` ("fp16", "bf16") narrows fp32 gradients -- or, under mixed precision, re-rounds 16-bit ones
-    with the split division and optional error feedback below.  Under mixed precision ``reduce_dtype="fp32"``
-    is a wire too, a *wider* one: 16-bit gradients summed in fp32, the mean rounded once.  Both name the dtype
-    of the reduction, so they are not given together.  With dynamic loss scaling an overflow is the scaler's
-    to handle (the step is skipped), so the wire lets inf through instead of raising.
-    ``named_params``: what will travel on it, checked here (16-bit gradients of a 16-bit model gain nothing)."""
-    precision = precision or Precision()
-    if check_compress(compress) is None:
-        if error_feedback:
-            raise ValueError("error feedback carries the rounding error of compression: it needs compress='fp16' "
-                             "or 'bf16'")
-        if precision.reduce_dtype is None:
-            return None
-        return Wire(comm, REDUCE_DTYPES[precision.reduce_dtype], overflow_raises=not precision.scaled)
-    if precision.reduce_dtype is not None:
-        raise ValueError(f"compress={compress!r} and reduce_dtype={precision.reduce_dtype!r} both choose the dtype "
-                         f"gradients are reduced in; give one (under mixed precision the gradients are already "
-                         f"{precision.name}: reduce_dtype=None sends them as they are)")
-    wire = Wire(comm, WIRE_DTYPES[compress], error_feedback, overflow_raises=not precision.scaled)
-    if not precision.mixed:
-        for name, p in named_params:
-            wire.check_gradient_dtype(name, p.dtype)
-    return wire
 
 
 class Wire:

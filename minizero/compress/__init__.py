@@ -1,0 +1,101 @@
+"""Gradient compression: the wire a stage averages its gradients over (``compress=``).
+
+Two kinds of wire:
+
+* the **16-bit wire** (``fp16``, ``bf16``; :mod:`.sixteen_bit`): the gradients are cast, summed *on the way*
+  inside the ring all-reduce or reduce-scatter, and cast back -- half the bytes, on every stage;
+* the **gathered wires** (:mod:`.gathered`) of codecs whose messages do not add up: ``int8`` / ``int4``
+  (:mod:`.quantized`), ``topk:FRACTION`` (:mod:`.topk`), ``sign`` (:mod:`.sign`) -- each rank's message
+  all-gathered, decoded and added on every rank; an all-reduce only.
+
+A new codec is one file and one line in :data:`CODECS`: a name and the function that builds it from the text
+after ``name:``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..precision import REDUCE_DTYPES, Precision
+from .codec import Codec
+from .gathered import GatheredWire
+from .quantized import Quantized
+from .sign import Sign
+from .sixteen_bit import WIRE_DTYPES, Wire, split_division
+from .topk import TopK
+
+#: name -> builder from the text after "name:" ("" when there is none).
+CODECS = {
+    "int8": lambda text: Quantized.from_spec(8, text),
+    "int4": lambda text: Quantized.from_spec(4, text),
+    "topk": TopK.from_spec,
+    "sign": lambda text: Sign() if not text else _no_settings("sign", text),
+}
+NAMES = ("none", *WIRE_DTYPES, *CODECS)
+
+
+def _no_settings(name: str, text: str):
+    raise ValueError(f"compress={name}:{text}: {name} takes no settings")
+
+
+def parse(compress: str | None) -> torch.dtype | Codec | None:
+    """``compress=`` read: None (no compression), a 16-bit dtype, or a codec."""
+    if compress in (None, "none"):
+        return None
+    if compress in WIRE_DTYPES:
+        return WIRE_DTYPES[compress]
+    name, _, text = str(compress).partition(":")
+    if name not in CODECS:
+        raise ValueError(f"compress must be one of {', '.join(NAMES)} (e.g. int8, topk:0.01); got {compress!r}")
+    return CODECS[name](text)
+
+
+def check_compress(compress: str | None) -> torch.dtype | None:
+    """The 16-bit wire's dtype, or None -- for a codec too (it has no dtype; see :func:`parse`)."""
+    parsed = parse(compress)
+    return parsed if isinstance(parsed, torch.dtype) else None
+
+
+def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, named_params=(),
+              precision: Precision | None = None, averages_with: str = "all_reduce") -> "Wire | GatheredWire | None":
+    """The wire gradients are averaged over, or None: they travel in their own dtype.
+
+    ``compress`` ("fp16", "bf16") narrows fp32 gradients -- or, under mixed precision, re-rounds 16-bit ones
+    with the split division and optional error feedback (:mod:`.sixteen_bit`).  Under mixed precision
+    ``reduce_dtype="fp32"`` is a wire too, a *wider* one: 16-bit gradients summed in fp32, the mean rounded once.
+    Both name the dtype of the reduction, so they are not given together.  With dynamic loss scaling an
+    overflow is the scaler's to handle (the step is skipped), so the wire lets inf through instead of raising.
+    A codec (``int8``, ``topk:0.01``, ...) needs an all-reduce to ride on (``averages_with``, the stage's) and
+    full-precision gradients.  ``named_params``: what will travel on it, checked here."""
+    precision = precision or Precision()
+    parsed = parse(compress)
+    if isinstance(parsed, Codec):
+        if averages_with != "all_reduce":
+            raise ValueError(f"compress={compress!r} averages by all-gathering each rank's whole message: it fits a "
+                             f"stage that all-reduces its gradients (ddp, ddp-bucketed), not one that averages "
+                             f"with a {averages_with} -- that needs an all-to-all (ZeRO++'s qgZ), not built here; "
+                             f"use compress='fp16' or 'bf16'")
+        if precision.mixed:
+            raise ValueError(f"compress={compress!r} under {precision.name} mixed precision is not built: its "
+                             f"loss scaling and 16-bit gradients are the 16-bit wire's; use precision='fp32'")
+        return GatheredWire(comm, parsed, error_feedback)
+    if parsed is None:
+        if error_feedback:
+            raise ValueError("error feedback carries what compression did not send: it needs a compress= wire "
+                             f"({', '.join(NAMES[1:])})")
+        if precision.reduce_dtype is None:
+            return None
+        return Wire(comm, REDUCE_DTYPES[precision.reduce_dtype], overflow_raises=not precision.scaled)
+    if precision.reduce_dtype is not None:
+        raise ValueError(f"compress={compress!r} and reduce_dtype={precision.reduce_dtype!r} both choose the dtype "
+                         f"gradients are reduced in; give one (under mixed precision the gradients are already "
+                         f"{precision.name}: reduce_dtype=None sends them as they are)")
+    wire = Wire(comm, parsed, error_feedback, overflow_raises=not precision.scaled)
+    if not precision.mixed:
+        for name, p in named_params:
+            wire.check_gradient_dtype(name, p.dtype)
+    return wire
+
+
+__all__ = ["CODECS", "Codec", "GatheredWire", "Wire", "check_compress", "make_wire", "parse", "split_division",
+           "WIRE_DTYPES"]

@@ -1,0 +1,70 @@
+"""What a compressor is: a codec that turns one rank's flat gradient into a message of bytes and back.
+
+The 16-bit wire (:mod:`.sixteen_bit`) is special: its messages can be *summed* on the way, so it rides inside
+the ring all-reduce.  Narrower formats cannot: two int8 codes with different scales, two top-k index lists, two
+sign vectors do not add.  So each rank sends its message whole and every rank decodes all of them and adds
+the decoded gradients (:mod:`.gathered`) -- what torch's ``quantization_pertensor_hook`` does, and the price
+is an all-gather, whose bytes grow with N where the ring's do not.
+
+A codec is three pure functions of one tensor, so the reference (:mod:`minizero.lab.casts_reference`) can
+apply *the same* compression to the same per-rank gradients and the equivalence stays tight: the proof is of
+the distribution (which buffer, which residual, which order, which division); the codec's own promises --
+error bounds, unbiasedness, the k kept -- are tested on the codec alone (``tests/test_codecs.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Codec:
+    """``encode(x) -> message`` (uint8, ``message_bytes(x.numel(), x.dtype)`` long), ``decode(message, numel,
+    dtype) -> x̂``.  ``unbiased``: E[decode(encode(x))] = x (stochastic rounding), so no error feedback is
+    needed for the mean to be right; a biased codec (top-k, sign, nearest rounding) needs it to lose nothing."""
+    name = "codec"
+    unbiased = False
+    stochastic = False  # encode draws random numbers (from the generator it is given)
+
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, message: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def message_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    def spec(self) -> str:
+        """The ``compress=`` text that builds this codec again."""
+        return self.name
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, flat: how a message carries values of another dtype."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``as_bytes`` undone (a copy: a slice of a message need not be aligned for ``dtype``)."""
+    return b.clone().view(dtype)
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def parse_arguments(name: str, text: str, allowed: dict[str, type], first: str | None = None) -> dict:
+    """``"0.01"`` or ``"rank=4,stochastic=1"`` after ``name:``: a bare first value is ``first``'s."""
+    out = {}
+    for i, item in enumerate(filter(None, text.split(","))):
+        key, _, value = item.partition("=")
+        if not _:
+            key, value = first, item
+            if key is None or i:
+                raise ValueError(f"compress={name}:{text}: {item!r} needs a name (one of {', '.join(allowed)})")
+        if key not in allowed:
+            raise ValueError(f"compress={name}:{text}: unknown setting {key!r}; {name} takes {', '.join(allowed)}")
+        try:
+            out[key] = allowed[key](value) if allowed[key] is not bool else value.lower() in ("1", "true", "yes")
+        except ValueError:
+            raise ValueError(f"compress={name}:{text}: {key}={value!r} is not a {allowed[key].__name__}") from None
+    return out
