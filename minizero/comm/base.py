@@ -171,7 +171,8 @@ def on_device(method=None, *, point_to_point: bool = False):
 
     @functools.wraps(method)
     def wrapper(self: "Comm", *args, **kwargs):
-        if not self._nccl and not point_to_point:  # gloo's collectives take any tensor
+        # gloo's own collectives take any tensor; its send/recv meet a CUDA tensor only once CUDA is in use.
+        if not self._nccl and (not point_to_point or not torch.cuda.is_initialized()):
             return method(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         originals = {}
