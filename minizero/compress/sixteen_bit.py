@@ -36,7 +36,6 @@ import math
 import torch
 
 from ..comm import Comm
-from ..precision import REDUCE_DTYPES, Precision
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -102,7 +102,7 @@ def choice(*values: str) -> Callable[[str], str]:
 
 def compress_spec(text: str) -> str:
     """``--compress``: a wire minizero.compress can build (``topk:0.01``, ``int8:block=64``), checked here."""
-    from ..compress import NAMES, parse
+    from ..compress import parse
     try:
         parse(text)
     except ValueError as refused:
