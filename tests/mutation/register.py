@@ -78,14 +78,14 @@ MUTANTS: dict[str, Mutant] = {
     "buckets: launched when any gradient is ready": Mutant("minizero.buckets:ReadyOrder.mark", broken_training.launch_when_any_ready,
                                                            test_catch(B, "test_a_bucket_is_sent_only_when_all_its_gradients_are_final")),
     # compression
-    "compress: divide by N before the cast": Mutant("minizero.compress:split_division", broken_training.divide_by_n_first,
+    "compress: divide by N before the cast": Mutant("minizero.compress.sixteen_bit:split_division", broken_training.divide_by_n_first,
                                                     property_catch("ddp", compress=True, backends=("ring",))),
     "compress: error feedback of the wrong sign": Mutant(
-        "minizero.compress:Wire.encode", broken_training.feedback_of_wrong_sign,
+        "minizero.compress.sixteen_bit:Wire.encode", broken_training.feedback_of_wrong_sign,
         property_catch("ddp-bucketed", compress=True, backends=("ring",), examples=60)),
-    "compress: no overflow check": Mutant("minizero.compress:Wire.decode", broken_training.no_overflow_check,
+    "compress: no overflow check": Mutant("minizero.compress.sixteen_bit:Wire.decode", broken_training.no_overflow_check,
                                           test_catch("test_compression", "test_fp16_overflow_is_reported_and_weights_untouched")),
-    "compress: sends fp32": Mutant("minizero.compress:Wire.encode", broken_training.no_cast,
+    "compress: sends fp32": Mutant("minizero.compress.sixteen_bit:Wire.encode", broken_training.no_cast,
                                    test_catch("test_compression", "test_compressed_bytes_are_half", "ddp", "fp16")),
     # layout and the sharded optimizer
     "layout: pieces one element short": Mutant("minizero.layout:FlatGroup._cut_pieces", broken_training.pieces_one_short,
