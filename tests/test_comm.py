@@ -176,7 +176,7 @@ def test_what_a_collective_cannot_take_is_refused_naming_the_rank(pools, what, m
 def test_each_backend_gets_memory_it_can_move():
     """NCCL takes CUDA memory only; gloo's send/recv take host memory only (a CUDA address there failed on an
     H200 with ``writev ... Bad address``); gloo's own collectives take either."""
-    from minizero.comm.base import travels_through
+    from minizero.comm.placement import travels_through
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert travels_through(nccl=True, point_to_point=False, device=cpu) == "cuda"
     assert travels_through(nccl=True, point_to_point=True, device=cpu) == "cuda"

@@ -119,12 +119,10 @@ def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Ta
     """An average over a wire: encode, sum the encodings, decode the sum (the division by N is the wire's:
     it splits it around the sum, :mod:`minizero.compress`)."""
     arguments = {k: v for k, v in arguments.items() if k != "self"}
-    if getattr(wire, "gathers", False):  # a codec's wire: its messages do not add up (minizero.compress.gathered)
-        if arguments.get("op") is not ReduceOp.AVG:
-            raise ValueError(f"rank {comm.rank}: a {kind} over a wire averages: pass op=ReduceOp.AVG")
-        return wire.reduce(kind, arguments, key, tag)
     if arguments.get("op") is not ReduceOp.AVG:
         raise ValueError(f"rank {comm.rank}: a {kind} over a wire averages: pass op=ReduceOp.AVG")
+    if getattr(wire, "gathers", False):  # a codec's wire: its messages do not add up (minizero.compress.gathered)
+        return wire.reduce(kind, arguments, key, tag)
     where = (tag or Tag()).describe()
     if "tensor" in arguments:  # all-reduce: in place
         encoded = wire.encode(arguments["tensor"], key)
@@ -135,63 +133,6 @@ def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Ta
         shard = encoded.new_empty(arguments["output"].numel())
         run(comm, **{**arguments, "output": shard, "input": encoded, "op": ReduceOp.SUM}, tag=tag)
         wire.decode(shard, arguments["output"], key, where)
-
-
-WRITTEN = ("tensor", "output")  # what a collective writes: the only arguments copied back after a detour
-READ = ("input", "stale")  # read only (``stale``: ps-async's list of old shards, one per destination)
-
-
-def travels_through(nccl: bool, point_to_point: bool, device: torch.device) -> str | None:
-    """The memory a tensor on ``device`` must detour through for this call, or None where it can stay.
-
-    NCCL moves CUDA memory only.  gloo's *collectives* take CUDA tensors (torch stages them to the host
-    itself), but gloo's ``send``/``recv`` hand the tensor's address straight to the socket: a CUDA address
-    there fails with ``writev ... Bad address`` (seen on an H200, docs/gpu-results.md)."""
-    if nccl:
-        return "cuda" if device.type == "cpu" else None
-    return "cpu" if point_to_point and device.type == "cuda" else None
-
-
-def on_device(method=None, *, point_to_point: bool = False):
-    """Under a collective's :func:`collective` wrapper, on every backend: a tensor in memory the backend
-    cannot move travels through memory it can, and what the collective wrote is copied back.  Under NCCL
-    that is the small CPU tensors of the bookkeeping (a loss for the log, bitmaps, the overflow flag,
-    signatures, a checkpoint's barrier, consolidated states); under gloo, the CUDA tensors of the collectives
-    minizero builds from send/recv (``point_to_point=True``: the ring, the tree, the parameter server's
-    push and pull) -- one copy each way per call, not per message."""
-    if method is None:
-        return functools.partial(on_device, point_to_point=point_to_point)
-    signature = inspect.signature(method)
-
-    def moved(tensor: torch.Tensor, comm: "Comm") -> torch.Tensor:
-        where = travels_through(comm._nccl, point_to_point, tensor.device)
-        if where is None:
-            return tensor
-        return tensor.to(torch.device("cuda", torch.cuda.current_device()) if where == "cuda" else "cpu")
-
-    @functools.wraps(method)
-    def wrapper(self: "Comm", *args, **kwargs):
-        # gloo's own collectives take any tensor; its send/recv meet a CUDA tensor only once CUDA is in use.
-        if not self._nccl and (not point_to_point or not torch.cuda.is_initialized()):
-            return method(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        originals = {}
-        for k in WRITTEN + READ:
-            value = bound.arguments.get(k)
-            if isinstance(value, torch.Tensor):
-                bound.arguments[k] = moved(value, self)
-            elif isinstance(value, list):
-                bound.arguments[k] = [moved(t, self) for t in value]
-            else:
-                continue
-            originals[k] = value
-        method(*bound.args, **bound.kwargs)
-        for k in WRITTEN:  # not the read-only ones: an ``output`` may view its ``input`` (push, in place)
-            if k in originals and bound.arguments[k] is not originals[k]:
-                originals[k].copy_(bound.arguments[k])
-
-    wrapper.point_to_point = point_to_point  # read by the tests: every send/recv collective is marked
-    return wrapper
 
 
 def _tensors(arguments: dict) -> list[torch.Tensor]:
@@ -215,7 +156,7 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._nccl = dist.get_backend(group) == "nccl"  # see on_device
+        self._nccl = dist.get_backend(group) == "nccl"  # see placement.on_device
         self.check = check
         self.board = progress.installed()
         self._observers: list[Callable[[str, int], None]] = []

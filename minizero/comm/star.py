@@ -31,7 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import ReduceOp, collective, on_device
+from .base import ReduceOp, collective
+from .placement import on_device
 from .progress import ANYONE
 
 

@@ -37,7 +37,8 @@ import math
 
 import torch
 
-from .base import ReduceOp, collective, on_device
+from .base import ReduceOp, collective
+from .placement import on_device
 from .ring import RingComm
 
 

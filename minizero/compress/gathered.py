@@ -31,12 +31,12 @@ def stream(rank: int, carried: torch.Tensor) -> torch.Generator:
     return torch.Generator().manual_seed(checksum ^ (rank * 0x9E3779B1 & 0xFFFFFFFF))
 
 
-def average_messages(codec: Codec, messages: list[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+def mean_in_rank_order(decoded: list[torch.Tensor]) -> torch.Tensor:
     """The decoded messages' mean, added in rank order: what every rank (and the reference) computes."""
-    total = torch.zeros(numel, dtype=dtype)
-    for message in messages:
-        total += codec.decode(message, numel, dtype)
-    return total / len(messages)
+    total = torch.zeros_like(decoded[0])
+    for x in decoded:
+        total += x
+    return total / len(decoded)
 
 
 class GatheredWire:
@@ -78,14 +78,11 @@ class GatheredWire:
         self.numels[key] = (flat.numel(), flat.dtype)
         gathered = message.new_empty(self.comm.world_size * message.numel())
         self.comm.all_gather(gathered, message, tag=tag)
-        messages = [m.cpu() for m in gathered.chunk(self.comm.world_size)]
-        mean = average_messages(self.codec, messages, flat.numel(), flat.dtype)
+        decoded = [self.codec.decode(m.cpu(), flat.numel(), flat.dtype) for m in gathered.chunk(self.comm.world_size)]
+        mean = mean_in_rank_order(decoded)
         if not bool(torch.isfinite(mean).all()):  # never written into the weights, the residual kept as it was
             raise FloatingPointError(f"rank {self.comm.rank}: inf/NaN in the {self.codec.name} wire's mean of "
                                      f"{(tag.describe() if tag else 'a gradient buffer')}; the weights were not touched")
         if self.error_feedback:
-            self.residuals[key] = carried - self.codec.decode(message.cpu(), flat.numel(), flat.dtype).to(carried.device)
+            self.residuals[key] = carried - decoded[self.comm.rank].to(carried.device)  # what was sent, decoded
         flat.copy_(mean.to(tensor.device))
-
-    def settle(self, stepped: bool, rescale: float = 1.0) -> None:
-        """Loss scaling never reaches this wire (refused under mixed precision): nothing to settle."""

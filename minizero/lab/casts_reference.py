@@ -23,7 +23,7 @@ import torch
 from ..comm import chunk_bounds
 from ..compress import Codec, check_compress, split_division
 from ..compress import parse as parse_compress
-from ..compress.gathered import average_messages, stream
+from ..compress.gathered import mean_in_rank_order, stream
 from ..flat import pack, unpack
 from ..layout import padded_size
 from ..precision import REDUCE_DTYPES, Precision
@@ -112,15 +112,16 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                 size = padded_size(flats[0].numel(), reduction.shards or n)
                 flats = [torch.cat([f, f.new_zeros(size - f.numel())]) for f in flats]
             if codec is not None:  # every rank's message decoded and added in rank order (compress.gathered)
-                messages = []
+                decoded = []
                 for r, flat in enumerate(flats):
                     carried = flat.clone()
                     if error_feedback and (r, key) in residuals:
                         carried += residuals[(r, key)]
-                    messages.append(codec.encode(carried, stream(r, carried) if codec.stochastic else None))
+                    message = codec.encode(carried, stream(r, carried) if codec.stochastic else None)
+                    decoded.append(codec.decode(message, flat.numel(), flat.dtype))
                     if error_feedback:
-                        residuals[(r, key)] = carried - codec.decode(messages[-1], flat.numel(), flat.dtype)
-                averaged = average_messages(codec, messages, flats[0].numel(), flats[0].dtype)
+                        residuals[(r, key)] = carried - decoded[-1]
+                averaged = mean_in_rank_order(decoded)
             elif wire is None:
                 averaged = ring_sum(flats, reduction.shards if padded else None) / n
             else:  # divide by pre and post in the wider of the two dtypes (minizero.compress.Wire)
