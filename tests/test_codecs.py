@@ -4,6 +4,7 @@ ledger's bytes equal to the codec's formula on the stage's own buffers."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -130,7 +131,7 @@ def test_codec_stage_matches_the_same_codec_reference_and_its_byte_formula(pools
     And the ledger's bytes are the codec's formula on the stage's buffers: (N-1) messages per buffer."""
     exp, world_size = data.draw(experiments(stage, world_sizes=(world_size,), compress=True, max_accum=3))
     codec = data.draw(st.sampled_from(CODECS))
-    exp = exp.__class__(**{**exp.__dict__, "options": {**exp.options, "compress": codec}})
+    exp = replace(exp, options={**exp.options, "compress": codec})
     results = run_and_check(pools, exp, world_size)
     for r in results:  # the messages travel in an all-gather (find_unused_parameters' bitmap is an all-reduce)
         assert r.sent_by_kind.get("all_gather", 0) == pytest.approx(exp.steps * r.wire_sent_bytes_per_step)
