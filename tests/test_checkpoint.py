@@ -284,10 +284,13 @@ def test_an_interrupted_save_over_an_old_one_leaves_the_old_one_whole(pools, sav
 
 
 def test_a_file_from_another_save_is_refused(pools, saved, tmp_path):
-    """Same sizes, another save: a rank file copied from another run is named."""
+    """Same sizes, another save: a rank file copied from another run is named.  (The other run is made as
+    ``saved`` was, saved after a resume, so its files have the same sizes -- a fresh two-step run's pickles can
+    differ by a few bytes, and the size check would speak first.)"""
     exp, root = saved
     os.system(f"cp -r {root} {tmp_path / 'a'}")
-    pools.run(2, run_experiment, replace(exp, steps=2, save=str(tmp_path / "b")))
+    pools.run(2, run_experiment, replace(exp, save=str(tmp_path / "b")))
+    pools.run(2, run_experiment, replace(exp, first_step=1, resume=str(tmp_path / "b"), save=str(tmp_path / "b")))
     step = "step-00000002/rank-00001-of-00002.pt"
     os.system(f"cp {tmp_path / 'b' / step} {tmp_path / 'a' / step}")
     assert "rank-00001-of-00002.pt: written by another save than the manifest's" in load_error(pools, exp, tmp_path / "a")
@@ -330,3 +333,15 @@ def test_the_optimizers_hyper_parameters_come_back(pools, tmp_path, stage, preci
     assert [lrs for lrs, _ in ranks] == [[0.25], [0.25]]
     assert "optimizer group 0: lr 0.25 from the checkpoint replaces this run's 0.001 (as torch's load_state_dict " \
            "does)" in ranks[0][1]  # followed, and said
+
+
+@pytest.mark.parametrize("compress, split", [("powersgd:rank=2", 2), ("powersgd:rank=1,start=2", 1),
+                                             ("powersgd:rank=1,warm_start=0", 2), ("int8:stochastic=1", 2),
+                                             ("topk:0.1", 1)])
+def test_resume_carries_a_codecs_and_powersgds_state(pools, tmp_path, compress, split):
+    """The residuals, and PowerSGD's warm-start Q, its count of steps (``start``) and its generator of seeds:
+    all are state a resumed run needs -- saved at step 1 (still uncompressed when start=2) or 2, bit for bit."""
+    exp = Experiment(stage="ddp-bucketed", steps=4, dtype="float32", optimizer="adamw", model=SMALL_GPT,
+                     options={"compress": compress, "error_feedback": True, "bucket_mb": 0.005})
+    whole = pools.run(3, run_experiment, exp)
+    assert_bit_exact(whole, resumed(pools, exp, 3, split, tmp_path), split)

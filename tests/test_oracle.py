@@ -82,3 +82,22 @@ def test_every_stage_and_every_torch_oracle_satisfies_one_interface(pools):
     """The loop drives torch's wrappers and minizero's stages alike: nothing probes what a stage can do."""
     verdicts = pools.run(2, _satisfies_the_protocol)[0]
     assert all(verdicts.values()) and {"torch-ddp", "torch-zero", "torch-fsdp2", "zero3"} <= set(verdicts), verdicts
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("spec", ["powersgd:rank=1,start=2", "powersgd:rank=2,start=2,warm_start=0",
+                                  "powersgd:rank=3,start=2,min_rate=1"])
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_powersgd_matches_torch_powersgd_hook(pools, world_size, spec, error_feedback):
+    """torch's ``powerSGD_hook`` under torch DDP, the same settings: the same matrices compressed, the same
+    random Q (one seed per bucket from ``np.random.RandomState(random_seed)``), the same P, Q, residuals --
+    step by step, after the two uncompressed steps torch requires before it (DDP rebuilds its buckets).
+    Against ``ddp-bucketed``, whose bucket lists the parameters last-registered first, as torch's rebuilt
+    bucket does (``ddp``'s one buffer lists them first-registered first: its random Qs go to other matrices)."""
+    exp = Experiment(stage="ddp-bucketed", task="mlp", optimizer="adam", steps=6, accum=2, dtype="float64", backend="native",
+                     options={"compress": spec, "error_feedback": error_feedback})
+    ours = pools.run(world_size, run_experiment, exp)
+    theirs = pools.run(world_size, run_experiment, replace(exp, stage="torch-ddp"))
+    assert max_diff(ours, theirs[0])[1] < 1e-10
+    uncompressed = pools.run(world_size, run_experiment, replace(exp, stage="torch-ddp", options={}))
+    assert max_diff(ours, uncompressed[0])[1] > 1e-4  # compressed: the agreement above is not plain DDP's

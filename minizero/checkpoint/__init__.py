@@ -107,7 +107,7 @@ def _payload(stage, consolidated: bool) -> dict:
         return {"model": stage.full_state_dict(), "optimizer": stage.full_optimizer_state_dict(),
                 "param_names": optimizer_names(stage)}
     payload = {"parts": [(p.name, p.start, p.stop, p.value, p.state) for p in stage.owned_parts()],
-               "residuals": dict(stage.wire.residuals) if _wire(stage) else {}}
+               "wire": stage.wire.state_dict() if _wire(stage) else {"residuals": {}}}
     if stage.rank == 0:
         payload["rest"] = rest(stage)
         payload["optimizer_groups"] = optimizer_groups(stage)
@@ -179,10 +179,10 @@ def load(stage, path: str | Path) -> dict:
     mine = payloads[stage.rank] if same_layout and sharded else payloads[0]
     _set_rng_state(_generators_of(stage, manifest, payloads, notes))
     if wire and same_layout and sharded:
-        device = next(stage.module.parameters()).device
-        wire.residuals.update({key: value.to(device) for key, value in mine["residuals"].items()})
+        # (a checkpoint saved before the wires kept more than residuals has "residuals" alone)
+        wire.load_state_dict(mine.get("wire") or {"residuals": mine["residuals"]}, next(stage.module.parameters()).device)
     elif wire:  # per-rank state of one layout: it has no meaning in another
-        notes.append("error-feedback residuals start again from zero: " + (
+        notes.append("the wire's state (error-feedback residuals; PowerSGD's Q) starts again: " + (
             f"they belong to {manifest['stage']}'s buckets on {manifest['world_size']} ranks" if sharded else
             "a consolidated checkpoint holds no rank's own state (save sharded to resume them exactly)"))
     return {**manifest, "directory": str(directory), "notes": notes}

@@ -86,7 +86,9 @@ def collective(kind: str):
     (:mod:`minizero.compress`) that encodes the tensor before the collective --
     what travels, and is summed, is the encoding -- and decodes the sum into
     the tensor after it; ``key`` names the buffer, whose rounding error the
-    wire may carry to the next step.  Without a wire the tensor travels as it is.
+    wire may carry to the next step, and ``layout`` lists the tensors a flat
+    buffer holds (``(name, shape)``, in order) for a wire that compresses each
+    matrix on its own (PowerSGD).  Without a wire the tensor travels as it is.
     """
 
     def decorate(method):
@@ -94,14 +96,14 @@ def collective(kind: str):
 
         @functools.wraps(method)
         def wrapper(self: "Comm", *args, async_op: bool = False, tag: Tag | None = None, wire=None, key=None,
-                    **kwargs):
+                    layout=None, **kwargs):
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
             if wire is not None:
                 if async_op:
                     raise ValueError(f"rank {self.rank}: a {kind} over a wire runs where it is called; submit the "
                                      f"call (comm.submit) to overlap it")
-                return _over_wire(self, wrapper, kind, bound.arguments, wire, key, tag)
+                return _over_wire(self, wrapper, kind, bound.arguments, wire, key, tag, layout)
             if async_op or self._thread is not None and not self._on_comm_thread():
                 work = self._background().submit(self._run, kind, method, bound.arguments, tag)
                 if async_op:
@@ -115,14 +117,14 @@ def collective(kind: str):
     return decorate
 
 
-def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Tag | None) -> None:
+def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Tag | None, layout) -> None:
     """An average over a wire: encode, sum the encodings, decode the sum (the division by N is the wire's:
     it splits it around the sum, :mod:`minizero.compress`)."""
     arguments = {k: v for k, v in arguments.items() if k != "self"}
     if arguments.get("op") is not ReduceOp.AVG:
         raise ValueError(f"rank {comm.rank}: a {kind} over a wire averages: pass op=ReduceOp.AVG")
-    if getattr(wire, "gathers", False):  # a codec's wire: its messages do not add up (minizero.compress.gathered)
-        return wire.reduce(kind, arguments, key, tag)
+    if getattr(wire, "runs_own_collectives", False):  # a codec's or PowerSGD's: not one sum of encodings
+        return wire.reduce(kind, arguments, key, tag, layout)
     where = (tag or Tag()).describe()
     if "tensor" in arguments:  # all-reduce: in place
         encoded = wire.encode(arguments["tensor"], key)

@@ -6,7 +6,9 @@ Two kinds of wire:
   inside the ring all-reduce or reduce-scatter, and cast back -- half the bytes, on every stage;
 * the **gathered wires** (:mod:`.gathered`) of codecs whose messages do not add up: ``int8`` / ``int4``
   (:mod:`.quantized`), ``topk:FRACTION`` (:mod:`.topk`), ``sign`` (:mod:`.sign`) -- each rank's message
-  all-gathered, decoded and added on every rank; an all-reduce only.
+  all-gathered, decoded and added on every rank; an all-reduce only;
+* **PowerSGD** (``powersgd:rank=R``, :mod:`.powersgd`): each matrix as P Q^T, whose factors *do* add up --
+  two small all-reduces; an all-reduce only.
 
 A new codec is one file and one line in :data:`CODECS`: a name and the function that builds it from the text
 after ``name:``.
@@ -19,6 +21,7 @@ from ..comm import Comm
 from ..precision import REDUCE_DTYPES, Precision
 from .codec import Codec
 from .gathered import GatheredWire
+from .powersgd import PowerSGD, PowerSGDWire
 from .quantized import Quantized
 from .sign import Sign
 from .sixteen_bit import WIRE_DTYPES, Wire, split_division
@@ -30,6 +33,7 @@ CODECS = {
     "int4": lambda text: Quantized.from_spec(4, text),
     "topk": TopK.from_spec,
     "sign": lambda text: Sign() if not text else _no_settings("sign", text),
+    "powersgd": PowerSGD.from_spec,
 }
 NAMES = ("none", *WIRE_DTYPES, *CODECS)
 
@@ -38,8 +42,8 @@ def _no_settings(name: str, text: str):
     raise ValueError(f"compress={name}:{text}: {name} takes no settings")
 
 
-def parse(compress: str | None) -> torch.dtype | Codec | None:
-    """``compress=`` read: None (no compression), a 16-bit dtype, or a codec."""
+def parse(compress: str | None) -> torch.dtype | Codec | PowerSGD | None:
+    """``compress=`` read: None (no compression), a 16-bit dtype, a codec, or PowerSGD's settings."""
     if compress in (None, "none"):
         return None
     if compress in WIRE_DTYPES:
@@ -57,7 +61,8 @@ def check_compress(compress: str | None) -> torch.dtype | None:
 
 
 def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, named_params=(),
-              precision: Precision | None = None, averages_with: str = "all_reduce") -> "Wire | GatheredWire | None":
+              precision: Precision | None = None, averages_with: str = "all_reduce"
+              ) -> "Wire | GatheredWire | PowerSGDWire | None":
     """The wire gradients are averaged over, or None: they travel in their own dtype.
 
     ``compress`` ("fp16", "bf16") narrows fp32 gradients -- or, under mixed precision, re-rounds 16-bit ones
@@ -65,19 +70,23 @@ def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, na
     ``reduce_dtype="fp32"`` is a wire too, a *wider* one: 16-bit gradients summed in fp32, the mean rounded once.
     Both name the dtype of the reduction, so they are not given together.  With dynamic loss scaling an
     overflow is the scaler's to handle (the step is skipped), so the wire lets inf through instead of raising.
-    A codec (``int8``, ``topk:0.01``, ...) needs an all-reduce to ride on (``averages_with``, the stage's) and
-    full-precision gradients.  ``named_params``: what will travel on it, checked here."""
+    A codec (``int8``, ``topk:0.01``, ...) and PowerSGD need an all-reduce to ride on (``averages_with``, the
+    stage's) and full-precision gradients.  ``named_params``: what will travel on it, checked here."""
     precision = precision or Precision()
     parsed = parse(compress)
-    if isinstance(parsed, Codec):
+    if isinstance(parsed, (Codec, PowerSGD)):
         if averages_with != "all_reduce":
-            raise ValueError(f"compress={compress!r} averages by all-gathering each rank's whole message: it fits a "
-                             f"stage that all-reduces its gradients (ddp, ddp-bucketed), not one that averages "
-                             f"with a {averages_with} -- that needs an all-to-all (ZeRO++'s qgZ), not built here; "
-                             f"use compress='fp16' or 'bf16'")
+            how = ("adds each matrix's low-rank factors P and Q in all-reduces: a shard of a matrix has no factors "
+                   "of its own" if isinstance(parsed, PowerSGD) else "averages by all-gathering each rank's whole "
+                   "message -- a reduce-scatter of messages needs an all-to-all (ZeRO++'s qgZ), not built here")
+            raise ValueError(f"compress={compress!r} {how}; it fits a stage that all-reduces its gradients (ddp, "
+                             f"ddp-bucketed), not one that averages with a {averages_with}; use compress='fp16' or "
+                             f"'bf16'")
         if precision.mixed:
             raise ValueError(f"compress={compress!r} under {precision.name} mixed precision is not built: its "
                              f"loss scaling and 16-bit gradients are the 16-bit wire's; use precision='fp32'")
+        if isinstance(parsed, PowerSGD):
+            return PowerSGDWire(comm, parsed, error_feedback)
         return GatheredWire(comm, parsed, error_feedback)
     if parsed is None:
         if error_feedback:
@@ -97,5 +106,5 @@ def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, na
     return wire
 
 
-__all__ = ["CODECS", "Codec", "GatheredWire", "Wire", "check_compress", "make_wire", "parse", "split_division",
-           "WIRE_DTYPES"]
+__all__ = ["CODECS", "Codec", "GatheredWire", "PowerSGD", "PowerSGDWire", "Wire", "check_compress", "make_wire", "parse",
+           "split_division", "WIRE_DTYPES"]

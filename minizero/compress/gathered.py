@@ -21,6 +21,7 @@ import torch
 
 from ..comm import Comm
 from .codec import Codec
+from .kept import KeepsResiduals
 
 
 def stream(rank: int, carried: torch.Tensor) -> torch.Generator:
@@ -39,26 +40,21 @@ def mean_in_rank_order(decoded: list[torch.Tensor]) -> torch.Tensor:
     return total / len(decoded)
 
 
-class GatheredWire:
+class GatheredWire(KeepsResiduals):
     """A codec's wire, with optional error feedback; a stage passes it as ``wire=`` to its all-reduce."""
-    gathers = True
+    runs_own_collectives = True
 
     def __init__(self, comm: Comm, codec: Codec, error_feedback: bool = False):
         self.comm, self.codec, self.error_feedback = comm, codec, error_feedback
         self.residuals: dict = {}  # key -> what this rank has not yet sent of that buffer
-        self.numels: dict = {}  # key -> the buffer's elements: what the bytes formula counts
+        self.formula_bytes = 0  # what the ledger should count: each message to N-1 ranks
 
     @property
     def wire_dtype(self) -> str:
         """What travels, as a checkpoint records it (a resumed run must use the same codec)."""
         return self.codec.spec()
 
-    def sent_bytes(self) -> int:
-        """The formula: per step, each buffer's message goes to N-1 ranks."""
-        n = self.comm.world_size
-        return sum((n - 1) * self.codec.message_bytes(numel, dtype) for numel, dtype in self.numels.values())
-
-    def reduce(self, kind: str, arguments: dict, key, tag) -> None:
+    def reduce(self, kind: str, arguments: dict, key, tag, layout=None) -> None:
         if kind != "all_reduce":
             raise ValueError(f"rank {self.comm.rank}: compress={self.codec.spec()!r} averages by all-gathering whole "
                              f"messages, which fits an all-reduce only; this {kind} would need an all-to-all")
@@ -75,7 +71,7 @@ class GatheredWire:
         on_host = carried.cpu()
         message = self.codec.encode(on_host, stream(self.comm.rank, on_host) if self.codec.stochastic else None)
         message = message.to(tensor.device)
-        self.numels[key] = (flat.numel(), flat.dtype)
+        self.formula_bytes += (self.comm.world_size - 1) * self.codec.message_bytes(flat.numel(), flat.dtype)
         gathered = message.new_empty(self.comm.world_size * message.numel())
         self.comm.all_gather(gathered, message, tag=tag)
         decoded = [self.codec.decode(m.cpu(), flat.numel(), flat.dtype) for m in gathered.chunk(self.comm.world_size)]

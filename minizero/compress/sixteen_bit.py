@@ -36,6 +36,7 @@ import math
 import torch
 
 from ..comm import Comm
+from .kept import KeepsResiduals
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -46,7 +47,7 @@ def split_division(world_size: int) -> tuple[int, float]:
     return pre, world_size / pre
 
 
-class Wire:
+class Wire(KeepsResiduals):
     """Averages flat gradient buffers over a wire of another dtype -- narrower (compression) or wider
     (fp32 reduction of 16-bit gradients) -- in place."""
 

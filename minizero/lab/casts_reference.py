@@ -24,6 +24,7 @@ from ..comm import chunk_bounds
 from ..compress import Codec, check_compress, split_division
 from ..compress import parse as parse_compress
 from ..compress.gathered import mean_in_rank_order, stream
+from ..compress.powersgd import PowerSGD, PowerState, lay_out, power_step
 from ..flat import pack, unpack
 from ..layout import padded_size
 from ..precision import REDUCE_DTYPES, Precision
@@ -49,6 +50,24 @@ def ring_sum(wires: list[torch.Tensor], shards: int | None = None) -> torch.Tens
     return out
 
 
+def powersgd_average(state: PowerState, key, flats: list[torch.Tensor], layout, residuals: dict | None):
+    """What the PowerSGD wire leaves on every rank (:mod:`minizero.compress.powersgd`): its own steps, on every
+    rank's buffer at once, with the all-reduces emulated in the ring's order; ``residuals`` per (rank, key)."""
+    n = len(flats)
+    if not state.compresses(key):
+        return ring_sum(flats) / n
+    carried = [flat + residuals[(r, key)] if residuals is not None and (r, key) in residuals else flat.clone()
+               for r, flat in enumerate(flats)]
+    plan = lay_out(layout, state.settings)
+    q = state.starting_q(key, plan, flats[0].dtype, flats[0].device, "the reference")
+    out, q = power_step(carried, plan, q, ring_sum, n, state.settings.epsilon, "the reference")
+    state.keep(key, q)
+    if residuals is not None:
+        for r, c in enumerate(carried):
+            residuals[(r, key)] = c - out
+    return out
+
+
 def run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     """Like :func:`minizero.lab.experiment.reference_of`, with the stage's compression emulated.
 
@@ -69,8 +88,9 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     if wire is None and precision.reduce_dtype is not None:
         wire = REDUCE_DTYPES[precision.reduce_dtype]  # a wider wire: 16-bit gradients summed in fp32
     error_feedback = exp.options.get("error_feedback", False)
-    codec = parse_compress(exp.options.get("compress"))
-    codec = codec if isinstance(codec, Codec) else None
+    parsed = parse_compress(exp.options.get("compress"))
+    codec = parsed if isinstance(parsed, Codec) else None
+    power = PowerState(parsed) if isinstance(parsed, PowerSGD) else None  # Q and its seeds: alike on every rank
     pre, post = split_division(n)
     model = task.make_model(exp.seed, dtype, **exp.model)
     optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
@@ -103,7 +123,8 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
         for key, names in enumerate(reduction.buffers):
             # ddp packs the gradients that exist on some rank; the others pack every slot of their buffer.
             packed = [name for name in names if reduction.packs_unused or any(g[name] is not None for g in per_rank)]
-            if not any(g[name] is not None for g in per_rank for name in packed):
+            if not any(g[name] is not None for g in per_rank for name in packed) and not (
+                    power and reduction.packs_unused):  # (a bucket is reduced anyway: PowerSGD counts it)
                 continue  # no gradient anywhere: the parameters keep .grad = None
             flats = [pack([g[name] if g[name] is not None else torch.zeros_like(params_by_name[name])
                            for name in packed]) for g in per_rank]
@@ -122,6 +143,9 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                     if error_feedback:
                         residuals[(r, key)] = carried - decoded[-1]
                 averaged = mean_in_rank_order(decoded)
+            elif power is not None:
+                layout = [(name, params_by_name[name].shape) for name in packed]
+                averaged = powersgd_average(power, key, flats, layout, residuals if error_feedback else None)
             elif wire is None:
                 averaged = ring_sum(flats, reduction.shards if padded else None) / n
             else:  # divide by pre and post in the wider of the two dtypes (minizero.compress.Wire)

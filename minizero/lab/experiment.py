@@ -123,8 +123,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             if comm:
                 comm.add_observer(ledger)
         held = held_bytes(stage.held_tensors())
-        wire = getattr(stage, "wire", None)  # a codec's bytes depend on each buffer's size: its formula, per step
-        wire_formula = wire.sent_bytes() if hasattr(wire, "sent_bytes") else None
+        wire = getattr(stage, "wire", None)  # a codec's bytes depend on each buffer: the wire adds up its formula
+        wire_formula = wire.formula_bytes / exp.steps if hasattr(wire, "formula_bytes") else None
         cuda_peak = torch.cuda.max_memory_allocated() if exp.device.startswith("cuda") else 0
         if comm:
             comm.remove_observer(ledger)

@@ -12,12 +12,13 @@ import contextlib
 import inspect
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compress import PowerSGD, parse
 from ..precision import Precision
 from ..rebuilt import rebuild
 from ..units import resolve_units
@@ -72,12 +73,22 @@ class TorchStage:
 class TorchDDP(TorchStage):
     name = "torch-ddp"
 
-    def __init__(self, module, optimizer, comm=None, compress: str | None = None, bucket_mb: float = 25.0):
+    def __init__(self, module, optimizer, comm=None, compress: str | None = None, bucket_mb: float = 25.0,
+                 error_feedback: bool = False):
         super().__init__(DistributedDataParallel(module, bucket_cap_mb=bucket_mb), optimizer)
         if compress == "fp16":
             self.module.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif compress == "bf16":
             self.module.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif isinstance(settings := parse(compress), PowerSGD):  # minizero's settings in torch's names
+            state = powerSGD_hook.PowerSGDState(
+                None, matrix_approximation_rank=settings.rank, start_powerSGD_iter=settings.start,
+                min_compression_rate=settings.min_rate, use_error_feedback=error_feedback,
+                warm_start=settings.warm_start, orthogonalization_epsilon=settings.epsilon,
+                random_seed=settings.seed)
+            self.module.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif compress not in (None, "none"):
+            raise ValueError(f"torch DDP has no comm hook for compress={compress!r} (fp16, bf16, powersgd)")
 
     def no_sync(self):
         return self.module.no_sync()

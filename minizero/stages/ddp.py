@@ -58,11 +58,18 @@ class DDP(Stage):
 
     def post_backward(self) -> None:
         """Backward has finished: average every gradient across ranks, one flat all-reduce per dtype."""
-        for dtype, grads in group_by_dtype([p.grad for p in self._with_gradient()]).items():
+        for dtype, params in group_by_dtype(self._with_gradient()).items():
+            grads = [p.grad for p in params]
             flat = pack(grads)
             self.comm.all_reduce(flat, ReduceOp.AVG, tag=self.tag(f"gradients ({str(dtype).replace('torch.', '')})"),
-                                 wire=self.wire, key=dtype)
+                                 wire=self.wire, key=dtype, layout=self.layout(params))
             unpack(flat, grads)
+
+    def layout(self, params: list[nn.Parameter]) -> list[tuple[str, torch.Size]]:
+        """What a flat buffer of ``params`` holds, by name and shape: a wire that compresses each matrix on its
+        own (PowerSGD) cuts the buffer by it."""
+        names = {id(p): name for name, p in self.trainable()}
+        return [(names[id(p)], p.shape) for p in params]
 
     def step(self) -> None:
         """Every rank steps the same averaged gradients: the replicas stay equal."""
@@ -90,8 +97,8 @@ class DDP(Stage):
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()
-        # compression's error feedback: one full-size residual per buffer, on top of the formula
-        held["error_feedback"] = list(self.wire.residuals.values()) if self.wire else []
+        # compression's error feedback (one full-size residual per buffer) and PowerSGD's Qs: beyond the formula
+        held["error_feedback"] = self.wire.held() if self.wire else []
         return held
 
     # ------------------------------------------------------------------ facts

@@ -75,7 +75,8 @@ class BucketedDDP(DDP):
     def _all_reduce(self, index: int):
         """Bucket ``index`` is complete: its all-reduce, to run on the communication thread."""
         bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
-        return lambda: self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
+        return lambda: self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index,
+                                            layout=self.layout(bucket.params))
 
     def post_backward(self) -> None:
         """Backward has finished: launch the buckets that never completed, wait for every bucket."""

@@ -260,7 +260,7 @@ class ZeRO(Stage):
                 "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None],
                 "master": [group.master for group in self.groups if group.master is not None],
                 "optimizer": optimizer_tensors(self.optimizer.local if self.optimizer is not None else None),
-                "error_feedback": list(self.wire.residuals.values()) if self.wire else []}
+                "error_feedback": self.wire.held() if self.wire else []}
 
     def full_optimizer_state_dict(self) -> dict:
         """The state_dict a plain torch optimizer over the unwrapped model would have; every rank

@@ -209,3 +209,33 @@ def nan_errors_pass_through(params, ref_params, dtype):
 
 def nothing_is_nonfinite(results, reference):
     return None
+
+
+# ------------------------------------------------------------------------------- PowerSGD
+def powersgd_q_not_averaged(carried, layout, q, sum_over_ranks, n, epsilon, where):
+    """Q summed over the ranks and never divided by N: every compressed matrix N times too large."""
+    from minizero.compress.powersgd import back_project, matrix, orthogonalize, p_of, project, q_of, rest_of
+    out = torch.empty_like(carried[0])
+    rest = sum_over_ranks([rest_of(c, layout) for c in carried]) / n
+    at = 0
+    for a, k in layout.rest:
+        out[a:a + k] = rest[at:at + k]
+        at += k
+    if not layout.matrices:
+        return out, q
+    p = sum_over_ranks([project(c, layout, q) for c in carried])
+    for mx in layout.matrices:
+        orthogonalize(p_of(p, mx), epsilon, where)
+    q = sum_over_ranks([back_project(c, layout, p) for c in carried])  # (the division by N left out)
+    for mx in layout.matrices:
+        torch.mm(p_of(p, mx), q_of(q, mx).t(), out=matrix(out, mx))
+    return out, q
+
+
+def powersgd_cold_start(self, key, q):
+    """Warm start forgotten: each step starts from a fresh random Q (and draws another seed)."""
+
+
+def powersgd_nothing_summed(self, tensors, tag):
+    """The all-reduces left out: each rank averages, orthogonalizes and expands its own factors alone."""
+    return tensors[0]

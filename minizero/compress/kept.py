@@ -1,0 +1,22 @@
+"""What a wire keeps between steps, per buffer: this rank's error-feedback residuals.
+
+Every wire has them (the 16-bit wire's rounding error, a codec's, PowerSGD's); a checkpoint saves them
+(``state_dict``) and a resumed run in the same layout loads them, so resuming stays bit for bit; the memory
+accounting counts them (``held``) -- one full-size buffer each, on top of the paper's formulas.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KeepsResiduals:
+    residuals: dict  # key -> what this rank has not yet delivered of that buffer
+
+    def held(self) -> list[torch.Tensor]:
+        return list(self.residuals.values())
+
+    def state_dict(self) -> dict:
+        return {"residuals": dict(self.residuals)}
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.residuals.update({key: value.to(device) for key, value in state["residuals"].items()})

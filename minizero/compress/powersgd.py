@@ -1,0 +1,300 @@
+"""PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019): each gradient matrix sent as a rank-r product.
+
+A gradient matrix M (n x m; a convolution's or any tensor's trailing dimensions flattened, as torch does) is
+approximated by P Q^T with P n x r and Q m x r: (n + m) r numbers instead of n m.  Unlike int8 codes or
+top-k lists, **P and Q add up** -- the mean of the ranks' M_w Q is (mean M) Q -- so PowerSGD rides on two
+ordinary all-reduces, and its bytes do not grow with N.  One step on rank w, for one buffer (the paper's
+Algorithm 1 and 2, and torch's ``powerSGD_hook``, which this follows operation for operation):
+
+1. ``carried = g_w + e_w`` (error feedback: what earlier steps did not deliver);
+2. the buffer is cut into its tensors; a tensor is compressed only if ``(n + m) r * min_rate < n m`` (vectors,
+   biases and small matrices are not: they are averaged as they are, in one all-reduce);
+3. ``P_w = M_w Q`` per matrix; **all-reduce P** (summed: the scale is lost in the next line anyway);
+4. ``P <- orthogonalize(P)`` (Gram-Schmidt for r <= 2, QR otherwise, as torch chooses);
+5. ``Q_w = M_w^T P``; **all-reduce Q**, divided by N: now ``P Q^T`` = (mean M) projected on P's columns;
+6. ``M <- P Q^T``; with error feedback ``e_w <- carried - result`` -- the *mean's* approximation, not the
+   rank's own (the paper's choice and torch's): averaged over ranks the residuals are exactly what the mean
+   missed, so ``sum(applied) + mean(e) = sum(mean g)`` over any number of steps.
+
+Q starts random (the same numbers on every rank: a seed drawn from one generator per wire, in the order the
+buffers are reduced) and, with ``warm_start``, each step starts from the last step's Q: one power iteration
+per step, continued across steps, which is why rank 1 or 2 is enough (the paper's Section 3).  The first
+``start`` steps are averaged uncompressed (torch: ``start_powerSGD_iter``, default 1000 there; 0 here, so a
+short run is compressed from its first step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..comm import Comm, ReduceOp
+from ..formulas import all_reduce_bytes
+from .codec import parse_arguments
+
+
+@dataclass(frozen=True)
+class PowerSGD:
+    """The settings, ``powersgd:rank=2,start=0,min_rate=2,warm_start=1,epsilon=0,seed=0`` -- torch's
+    ``PowerSGDState`` fields (matrix_approximation_rank, start_powerSGD_iter, min_compression_rate,
+    warm_start, orthogonalization_epsilon, random_seed); error feedback is the stage's ``error_feedback``."""
+    rank: int = 1
+    start: int = 0
+    min_rate: float = 2.0
+    warm_start: bool = True
+    epsilon: float = 0.0
+    seed: int = 0
+    name = "powersgd"
+
+    @classmethod
+    def from_spec(cls, text: str) -> "PowerSGD":
+        settings = cls(**parse_arguments("powersgd", text, {"rank": int, "start": int, "min_rate": float,
+                                                             "warm_start": bool, "epsilon": float, "seed": int},
+                                         first="rank"))
+        if settings.rank < 1 or settings.start < 0 or settings.min_rate <= 0 or settings.epsilon < 0:
+            raise ValueError(f"compress=powersgd:{text}: rank must be >= 1, start >= 0, min_rate > 0, epsilon >= 0")
+        return settings
+
+    def spec(self) -> str:
+        return (f"powersgd:rank={self.rank},start={self.start},min_rate={self.min_rate:g},"
+                f"warm_start={int(self.warm_start)},epsilon={self.epsilon:g},seed={self.seed}")
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One compressed tensor of a buffer: where it lies, its matrix shape, and where its P and Q lie."""
+    name: str
+    offset: int
+    n: int
+    m: int
+    r: int
+    p_offset: int
+    q_offset: int
+
+
+@dataclass
+class Layout:
+    """A buffer cut into its tensors: the compressed matrices (grouped by shape, in first-seen order, as torch's
+    hook orders them -- so its random Q and ours are the same numbers) and the rest, sent as it is."""
+    matrices: list[Matrix] = field(default_factory=list)
+    rest: list[tuple[int, int]] = field(default_factory=list)  # (offset, numel) of each uncompressed tensor
+    p_size: int = 0
+    q_size: int = 0
+
+    def sent_bytes(self, world_size: int, element: int) -> float:
+        """The formula: three all-reduces per step -- the rest, P (n r per matrix), Q (m r per matrix) --
+        each 2(N-1)/N of its bytes per rank; so (n + m) r per matrix where plain DDP sends n m."""
+        rest = sum(numel for _, numel in self.rest)
+        return sum(all_reduce_bytes(k * element, world_size) for k in (rest, self.p_size, self.q_size))
+
+
+def lay_out(tensors: list[tuple[str, torch.Size]], settings: PowerSGD) -> Layout:
+    """Which tensors of a flat buffer (``name, shape`` in buffer order) are compressed, and where P and Q go."""
+    layout, by_shape, offset = Layout(), {}, 0
+    for name, shape in tensors:
+        numel = int(np.prod(shape)) if len(shape) else 1
+        n, m = (shape[0], numel // shape[0]) if len(shape) and numel else (numel, 1)
+        r = min(n, m, settings.rank)
+        if len(shape) and numel and (n + m) * r * settings.min_rate < n * m:
+            by_shape.setdefault((n, m), []).append((name, offset, n, m, r))
+        else:
+            layout.rest.append((offset, numel))
+        offset += numel
+    for group in by_shape.values():
+        for name, at, n, m, r in group:
+            layout.matrices.append(Matrix(name, at, n, m, r, layout.p_size, layout.q_size))
+            layout.p_size += n * r
+            layout.q_size += m * r
+    return layout
+
+
+def matrix(flat: torch.Tensor, mx: Matrix) -> torch.Tensor:
+    return flat[mx.offset:mx.offset + mx.n * mx.m].view(mx.n, mx.m)
+
+
+def p_of(p: torch.Tensor, mx: Matrix) -> torch.Tensor:
+    return p[mx.p_offset:mx.p_offset + mx.n * mx.r].view(mx.n, mx.r)
+
+
+def q_of(q: torch.Tensor, mx: Matrix) -> torch.Tensor:
+    return q[mx.q_offset:mx.q_offset + mx.m * mx.r].view(mx.m, mx.r)
+
+
+def orthogonalize(columns: torch.Tensor, epsilon: float, what: str) -> None:
+    """Make the r columns orthonormal, in place: Gram-Schmidt for r <= 2, QR otherwise (torch's choice: QR
+    is faster for larger r).  A zero column (a matrix whose gradient is zero on every rank: unused, or
+    ReLU-dead) has no direction: refused with epsilon = 0, as dividing by its norm would write NaN."""
+    if columns.shape[1] > 2:
+        torch.linalg.qr(columns, out=(columns, columns.new_empty(columns.shape[1], columns.shape[1])))
+        return
+    for i in range(columns.shape[1]):
+        col = columns[:, i:i + 1]
+        norm = torch.norm(col, dim=0, keepdim=True)
+        if epsilon == 0 and not bool(norm.all()):
+            raise FloatingPointError(f"{what}: a column of PowerSGD's P or Q is all zeros (its gradient is zero on "
+                                     f"every rank), so it cannot be normalized; set powersgd:epsilon=1e-8")
+        col /= norm + epsilon if epsilon else norm
+        if i + 1 < columns.shape[1]:
+            rest = columns[:, i + 1:]
+            rest -= torch.sum(col * rest, dim=0, keepdim=True) * col
+
+
+def project(flat: torch.Tensor, layout: Layout, q: torch.Tensor) -> torch.Tensor:
+    """P = M Q for every matrix (step 3, before the all-reduce)."""
+    p = flat.new_empty(layout.p_size)
+    for mx in layout.matrices:
+        torch.mm(matrix(flat, mx), q_of(q, mx), out=p_of(p, mx))
+    return p
+
+
+def back_project(flat: torch.Tensor, layout: Layout, p: torch.Tensor) -> torch.Tensor:
+    """Q = M^T P for every matrix (step 5, before the all-reduce), P orthonormal."""
+    q = flat.new_empty(layout.q_size)
+    for mx in layout.matrices:
+        torch.mm(matrix(flat, mx).t(), p_of(p, mx), out=q_of(q, mx))
+    return q
+
+
+def rest_of(flat: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The uncompressed tensors, packed: they travel in one all-reduce."""
+    return torch.cat([flat[a:a + k] for a, k in layout.rest]) if layout.rest else flat.new_empty(0)
+
+
+def power_step(carried: list[torch.Tensor], layout: Layout, q: torch.Tensor, sum_over_ranks, n: int,
+               epsilon: float, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2-6 for one buffer: the approximated mean, and the new Q.  ``carried`` holds the buffers this
+    process has -- one rank's on a rank, every rank's in the reference (:mod:`minizero.lab.casts_reference`) --
+    and ``sum_over_ranks`` adds a list of per-rank tensors across ranks (the all-reduce, or its emulation), so
+    the stage and its reference run these very lines."""
+    out = torch.empty_like(carried[0])
+    rest = sum_over_ranks([rest_of(c, layout) for c in carried]) / n
+    at = 0
+    for a, k in layout.rest:
+        out[a:a + k] = rest[at:at + k]
+        at += k
+    if not layout.matrices:
+        return out, q
+    p = sum_over_ranks([project(c, layout, q) for c in carried])
+    for mx in layout.matrices:
+        orthogonalize(p_of(p, mx), epsilon, f"{where}: P of {mx.name}")
+    q = sum_over_ranks([back_project(c, layout, p) for c in carried]) / n
+    for mx in layout.matrices:
+        torch.mm(p_of(p, mx), q_of(q, mx).t(), out=matrix(out, mx))
+    return out, q
+
+
+class PowerState:
+    """What every rank keeps alike: the warm-start Q of each buffer, how often each buffer was averaged, and
+    the generator of Q's seeds (torch's ``np.random.RandomState(random_seed)``: one seed per fresh Q, drawn
+    in the order the buffers are reduced -- a buffer with no matrix draws one too, as in torch)."""
+
+    def __init__(self, settings: PowerSGD):
+        self.settings = settings
+        self.q: dict = {}  # key -> the last step's Q (warm start)
+        self.steps: dict = {}  # key -> how many times that buffer has been averaged
+        self.draws = 0
+        self._seeds = np.random.RandomState(settings.seed)
+
+    def compresses(self, key) -> bool:
+        """Counts this step of buffer ``key``; False for the first ``start`` steps (averaged as they are)."""
+        step = self.steps.get(key, 0)
+        self.steps[key] = step + 1
+        return step >= self.settings.start
+
+    def starting_q(self, key, layout: Layout, dtype: torch.dtype, device, where: str) -> torch.Tensor:
+        """The Q this step starts from: last step's, orthogonalized again (warm start), or a fresh random one."""
+        q = self.q.get(key) if self.settings.warm_start else None
+        if q is None or q.numel() != layout.q_size:
+            self.draws += 1
+            generator = torch.Generator().manual_seed(int(self._seeds.randint(1_000_000_000)))
+            q = torch.empty(layout.q_size, dtype=dtype)
+            for mx in layout.matrices:
+                q_of(q, mx).copy_(torch.randn(mx.m, mx.r, generator=generator, dtype=dtype))
+            q = q.to(device)
+        for mx in layout.matrices:
+            orthogonalize(q_of(q, mx), self.settings.epsilon, f"{where}: Q of {mx.name}")
+        return q
+
+    def keep(self, key, q: torch.Tensor) -> None:
+        if self.settings.warm_start:
+            self.q[key] = q
+
+    def state_dict(self) -> dict:
+        return {"q": dict(self.q), "steps": dict(self.steps), "draws": self.draws}
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.q.update({k: v.to(device) for k, v in state["q"].items()})
+        self.steps.update(state["steps"])
+        self._seeds, self.draws = np.random.RandomState(self.settings.seed), 0
+        for _ in range(state["draws"]):  # the generator where it stood: replay its draws
+            self.draws += 1
+            self._seeds.randint(1_000_000_000)
+
+
+class PowerSGDWire:
+    """PowerSGD as a stage's wire (``compress="powersgd:rank=2"``): it runs its own all-reduces."""
+    runs_own_collectives = True
+
+    def __init__(self, comm: Comm, settings: PowerSGD, error_feedback: bool = False):
+        self.comm, self.settings, self.error_feedback = comm, settings, error_feedback
+        self.state = PowerState(settings)
+        self.residuals: dict = {}  # key -> e_w of that buffer: this rank's own
+        self.formula_bytes = 0  # what the ledger should count: 2(N-1)/N of each all-reduce's bytes
+
+    @property
+    def wire_dtype(self) -> str:
+        """What travels, as a checkpoint records it (a resumed run must use the same settings)."""
+        return self.settings.spec()
+
+    def held(self) -> list[torch.Tensor]:
+        """What the wire keeps between steps: the residuals and the warm-start Qs."""
+        return [*self.residuals.values(), *self.state.q.values()]
+
+    def state_dict(self) -> dict:
+        return {"residuals": dict(self.residuals), **self.state.state_dict()}
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.residuals.update({k: v.to(device) for k, v in state["residuals"].items()})
+        self.state.load_state_dict(state, device)
+
+    def _sum(self, tensors: list[torch.Tensor], tag) -> torch.Tensor:
+        (tensor,) = tensors
+        if tensor.numel():  # (an empty one is not sent: every rank has the same layout)
+            self.comm.all_reduce(tensor, ReduceOp.SUM, tag=tag)
+        return tensor
+
+    def reduce(self, kind: str, arguments: dict, key, tag, layout) -> None:
+        where = f"rank {self.comm.rank}"
+        if kind != "all_reduce":
+            raise ValueError(f"{where}: compress=powersgd adds P and Q with all-reduces; a {kind} would need each "
+                             f"shard's own low-rank factors")
+        if layout is None:
+            raise ValueError(f"{where}: compress=powersgd needs the tensors the buffer holds (layout=[(name, shape), "
+                             f"...]) to cut it into matrices")
+        flat = arguments["tensor"].reshape(-1)
+        n, element = self.comm.world_size, flat.element_size()
+        if not self.state.compresses(key):  # the first `start` steps: averaged as they are
+            self._sum([flat], tag)
+            flat /= n
+            self.formula_bytes += all_reduce_bytes(flat.numel() * element, n)
+            return
+        carried = flat.clone()
+        residual = self.residuals.get(key)
+        if self.error_feedback and residual is not None:
+            if residual.shape != carried.shape:
+                raise ValueError(f"{where}: the error-feedback residual of buffer {key!r} has {residual.numel()} "
+                                 f"elements and the buffer {carried.numel()}: saved with another bucket size; resume "
+                                 f"with the --bucket-mb it was saved with")
+            carried += residual
+        plan = lay_out(layout, self.settings)
+        self.formula_bytes += plan.sent_bytes(n, element)
+        q = self.state.starting_q(key, plan, flat.dtype, flat.device, where)
+        out, q = power_step([carried], plan, q, lambda ts: self._sum(ts, tag), n, self.settings.epsilon, where)
+        if not bool(torch.isfinite(out).all()):  # never written into the weights, the residual kept as it was
+            raise FloatingPointError(f"{where}: inf/NaN in PowerSGD's mean of "
+                                     f"{(tag.describe() if tag else 'a gradient buffer')}; the weights were not touched")
+        self.state.keep(key, q)
+        if self.error_feedback:
+            self.residuals[key] = carried - out
+        flat.copy_(out)
