@@ -13,6 +13,7 @@ import sys
 from .comm import BACKENDS, PRESETS
 from .lab import preflight
 from .lab.bench import BENCHES
+from .lab.compress_study import add_parser as add_compress_study
 from .lab.equivalence import DTYPES
 from .lab.memory_table import MODELS as MEMORY_MODELS
 from .lab.optimizers import OPTIMIZERS
@@ -116,7 +117,10 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     scale.add_argument("--world-size", default="1..1024", help="'1,2,4,8' or '1..1024' (powers of two)")
     scale.add_argument("--network", default="ethernet-100g", help="a preset (" + ", ".join(PRESETS) + ") or "
                        "'alpha=10us,bandwidth=12.5GB/s'")
-    timing = scale.add_mutually_exclusive_group(required=True)
+    scale.add_argument("--compress", default=None, metavar="WIRES",
+                       help="'fp16,int8,topk:0.01,powersgd:rank=4': instead of the stages, when each compressor pays -- "
+                            "its bytes, its time on --network, its compute, the break-even bandwidth per N")
+    timing = scale.add_mutually_exclusive_group()
     timing.add_argument("--compute-ms", type=positive_float, help="forward+backward per rank per step, in ms")
     timing.add_argument("--measure", action="store_true", help="measure forward+backward here (the bench GPT, "
                         "scaled to --params)")
@@ -127,6 +131,7 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     # The options the cost model reads: the wire's (and --precision, above) are bytes per element, not options.
     add_flags(scale, {n: STAGES[n] for n in distributed()}, leave_out=[o.name for o in WIRE_AND_USE], command=scale.prog)
     add_train_command(sub, positive_int, natural_int, positive_float)
+    add_compress_study(sub, positive_int, positive_float)
     add_lab_commands(sub)
     return top
 
@@ -150,6 +155,8 @@ def main(argv=None, stages: dict | None = None) -> int:
             from .lab.scale import main as run
         elif args.command == "train":
             from .lab.train_command import main as run
+        elif args.command == "compress-study":
+            from .lab.compress_study import main as run
         else:
             from .lab.bench import main as run
         status, text = run(args)

@@ -54,6 +54,20 @@ def parse(compress: str | None) -> torch.dtype | Codec | PowerSGD | None:
     return CODECS[name](text)
 
 
+def split_specs(text: str) -> list[str]:
+    """``"int8,powersgd:rank=4,start=10,topk:0.01"`` -> one spec per wire: a comma starts a new spec only where
+    a wire's name follows it (a spec's own settings hold commas too).  Each is checked (:func:`parse`)."""
+    specs: list[str] = []
+    for piece in filter(None, (p.strip() for p in text.split(","))):
+        if specs and piece.split(":")[0].removesuffix("+ef") not in NAMES:
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    for spec in specs:
+        parse(spec.removesuffix("+ef"))
+    return specs
+
+
 def check_compress(compress: str | None) -> torch.dtype | None:
     """The 16-bit wire's dtype, or None -- for a codec too (it has no dtype; see :func:`parse`)."""
     parsed = parse(compress)
@@ -107,4 +121,4 @@ def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, na
 
 
 __all__ = ["CODECS", "Codec", "GatheredWire", "PowerSGD", "PowerSGDWire", "Wire", "check_compress", "make_wire", "parse",
-           "split_division", "WIRE_DTYPES"]
+           "split_division", "split_specs", "WIRE_DTYPES"]

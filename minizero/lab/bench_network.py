@@ -9,6 +9,9 @@ repeats is printed with it."""
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
+
+import torch
 
 from ..launch import RankPool
 from ..stages import STAGES
@@ -84,7 +87,8 @@ def bench_prefetch(world_size: int, network: str, depths=(0, 1, 2), rounds: int 
 
 def bench_compress(world_size: int, network: str, rounds: int = REPEATS) -> list[dict]:
     """ddp and ddp-bucketed with fp16 compression against fp32: the step falls by the communication saved
-    (half the bytes; the same number of messages, so not half the latency) -- and no more."""
+    (half the bytes; the same number of messages, so not half the latency) -- and no more.  Then the wires
+    beyond 16 bits on ddp (:func:`bench_codecs`)."""
     rows = []
     with RankPool(world_size) as pool:
         for stage in sharding():  # the unsharded stages: their one reduction is what compression halves
@@ -97,6 +101,42 @@ def bench_compress(world_size: int, network: str, rounds: int = REPEATS) -> list
         fp16["predicted_saved_ms"] = fp32["baseline_value"] - fp16["baseline_value"]
         fp16["step_ratio"] = fp16["value"] / fp32["value"]
         fp16["against_fp32"] = compare(fp16["runs_ms"], fp32["runs_ms"])
+    return rows + bench_codecs(world_size, network, rounds)
+
+
+#: The wires beyond 16 bits ``bench compress`` measures on ddp (the one all-reduce, not overlapped).
+CODECS = ("int8", "topk:0.01", "sign", "powersgd:rank=2")
+
+
+def bench_codecs(world_size: int, network: str, rounds: int = REPEATS, specs=CODECS) -> list[dict]:
+    """``ddp`` under each wire beyond 16 bits against its fp32 step on the same dial, run by run: the
+    prediction is fp32's measured step, less fp32's averaging on the alpha-beta ring, plus the compressor's
+    (:func:`minizero.lab.break_even.wire_terms`: an all-gather of messages, or PowerSGD's three all-reduces)
+    and its compute timed here -- the break-even model of ``scale --compress``, checked where it can be."""
+    from ..comm.network import parse_network
+    from .break_even import compute_s, wire_terms
+    from .tasks import TASKS
+
+    stage = next(s for s in sharding() if s not in accepting("bucket_mb"))  # unsharded, one all-reduce: ddp
+    model = TASKS["gpt"].make_model(0, torch.float32, **BENCH_GPT)
+    shapes = [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad]
+    with RankPool(world_size) as pool:
+        base = model_against_measured(pool, _base(network, stage=stage), network, check_rounds(rounds))
+        dialled = parse_network(network)
+        on_dial = replace(dialled, alpha=dialled.alpha + base["loopback_ms_per_message"] / 1e3)
+        seconds = lambda terms: terms[0] + terms[1] / on_dial.bandwidth  # noqa: E731
+        fp32_s = seconds(wire_terms("none", shapes, world_size, on_dial))
+        rows = [_row(f"{stage} step, fp32 gradients", base, compress="fp32")]
+        for spec in specs:
+            r = model_against_measured(pool, _base(network, stage=stage, options={"compress": spec}), network,
+                                       check_rounds(rounds))
+            compute = compute_s(spec, shapes, world_size)
+            change_ms = (seconds(wire_terms(spec, shapes, world_size, on_dial)) + compute - fp32_s) * 1e3
+            predicted = [m + change_ms for m in base["runs_ms"]]
+            row = _row(f"{stage} step, {spec}", {**r, "predicted_ms": statistics.median(predicted)}, compress=spec)
+            row.update(compare(r["runs_ms"], predicted), predicted_change_ms=change_ms, compute_ms_codec=compute * 1e3,
+                       against_fp32=compare(r["runs_ms"], base["runs_ms"]), saved_ms=base["measured_ms"] - r["measured_ms"])
+            rows.append(row)
     return rows
 
 
@@ -123,7 +163,10 @@ def format_rows(what: str, world_size: int, network: str, rows: list[dict]) -> s
         lines.append(f"  {r['name']:<40}{r['value']:>8.1f}ms{r['baseline_value']:>7.1f}ms{r['spread']:>8.1%}"
                      f"{r['hidden']:>8.0%}{r['predicted_hidden']:>7.0%}{r['exposed_ms']:>7.1f}ms")
         lines.append(f"    measured/model {describe(r)}")
-        if "saved_ms" in r:
+        if "predicted_saved_ms" in r:
             lines.append(f"    saved {r['saved_ms']:.1f} ms (model {r['predicted_saved_ms']:.1f} ms): the step is "
                          f"{r['step_ratio']:.2f}x fp32's, not 0.5x; fp16/fp32 {describe(r['against_fp32'])}")
+        elif "predicted_change_ms" in r:
+            lines.append(f"    saved {r['saved_ms']:.1f} ms (model {-r['predicted_change_ms']:.1f} ms, of which the "
+                         f"compressor's compute {r['compute_ms_codec']:.1f} ms); against fp32 {describe(r['against_fp32'])}")
     return "\n".join(lines)

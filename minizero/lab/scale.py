@@ -82,6 +82,17 @@ def table(stages: list[str], params: float, sizes: list[int], network: Network, 
 
 def main(args) -> tuple[int, str]:
     network = parse_network(args.network)
+    if args.compress:
+        from ..compress import split_specs
+        from .break_even import format_table
+        from .break_even import table as compress_table
+        rows = compress_table(split_specs(args.compress), args.params, world_sizes(args.world_size), network,
+                              args.layers)
+        return 0, (json.dumps({"network": network.describe(), "params": args.params, "rows": rows}, indent=2)
+                   if args.json else format_table(rows, args.params, network))
+    if not (args.measure or args.compute_ms):
+        raise ValueError("scale needs the compute per step: --compute-ms MS or --measure (or --compress WIRES for "
+                         "when compression pays)")
     stages = distributed() if args.stage == "all" else args.stage.split(",")
     for name in stages:
         if name not in distributed():

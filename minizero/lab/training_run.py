@@ -44,6 +44,7 @@ class Run:
     batch_size: int = 16  # global: samples per optimizer step, all ranks and micro-batches
     accum: int = 1
     lr: float = 1e-3
+    optimizer: str = "adamw"  # (the train command's; a study may choose another, minizero.lab.optimizers)
     schedule: str = "constant"  # or cosine, after a linear warmup
     warmup: int = 0
     seed: int = 0
@@ -56,10 +57,11 @@ class Run:
     resume: str | None = None
     log_every: int = 10
     check: bool = False  # fingerprint every collective (costs a message per collective)
-    progress_to: str = "stdout"  # or stderr, when stdout carries the JSON summary
+    progress_to: str = "stdout"  # or stderr, when stdout carries the JSON summary; or none (a study's many runs)
 
     def say(self, text: str) -> None:
-        print(text, file=sys.stderr if self.progress_to == "stderr" else sys.stdout, flush=True)
+        if self.progress_to != "none":
+            print(text, file=sys.stderr if self.progress_to == "stderr" else sys.stdout, flush=True)
 
     @property
     def task(self):
@@ -107,7 +109,7 @@ def train_on_rank(me, run: Run) -> dict:
     psi = count_params(model)
     comm = make_comm(run.collectives, check=run.check)
     try:
-        stage = build_stage(run.stage, model, make_optimizer("adamw", model, run.lr), comm, **dict(run.options))
+        stage = build_stage(run.stage, model, make_optimizer(run.optimizer, model, run.lr), comm, **dict(run.options))
         first, history = 0, []
         if run.resume:
             info = checkpoint.load(stage, run.resume)

@@ -1,0 +1,85 @@
+"""When compression pays: the compressors' bytes and times on the alpha-beta ring (``scale --compress``).
+
+The bytes formulas are checked against the ledger of real runs; the break-even bandwidth is checked by
+putting the network just either side of it; the all-gather's growth in N is shown to cross fp32's ring."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minizero.comm.network import Network
+from minizero.lab.break_even import break_even, compute_s, gpt_shapes, pays_on, table, wire_terms
+from minizero.lab.experiment import Experiment, run_experiment
+from minizero.lab.models import BENCH_GPT
+from minizero.lab.tasks import TASKS
+
+NET = Network(1e-4, 1e8)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "int8", "int4:block=64", "topk:0.05", "sign", "powersgd:rank=2"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_bytes_formula_is_what_the_ledger_counts(pools, spec, world_size):
+    """On ddp (one buffer, every parameter in registration order), per rank and step, mean over ranks."""
+    exp = Experiment(stage="ddp", task="gpt", model={"d_model": 16, "n_layer": 1, "n_head": 2, "block_size": 8},
+                     steps=2, dtype="float32", options={} if spec == "none" else {"compress": spec})
+    results = pools.run(world_size, run_experiment, exp)
+    model = TASKS["gpt"].make_model(0, torch.float32, **exp.model)
+    shapes = [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad]
+    counted = sum(r.sent_bytes for r in results) / world_size / exp.steps
+    assert counted == pytest.approx(wire_terms(spec, shapes, world_size, NET)[2])
+
+
+def _seconds(terms, network: Network, compute: float = 0.0) -> float:
+    return terms[0] + compute + terms[1] / network.bandwidth
+
+
+@pytest.mark.parametrize("spec, world_size", [("fp16", 8), ("int8", 2), ("topk:0.01", 4), ("powersgd:rank=4", 64),
+                                              ("int8", 64), ("sign", 16)])
+def test_either_side_of_the_break_even_the_faster_wire_changes(spec, world_size):
+    """Just below the bandwidth ``pays`` names, the compressed averaging is faster; just above, slower (or the
+    reverse for '>'): the break-even is where the two times cross, with the compute counted."""
+    shapes, compute = gpt_shapes(1e8, 4), 0.003
+    fp32, wire = wire_terms("none", shapes, world_size, NET), wire_terms(spec, shapes, world_size, NET)
+    where, bps = break_even(fp32[:2], wire[:2], compute)
+    assert where in ("below", "above"), (spec, world_size, where)
+    for factor, faster in ((0.99, where == "below"), (1.01, where == "above")):
+        net = Network(NET.alpha, bps * factor)
+        assert (_seconds(wire, net, compute) < _seconds(fp32, net)) == faster, (spec, world_size, factor)
+
+
+def test_a_gathered_codec_sends_more_than_fp32_beyond_some_n_and_powersgd_never_does():
+    """int8's all-gather: (N-1) 1.016 Psi bytes against the ring's 2(N-1)/N 4 Psi -- more from N = 8 on; PowerSGD
+    all-reduces its factors, so its bytes stay (n + m) r per matrix at any N."""
+    shapes = gpt_shapes(1e7, 4)
+    ratio = {n: wire_terms("int8", shapes, n, NET)[2] / wire_terms("none", shapes, n, NET)[2] for n in (2, 7, 8, 64)}
+    assert ratio[2] < 0.3 and ratio[7] < 1 < ratio[8] < ratio[64]
+    assert break_even(wire_terms("none", shapes, 64, NET)[:2], wire_terms("int8", shapes, 64, NET)[:2], 0.0)[0] \
+        in ("above", "never")
+    power = [wire_terms("powersgd:rank=4", shapes, n, NET)[2] / wire_terms("none", shapes, n, NET)[2]
+             for n in (2, 64, 1024)]
+    assert max(power) < 0.05 and max(power) / min(power) < 1.01
+
+
+def test_the_table_covers_every_wire_and_size_and_compute_is_timed():
+    rows = table(["fp16", "powersgd:rank=2"], 1e6, [1, 4], NET, layers=2)
+    assert [(r["compress"], r["world_size"]) for r in rows] == [("fp16", 1), ("fp16", 4), ("powersgd:rank=2", 1),
+                                                                 ("powersgd:rank=2", 4)]
+    assert rows[0]["sent_bytes"] == 0 and rows[1]["sent_bytes"] * 2 == pytest.approx(rows[1]["fp32_sent_bytes"])
+    assert rows[3]["compute_ms"] > 0 and math.isfinite(rows[3]["comm_ms"])
+    assert compute_s("int8", gpt_shapes(1e6, 2), 4) > compute_s("int8", gpt_shapes(1e6, 2), 1) > 0
+    assert pays_on(("below", 2.5e9)) == "< 2.5 GB/s" and pays_on(("never", 0.0)) == "never"
+
+
+def test_scale_compress_prints_the_table(capsys):
+    from minizero.__main__ import main
+    assert main(["scale", "--params", "1e6", "--world-size", "2,4", "--compress", "int8,powersgd:rank=2,start=5",
+                 "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "powersgd:rank=2,start=5" in out and "int8" in out and "pays on" in out
+    assert main(["scale", "--params", "1e6"]) == 2  # neither compute nor --compress: refused
+    assert "--compute-ms" in capsys.readouterr().err
+
+
+BENCH_SHAPES = BENCH_GPT  # (the bench compress command measures on the bench GPT: docs/benchmarks.md)
