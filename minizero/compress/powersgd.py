@@ -264,6 +264,12 @@ class PowerSGDWire:
             self.comm.all_reduce(tensor, ReduceOp.SUM, tag=tag)
         return tensor
 
+    def power_step(self, carried: torch.Tensor, plan: Layout, q: torch.Tensor, tag) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 2-6 on this rank's ``carried`` buffer from the starting ``q``: the approximated mean and the new Q
+        (lesson 15's lab writes this one).  Each all-reduce sums one tensor over the ranks, in place."""
+        return power_step([carried], plan, q, lambda ts: self._sum(ts, tag), self.comm.world_size,
+                          self.settings.epsilon, f"rank {self.comm.rank}")
+
     def reduce(self, kind: str, arguments: dict, key, tag, layout) -> None:
         where = f"rank {self.comm.rank}"
         if kind != "all_reduce":
@@ -290,7 +296,7 @@ class PowerSGDWire:
         plan = lay_out(layout, self.settings)
         self.formula_bytes += plan.sent_bytes(n, element)
         q = self.state.starting_q(key, plan, flat.dtype, flat.device, where)
-        out, q = power_step([carried], plan, q, lambda ts: self._sum(ts, tag), n, self.settings.epsilon, where)
+        out, q = self.power_step(carried, plan, q, tag)
         if not bool(torch.isfinite(out).all()):  # never written into the weights, the residual kept as it was
             raise FloatingPointError(f"{where}: inf/NaN in PowerSGD's mean of "
                                      f"{(tag.describe() if tag else 'a gradient buffer')}; the weights were not touched")

@@ -113,6 +113,10 @@ LABS: dict[str, Lab] = _labs(
         ("LocalSGD.step", "LocalSGD.average"), ("local-sgd H=1", "local-sgd package", "local-sgd bytes"),
         mistakes_local_sgd.MISTAKES,
         options={"average_every": 1}, precision=False),  # H = 1: the first check's one step averages
+    Lab("powersgd", "lessons/15_when_compression_pays.ipynb",
+        "the PowerSGD step: P = M Q and Q = M^T P, each all-reduced, P orthogonalized between", BucketedDDP,
+        ("PowerSGDWire.power_step",), ("powersgd equivalence", "powersgd bytes"),
+        options={"compress": "powersgd:rank=2", "error_feedback": True}, precision=False),
 )
 
 assert all(lab.stage in STAGES for lab in LABS.values())

@@ -90,3 +90,23 @@ Tree = without(TreeComm, "_tree_reduce", "_tree_broadcast", name="Tree")
 from ..checkpoint.flat import Reshard as PackageReshard  # noqa: E402 -- appended with its lab
 
 Reshard = without(PackageReshard, "owned_range", "reshard")
+# Lab powersgd (lesson 15): the PowerSGD step on one rank -- P = M Q, its all-reduce, orthogonalization, Q = M^T P,
+# its all-reduce and mean, M = P Q^T; the wire around it (error feedback, warm start, the layout) is the package's.
+from ..compress import PowerSGDWire as PackagePowerSGDWire  # noqa: E402 -- appended with its lab
+
+PowerSGDWire = without(PackagePowerSGDWire, "power_step")
+
+
+class PowerSGDBucketedDDP(PackageBucketedDDP):
+    """The package's ddp-bucketed, whole, whose PowerSGD wire is ``wire_class`` -- the learner's ``PowerSGDWire``
+    once their stage names it."""
+
+    wire_class = PowerSGDWire
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.wire, PackagePowerSGDWire):
+            self.wire = self.wire_class(self.comm, self.wire.settings, self.wire.error_feedback)
+
+
+PowerSGDBucketedDDP.__name__ = PowerSGDBucketedDDP.__qualname__ = "BucketedDDP"

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from .properties import PROPERTIES as CORE
 from .properties_local_sgd import PROPERTIES as LOCAL_SGD
+from .properties_powersgd import PROPERTIES as POWERSGD
 from .properties_precision import PROPERTIES as MIXED_PRECISION
 from .properties_reshard import PROPERTIES as RESHARD
 from .properties_tree import PROPERTIES as TREE
 
-PROPERTIES: dict = {**CORE, **TREE, **MIXED_PRECISION, **RESHARD, **LOCAL_SGD}
-assert len(PROPERTIES) == len(CORE) + len(TREE) + len(MIXED_PRECISION) + len(RESHARD) + len(LOCAL_SGD), \
+PROPERTIES: dict = {**CORE, **TREE, **MIXED_PRECISION, **RESHARD, **LOCAL_SGD, **POWERSGD}
+assert len(PROPERTIES) == len(CORE) + len(TREE) + len(MIXED_PRECISION) + len(RESHARD) + len(LOCAL_SGD) + len(POWERSGD), \
     "two labs name a property alike"

@@ -30,6 +30,7 @@ OVERLAP = "communication overlaps backward"
 NESTS = "no_sync() nested and left by an exception"
 COLLECTIVES = "every collective's result"
 RING_COST = "bytes and messages per rank: the ring's"
+POWERSGD = "equivalence to a reference taking the same PowerSGD steps"
 
 #: ``lab_dir/file`` (no ``.py``) -> the property the checker must fail on it.
 EXPECTED: dict[str, str] = {
@@ -120,6 +121,11 @@ EXPECTED: dict[str, str] = {
     "local_sgd/fresh_outer_optimizer": "every rank, every step, the package's local SGD",
     "local_sgd/ignores_the_outer_optimizer": "every rank, every step, the package's local SGD",
     "local_sgd/outer_step_not_copied_back": "every rank, every step, the package's local SGD",
+    "powersgd/q_not_divided_by_n": POWERSGD,
+    "powersgd/p_not_orthogonalized": POWERSGD,
+    "powersgd/own_p_only": POWERSGD,
+    "powersgd/rest_not_averaged": POWERSGD,
+    "powersgd/orthogonalizes_before_summing": POWERSGD,
 }
 
 #: Planted mistakes the checker passes -- holes in the checker, each with why it is not caught.  Their test is a

@@ -1,0 +1,38 @@
+"""Sums the uncompressed tensors over the ranks and forgets the division by N: biases N times too large."""
+from __future__ import annotations
+
+import torch
+
+from minizero.comm import ReduceOp
+from minizero.compress.powersgd import back_project, matrix, orthogonalize, p_of, project, q_of, rest_of
+from minizero.labs.given import PowerSGDBucketedDDP as GivenBucketedDDP
+from minizero.labs.given import PowerSGDWire as GivenWire
+
+
+class PowerSGDWire(GivenWire):
+    def power_step(self, carried: torch.Tensor, plan, q: torch.Tensor, tag) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.comm.world_size
+        out = torch.empty_like(carried)
+        rest = rest_of(carried, plan)
+        if rest.numel():
+            self.comm.all_reduce(rest, ReduceOp.SUM, tag=tag)
+        at = 0
+        for offset, numel in plan.rest:
+            out[offset:offset + numel] = rest[at:at + numel]
+            at += numel
+        if not plan.matrices:
+            return out, q
+        p = project(carried, plan, q)
+        self.comm.all_reduce(p, ReduceOp.SUM, tag=tag)
+        for mx in plan.matrices:
+            orthogonalize(p_of(p, mx), self.settings.epsilon, f"P of {mx.name}")
+        new_q = back_project(carried, plan, p)
+        self.comm.all_reduce(new_q, ReduceOp.SUM, tag=tag)
+        new_q /= n
+        for mx in plan.matrices:
+            matrix(out, mx).copy_(p_of(p, mx) @ q_of(new_q, mx).T)
+        return out, new_q
+
+
+class BucketedDDP(GivenBucketedDDP):
+    wire_class = PowerSGDWire
