@@ -73,10 +73,14 @@ def compute_s(spec: str, shapes, world_size: int, repeats: int = 3) -> float:
     if isinstance(wire, PowerSGD):  # a proportional slice of the model: the same shapes, fewer of them
         keep = max(1, int(len(shapes) * min(1.0, SAMPLE / psi)))
         scale, x = psi / numel(shapes[:keep]), torch.randn(numel(shapes[:keep]))
-        layout = lay_out(shapes[:keep], wire)
-        q = PowerState(wire).starting_q(0, layout, x.dtype, x.device, "timing")
-        return _best(lambda: power_step([x], layout, q, lambda ts: ts[0], world_size, wire.epsilon, "timing"),
-                     repeats) * scale
+        state = PowerState(wire)
+
+        def step():  # the warm start's orthogonalization of last step's Q, then the step itself
+            layout = lay_out(shapes[:keep], wire)
+            q = state.starting_q(0, layout, x.dtype, x.device, "timing")
+            state.keep(0, power_step([x], layout, q, lambda ts: ts[0], world_size, wire.epsilon, "timing")[1])
+        step()
+        return _best(step, repeats) * scale
     x = torch.randn(min(psi, SAMPLE))
     scale = psi / x.numel()
     if isinstance(wire, torch.dtype):
