@@ -92,6 +92,8 @@ def compute_s(spec: str, shapes, world_size: int, repeats: int = 3) -> float:
 
 
 def _best(work, repeats: int) -> float:
+    """The fastest of ``repeats`` timings, after one untimed call (first-touch allocations, lazy kernels)."""
+    work()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

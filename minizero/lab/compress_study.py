@@ -21,6 +21,7 @@ import statistics
 
 from ..compress import split_specs
 from ..launch import RankPool
+from .registry import accepting, sharding
 from .training_run import Run, train_on_rank
 
 #: (compress, error_feedback): the default comparison -- every family, and the biased ones without feedback.
@@ -42,6 +43,11 @@ def parse_settings(text: str | None) -> list[tuple[str, bool]]:
     return out
 
 
+def bucketed_stage() -> str:
+    """The stage every wire fits and that overlaps its all-reduces with backward: unsharded, with buckets."""
+    return next(s for s in sharding() if s in accepting("bucket_mb"))
+
+
 def label(compress: str, error_feedback: bool) -> str:
     return "fp32 (uncompressed)" if compress == "none" else compress + (" + EF" if error_feedback else "")
 
@@ -53,7 +59,7 @@ def study(settings: list[tuple[str, bool]], world_size: int = 2, steps: int = 30
     with RankPool(world_size) as pool:
         for compress, ef in settings:
             options = () if compress == "none" else (("compress", compress), ("error_feedback", ef))
-            run = Run(stage="ddp-bucketed", model=model, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+            run = Run(stage=bucketed_stage(), model=model, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                       optimizer=optimizer, options=options, progress_to="none")
             ranks = pool.run(train_on_rank, run)
             losses = ranks[0]["losses"]
@@ -77,7 +83,7 @@ def _finite(x: float) -> bool:
 
 
 def format_table(rows: list[dict], world_size: int, steps: int, model: str, optimizer: str) -> str:
-    lines = [f"compress-study: the {model} sonnets GPT, ddp-bucketed on {world_size} ranks, {steps} steps of {optimizer}; "
+    lines = [f"compress-study: the {model} sonnets GPT, {bucketed_stage()} on {world_size} ranks, {steps} steps of {optimizer}; "
              f"final loss = mean of the last {max(1, steps // 10)} steps",
              f"{'wire':<26}{'first':>8}{'final':>9}{'gap':>9}{'2nd-half drop':>15}{'sent B/step/rank':>18}"
              f"{'fewer bytes':>13}{'step ms':>9}"]
@@ -113,7 +119,8 @@ def main(args) -> tuple[int, str]:
     rows = study(settings, args.world_size, args.steps, args.model, args.lr, args.batch_size, args.seed,
                  args.optimizer)
     if args.plot:
-        plot(rows, args.plot, f"{args.model} GPT, ddp-bucketed, N={args.world_size}, {args.optimizer}: loss under each wire")
+        plot(rows, args.plot, f"{args.model} GPT, {bucketed_stage()}, N={args.world_size}, {args.optimizer}: loss under "
+                              f"each wire")
     if args.json:
         return 0, json.dumps({"world_size": args.world_size, "steps": args.steps, "model": args.model, "rows": rows},
                              indent=2)
