@@ -12,7 +12,6 @@ import torch
 from minizero.comm.network import Network
 from minizero.lab.break_even import break_even, compute_s, gpt_shapes, pays_on, table, wire_terms
 from minizero.lab.experiment import Experiment, run_experiment
-from minizero.lab.models import BENCH_GPT
 from minizero.lab.tasks import TASKS
 
 NET = Network(1e-4, 1e8)
@@ -68,7 +67,8 @@ def test_the_table_covers_every_wire_and_size_and_compute_is_timed():
                                                                  ("powersgd:rank=2", 4)]
     assert rows[0]["sent_bytes"] == 0 and rows[1]["sent_bytes"] * 2 == pytest.approx(rows[1]["fp32_sent_bytes"])
     assert rows[3]["compute_ms"] > 0 and math.isfinite(rows[3]["comm_ms"])
-    assert compute_s("int8", gpt_shapes(1e6, 2), 4) > compute_s("int8", gpt_shapes(1e6, 2), 1) > 0
+    assert all(0 < compute_s(spec, gpt_shapes(1e6, 2), 4) < math.inf for spec in ("fp16", "int8", "powersgd:rank=2"))
+    assert compute_s("none", gpt_shapes(1e6, 2), 4) == 0  # (timings are never compared: they move with the load)
     assert pays_on(("below", 2.5e9)) == "< 2.5 GB/s" and pays_on(("never", 0.0)) == "never"
 
 
@@ -81,5 +81,3 @@ def test_scale_compress_prints_the_table(capsys):
     assert main(["scale", "--params", "1e6"]) == 2  # neither compute nor --compress: refused
     assert "--compute-ms" in capsys.readouterr().err
 
-
-BENCH_SHAPES = BENCH_GPT  # (the bench compress command measures on the bench GPT: docs/benchmarks.md)

@@ -110,10 +110,10 @@ def _refusal(me, stage, compress, precision="fp32"):
     return None
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3", "ps"])
-def test_stages_that_reduce_scatter_refuse_a_codec_in_one_line(pools, stage):
-    text = pools.run(2, _refusal, stage, "topk:0.01")[0]
-    assert text and "\n" not in text and "reduce_scatter" in text and "all-to-all" in text and "fp16" in text
+def test_the_parameter_server_refuses_a_codec_in_one_line(pools):
+    """Its push sums at the servers, on the way: a codec's messages do not add up, and a star of them is not built."""
+    text = pools.run(2, _refusal, "ps", "topk:0.01")[0]
+    assert text and "\n" not in text and "push" in text and "all-to-all" in text and "fp16" in text
 
 
 def test_mixed_precision_refuses_a_codec(pools):
@@ -121,19 +121,33 @@ def test_mixed_precision_refuses_a_codec(pools):
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4))
-@pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed"])
+@pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"])
 @covering_every_world_size
 @settings(max_examples=examples(3))
 @given(data=st.data())
 def test_codec_stage_matches_the_same_codec_reference_and_its_byte_formula(pools, stage, world_size, data):
-    """The same codec on the same per-rank gradients, the same residuals, the same rank order: equal at the
-    suite's tight tolerance (bit for bit in practice; ``compare`` prints 0).
-    And the ledger's bytes are the codec's formula on the stage's buffers: (N-1) messages per buffer."""
+    """The same codec on the same per-rank gradients (a ZeRO stage's cut into its N shards, each encoded on its
+    own), the same residuals, the same rank order: equal at the suite's tight tolerance (bit for bit in practice;
+    ``compare`` prints 0).  And the ledger's bytes are the codec's formula on the stage's buffers: N-1 messages
+    per buffer -- whole ones all-gathered (an all-reduce), or a shard's to its owner (a reduce-scatter: the
+    all-to-all, whose bytes do not grow with N)."""
     exp, world_size = data.draw(experiments(stage, world_sizes=(world_size,), compress=True, max_accum=3))
     codec = data.draw(st.sampled_from(CODECS))
     exp = replace(exp, options={**exp.options, "compress": codec})
+    if stage.startswith("zero") and parse(codec).stochastic:
+        # A stochastic codec draws its rounding from the gradient's own bits (compress.gathered.stream).  ZeRO's
+        # clipping norm sums its shards in another order than the reference's whole gradient -- a last-bit
+        # difference the tolerance allows -- and the next step's draws are then other numbers altogether.
+        exp = replace(exp, clip=None)
     results = run_and_check(pools, exp, world_size)
-    for r in results:  # the messages travel in an all-gather (find_unused_parameters' bitmap is an all-reduce)
-        assert r.sent_by_kind.get("all_gather", 0) == pytest.approx(exp.steps * r.wire_sent_bytes_per_step)
+    for r in results:  # (find_unused_parameters' bitmap is an all-reduce; ZeRO's parameters are all-gathered too)
+        for kind, formula in r.wire_sent_by_kind_per_step.items():
+            counted = r.sent_by_kind.get(kind, 0)
+            if kind == "all_gather" and stage.startswith("zero"):
+                assert counted >= exp.steps * formula - 1e-6
+            else:
+                assert counted == pytest.approx(exp.steps * formula), (kind, r.wire_sent_by_kind_per_step)
     if world_size > 1:
         assert all(r.wire_sent_bytes_per_step > 0 for r in results)
+    if world_size > 1 and stage.startswith("zero"):  # the reduce-scatters went through the all-to-all
+        assert all(r.wire_sent_by_kind_per_step.get("all_to_all", 0) > 0 for r in results)

@@ -115,6 +115,35 @@ def test_root_all_reduce_root_sends_n_minus_1_times(pools, world_size):
         assert sent["root_all_reduce"] == numel * 4
 
 
+def _all_to_all_on_rank(me, backend: str, numel: int, dtype):
+    from minizero.comm import Ledger
+    comm = make_comm(backend)
+    ledger = Ledger()
+    comm.add_observer(ledger)
+    n, r = comm.world_size, comm.rank
+    # rank r's chunk j holds 10 r + 3 j, plus the position: who sent what, and where, is visible (and fits a uint8)
+    sent = torch.cat([torch.arange(numel // n, dtype=torch.float64) + 10 * r + 3 * j for j in range(n)]).to(dtype)
+    got = torch.full_like(sent, -1)
+    comm.all_to_all(got, sent)
+    comm.close()
+    return got, ledger.snapshot()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("backend", ["ring", "native"])
+def test_all_to_all_sends_each_chunk_to_its_owner_and_nothing_more(pools, world_size, backend):
+    """Chunk j of rank i arrives as chunk i on rank j, untouched (uint8 too: a codec's messages); each rank
+    sends (N-1)/N of the tensor."""
+    numel = 6 * world_size
+    for dtype in (torch.float32, torch.uint8):
+        results = pools.run(world_size, _all_to_all_on_rank, backend, numel, dtype)
+        for j, (got, sent) in enumerate(results):
+            want = torch.cat([torch.arange(6, dtype=torch.float64) + 10 * i + 3 * j
+                              for i in range(world_size)]).to(dtype)
+            assert torch.equal(got, want), (world_size, j, dtype)
+            assert sent.get("all_to_all", 0) == (world_size - 1) * 6 * torch.empty(0, dtype=dtype).element_size()
+
+
 def test_chunk_bounds_padding_rule():
     assert chunk_bounds(0, 3) == [(0, 0), (0, 0), (0, 0)]
     assert chunk_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
@@ -194,6 +223,6 @@ def test_every_collective_built_from_send_recv_is_marked_point_to_point():
     from minizero.comm.tree import TreeComm
     torch_collectives = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "root_all_reduce")
     for cls in (RingComm, TreeComm, NativeComm):
-        for kind in torch_collectives + ("push", "pull"):  # push and pull are send/recv on every Comm
-            built_from_send_recv = cls is not NativeComm or kind in ("push", "pull")
+        for kind in torch_collectives + ("push", "pull", "all_to_all"):  # the direct exchanges: send/recv everywhere
+            built_from_send_recv = cls is not NativeComm or kind in ("push", "pull", "all_to_all")
             assert getattr(getattr(cls, kind), "point_to_point", None) is built_from_send_recv, (cls.__name__, kind)

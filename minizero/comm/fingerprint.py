@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-#: Collective kinds, the keys of the byte ledger.  ``check`` is the fingerprint exchange; ``push`` and ``pull``
-#: the parameter server's (:mod:`.star`).
+#: Collective kinds, the keys of the byte ledger.  ``check`` is the fingerprint exchange; ``push``, ``pull`` and
+#: ``all_to_all`` the direct exchanges (:mod:`.star`).
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "root_all_reduce", "exchange", "check", "push",
-         "pull")
+         "pull", "all_to_all")
 #: What a collective may carry -- reductions need floating point, or integers for SUM and MAX; broadcast
 #: and all-gather only copy, so integer and bool buffers (BatchNorm's counter) travel too.  The position
 #: is the dtype's number in a fingerprint.

@@ -19,6 +19,9 @@ all-reduce was invented to remove -- and with ``S = N`` every rank sends
 ``2(N-1)/N Psi``, the ring's figure (it *is* a reduce-scatter and an
 all-gather, done with direct messages instead of a ring).
 
+**all-to-all** is the same star with every rank a server and nothing summed: chunk ``j`` of each rank's tensor
+goes to rank ``j`` as it is -- for messages that cannot be added on the way (an int8 code with its own scale).
+
 The server adds the contributions in the ring's order -- shard ``j`` starts
 with rank ``j+1``'s and ends with its own -- so 16-bit sums round exactly as
 a reduce-scatter's do, and the same-casts reference
@@ -37,11 +40,17 @@ from .progress import ANYONE
 
 
 class StarExchanges:
-    """Push and pull, for every :class:`~minizero.comm.base.Comm` (both backends: a parameter server is
-    point-to-point by definition, so ``native`` runs the same messages as ``ring``)."""
+    """Push, pull and all-to-all, for every :class:`~minizero.comm.base.Comm` (both backends: direct messages
+    are point-to-point by definition, so ``native`` runs the same messages as ``ring``)."""
 
     def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str, arguments: dict) -> None:
         """A push's or pull's shapes: ``S`` shards, and a worker (rank >= S) owns none."""
+        if kind == "all_to_all":
+            if output.dtype != input.dtype or output.numel() != input.numel() or input.numel() % self.world_size:
+                raise ValueError(f"{where}: input and output must be one dtype and one size, a multiple of world_size "
+                                 f"{self.world_size} (N equal chunks); got {input.dtype} x {input.numel()} and "
+                                 f"{output.dtype} x {output.numel()}")
+            return None
         if kind not in ("push", "pull"):
             return super()._check_shards(output, input, kind, where, arguments)
         servers = arguments["servers"]
@@ -105,6 +114,22 @@ class StarExchanges:
         recvs = [(output[j * size:(j + 1) * size], j) for j in range(servers) if j != self.rank]
         self._at("pull")
         self._exchange(sends, recvs)
+
+    @collective("all_to_all")
+    @on_device(point_to_point=True)
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``input``: N equal chunks, chunk ``j`` for rank ``j``; ``output``: N equal chunks, chunk ``i`` the one
+        rank ``i`` sent here (this rank's own copied).  Every message straight to its owner, (N-1)/N of the tensor
+        per rank in N-1 messages -- a reduce-scatter's bytes, without the sum on the way: what a wire whose
+        messages do not add up needs to average a shard (ZeRO++'s qgZ, :mod:`minizero.compress.gathered`)."""
+        n, r = self.world_size, self.rank
+        size = input.numel() // n
+        chunk = lambda t, j: t[j * size:(j + 1) * size]  # noqa: E731
+        chunk(output, r).copy_(chunk(input, r))
+        peers = [(r + k) % n for k in range(1, n)]  # send to the right first, receive from the left first
+        self._at("all-to-all")
+        self._exchange([(chunk(input, j), j) for j in peers], [(chunk(output, (r - k) % n), (r - k) % n)
+                                                              for k in range(1, n)])
 
     def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
                   arrived=lambda i: None) -> None:

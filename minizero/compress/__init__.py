@@ -6,7 +6,8 @@ Two kinds of wire:
   inside the ring all-reduce or reduce-scatter, and cast back -- half the bytes, on every stage;
 * the **gathered wires** (:mod:`.gathered`) of codecs whose messages do not add up: ``int8`` / ``int4``
   (:mod:`.quantized`), ``topk:FRACTION`` (:mod:`.topk`), ``sign`` (:mod:`.sign`) -- each rank's message
-  all-gathered, decoded and added on every rank; an all-reduce only;
+  all-gathered (an all-reduce), or its shards' messages sent to their owners (a reduce-scatter: an all-to-all,
+  ZeRO++'s qgZ), decoded and added in rank order;
 * **PowerSGD** (``powersgd:rank=R``, :mod:`.powersgd`): each matrix as P Q^T, whose factors *do* add up --
   two small all-reduces; an all-reduce only.
 
@@ -84,18 +85,21 @@ def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, na
     ``reduce_dtype="fp32"`` is a wire too, a *wider* one: 16-bit gradients summed in fp32, the mean rounded once.
     Both name the dtype of the reduction, so they are not given together.  With dynamic loss scaling an
     overflow is the scaler's to handle (the step is skipped), so the wire lets inf through instead of raising.
-    A codec (``int8``, ``topk:0.01``, ...) and PowerSGD need an all-reduce to ride on (``averages_with``, the
-    stage's) and full-precision gradients.  ``named_params``: what will travel on it, checked here."""
+    A codec (``int8``, ``topk:0.01``, ...) rides on an all-reduce or a reduce-scatter (``averages_with``, the
+    stage's), PowerSGD on an all-reduce only; both need full-precision gradients.  ``named_params``: what will
+    travel on it, checked here."""
     precision = precision or Precision()
     parsed = parse(compress)
     if isinstance(parsed, (Codec, PowerSGD)):
-        if averages_with != "all_reduce":
+        fits = ("all_reduce",) if isinstance(parsed, PowerSGD) else ("all_reduce", "reduce_scatter")
+        if averages_with not in fits:
             how = ("adds each matrix's low-rank factors P and Q in all-reduces: a shard of a matrix has no factors "
-                   "of its own" if isinstance(parsed, PowerSGD) else "averages by all-gathering each rank's whole "
-                   "message -- a reduce-scatter of messages needs an all-to-all (ZeRO++'s qgZ), not built here")
-            raise ValueError(f"compress={compress!r} {how}; it fits a stage that all-reduces its gradients (ddp, "
-                             f"ddp-bucketed), not one that averages with a {averages_with}; use compress='fp16' or "
-                             f"'bf16'")
+                   "of its own, so it fits a stage that all-reduces its gradients (ddp, ddp-bucketed)"
+                   if isinstance(parsed, PowerSGD) else "sends each rank's messages whole (an all-gather, or an "
+                   "all-to-all of shards: ZeRO++'s qgZ), so it fits a stage that all-reduces or reduce-scatters its "
+                   "gradients (ddp, ddp-bucketed, zero1-3)")
+            raise ValueError(f"compress={compress!r} {how}, not one that averages with a {averages_with}; use "
+                             f"compress='fp16' or 'bf16'")
         if precision.mixed:
             raise ValueError(f"compress={compress!r} under {precision.name} mixed precision is not built: its "
                              f"loss scaling and 16-bit gradients are the 16-bit wire's; use precision='fp32'")

@@ -1,4 +1,4 @@
-"""Averaging over a codec's messages: every rank sends its message whole, every rank adds all of them up.
+"""Averaging over a codec's messages, which do not add up on the way: each rank's messages are delivered whole.
 
 For one buffer (named ``key``) on rank r, one step:
 
@@ -6,12 +6,12 @@ For one buffer (named ``key``) on rank r, one step:
    last time (``e_r``, kept per buffer);
 2. ``m_r = encode(carried)``, and with error feedback ``e_r <- carried - decode(m_r)``: what is not sent now is
    sent later, so over any number of steps ``sum(decoded) + e_r = sum(x_r)`` -- nothing is lost, only late;
-3. **all-gather** the messages (``(N-1)·|m|`` bytes per rank on the ring), then on every rank
+3. an **all-reduce** (``ddp``): **all-gather** the messages (``(N-1)·|m|`` bytes per rank), then on every rank
    ``mean = (decode(m_0) + ... + decode(m_{N-1})) / N`` in rank order -- the same order everywhere, so every
-   rank gets the same bits, and the reference can reproduce them.
-
-Only an all-reduce fits: a reduce-scatter (ZeRO) would want each rank's message cut per shard and sent
-through an all-to-all (ZeRO++'s qgZ) -- not built here, so those stages refuse these codecs by name.
+   rank gets the same bits, and the reference can reproduce them.  A **reduce-scatter** (ZeRO): the buffer is
+   cut into its N shards first, each encoded on its own (``m_r = m_r,0 ... m_r,N-1``), and shard j's message
+   goes to rank j only -- an **all-to-all**, ZeRO++'s qgZ -- which decodes its N messages and averages them in
+   rank order: ``(N-1)·|m|/N`` bytes per rank, a reduce-scatter's share, where an all-gather's grows with N.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class GatheredWire(KeepsResiduals):
     def __init__(self, comm: Comm, codec: Codec, error_feedback: bool = False):
         self.comm, self.codec, self.error_feedback = comm, codec, error_feedback
         self.residuals: dict = {}  # key -> what this rank has not yet sent of that buffer
-        self.formula_bytes = 0  # what the ledger should count: each message to N-1 ranks
+        self.formula_by_kind: dict = {}  # what the ledger should count, by collective: each message to N-1 ranks
 
     @property
     def wire_dtype(self) -> str:
@@ -55,30 +55,47 @@ class GatheredWire(KeepsResiduals):
         return self.codec.spec()
 
     def reduce(self, kind: str, arguments: dict, key, tag, layout=None) -> None:
-        if kind != "all_reduce":
-            raise ValueError(f"rank {self.comm.rank}: compress={self.codec.spec()!r} averages by all-gathering whole "
-                             f"messages, which fits an all-reduce only; this {kind} would need an all-to-all")
-        tensor = arguments["tensor"]
-        flat = tensor.reshape(-1)
-        carried = flat.clone()
+        """An all-reduce: every rank's whole message to every rank (all-gather).  A reduce-scatter (ZeRO's):
+        each rank's buffer cut into its N shards, each shard encoded on its own and sent to its owner
+        (all-to-all, ZeRO++'s qgZ), so a rank decodes N messages of its shard only."""
+        if kind not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"rank {self.comm.rank}: compress={self.codec.spec()!r} averages with an all-gather or "
+                             f"an all-to-all; a {kind} is neither")
+        n, rank = self.comm.world_size, self.comm.rank
+        scatter = kind == "reduce_scatter"
+        source, target = (arguments["input"], arguments["output"]) if scatter else (arguments["tensor"],) * 2
+        carried = source.reshape(-1).clone()
         residual = self.residuals.get(key)
         if self.error_feedback and residual is not None:
             if residual.shape != carried.shape:
-                raise ValueError(f"rank {self.comm.rank}: the error-feedback residual of bucket {key!r} has "
+                raise ValueError(f"rank {rank}: the error-feedback residual of bucket {key!r} has "
                                  f"{residual.numel()} elements and the bucket {carried.numel()}: the checkpoint was "
                                  f"saved with another bucket size; resume with the --bucket-mb it was saved with")
             carried += residual
-        on_host = carried.cpu()
-        message = self.codec.encode(on_host, stream(self.comm.rank, on_host) if self.codec.stochastic else None)
-        message = message.to(tensor.device)
-        self.formula_bytes += (self.comm.world_size - 1) * self.codec.message_bytes(flat.numel(), flat.dtype)
-        gathered = message.new_empty(self.comm.world_size * message.numel())
-        self.comm.all_gather(gathered, message, tag=tag)
-        decoded = [self.codec.decode(m.cpu(), flat.numel(), flat.dtype) for m in gathered.chunk(self.comm.world_size)]
+        pieces = split(carried.cpu(), n if scatter else 1)  # a reduce-scatter's input is padded to N equal shards
+        messages = [self.codec.encode(p, stream(rank, p) if self.codec.stochastic else None) for p in pieces]
+        sent = torch.cat(messages).to(source.device)
+        size = pieces[0].numel()
+        via = "all_to_all" if scatter else "all_gather"
+        self.formula_by_kind[via] = self.formula_by_kind.get(via, 0) + (n - 1) * self.codec.message_bytes(size, carried.dtype)
+        received = sent.new_empty(sent.numel() * (1 if scatter else n))
+        if scatter:
+            self.comm.all_to_all(received, sent, tag=tag)
+        else:
+            self.comm.all_gather(received, sent, tag=tag)
+        decoded = [self.codec.decode(m.cpu(), size, carried.dtype) for m in received.chunk(n)]
         mean = mean_in_rank_order(decoded)
         if not bool(torch.isfinite(mean).all()):  # never written into the weights, the residual kept as it was
-            raise FloatingPointError(f"rank {self.comm.rank}: inf/NaN in the {self.codec.name} wire's mean of "
+            raise FloatingPointError(f"rank {rank}: inf/NaN in the {self.codec.name} wire's mean of "
                                      f"{(tag.describe() if tag else 'a gradient buffer')}; the weights were not touched")
-        if self.error_feedback:
-            self.residuals[key] = carried - decoded[self.comm.rank].to(carried.device)  # what was sent, decoded
-        flat.copy_(mean.to(tensor.device))
+        if self.error_feedback:  # what this rank's messages delivered, decoded: the rest is carried
+            delivered = torch.cat([self.codec.decode(m, size, p.dtype) for m, p in zip(messages, pieces, strict=True)]) \
+                if scatter else decoded[rank]  # (an all-gather brought this rank's own message back: decoded once)
+            self.residuals[key] = carried - delivered.to(carried.device)
+        target.reshape(-1).copy_(mean.to(target.device))
+
+
+def split(flat: torch.Tensor, pieces: int) -> list[torch.Tensor]:
+    """``flat`` in ``pieces`` equal parts (its length a multiple of ``pieces``: a padded buffer), empty ones too."""
+    size = flat.numel() // pieces
+    return [flat[i * size:(i + 1) * size] for i in range(pieces)]

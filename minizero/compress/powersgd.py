@@ -240,7 +240,7 @@ class PowerSGDWire:
         self.comm, self.settings, self.error_feedback = comm, settings, error_feedback
         self.state = PowerState(settings)
         self.residuals: dict = {}  # key -> e_w of that buffer: this rank's own
-        self.formula_bytes = 0  # what the ledger should count: 2(N-1)/N of each all-reduce's bytes
+        self.formula_by_kind = {"all_reduce": 0.0}  # what the ledger should count: 2(N-1)/N of each all-reduce's bytes
 
     @property
     def wire_dtype(self) -> str:
@@ -283,7 +283,7 @@ class PowerSGDWire:
         if not self.state.compresses(key):  # the first `start` steps: averaged as they are
             self._sum([flat], tag)
             flat /= n
-            self.formula_bytes += all_reduce_bytes(flat.numel() * element, n)
+            self.formula_by_kind["all_reduce"] += all_reduce_bytes(flat.numel() * element, n)
             return
         carried = flat.clone()
         residual = self.residuals.get(key)
@@ -294,7 +294,7 @@ class PowerSGDWire:
                                  f"with the --bucket-mb it was saved with")
             carried += residual
         plan = lay_out(layout, self.settings)
-        self.formula_bytes += plan.sent_bytes(n, element)
+        self.formula_by_kind["all_reduce"] += plan.sent_bytes(n, element)
         q = self.state.starting_q(key, plan, flat.dtype, flat.device, where)
         out, q = self.power_step(carried, plan, q, tag)
         if not bool(torch.isfinite(out).all()):  # never written into the weights, the residual kept as it was

@@ -23,7 +23,7 @@ import torch
 from ..comm import chunk_bounds
 from ..compress import Codec, check_compress, split_division
 from ..compress import parse as parse_compress
-from ..compress.gathered import mean_in_rank_order, stream
+from ..compress.gathered import mean_in_rank_order, split, stream
 from ..compress.powersgd import PowerSGD, PowerState, lay_out, power_step
 from ..flat import pack, unpack
 from ..layout import padded_size
@@ -132,14 +132,15 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
             if padded:  # a reduce-scatter of a buffer padded to a multiple of N (or of S, a push)
                 size = padded_size(flats[0].numel(), reduction.shards or n)
                 flats = [torch.cat([f, f.new_zeros(size - f.numel())]) for f in flats]
-            if codec is not None:  # every rank's message decoded and added in rank order (compress.gathered)
+            if codec is not None:  # every rank's messages decoded and added in rank order (compress.gathered)
                 decoded = []
                 for r, flat in enumerate(flats):
                     carried = flat.clone()
                     if error_feedback and (r, key) in residuals:
                         carried += residuals[(r, key)]
-                    message = codec.encode(carried, stream(r, carried) if codec.stochastic else None)
-                    decoded.append(codec.decode(message, flat.numel(), flat.dtype))
+                    # a reduce-scatter encodes each shard on its own (qgZ's all-to-all); an all-reduce the whole
+                    decoded.append(torch.cat([codec.decode(codec.encode(p, stream(r, p) if codec.stochastic else None),
+                                                           p.numel(), p.dtype) for p in split(carried, n if padded else 1)]))
                     if error_feedback:
                         residuals[(r, key)] = carried - decoded[-1]
                 averaged = mean_in_rank_order(decoded)

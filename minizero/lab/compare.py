@@ -72,9 +72,11 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
     sent = sum(r.sent_bytes for r in results) / (len(results) * exp.steps)
     sent_formula = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, first.param_bytes, **exp.options)
     busiest = getattr(cls, "busiest_sent_bytes_per_step", cls.sent_bytes_per_step)  # torch's oracles state none
-    if first.wire_sent_bytes_per_step is not None:  # a codec's wire: its formula on the stage's own buffers
-        sent_formula = first.wire_sent_bytes_per_step
-        busiest = lambda *args, **kwargs: sent_formula  # noqa: E731  (every rank sends its message to N-1)
+    if first.wire_sent_bytes_per_step is not None:  # a codec's or PowerSGD's wire: its formula on the stage's own
+        # buffers, for the gradients; the parameters' traffic (ZeRO's all-gathers) is the stage's formula without them
+        sent_formula = first.wire_sent_bytes_per_step + cls.sent_bytes_per_step(first.psi, world_size, 0,
+                                                                                first.param_bytes, **exp.options)
+        busiest = lambda *args, **kwargs: sent_formula  # noqa: E731  (every rank sends alike)
     state = max(r.held_bytes["total"] for r in results)
     formula_args = (element_size(exp), STATE_TENSORS[exp.optimizer])  # masters' bytes and states per parameter
     state_formula = cls.state_bytes(first.psi, world_size, *formula_args, **exp.options)

@@ -124,7 +124,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                 comm.add_observer(ledger)
         held = held_bytes(stage.held_tensors())
         wire = getattr(stage, "wire", None)  # a codec's bytes depend on each buffer: the wire adds up its formula
-        wire_formula = wire.formula_bytes / exp.steps if hasattr(wire, "formula_bytes") else None
+        wire_formula = {kind: b / exp.steps for kind, b in wire.formula_by_kind.items()} \
+            if hasattr(wire, "formula_by_kind") else None
         cuda_peak = torch.cuda.max_memory_allocated() if exp.device.startswith("cuda") else 0
         if comm:
             comm.remove_observer(ledger)
@@ -141,7 +142,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                       check_bytes=check_bytes, psi=psi,
                       grad_bytes=wire_bytes(exp), param_bytes=precision_of(exp).working_bytes(element_size(exp)),
                       held_bytes=held, gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state,
-                      wire_sent_bytes_per_step=wire_formula,
+                      wire_sent_bytes_per_step=sum(wire_formula.values()) if wire_formula is not None else None,
+                      wire_sent_by_kind_per_step=wire_formula,
                       optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak,
                       skipped_steps=getattr(stage, "skipped_steps", 0))
 

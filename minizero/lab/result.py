@@ -27,3 +27,4 @@ class RankResult:
     skipped_steps: int = 0  # steps skipped for overflow (fp16 dynamic loss scaling)
     cuda_peak_bytes: int = 0  # torch.cuda.max_memory_allocated() over the run (device="cuda")
     wire_sent_bytes_per_step: float | None = None  # a codec's wire: its formula on this rank's own buffers
+    wire_sent_by_kind_per_step: dict | None = None  # ... by the collective the wire sends with

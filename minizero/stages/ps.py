@@ -51,6 +51,7 @@ class ParameterServer(ZeRO):
     name = "ps"
     shards = Shards()  # divides nothing among the N data-parallel ranks: the S servers hold the optimizer
     contrast = True  # the design the ring all-reduce replaced
+    averages_with = "push"  # a star, summed at the servers: the 16-bit wire fits it, a codec's messages do not
     options = (SERVERS, *WIRE_AND_USE)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,

@@ -43,6 +43,7 @@ from .wrap import broadcast_module, check_same_model
 
 class ZeRO(Stage):
     shards = None  # each ZeRO stage states its own
+    averages_with = "reduce_scatter"  # the collective its gradients are averaged with: the wires it fits
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Comm,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
@@ -54,7 +55,7 @@ class ZeRO(Stage):
         if optimizer is not None:
             check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
         self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision,
-                              averages_with="reduce_scatter")
+                              averages_with=self.averages_with)
         check_same_model(module, comm)
         broadcast_module(module, comm)
         self.user_optimizer = optimizer
