@@ -151,3 +151,12 @@ def test_codec_stage_matches_the_same_codec_reference_and_its_byte_formula(pools
         assert all(r.wire_sent_bytes_per_step > 0 for r in results)
     if world_size > 1 and stage.startswith("zero"):  # the reduce-scatters went through the all-to-all
         assert all(r.wire_sent_by_kind_per_step.get("all_to_all", 0) > 0 for r in results)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero2_with_int8_matches_its_reference(pools, world_size):
+    """A fixed case beside the drawn ones: ZeRO-2's buckets through the all-to-all, error feedback, K = 2."""
+    from minizero.lab.experiment import Experiment
+    exp = Experiment(stage="zero2", task="gpt", steps=3, accum=2, dtype="float64", optimizer="adam",
+                     options={"compress": "int8:block=64", "error_feedback": True, "bucket_mb": 0.01})
+    run_and_check(pools, exp, world_size)

@@ -25,6 +25,7 @@ from ..compress import Codec, check_compress, split_division
 from ..compress import parse as parse_compress
 from ..compress.gathered import mean_in_rank_order, split, stream
 from ..compress.powersgd import PowerSGD, PowerState, lay_out, power_step
+from ..compress.weights import parse_weights, round_like_the_gather
 from ..flat import pack, unpack
 from ..layout import padded_size
 from ..precision import REDUCE_DTYPES, Precision
@@ -48,6 +49,24 @@ def ring_sum(wires: list[torch.Tensor], shards: int | None = None) -> torch.Tens
             partial = partial + wires[(c + k) % n][a:b]
         out[a:b] = partial
     return out
+
+
+def round_weights(reduction, params_by_name: dict, codec, n: int) -> dict:
+    """Set every sharded parameter to what ZeRO-3's quantized gather decodes it to (each flat group padded to N
+    shards, shard i encoded by rank i: :func:`minizero.compress.weights.round_like_the_gather`); returns the
+    exact values, to put back before the step.  Replicated parameters are not gathered: left as they are."""
+    exact = {}
+    with torch.no_grad():
+        for key, names in enumerate(reduction.buffers):
+            if key in reduction.whole:
+                continue
+            params = [params_by_name[name] for name in names]
+            flat = pack([p.detach() for p in params])
+            full = torch.cat([flat, flat.new_zeros(padded_size(flat.numel(), n) - flat.numel())])
+            rounded = round_like_the_gather(full, codec, n)[:flat.numel()]
+            exact.update({name: p.detach().clone() for name, p in zip(names, params, strict=True)})
+            unpack(rounded, params)
+    return exact
 
 
 def powersgd_average(state: PowerState, key, flats: list[torch.Tensor], layout, residuals: dict | None):
@@ -106,10 +125,12 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     reduction = stage_class.reduction(model, laid_out, n, **exp.options)
     residuals: dict = {}
     settling: dict = {}  # under loss scaling, residuals are kept only if the step is taken (Wire.settle)
+    weights = parse_weights(exp.options.get("quantized_weights"))  # ZeRO-3's qwZ: compute at the decoded weights
     record = RankResult(params=[], losses=[])
     for s in range(exp.steps):
         x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
         per_rank, loss_total = [], 0.0
+        exact = round_weights(reduction, params_by_name, weights, n) if weights is not None else {}
         for r in range(n):
             step = shard_step(x, y, r, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None)
             model.zero_grad(set_to_none=True)
@@ -120,6 +141,9 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                     loss_total += loss.item()
             per_rank.append({name: None if p.grad is None else p.grad.clone() for name, p in params_by_name.items()})
         model.zero_grad(set_to_none=True)
+        with torch.no_grad():  # the optimizer steps the exact weights: only their copies in flight were rounded
+            for name, value in exact.items():
+                params_by_name[name].copy_(value)
         for key, names in enumerate(reduction.buffers):
             # ddp packs the gradients that exist on some rank; the others pack every slot of their buffer.
             packed = [name for name in names if reduction.packs_unused or any(g[name] is not None for g in per_rank)]

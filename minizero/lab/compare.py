@@ -25,7 +25,7 @@ from ..stages import check_stage_names
 from ..torchrun import init_from_env, under_torchrun
 from . import option_flags, preflight
 from .equivalence import DTYPES, RTOL, agrees, judge
-from .experiment import Experiment, element_size, exact_reference_of, precision_of, reference_of, run_experiment
+from .experiment import Experiment, element_size, exact_reference_of, precision_of, reference_of, rounds, run_experiment
 from .optimizers import STATE_TENSORS
 from .registry import LAB_STAGES, stage_class
 
@@ -72,10 +72,15 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
     sent = sum(r.sent_bytes for r in results) / (len(results) * exp.steps)
     sent_formula = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, first.param_bytes, **exp.options)
     busiest = getattr(cls, "busiest_sent_bytes_per_step", cls.sent_bytes_per_step)  # torch's oracles state none
-    if first.wire_sent_bytes_per_step is not None:  # a codec's or PowerSGD's wire: its formula on the stage's own
-        # buffers, for the gradients; the parameters' traffic (ZeRO's all-gathers) is the stage's formula without them
-        sent_formula = first.wire_sent_bytes_per_step + cls.sent_bytes_per_step(first.psi, world_size, 0,
-                                                                                first.param_bytes, **exp.options)
+    if first.wire_sent_bytes_per_step is not None or first.weight_sent_bytes_per_step is not None:
+        # a codec's or PowerSGD's wire (the gradients), or quantized weights (ZeRO-3's gathers): their formulas on
+        # the stage's own buffers; the other part of the traffic, the stage's own formula for it
+        grads, params = first.wire_sent_bytes_per_step, first.weight_sent_bytes_per_step
+        if grads is None:
+            grads = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, 0, **exp.options)
+        if params is None:
+            params = cls.sent_bytes_per_step(first.psi, world_size, 0, first.param_bytes, **exp.options)
+        sent_formula = grads + params
         busiest = lambda *args, **kwargs: sent_formula  # noqa: E731  (every rank sends alike)
     state = max(r.held_bytes["total"] for r in results)
     formula_args = (element_size(exp), STATE_TENSORS[exp.optimizer])  # masters' bytes and states per parameter
@@ -142,7 +147,7 @@ def compare(world_size: int, stages: list[str], exp: Experiment, timeout_s: floa
                 pool = None
                 rows.append(diverged_row(e, world_size, error))
                 continue
-            reference = reference_of(e, world_size) if e.options.get("compress") or precision_of(e).mixed else exact
+            reference = reference_of(e, world_size) if rounds(e) else exact
             rows.append(summarise(e.stage, results, reference, e, world_size, exact))
     finally:
         if pool is not None:
@@ -259,7 +264,7 @@ def main(args) -> tuple[int, str]:
                      f"same casts and the same recipe -- masters, loss scaler; 'vs exact' is the change mixed "
                      f"precision made against fp32 single-device training; '(paper)' is the state formula in the ZeRO "
                      f"paper's terms, Psi parameters over N ranks)")
-    elif args.compress:
+    elif args.compress or getattr(args, "quantized_weights", None):
         lines.append("(compressed stages are compared with a reference applying the same casts; "
                      "'vs exact' is the change compression made)")
     lines.append(format_table(rows))

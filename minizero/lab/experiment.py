@@ -126,6 +126,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         wire = getattr(stage, "wire", None)  # a codec's bytes depend on each buffer: the wire adds up its formula
         wire_formula = {kind: b / exp.steps for kind, b in wire.formula_by_kind.items()} \
             if hasattr(wire, "formula_by_kind") else None
+        weights = getattr(stage, "weight_wire", None)  # ZeRO-3's quantized weights (qwZ): the gathers' formula
+        weight_formula = weights.formula_by_kind["all_gather"] / exp.steps if weights is not None else None
         cuda_peak = torch.cuda.max_memory_allocated() if exp.device.startswith("cuda") else 0
         if comm:
             comm.remove_observer(ledger)
@@ -143,7 +145,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                       grad_bytes=wire_bytes(exp), param_bytes=precision_of(exp).working_bytes(element_size(exp)),
                       held_bytes=held, gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state,
                       wire_sent_bytes_per_step=sum(wire_formula.values()) if wire_formula is not None else None,
-                      wire_sent_by_kind_per_step=wire_formula,
+                      wire_sent_by_kind_per_step=wire_formula, weight_sent_bytes_per_step=weight_formula,
                       optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak,
                       skipped_steps=getattr(stage, "skipped_steps", 0))
 
@@ -169,10 +171,17 @@ def snapshot_parameters(stage, model) -> dict:
     return {name: state[name] for name, _ in model.named_parameters()}
 
 
+def rounds(exp: Experiment) -> bool:
+    """Whether ``exp`` rounds on purpose -- a compressed wire, mixed precision, quantized weights -- so that its
+    reference is the one applying the same roundings, not exact single-device training."""
+    return (parse_compress(exp.options.get("compress")) is not None or precision_of(exp).mixed
+            or exp.options.get("quantized_weights") not in (None, "none"))
+
+
 def reference_of(exp: Experiment, world_size: int) -> RankResult:
     """Single-device training on the global batch -- or, for a compressed run, the
     reference that applies the same casts (:mod:`minizero.lab.casts_reference`)."""
-    if parse_compress(exp.options.get("compress")) is not None or precision_of(exp).mixed:
+    if rounds(exp):
         if exp.sync_every_micro_batch:  # the same-casts reference rounds one reduction per step
             raise ValueError("sync_every_micro_batch has no same-casts reference: it rounds K reductions per "
                              "step; compare it with exact_reference_of")

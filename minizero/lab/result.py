@@ -28,3 +28,4 @@ class RankResult:
     cuda_peak_bytes: int = 0  # torch.cuda.max_memory_allocated() over the run (device="cuda")
     wire_sent_bytes_per_step: float | None = None  # a codec's wire: its formula on this rank's own buffers
     wire_sent_by_kind_per_step: dict | None = None  # ... by the collective the wire sends with
+    weight_sent_bytes_per_step: float | None = None  # ZeRO-3's quantized weights: the gathers' formula

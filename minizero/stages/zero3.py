@@ -38,6 +38,7 @@ from torch import nn
 
 from ..buckets import BucketPipeline
 from ..comm import Comm, ReduceOp, Work
+from ..compress.weights import QuantizedWeights, parse_weights
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import ReplicatedGroup, ShardedFlatGroup, plan_groups
 from ..precision import Precision
@@ -45,6 +46,8 @@ from ..units import Unit, plan_unit_groups, replicated_parameters, resolve_units
 from .facts import Reduction, Shards
 from .options import WIRE_AND_USE, Option, natural_int
 from .zero import ZeRO
+
+INSPECTION = "state_dict"  # why a unit is gathered outside training: exactly, whatever the training gathers send
 
 #: What the property suite draws for ``replicate``, per task's model: nothing, or a module of it.
 REPLICATED = {"mlp": (None, ("layers.0",)), "gpt": (None, ("ln_f",), ("blocks.0.ln1", "ln_f")),
@@ -62,17 +65,24 @@ class ZeRO3(ZeRO):
                Option("prefetch", 1, "units whose all-gather starts ahead of use", natural_int, draw=lambda d: (0, 1, 2)),
                Option("replicate", None, "submodules (or their names) kept whole on every rank and all-reduced, not "
                       "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: REPLICATED.get(d.task, ())),
+               Option("quantized_weights", None, "all-gather the parameters as int8 or int4 codes (ZeRO++'s qwZ; "
+                      "compute then sees the decoded weights)", str),
                *WIRE_AND_USE)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None,
-                 compress: str | None = None,
+                 quantized_weights: str | None = None, compress: str | None = None,
                  error_feedback: bool = False, find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
+        codec = parse_weights(quantized_weights)  # refused before anything is built
+        if codec is not None and Precision.of(precision).mixed:
+            raise ValueError(f"quantized_weights={quantized_weights!r} under mixed precision is not built: the working "
+                             f"copy is already 16-bit; use precision='fp32'")
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.weight_wire = QuantizedWeights(comm, codec) if codec is not None else None
         self._observers: list = []
         # One sharded group per unit, param group and dtype; the last unit first (backward's order).  Then
         # the replicated parameters, whole on every rank, one group per param group and dtype.
@@ -119,7 +129,10 @@ class ZeRO3(ZeRO):
         def all_gather() -> list[torch.Tensor]:
             fulls = [g.shard.new_empty(g.shard_size * g.world_size) for g in unit.groups]
             for group, full in zip(unit.groups, fulls, strict=True):
-                self.comm.all_gather(full, group.shard, tag=tag)
+                if self.weight_wire is None or why == INSPECTION:  # a state dict holds the weights, not their codes
+                    self.comm.all_gather(full, group.shard, tag=tag)
+                else:  # qwZ: codes travel, every rank computes with the decoded shards
+                    self.weight_wire.all_gather(full, group.shard, tag)
             return fulls
         return self.comm.submit(all_gather)
 
@@ -242,7 +255,7 @@ class ZeRO3(ZeRO):
         observers, self._observers = self._observers, []  # an inspection, not a training step's working set
         try:
             for unit in self.units:
-                unit.unshard("state_dict")
+                unit.unshard(INSPECTION)
             state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
             for unit in self.units:
                 unit.reshard()
@@ -253,11 +266,15 @@ class ZeRO3(ZeRO):
     # ------------------------------------------------------------------ facts
     @classmethod
     def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, reshard_after_forward: bool = True,
-                            **options) -> float:
-        """All-gather before forward and (if resharded after it) again before backward; reduce-scatter."""
+                            quantized_weights: str | None = None, **options) -> float:
+        """All-gather before forward and (if resharded after it) again before backward; reduce-scatter.  With
+        ``quantized_weights`` the parameters travel as the codec's messages (whole shards: the blocks of a shard
+        of Psi/N elements)."""
         gathers = 2 if reshard_after_forward else 1
-        return reduce_scatter_bytes(psi * grad_bytes, world_size) + gathers * all_gather_bytes(psi * param_bytes,
-                                                                                               world_size)
+        codec = parse_weights(quantized_weights)
+        gathered = psi * param_bytes if codec is None or not param_bytes else \
+            world_size * codec.message_bytes(-(-int(psi) // world_size), torch.float32)
+        return reduce_scatter_bytes(psi * grad_bytes, world_size) + gathers * all_gather_bytes(gathered, world_size)
 
     @classmethod
     def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:

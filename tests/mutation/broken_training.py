@@ -239,3 +239,22 @@ def powersgd_cold_start(self, key, q):
 def powersgd_nothing_summed(self, tensors, tag):
     """The all-reduces left out: each rank averages, orthogonalizes and expands its own factors alone."""
     return tensors[0]
+
+
+def qwz_own_shard_exact(self, full, shard, tag):
+    """qwZ with the owner keeping its own shard exact: each rank computes with slightly different weights."""
+    n, rank = self.comm.world_size, self.comm.rank
+    on_host = shard.detach().reshape(-1).cpu()
+    message = self.codec.encode(on_host, None)
+    gathered = message.new_empty(n * message.numel())
+    self.comm.all_gather(gathered, message, tag=tag)
+    self.formula_by_kind["all_gather"] += (n - 1) * message.numel()
+    full.copy_(torch.cat([self.codec.decode(m, shard.numel(), shard.dtype) for m in gathered.chunk(n)]))
+    full[rank * shard.numel():(rank + 1) * shard.numel()] = on_host
+
+
+def split_rotated(flat, pieces):
+    """The shards cut one place off: shard j's message goes to rank j + 1 (an all-to-all's classic slip)."""
+    size = flat.numel() // pieces
+    parts = [flat[i * size:(i + 1) * size] for i in range(pieces)]
+    return parts[1:] + parts[:1]
