@@ -43,29 +43,35 @@ def numel(shapes) -> int:
     return sum(int(torch.Size(s).numel()) for _, s in shapes)
 
 
-def wire_terms(spec: str, shapes, world_size: int, network: Network) -> tuple[float, float, float]:
-    """(A seconds: latency; B bytes on the critical path; bytes each rank sends) of one step's averaging."""
+def wire_terms(spec: str, shapes, world_size: int, network: Network,
+               averages_with: str = "all_reduce") -> tuple[float, float, float]:
+    """(A seconds: latency; B bytes on the critical path; bytes each rank sends) of one step's averaging --
+    an all-reduce (``ddp``), or a reduce-scatter (ZeRO: a codec's shards then go through an all-to-all, qgZ)."""
     n, alpha, psi = world_size, network.alpha, numel(shapes)
     if n == 1:
         return 0.0, 0.0, 0.0
-    wire = parse(spec)
-    ring = lambda nbytes, k=1: (2 * (n - 1) * alpha * k, 2 * (n - 1) / n * nbytes)  # noqa: E731
+    wire, scatter = parse(spec), averages_with == "reduce_scatter"
+    if scatter and isinstance(wire, PowerSGD):
+        raise ValueError(f"{spec}: PowerSGD rides on an all-reduce; a reduce-scatter has no low-rank factors")
+    phases = 1 if scatter else 2  # a ring reduce-scatter is half an all-reduce
+    ring = lambda nbytes, k=1: (phases * (n - 1) * alpha * k, phases * (n - 1) / n * nbytes)  # noqa: E731
     if wire is None or isinstance(wire, torch.dtype):
         element = 4 if wire is None else torch.empty(0, dtype=wire).element_size()
         a, b = ring(psi * element)
         return a, b, b
-    if isinstance(wire, Codec):
-        message = wire.message_bytes(psi, torch.float32)
+    if isinstance(wire, Codec):  # N-1 messages: whole ones (all-gather), or of one shard each (all-to-all)
+        message = wire.message_bytes(-(-psi // n) if scatter else psi, torch.float32)
         return (n - 1) * alpha, (n - 1) * message, (n - 1) * message
     layout = lay_out(shapes, wire)
     sizes = [k for k in (sum(k for _, k in layout.rest), layout.p_size, layout.q_size) if k]
     return 2 * (n - 1) * alpha * len(sizes), 2 * (n - 1) / n * 4 * sum(sizes), layout.sent_bytes(n, 4)
 
 
-def compute_s(spec: str, shapes, world_size: int, repeats: int = 3) -> float:
+def compute_s(spec: str, shapes, world_size: int, repeats: int = 3, averages_with: str = "all_reduce") -> float:
     """The compressor's own compute per step on this machine, timed (best of ``repeats``) on at most
     :data:`SAMPLE` elements and scaled to the model's: encode one message and decode N (a gathered codec:
-    one decode timed, times N), cast there and back (16 bits), or PowerSGD's products and orthogonalizations.
+    one decode timed, times N; through the all-to-all, N decodes of a shard: one of the whole), cast there and
+    back (16 bits), or PowerSGD's products and orthogonalizations.
     On a GPU these are far cheaper than on a CPU; the wire-alone break-even leaves them out."""
     wire, psi = parse(spec), numel(shapes)
     if wire is None:
@@ -88,7 +94,7 @@ def compute_s(spec: str, shapes, world_size: int, repeats: int = 3) -> float:
     message = wire.encode(x, torch.Generator().manual_seed(0) if wire.stochastic else None)
     encode = _best(lambda: wire.encode(x, torch.Generator().manual_seed(0) if wire.stochastic else None), repeats)
     decode = _best(lambda: wire.decode(message, x.numel(), x.dtype), repeats)
-    return (encode + world_size * decode) * scale
+    return (encode + (1 if averages_with == "reduce_scatter" else world_size) * decode) * scale
 
 
 def _best(work, repeats: int) -> float:
@@ -116,20 +122,23 @@ def break_even(fp32: tuple[float, float], compressed: tuple[float, float], compu
 
 
 def table(specs: list[str], params: float, sizes: list[int], network: Network, layers: int = 12) -> list[dict]:
-    """Per compressor and world size: bytes sent, the averaging's time on ``network`` with and without it,
-    the compressor's compute, and the break-even bandwidth."""
+    """Per compressor, averaging collective and world size: bytes sent, the averaging's time on ``network``
+    with and without it, the compressor's compute, and the break-even bandwidth.  A codec is costed on both
+    collectives it rides on (``ddp``'s all-reduce: an all-gather; ZeRO's reduce-scatter: an all-to-all)."""
     shapes = gpt_shapes(params, layers)
     rows = []
     for spec in specs:
-        for n in sizes:
-            base, wire = wire_terms("none", shapes, n, network), wire_terms(spec, shapes, n, network)
-            compute = compute_s(spec, shapes, n) if n > 1 else 0.0
-            time_of = lambda t, c=0.0: t[0] + c + t[1] / network.bandwidth  # noqa: E731
-            rows.append({"compress": spec, "world_size": n, "sent_bytes": wire[2], "fp32_sent_bytes": base[2],
-                         "comm_ms": time_of(wire) * 1e3, "fp32_comm_ms": time_of(base) * 1e3,
-                         "compute_ms": compute * 1e3, "total_ms": time_of(wire, compute) * 1e3,
-                         "pays": break_even(base[:2], wire[:2], compute),
-                         "pays_wire_alone": break_even(base[:2], wire[:2], 0.0)})
+        for via in ("all_reduce",) if isinstance(parse(spec), PowerSGD) else ("all_reduce", "reduce_scatter"):
+            for n in sizes:
+                base = wire_terms("none", shapes, n, network, via)
+                wire = wire_terms(spec, shapes, n, network, via)
+                compute = compute_s(spec, shapes, n, averages_with=via) if n > 1 else 0.0
+                time_of = lambda t, c=0.0: t[0] + c + t[1] / network.bandwidth  # noqa: E731
+                rows.append({"compress": spec, "averages_with": via, "world_size": n, "sent_bytes": wire[2],
+                             "fp32_sent_bytes": base[2], "comm_ms": time_of(wire) * 1e3,
+                             "fp32_comm_ms": time_of(base) * 1e3, "compute_ms": compute * 1e3,
+                             "total_ms": time_of(wire, compute) * 1e3, "pays": break_even(base[:2], wire[:2], compute),
+                             "pays_wire_alone": break_even(base[:2], wire[:2], 0.0)})
     return rows
 
 
@@ -148,16 +157,18 @@ def pays_on(pays: tuple[str, float]) -> str:
 def format_table(rows: list[dict], params: float, network: Network) -> str:
     lines = [f"when compression pays: averaging Psi={params:.3g} gradients (a GPT's matrices), not overlapped, on "
              f"{network.describe()}; the compressor's compute timed on this machine's CPU",
-             f"{'compress':<20}{'N':>6}{'sent B/rank':>19}{'x fewer':>9}{'comm ms':>11}{'compute ms':>12}"
+             f"{'compress':<20}{'on':>6}{'N':>6}{'sent B/rank':>19}{'x fewer':>9}{'comm ms':>11}{'compute ms':>12}"
              f"{'fp32 ms':>10}{'pays on (wire)':>16}{'(+ compute)':>14}"]
     for r in rows:
         fewer = r["fp32_sent_bytes"] / r["sent_bytes"] if r["sent_bytes"] else float("nan")
-        lines.append(f"{r['compress']:<20}{r['world_size']:>6}{r['sent_bytes']:>19,.0f}{fewer:>8.2f}x"
+        on = "ddp" if r["averages_with"] == "all_reduce" else "zero"
+        lines.append(f"{r['compress']:<20}{on:>6}{r['world_size']:>6}{r['sent_bytes']:>19,.0f}{fewer:>8.2f}x"
                      f"{r['comm_ms']:>11.2f}{r['compute_ms']:>12.1f}{r['fp32_comm_ms']:>10.2f}"
                      f"{pays_on(r['pays_wire_alone']):>16}{pays_on(r['pays']):>14}")
     lines.append("pays on: the networks (bandwidth per rank) where the compressed averaging is faster -- '< X' slower "
                  "than X, '> X' faster than X (less latency, more bytes), 'any' or 'never'; (wire): its bytes and "
-                 "latency alone, as on a GPU where the compute is small; (+ compute): with this CPU's compute")
+                 "latency alone, as on a GPU where the compute is small; (+ compute): with this CPU's compute; on: "
+                 "ddp averages with an all-reduce (a codec: all-gather), zero with a reduce-scatter (a codec: all-to-all)")
     return "\n".join(lines)
 
 
