@@ -119,8 +119,8 @@ BUCKET_MB_DRAWN = (1e-9, 2e-4, 1e-3, 25.0)
 
 BUCKET_MB = Option("bucket_mb", 25.0, "bucket size in MiB (torch DDP's bucket_cap_mb: 25)", positive_float,
                    draw=lambda d: BUCKET_MB_DRAWN)
-COMPRESS = Option("compress", None, "the gradients' wire: fp16, bf16, int8, int4, topk:FRACTION or sign "
-                  "(minizero.compress)", compress_spec)
+COMPRESS = Option("compress", None, "the gradients' wire: fp16, bf16, int8, int4, topk:FRACTION, sign or "
+                  "powersgd:rank=R (minizero.compress)", compress_spec)
 ERROR_FEEDBACK = Option("error_feedback", False, "carry the compression error to the next step", None)
 FIND_UNUSED_PARAMETERS = Option(
     "find_unused_parameters", False, "agree every step on which parameters got a gradient anywhere (torch's name)",
