@@ -157,18 +157,18 @@ def pays_on(pays: tuple[str, float]) -> str:
 def format_table(rows: list[dict], params: float, network: Network) -> str:
     lines = [f"when compression pays: averaging Psi={params:.3g} gradients (a GPT's matrices), not overlapped, on "
              f"{network.describe()}; the compressor's compute timed on this machine's CPU",
-             f"{'compress':<20}{'on':>6}{'N':>6}{'sent B/rank':>19}{'x fewer':>9}{'comm ms':>11}{'compute ms':>12}"
+             f"{'compress':<20}{'averaging':>15}{'N':>6}{'sent B/rank':>19}{'x fewer':>9}{'comm ms':>11}{'compute ms':>12}"
              f"{'fp32 ms':>10}{'pays on (wire)':>16}{'(+ compute)':>14}"]
     for r in rows:
         fewer = r["fp32_sent_bytes"] / r["sent_bytes"] if r["sent_bytes"] else float("nan")
-        on = "ddp" if r["averages_with"] == "all_reduce" else "zero"
-        lines.append(f"{r['compress']:<20}{on:>6}{r['world_size']:>6}{r['sent_bytes']:>19,.0f}{fewer:>8.2f}x"
+        on = r["averages_with"].replace("_", "-")
+        lines.append(f"{r['compress']:<20}{on:>15}{r['world_size']:>6}{r['sent_bytes']:>19,.0f}{fewer:>8.2f}x"
                      f"{r['comm_ms']:>11.2f}{r['compute_ms']:>12.1f}{r['fp32_comm_ms']:>10.2f}"
                      f"{pays_on(r['pays_wire_alone']):>16}{pays_on(r['pays']):>14}")
     lines.append("pays on: the networks (bandwidth per rank) where the compressed averaging is faster -- '< X' slower "
                  "than X, '> X' faster than X (less latency, more bytes), 'any' or 'never'; (wire): its bytes and "
-                 "latency alone, as on a GPU where the compute is small; (+ compute): with this CPU's compute; on: "
-                 "ddp averages with an all-reduce (a codec: all-gather), zero with a reduce-scatter (a codec: all-to-all)")
+                 "latency alone, as on a GPU where the compute is small; (+ compute): with this CPU's compute; averaging: "
+                 "an all-reduce (DDP; a codec all-gathers), or a reduce-scatter (ZeRO; a codec's shards go all-to-all)")
     return "\n".join(lines)
 
 
