@@ -127,7 +127,7 @@ def compare(world_size: int, stages: list[str], exp: Experiment, timeout_s: floa
     check_stage_names(stages, distributed_only=True, stages=exp.stages or LAB_STAGES)
     if options.get("error_feedback") and options.get("compress") in (None, "none"):
         raise ValueError("error feedback carries the rounding error of compression: it needs --compress (fp16, bf16, "
-                         "int8, int4, topk:F or sign)")
+                         "int8, int4, topk:F, sign or powersgd:rank=R)")
     check_options_used(stages, exp.stages, options)
     experiments = [replace(exp, stage=stage, options=stage_options(stage, exp.stages, **options)) for stage in stages]
     if under_torchrun():

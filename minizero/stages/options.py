@@ -110,7 +110,17 @@ def compress_spec(text: str) -> str:
     return text
 
 
-compress_spec.choices = ("none", "fp16", "bf16", "int8", "int4", "topk:F", "sign")  # what --help lists
+def weights_spec(text: str) -> str:
+    """``--quantized-weights``: a quantized codec the weights can travel as (``int8``, ``int4:block=64``)."""
+    from ..compress.weights import parse_weights
+    try:
+        parse_weights(text)
+    except ValueError as refused:
+        raise argparse.ArgumentTypeError(str(refused)) from None
+    return text
+
+
+compress_spec.choices = ("none", "fp16", "bf16", "int8", "int4", "topk:F", "sign", "powersgd:rank=R")  # for --help
 
 
 # ---------------------------------------------------------------------- the options several stages share

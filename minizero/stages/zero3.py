@@ -44,7 +44,7 @@ from ..layout import ReplicatedGroup, ShardedFlatGroup, plan_groups
 from ..precision import Precision
 from ..units import Unit, plan_unit_groups, replicated_parameters, resolve_units
 from .facts import Reduction, Shards
-from .options import WIRE_AND_USE, Option, natural_int
+from .options import WIRE_AND_USE, Option, natural_int, weights_spec
 from .zero import ZeRO
 
 INSPECTION = "state_dict"  # why a unit is gathered outside training: exactly, whatever the training gathers send
@@ -66,7 +66,7 @@ class ZeRO3(ZeRO):
                Option("replicate", None, "submodules (or their names) kept whole on every rank and all-reduced, not "
                       "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: REPLICATED.get(d.task, ())),
                Option("quantized_weights", None, "all-gather the parameters as int8 or int4 codes (ZeRO++'s qwZ; "
-                      "compute then sees the decoded weights)", str),
+                      "compute then sees the decoded weights)", weights_spec),
                *WIRE_AND_USE)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
 
