@@ -65,13 +65,7 @@ class GatheredWire(KeepsResiduals):
         scatter = kind == "reduce_scatter"
         source, target = (arguments["input"], arguments["output"]) if scatter else (arguments["tensor"],) * 2
         carried = source.reshape(-1).clone()
-        residual = self.residuals.get(key)
-        if self.error_feedback and residual is not None:
-            if residual.shape != carried.shape:
-                raise ValueError(f"rank {rank}: the error-feedback residual of bucket {key!r} has "
-                                 f"{residual.numel()} elements and the bucket {carried.numel()}: the checkpoint was "
-                                 f"saved with another bucket size; resume with the --bucket-mb it was saved with")
-            carried += residual
+        self.carry(key, carried, rank)
         pieces = split(carried.cpu(), n if scatter else 1)  # a reduce-scatter's input is padded to N equal shards
         messages = [self.codec.encode(p, stream(rank, p) if self.codec.stochastic else None) for p in pieces]
         sent = torch.cat(messages).to(source.device)

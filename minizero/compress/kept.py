@@ -11,6 +11,19 @@ import torch
 
 class KeepsResiduals:
     residuals: dict  # key -> what this rank has not yet delivered of that buffer
+    error_feedback: bool
+
+    def carry(self, key, carried: torch.Tensor, rank: int) -> None:
+        """With error feedback, ``carried += e`` -- what buffer ``key`` did not deliver last time.  A residual of
+        another size was loaded from a checkpoint of another layout: refused, saying how to resume."""
+        residual = self.residuals.get(key)
+        if not self.error_feedback or residual is None:
+            return
+        if residual.shape != carried.shape:
+            raise ValueError(f"rank {rank}: the error-feedback residual of bucket {key!r} has {residual.numel()} "
+                             f"elements and the bucket {carried.numel()}: the checkpoint was saved with another bucket "
+                             f"size; resume with the --bucket-mb it was saved with")
+        carried += residual
 
     def held(self) -> list[torch.Tensor]:
         return list(self.residuals.values())

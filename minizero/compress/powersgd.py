@@ -32,6 +32,7 @@ import torch
 from ..comm import Comm, ReduceOp
 from ..formulas import all_reduce_bytes
 from .codec import parse_arguments
+from .kept import KeepsResiduals
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ class PowerState:
             self._seeds.randint(1_000_000_000)
 
 
-class PowerSGDWire:
+class PowerSGDWire(KeepsResiduals):
     """PowerSGD as a stage's wire (``compress="powersgd:rank=2"``): it runs its own all-reduces."""
     runs_own_collectives = True
 
@@ -286,13 +287,7 @@ class PowerSGDWire:
             self.formula_by_kind["all_reduce"] += all_reduce_bytes(flat.numel() * element, n)
             return
         carried = flat.clone()
-        residual = self.residuals.get(key)
-        if self.error_feedback and residual is not None:
-            if residual.shape != carried.shape:
-                raise ValueError(f"{where}: the error-feedback residual of buffer {key!r} has {residual.numel()} "
-                                 f"elements and the buffer {carried.numel()}: saved with another bucket size; resume "
-                                 f"with the --bucket-mb it was saved with")
-            carried += residual
+        self.carry(key, carried, self.comm.rank)
         plan = lay_out(layout, self.settings)
         self.formula_by_kind["all_reduce"] += plan.sent_bytes(n, element)
         q = self.state.starting_q(key, plan, flat.dtype, flat.device, where)

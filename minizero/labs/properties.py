@@ -24,6 +24,17 @@ from .ranks import yours_run as yours_run_on_rank
 
 
 # ------------------------------------------------------------------ training equals single-device training
+def against_the_reference(checker):
+    """``examine(drawn)``: the learner's run of one drawn experiment against its reference (exact single-device
+    training, or the one applying the same roundings): ``(what is wrong, results)``, or None."""
+    def examine(drawn):
+        exp, n = drawn
+        results = checker.run(n, exp)
+        why = what_is_wrong(results, reference_of(replace(exp, stages=checker.stages), n), exp, n)
+        return (why, results) if why else None
+    return examine
+
+
 def equivalence(checker, compress: bool = False) -> str:
     # 16-bit sums are compared with a reference that emulates the ring's order: ring collectives then.
     exact_sums = not compress and "precision" not in checker.options
@@ -39,12 +50,7 @@ def equivalence(checker, compress: bool = False) -> str:
         strategy = strategy.map(lambda d: (replace(d[0], options={**d[0].options, "error_feedback": False}), d[1]))
     strategy = strategy.map(lambda d: (replace(d[0], options={**d[0].options, **checker.options}), d[1]))
 
-    def examine(drawn):
-        exp, n = drawn
-        results = checker.run(n, exp)
-        why = what_is_wrong(results, reference_of(replace(exp, stages=checker.stages), n), exp, n)
-        return (why, results) if why else None
-
+    examine = against_the_reference(checker)
     checker.search(strategy, examine, describe)
     # Then, whatever the draws: two param groups with the optimizer built before wrapping -- two flat groups in a
     # ZeRO-3 unit, each of which must be used for its own parameters (25 draws do not reach that corner).  After the

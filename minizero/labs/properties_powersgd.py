@@ -12,10 +12,10 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from ..lab.diagnosis import what_is_wrong
 from ..lab.drawn import experiments
-from ..lab.experiment import Experiment, reference_of
+from ..lab.experiment import Experiment
 from .failed import Failed, describe
+from .properties import against_the_reference
 
 SPECS = ("powersgd:rank=1", "powersgd:rank=2", "powersgd:rank=3,min_rate=1", "powersgd:rank=2,warm_start=0")
 
@@ -26,13 +26,7 @@ def equivalence(checker) -> str:
         lambda d: st.tuples(st.sampled_from(SPECS), st.booleans()).map(
             lambda s: (replace(d[0], options={**d[0].options, "compress": s[0], "error_feedback": s[1]}), d[1])))
 
-    def examine(drawn):
-        exp, n = drawn
-        results = checker.run(n, exp)
-        why = what_is_wrong(results, reference_of(replace(exp, stages=checker.stages), n), exp, n)
-        return (why, results) if why else None
-
-    checker.search(strategy, examine, describe)
+    checker.search(strategy, against_the_reference(checker), describe)
     return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, the edge "
             f"model and the GPT, PowerSGD at rank 1-3 (QR above 2), warm start on and off, error feedback on and off")
 

@@ -100,27 +100,33 @@ def choice(*values: str) -> Callable[[str], str]:
     return parse
 
 
-def compress_spec(text: str) -> str:
-    """``--compress``: a wire minizero.compress can build (``topk:0.01``, ``int8:block=64``), checked here."""
+def _checked(build, flag: str):
+    """A parser for ``flag`` that builds the value with ``build`` now, so a bad one is refused before any rank."""
+    def parse(text: str) -> str:
+        try:
+            build(text)
+        except ValueError as refused:
+            raise argparse.ArgumentTypeError(str(refused)) from None
+        return text
+    parse.__doc__ = f"``{flag}``: checked when parsed (its builder's refusal, word for word)."
+    return parse
+
+
+def _compress(text):
     from ..compress import parse
-    try:
-        parse(text)
-    except ValueError as refused:
-        raise argparse.ArgumentTypeError(str(refused)) from None
-    return text
+    return parse(text)
 
 
-def weights_spec(text: str) -> str:
-    """``--quantized-weights``: a quantized codec the weights can travel as (``int8``, ``int4:block=64``)."""
+def _weights(text):
     from ..compress.weights import parse_weights
-    try:
-        parse_weights(text)
-    except ValueError as refused:
-        raise argparse.ArgumentTypeError(str(refused)) from None
-    return text
+    return parse_weights(text)
 
 
+#: ``--compress``: a wire minizero.compress can build (``topk:0.01``, ``int8:block=64``); ``--quantized-weights``:
+#: a quantized codec the weights can travel as (``int8``, ``int4:block=64``).
+compress_spec, weights_spec = _checked(_compress, "--compress"), _checked(_weights, "--quantized-weights")
 compress_spec.choices = ("none", "fp16", "bf16", "int8", "int4", "topk:F", "sign", "powersgd:rank=R")  # for --help
+weights_spec.choices = ("none", "int8", "int4")
 
 
 # ---------------------------------------------------------------------- the options several stages share
