@@ -18,7 +18,7 @@ NET = Network(1e-4, 1e8)
 
 
 @pytest.mark.parametrize("spec", ["none", "fp16", "int8", "int4:block=64", "topk:0.05", "sign", "powersgd:rank=2"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])  # uneven chunks and shards: the case a formula gets wrong
 @pytest.mark.parametrize("stage", ["ddp", "zero1"])
 def test_the_bytes_formula_is_what_the_ledger_counts(pools, spec, world_size, stage):
     """Per rank and step, mean over ranks: ``ddp``'s one all-reduced buffer, or ``zero1``'s one reduce-scattered
