@@ -126,16 +126,22 @@ def bench_codecs(world_size: int, network: str, rounds: int = REPEATS, specs=COD
     with RankPool(world_size) as pool:
         base = model_against_measured(pool, _base(network, stage=stage), network, check_rounds(rounds))
         dialled = parse_network(network)
-        on_dial = replace(dialled, alpha=dialled.alpha + base["loopback_ms_per_message"] / 1e3)
-        seconds = lambda terms: terms[0] + terms[1] / on_dial.bandwidth  # noqa: E731
-        fp32_s = seconds(wire_terms("none", shapes, world_size, on_dial))
+
+        def averaging_s(spec: str, run: dict) -> float:
+            """The wire's averaging on the dial, each message also paying what loopback cost per message in that
+            run's own undialled step (PowerSGD's small messages cost loopback less than fp32's large ones)."""
+            net = replace(dialled, alpha=dialled.alpha + run["loopback_ms_per_message"] / 1e3)
+            latency, nbytes, _ = wire_terms(spec, shapes, world_size, net)
+            return latency + nbytes / net.bandwidth
+
+        fp32_s = averaging_s("none", base)
         rows = [_row(f"{stage} step, fp32 gradients", base, compress="fp32")]
         for spec in specs:
             r = model_against_measured(pool, _base(network, stage=stage, options={"compress": spec}), network,
                                        check_rounds(rounds))
             compute = max(0.0, r["outside_ms"] - base["outside_ms"]) / 1e3
             alone = compute_s(spec, shapes, world_size)
-            change_ms = (seconds(wire_terms(spec, shapes, world_size, on_dial)) + compute - fp32_s) * 1e3
+            change_ms = (averaging_s(spec, r) + compute - fp32_s) * 1e3
             predicted = [m + change_ms for m in base["runs_ms"]]
             row = _row(f"{stage} step, {spec}", {**r, "predicted_ms": statistics.median(predicted)}, compress=spec)
             row.update(compare(r["runs_ms"], predicted), predicted_change_ms=change_ms, compute_ms_codec=compute * 1e3,
