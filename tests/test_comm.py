@@ -226,3 +226,9 @@ def test_every_collective_built_from_send_recv_is_marked_point_to_point():
         for kind in torch_collectives + ("push", "pull", "all_to_all"):  # the direct exchanges: send/recv everywhere
             built_from_send_recv = cls is not NativeComm or kind in ("push", "pull", "all_to_all")
             assert getattr(getattr(cls, kind), "point_to_point", None) is built_from_send_recv, (cls.__name__, kind)
+
+
+def test_the_progress_board_still_says_no_part_with_its_last_entry():
+    """A collective enters the board at "no part yet" -- the last of PARTS -- until its first step says which."""
+    from minizero.comm.progress import PARTS
+    assert PARTS[-1] == "" and "all-to-all" in PARTS

@@ -158,3 +158,37 @@ def test_powersgd_on_a_gpt_matches_its_reference(pools, stage, world_size):
                      options={"compress": "powersgd:rank=2", "error_feedback": True,
                               **({"bucket_mb": 0.01} if stage == "ddp-bucketed" else {})})
     run_and_check(pools, exp, world_size)
+
+
+def test_sixteen_bit_columns_are_orthogonalized_by_gram_schmidt_even_above_rank_two():
+    """torch's QR has no 16-bit kernel; torch's hook then uses Gram-Schmidt, and so does this one."""
+    columns = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    orthogonalize(columns, 0.0, "test")
+    gram = columns.float().t() @ columns.float()
+    assert torch.allclose(gram, torch.eye(4), atol=5e-2)
+
+
+def _misused(me, what):
+    from minizero.comm import ReduceOp, make_comm
+    from minizero.compress.gathered import GatheredWire
+    comm = make_comm("ring")
+    wire = GatheredWire(comm, parse("int8"))
+    try:
+        if what == "not contiguous":
+            comm.all_reduce(torch.ones(4, 3).t(), ReduceOp.AVG, wire=wire, key=0)
+        else:
+            comm.reduce_scatter(torch.empty(2), torch.ones(5), ReduceOp.AVG, wire=wire, key=0)
+    except ValueError as refused:
+        return str(refused)
+    finally:
+        comm.close()
+    return None
+
+
+@pytest.mark.parametrize("what, words", [("not contiguous", "must be contiguous"),
+                                          ("not N shards", "pad the full tensor to a multiple of world_size")])
+def test_a_wire_that_runs_its_own_collectives_refuses_what_a_collective_refuses(pools, what, words):
+    """Its collectives see only the copies it makes: a strided tensor would be averaged into a copy and lost, a
+    tail beyond N shards dropped -- both refused first, as without a wire."""
+    text = pools.run(2, _misused, what)[0]
+    assert text and words in text

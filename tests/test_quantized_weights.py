@@ -105,3 +105,25 @@ def test_a_gpt_with_int8_weights_matches_its_reference(pools, world_size):
     exp = Experiment(stage="zero3", task="gpt", steps=3, accum=2, dtype="float64", optimizer="adam",
                      options={"quantized_weights": "int8:block=64"})
     run_and_check(pools, exp, world_size)
+
+
+def _state_inside_no_sync(me):
+    """A micro-batch inside no_sync() keeps the units gathered -- as codes: the state dict must not hand those out."""
+    from minizero.comm import make_comm
+    from minizero.lab.tasks import TASKS
+    from minizero.stages import make_stage
+    model = TASKS["gpt"].make_model(0, torch.float64)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    comm = make_comm("ring")
+    stage = make_stage("zero3", model, torch.optim.SGD(model.parameters(), lr=0.1), comm, quantized_weights="int4",
+                       reshard_after_forward=False)
+    x, y = TASKS["gpt"].make_batch(2, 0, 0, torch.float64)
+    with stage.no_sync():
+        torch.nn.functional.cross_entropy(stage(x).flatten(0, 1), y.flatten()).backward()
+    state = stage.full_state_dict()
+    comm.close()
+    return all(torch.equal(state[k], v) for k, v in before.items())
+
+
+def test_a_state_dict_taken_while_units_are_gathered_as_codes_is_still_exact(pools):
+    assert pools.run(2, _state_inside_no_sync) == [True, True]

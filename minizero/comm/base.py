@@ -124,6 +124,11 @@ def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Ta
     if arguments.get("op") is not ReduceOp.AVG:
         raise ValueError(f"rank {comm.rank}: a {kind} over a wire averages: pass op=ReduceOp.AVG")
     if getattr(wire, "runs_own_collectives", False):  # a codec's or PowerSGD's: not one sum of encodings
+        where = f"rank {comm.rank}: {kind} for {(tag or Tag()).describe()}"
+        if not all(t.is_contiguous() for t in _tensors(arguments)):  # (its own collectives see only its copies)
+            raise ValueError(f"{where}: the tensor must be contiguous (call .contiguous() first)")
+        if "output" in arguments:
+            comm._check_shards(arguments["output"], arguments["input"], kind, where, arguments)
         return wire.reduce(kind, arguments, key, tag, layout)
     where = (tag or Tag()).describe()
     if "tensor" in arguments:  # all-reduce: in place

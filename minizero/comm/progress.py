@@ -46,7 +46,7 @@ FIELDS = ("state", "seq", "kind", "numel", "part", "step", "waiting_on", "entere
           "tag_step", "tag_backward", "tag_syncing", "collectives", "heartbeat", "pid", "task")
 TEXT = 120
 PARTS = ("fingerprint exchange", "reduce-scatter", "all-gather", "broadcast", "gather to root",
-         "broadcast from root", "torch collective", "push", "pull", "", "all-to-all")
+         "broadcast from root", "torch collective", "push", "pull", "all-to-all", "")  # "": no part yet (the last)
 _F = {name: i for i, name in enumerate(FIELDS)}
 #: Seconds between two heartbeats.  A beat costs one write of a float; ten a second is nothing.
 HEARTBEAT_S = 0.1

@@ -98,8 +98,10 @@ def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, na
                    if isinstance(parsed, PowerSGD) else "sends each rank's messages whole (an all-gather, or an "
                    "all-to-all of shards: ZeRO++'s qgZ), so it fits a stage that all-reduces or reduce-scatters its "
                    "gradients (ddp, ddp-bucketed, zero1-3)")
+            instead = "a codec (int8, int4, topk, sign: qgZ's all-to-all) or compress='fp16' or 'bf16'" \
+                if isinstance(parsed, PowerSGD) and averages_with == "reduce_scatter" else "compress='fp16' or 'bf16'"
             raise ValueError(f"compress={compress!r} {how}, not one that averages with a {averages_with}; use "
-                             f"compress='fp16' or 'bf16'")
+                             f"{instead}")
         if precision.mixed:
             raise ValueError(f"compress={compress!r} under {precision.name} mixed precision is not built: its "
                              f"loss scaling and 16-bit gradients are the 16-bit wire's; use precision='fp32'")

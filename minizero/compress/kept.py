@@ -20,9 +20,9 @@ class KeepsResiduals:
         if not self.error_feedback or residual is None:
             return
         if residual.shape != carried.shape:
-            raise ValueError(f"rank {rank}: the error-feedback residual of bucket {key!r} has {residual.numel()} "
-                             f"elements and the bucket {carried.numel()}: the checkpoint was saved with another bucket "
-                             f"size; resume with the --bucket-mb it was saved with")
+            raise ValueError(f"rank {rank}: the error-feedback residual of buffer {key!r} has {residual.numel()} "
+                             f"elements and the buffer {carried.numel()}: the checkpoint was saved with other buffers; "
+                             f"resume with the layout it was saved with (--bucket-mb; ZeRO-3's units)")
         carried += residual
 
     def held(self) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ Algorithm 1 and 2, and torch's ``powerSGD_hook``, which this follows operation f
 2. the buffer is cut into its tensors; a tensor is compressed only if ``(n + m) r * min_rate < n m`` (vectors,
    biases and small matrices are not: they are averaged as they are, in one all-reduce);
 3. ``P_w = M_w Q`` per matrix; **all-reduce P** (summed: the scale is lost in the next line anyway);
-4. ``P <- orthogonalize(P)`` (Gram-Schmidt for r <= 2, QR otherwise, as torch chooses);
+4. ``P <- orthogonalize(P)`` (Gram-Schmidt for r <= 2 or 16-bit values, QR otherwise, as torch chooses);
 5. ``Q_w = M_w^T P``; **all-reduce Q**, divided by N: now ``P Q^T`` = (mean M) projected on P's columns;
 6. ``M <- P Q^T``; with error feedback ``e_w <- carried - result`` -- the *mean's* approximation, not the
    rank's own (the paper's choice and torch's): averaged over ranks the residuals are exactly what the mean
@@ -37,7 +37,7 @@ from .kept import KeepsResiduals
 
 @dataclass(frozen=True)
 class PowerSGD:
-    """The settings, ``powersgd:rank=2,start=0,min_rate=2,warm_start=1,epsilon=0,seed=0`` -- torch's
+    """The settings, e.g. ``powersgd:rank=2,start=0,min_rate=2,warm_start=1,epsilon=0,seed=0`` -- torch's
     ``PowerSGDState`` fields (matrix_approximation_rank, start_powerSGD_iter, min_compression_rate,
     warm_start, orthogonalization_epsilon, random_seed); error feedback is the stage's ``error_feedback``."""
     rank: int = 1
@@ -123,18 +123,20 @@ def q_of(q: torch.Tensor, mx: Matrix) -> torch.Tensor:
 
 
 def orthogonalize(columns: torch.Tensor, epsilon: float, what: str) -> None:
-    """Make the r columns orthonormal, in place: Gram-Schmidt for r <= 2, QR otherwise (torch's choice: QR
-    is faster for larger r).  A zero column (a matrix whose gradient is zero on every rank: unused, or
-    ReLU-dead) has no direction: refused with epsilon = 0, as dividing by its norm would write NaN."""
-    if columns.shape[1] > 2:
+    """Make the r columns orthonormal, in place: Gram-Schmidt for r <= 2 or 16-bit columns, QR otherwise (torch's
+    choice: QR is faster for larger r, and has no 16-bit kernel).  A zero column -- a matrix whose gradient is zero
+    on every rank (unused, ReLU-dead), or whose mean gradient has rank below r (an embedding one token touched) --
+    has no direction: refused with epsilon = 0, as dividing by its norm would write NaN."""
+    if columns.shape[1] > 2 and columns.dtype not in (torch.float16, torch.bfloat16):
         torch.linalg.qr(columns, out=(columns, columns.new_empty(columns.shape[1], columns.shape[1])))
         return
     for i in range(columns.shape[1]):
         col = columns[:, i:i + 1]
         norm = torch.norm(col, dim=0, keepdim=True)
         if epsilon == 0 and not bool(norm.all()):
-            raise FloatingPointError(f"{what}: a column of PowerSGD's P or Q is all zeros (its gradient is zero on "
-                                     f"every rank), so it cannot be normalized; set powersgd:epsilon=1e-8")
+            raise FloatingPointError(f"{what}: a column of PowerSGD's P or Q is all zeros (the gradient is zero on "
+                                     f"every rank, or its mean has rank below r), so it cannot be normalized; set "
+                                     f"powersgd:epsilon=1e-8, or a smaller rank")
         col /= norm + epsilon if epsilon else norm
         if i + 1 < columns.shape[1]:
             rest = columns[:, i + 1:]

@@ -12,10 +12,11 @@ matrix products and orthogonalizations):
 * PowerSGD: three ring all-reduces (the uncompressed tensors, P, Q) of (n + m) r per matrix -- its bytes do
   not grow with N, and its latency is three rings' where DDP pays one.
 
-Writing each as ``T = A + B / beta`` (A: the latency and compute, B: the bytes on the critical path), the
-compressed step is faster exactly when ``beta < (B_fp32 - B_c) / (A_c + C - A_fp32)``: the **break-even
-bandwidth**.  It is infinite when compression removes latency as well (pays on any network) and zero when it
-sends no fewer bytes (never pays).  The model is of the gradient averaging alone, not overlapped with
+Writing each as ``T = A + B / beta`` (A: the latency and compute, B: the bytes on the critical path), a wire
+that sends fewer bytes but costs more latency or compute is faster exactly when ``beta < (B_fp32 - B_c) /
+(A_c + C - A_fp32)``: the **break-even bandwidth**.  One that sends fewer bytes *and* costs no more pays on any
+network; one that sends more bytes but less latency (an all-gather at large N) pays only on networks faster
+than its break-even; one that costs more of both, on none.  The model is of the gradient averaging alone, not overlapped with
 backward (``ddp``); overlap hides part of the uncompressed time and moves the break-even lower.
 """
 from __future__ import annotations
@@ -32,10 +33,12 @@ SAMPLE = 1 << 20  # compute is timed on at most this many elements and scaled li
 
 
 def gpt_shapes(params: float, layers: int = 12) -> list[tuple[str, torch.Size]]:
-    """A GPT's matrices for ``params`` parameters in ``layers`` blocks (12 d^2 per block): attention's 3d x d and
-    d x d, the MLP's 4d x d and d x 4d.  (Embeddings and norms are left out: a sketch of where the bytes are.)"""
+    """A GPT's tensors for ``params`` parameters in ``layers`` blocks (12 d^2 per block): attention's 3d x d and
+    d x d, the MLP's 4d x d and d x 4d, and the two layer norms' weights and biases -- vectors, which PowerSGD
+    sends as they are.  (Embeddings are left out: a sketch of where the bytes are.)"""
     d = max(1, round((params / (12 * layers)) ** 0.5))
-    block = [("qkv", (3 * d, d)), ("proj", (d, d)), ("fc", (4 * d, d)), ("out", (d, 4 * d))]
+    block = [("ln1.weight", (d,)), ("ln1.bias", (d,)), ("qkv", (3 * d, d)), ("proj", (d, d)),
+             ("ln2.weight", (d,)), ("ln2.bias", (d,)), ("fc", (4 * d, d)), ("out", (d, 4 * d))]
     return [(f"{i}.{name}", torch.Size(shape)) for i in range(layers) for name, shape in block]
 
 
@@ -76,13 +79,18 @@ def compute_s(spec: str, shapes, world_size: int, repeats: int = 3, averages_wit
     wire, psi = parse(spec), numel(shapes)
     if wire is None:
         return 0.0
-    if isinstance(wire, PowerSGD):  # a proportional slice of the model: the same shapes, fewer of them
-        keep = max(1, int(len(shapes) * min(1.0, SAMPLE / psi)))
-        scale, x = psi / numel(shapes[:keep]), torch.randn(numel(shapes[:keep]))
+    if isinstance(wire, PowerSGD):  # a slice of the model holding every shape it has (a block), scaled up
+        kinds, sample, seen = {tuple(shape) for _, shape in shapes}, [], set()
+        for name, shape in shapes:
+            if numel(sample) >= SAMPLE and seen >= kinds:
+                break
+            sample.append((name, shape))
+            seen.add(tuple(shape))
+        scale, x = psi / numel(sample), torch.randn(numel(sample))
         state = PowerState(wire)
 
         def step():  # the warm start's orthogonalization of last step's Q, then the step itself
-            layout = lay_out(shapes[:keep], wire)
+            layout = lay_out(sample, wire)
             q = state.starting_q(0, layout, x.dtype, x.device, "timing")
             state.keep(0, power_step([x], layout, q, lambda ts: ts[0], world_size, wire.epsilon, "timing")[1])
         step()

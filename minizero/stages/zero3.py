@@ -255,6 +255,9 @@ class ZeRO3(ZeRO):
         observers, self._observers = self._observers, []  # an inspection, not a training step's working set
         try:
             for unit in self.units:
+                if self.weight_wire is not None:  # gathered for training as codes: gathered again, exactly
+                    unit.drop_prefetch()
+                    unit.reshard()
                 unit.unshard(INSPECTION)
             state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
             for unit in self.units:
