@@ -81,10 +81,11 @@ def test_a_loop_in_post_backward_is_stopped_naming_the_method_and_the_line(pools
     report = bounded(check, "ddp", impl=path, examples=3, pools=pools, out=quiet, deadline_s=DEADLINE_S)
     assert report.failed == "your methods are what runs" and report.final, report
     loop = f"in your DDP.post_backward, at {path}:9: while {who}: spins += 1"
-    if who == "True":  # every rank of the first example (world size 1 included) loops
-        assert re.search(rf"rank 0(, rank \d)* spent more than {DEADLINE_S:g} s of this task in no collective "
+    if who == "True":  # every rank of the first example (world size 1 included) loops: the verdict names those
+        # its deadline caught -- rank 0, or rank 1 first when the two reach it a moment apart on a busy machine
+        assert re.search(rf"rank \d(, rank \d)* spent more than {DEADLINE_S:g} s of this task in no collective "
                          rf"\(the limit\).*--deadline SECONDS", report.why), report.why
-        assert re.search(rf"rank 0(, rank \d)*: {re.escape(loop)}", report.why), report.why
+        assert re.search(rf"rank \d(, rank \d)*: {re.escape(loop)}", report.why), report.why
     else:  # rank 1 loops; its peers wait in the all-reduce it never joins
         assert f"rank 1: {loop}" in report.why, report.why
         waiting = f"in your DDP.post_backward, at {path}:10: super().post_backward()"
