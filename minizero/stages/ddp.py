@@ -52,6 +52,7 @@ class DDP(Stage):
         super().__init__(module, optimizer, comm, precision)
         self.find_unused_parameters = find_unused_parameters
         self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision)
+        self._names = {id(p): name for name, p in self.trainable()}  # for layout(), every step: looked up once
         check_same_model(module, comm)
         broadcast_module(module, comm)
         self.keep_masters()  # mixed precision: fp32 masters of every parameter, the model in 16 bits
@@ -68,8 +69,7 @@ class DDP(Stage):
     def layout(self, params: list[nn.Parameter]) -> list[tuple[str, torch.Size]]:
         """What a flat buffer of ``params`` holds, by name and shape: a wire that compresses each matrix on its
         own (PowerSGD) cuts the buffer by it."""
-        names = {id(p): name for name, p in self.trainable()}
-        return [(names[id(p)], p.shape) for p in params]
+        return [(self._names[id(p)], p.shape) for p in params]
 
     def step(self) -> None:
         """Every rank steps the same averaged gradients: the replicas stay equal."""
