@@ -24,9 +24,12 @@ What every collective goes through lives here, once, so the algorithms stay clea
 """
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 import inspect
+import os
+import tempfile
 import threading
 import time
 import weakref
@@ -37,7 +40,8 @@ import torch.distributed as dist
 
 from . import progress
 from .fingerprint import DTYPES, Call, CollectiveMismatch, Tag, exchange
-from .network import Network, Port
+from .network import Network, NodeLinks, Port, TwoLevel
+from .nodes import Nodes
 from .thread import CommThread, Work
 
 
@@ -104,7 +108,7 @@ def collective(kind: str):
                     raise ValueError(f"rank {self.rank}: a {kind} over a wire runs where it is called; submit the "
                                      f"call (comm.submit) to overlap it")
                 return _over_wire(self, wrapper, kind, bound.arguments, wire, key, tag, layout)
-            if async_op or self._thread is not None and not self._on_comm_thread():
+            if async_op or self._root._thread is not None and not self._on_comm_thread():
                 work = self._background().submit(self._run, kind, method, bound.arguments, tag)
                 if async_op:
                     return work
@@ -159,7 +163,8 @@ class Comm:
 
     name = "abstract"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False, network: Network | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False,
+                 network: "Network | TwoLevel | None" = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -169,7 +174,14 @@ class Comm:
         self._observers: list[Callable[[str, int], None]] = []
         self._span_observers: list[Callable] = []
         self._wait_observers: list[Callable[[float, float], None]] = []
-        self.port = Port(network) if network is not None else None  # a dialled network (see .network), or none
+        # Where the ranks sit (a two-level network's nodes), or None: one flat network (see .nodes).
+        self.nodes: Nodes | None = network.nodes if isinstance(network, TwoLevel) else None
+        if self.nodes is not None:
+            self.nodes.check(self.world_size, self.rank)
+        self._members = list(range(self.world_size))  # this Comm's ranks as ranks of the whole Comm (a view's: some)
+        self._root = self  # the whole Comm a view was cut from: its thread and port serve every view
+        # a dialled network (see .network), or none
+        self.port = Port(network, rank=self.rank, links=self._node_links(network)) if network is not None else None
         self._local = threading.local()
         self._thread: CommThread | None = None
         self._lock = threading.Lock()
@@ -191,20 +203,66 @@ class Comm:
         self._span_observers.append(observer)
         self._wait_observers.append(lambda start, end: observer(None, start, end, threading.current_thread().name))
 
-    def _leaving(self, nbytes: int) -> None:
-        """A message of ``nbytes`` is about to leave this rank: a dialled network holds it first."""
+    def _leaving(self, nbytes: int, to: int) -> None:
+        """A message of ``nbytes`` to rank ``to`` is about to leave this rank: a dialled network holds it first."""
         if self.port is not None:
-            self.port.send(nbytes, getattr(self._local, "kind", None) or "exchange")
+            self.port.send(nbytes, getattr(self._local, "kind", None) or "exchange", self._members[to])
 
-    def _arrived(self, nbytes: int) -> None:
+    def _arrived(self, nbytes: int, source: int) -> None:
         """A message of ``nbytes`` arrived from one peer (not a ring step): a dialled port takes it in."""
         if self.port is not None:
-            self.port.receive(nbytes)
+            self.port.receive(nbytes, self._members[source])
 
-    def _report_sent(self, nbytes: int) -> None:
+    def _report_sent(self, nbytes: int, to: int) -> None:
+        """Tell the observers (the byte ledger) what left for rank ``to``: on a cluster of nodes, with the
+        link class it crossed."""
         kind = getattr(self._local, "kind", None) or "exchange"
-        for observer in self._observers:
-            observer(kind, nbytes)
+        if self.nodes is None:
+            for observer in self._observers:
+                observer(kind, nbytes)
+        else:
+            link = self.nodes.link(self._members[self.rank], self._members[to])
+            for observer in self._observers:
+                observer(kind, nbytes, link=link)
+
+    # ----------------------------------------------------------- nodes and views
+    def _node_links(self, network) -> NodeLinks | None:
+        """The nodes' shared links, for a cluster with a dialled inter-node wire: one file every rank opens
+        (its path chosen by rank 0 and broadcast -- a collective, at construction, as torch's groups are)."""
+        if not isinstance(network, TwoLevel) or network.inter is None or network.nodes.count == 1:
+            return None
+        path = [None]
+        if self.rank == 0:
+            handle, path[0] = tempfile.mkstemp(prefix="minizero-links-")
+            os.close(handle)
+        dist.broadcast_object_list(path, src=self.peer(0), group=self.group)
+        links = NodeLinks(path[0], network.nodes.count)
+        if self.rank == 0:  # unlinked when rank 0's Comm goes: the other ranks' open handles keep it readable
+            weakref.finalize(self, os.unlink, path[0])
+        return links
+
+    def over(self, ranks: list[int]) -> "Comm":
+        """A Comm over some of this one's ranks (``ranks``, which include this rank), in that order: a
+        node's ranks, or the ranks at one place on every node.  It is a *view*: its collectives see
+        ``rank`` and ``world_size`` of the sub-group, but run on the whole Comm's communication thread, in
+        the one order every rank issues them, so messages of the views never interleave; the ledger and the
+        dialled port are the whole Comm's, so a view's bytes are booked with their links.  Called inside a
+        collective, a view's collective is part of it (booked once, under the outer kind)."""
+        if self.rank not in ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"rank {self.rank}: a view over ranks {ranks} must name distinct ranks of this Comm "
+                             f"(0..{self.world_size - 1}), this one included")
+        view = copy.copy(self)
+        view._members = [self._members[r] for r in ranks]
+        view.rank, view.world_size = ranks.index(self.rank), len(ranks)
+        view._calls, view._failed = 0, None
+        view.group = self._group_over(view._members)
+        return view
+
+    def _group_over(self, members: list[int]):
+        """The process group a view's messages travel in: the whole one, for point-to-point messages (a
+        view's peers are named by their global rank); torch's own collectives need a group of just those
+        ranks (:class:`~minizero.comm.native.NativeComm`)."""
+        return self._root.group
 
     def _at(self, part: str, step: int = -1) -> None:
         """Tell the board where this collective is (the fingerprint exchange's own steps say so)."""
@@ -272,14 +330,16 @@ class Comm:
 
     # ---------------------------------------------------------- async thread
     def _background(self) -> CommThread:
-        with self._lock:
-            if self._thread is None:
-                self._thread = CommThread(f"comm-rank{self.rank}", self._wait_observers)
-                weakref.finalize(self, self._thread.stop)  # a Comm nobody closed does not leave its thread behind
-            return self._thread
+        root = self._root  # one thread per whole Comm: its views' collectives queue there too
+        with root._lock:
+            if root._thread is None:
+                root._thread = CommThread(f"comm-rank{root.rank}", root._wait_observers)
+                weakref.finalize(root, root._thread.stop)  # a Comm nobody closed does not leave its thread behind
+            return root._thread
 
     def _on_comm_thread(self) -> bool:
-        return self._thread is not None and threading.get_ident() == self._thread.ident
+        thread = self._root._thread
+        return thread is not None and threading.get_ident() == thread.ident
 
     def submit(self, fn: Callable[[], object]) -> Work:
         """Run ``fn`` on the communication thread, after every collective issued
@@ -288,6 +348,8 @@ class Comm:
         return self._background().submit(fn)
 
     def close(self) -> None:
+        if self._root is not self:  # a view: the whole Comm's owner closes the thread
+            return
         if self._thread is not None:
             self._thread.close()
             self._thread = None
@@ -295,7 +357,9 @@ class Comm:
     # ----------------------------------------------------------- interface
     def peer(self, group_rank: int) -> int:
         """Global rank of ``group_rank`` (what ``dist.send`` expects)."""
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+        root = self._root.group
+        whole = self._members[group_rank]
+        return whole if root is None else dist.get_global_rank(root, whole)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         raise NotImplementedError

@@ -16,12 +16,15 @@ class Ledger:
     def __init__(self):
         self.sent: Counter[str] = Counter()  # kind -> bytes
         self.messages: Counter[str] = Counter()  # kind -> number of sends
+        self.by_link: Counter[str] = Counter()  # "intra" / "inter" -> bytes, on a cluster of nodes (see .nodes)
         self._lock = threading.Lock()  # the comm thread and the main thread may both report
 
-    def __call__(self, kind: str, nbytes: int) -> None:
+    def __call__(self, kind: str, nbytes: int, link: str | None = None) -> None:
         with self._lock:
             self.sent[kind] += nbytes
             self.messages[kind] += 1
+            if link is not None:
+                self.by_link[link] += nbytes
 
     @property
     def total(self) -> int:
@@ -31,10 +34,16 @@ class Ledger:
         with self._lock:
             self.sent.clear()
             self.messages.clear()
+            self.by_link.clear()
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.sent)
+
+    def links(self) -> dict[str, int]:
+        """Bytes per link class so far (empty on a flat network)."""
+        with self._lock:
+            return dict(self.by_link)
 
     @contextmanager
     def attached(self, comm):

@@ -58,21 +58,45 @@ class NativeComm(StarExchanges, Comm):
         self._at("torch collective")
         return self.board.waiting_for(ANYONE)
 
+    def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False, network=None):
+        super().__init__(group, check, network)
+        # torch's collectives over a view need a process group of just its ranks; creating one is collective
+        # (every rank, every group, one order), so on a cluster of nodes every group a view may span is made now.
+        self._subgroups = {} if self.nodes is None else {
+            tuple(ranks): dist.new_group([self.peer(r) for r in ranks]) for ranks in self.nodes.groups()}
+
+    def _group_over(self, members: list[int]):
+        if len(members) == self._root.world_size:
+            return self._root.group
+        try:
+            return self._root._subgroups[tuple(members)]
+        except KeyError:
+            raise ValueError(f"rank {self.rank}: the native backend has process groups for nodes and across "
+                             f"nodes only, not ranks {members}") from None
+
     def _report_modelled(self, kind: str, tensor: torch.Tensor, src: int = 0) -> None:
         """Book the ring version's bytes; on a dialled network, wait as the ring version would (after torch's
-        transfer: the step's wall time is the same, and torch's collective cannot be paused half-way)."""
+        transfer: the step's wall time is the same, and torch's collective cannot be paused half-way).  Each
+        message goes to the right neighbour; the root all-reduce's, between the root and each rank."""
         messages = ring_messages(kind, tensor.numel(), tensor.element_size(), self.world_size, self.rank, src)
+        n = self.world_size
+        to = ([dst for dst in range(1, n)] if self.rank == 0 else [0]) if kind == "root_all_reduce" \
+            else [(self.rank + 1) % n] * len(messages)
         if self.port is not None:
-            self._wait_like_the_ring(kind, tensor, src, messages)
-        if messages:
-            self._report_sent(sum(messages))
+            self._wait_like_the_ring(kind, tensor, src, list(zip(messages, to, strict=True)))
+        for nbytes, dst in zip(messages, to, strict=True):
+            self._report_sent(nbytes, dst)
 
-    def _wait_like_the_ring(self, kind: str, tensor: torch.Tensor, src: int, messages: list[int]) -> None:
+    def _wait_like_the_ring(self, kind: str, tensor: torch.Tensor, src: int, messages: list[tuple[int, int]]) -> None:
         """In a ring step every rank sends one message and waits for one, so each rank's own messages are its
         time.  The root all-reduce and the chain broadcast are not symmetric: a rank's time is where it
         sits on the critical path (the root: N-1 tensors in through one port, N-1 out in turn; position p
-        of the chain: p hops behind the source, then every message)."""
-        net, n, nbytes = self.port.network, self.world_size, tensor.numel() * tensor.element_size()
+        of the chain: p hops behind the source, then every message) -- on a cluster, at the slowest wire's pace."""
+        n, nbytes = self.world_size, tensor.numel() * tensor.element_size()
+        wires = [self.port.wire_to(self._members[r]) for r in range(n)]
+        net = max((w for w in wires if w is not None), key=lambda w: w.message_s(nbytes), default=None)
+        if net is None:
+            return
         if kind == "root_all_reduce" and n > 1:
             gathered = net.alpha + (n - 1) * nbytes / net.bandwidth
             self.port.hold(gathered + (self.rank if self.rank else n - 1) * net.message_s(nbytes), kind)
@@ -83,8 +107,8 @@ class NativeComm(StarExchanges, Comm):
             if hops:
                 self.port.hold(position * hops[0] + sum(hops) - (hops[-1] if position == n - 1 else 0.0), kind)
         else:
-            for message in messages:
-                self._leaving(message)
+            for message, dst in messages:
+                self._leaving(message, dst)
 
     @collective("all_reduce")
     @on_device

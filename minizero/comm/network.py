@@ -38,10 +38,15 @@ more on a busy machine, so a measured time is read beside the model's.
 """
 from __future__ import annotations
 
+import fcntl
+import os
 import re
+import struct
 import threading
 import time
 from dataclasses import dataclass
+
+from .nodes import INTER, INTRA, Nodes, parse_nodes
 
 
 @dataclass(frozen=True)
@@ -85,19 +90,46 @@ PRESETS: dict[str, Network] = {n.name: n for n in [
             "laptop, wait for the network rather than for loopback's CPU"),
 ]}
 
+
+
+@dataclass(frozen=True)
+class TwoLevel:
+    """A cluster: ``nodes`` of ranks, messages inside a node on ``intra``, between nodes on ``inter`` --
+    through the node's one link, which its ranks share (:class:`NodeLinks`).  A wire left out (None)
+    costs nothing: ``nodes=2x2`` alone places the ranks, so the ledger can count bytes per link class,
+    without slowing any message."""
+
+    nodes: Nodes
+    intra: Network | None = None
+    inter: Network | None = None
+
+    name = "two-level"
+
+    def wire(self, link: str) -> Network | None:
+        return self.intra if link == INTRA else self.inter
+
+    def describe(self) -> str:
+        wires = ", ".join(f"{link}: {w.describe()}" for link, w in ((INTRA, self.intra), (INTER, self.inter)) if w)
+        return f"{self.nodes.describe()}" + (f"; {wires}" if wires else " (placement only: no wire dialled)")
+
+
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def parse_network(spec: "str | Network | None") -> Network | None:
+def parse_network(spec: "str | Network | TwoLevel | None") -> "Network | TwoLevel | None":
     """``"alpha=50us,bandwidth=1GB/s"`` or a preset's name (``"ethernet-100g"``); None stays None.
+    ``"nodes=2x4,intra=nvlink,inter=2ms/50MB/s"``: a :class:`TwoLevel` cluster (each wire a preset or
+    ``ALPHA/RATE``; either may be left out).
 
     Bandwidth takes bytes (``B/s``) or bits (``b/s``, ``bit/s``) with decimal (``k M G T``) or binary
     (``Ki Mi Gi``) prefixes; time takes ``s ms us ns``.  A bare number is refused: the unit is the
     point of the dial, and a guessed one is off by a factor of a thousand."""
-    if spec is None or isinstance(spec, Network):
+    if spec is None or isinstance(spec, (Network, TwoLevel)):
         return spec
     text = spec.strip()
+    if text.startswith("nodes="):
+        return parse_two_level(text)
     if text in PRESETS:
         return PRESETS[text]
     if "=" not in text:
@@ -115,6 +147,31 @@ def parse_network(spec: "str | Network | None") -> Network | None:
     if "bandwidth" not in values:
         raise ValueError(f"network {spec!r} has no bandwidth; e.g. 'alpha=50us,bandwidth=1GB/s'")
     return Network(parse_time(values.get("alpha", "0s")), parse_rate(values["bandwidth"]))
+
+
+def parse_two_level(text: str) -> TwoLevel:
+    values: dict[str, str] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        if key not in ("nodes", "intra", "inter"):
+            raise ValueError(f"network: unknown key {key!r} in {text!r}; give nodes=MxG[,intra=WIRE][,inter=WIRE], "
+                             f"each wire a preset ({', '.join(PRESETS)}) or ALPHA/RATE such as 2ms/50MB/s")
+        if key in values:
+            raise ValueError(f"network: {key} given twice in {text!r}; give each once")
+        values[key] = value.strip()
+    return TwoLevel(parse_nodes(values["nodes"]), *(parse_wire(values[k], k) if k in values else None
+                                                   for k in ("intra", "inter")))
+
+
+def parse_wire(text: str, link: str) -> Network:
+    """One link of a two-level network: a preset's name, or ``ALPHA/RATE``."""
+    if text in PRESETS:
+        return PRESETS[text]
+    alpha, slash, rate = text.partition("/")
+    if not slash:
+        raise ValueError(f"network: {link}={text!r}: give a preset ({', '.join(PRESETS)}) or ALPHA/RATE, e.g. 2ms/50MB/s")
+    return Network(parse_time(alpha), parse_rate(rate))
 
 
 def parse_time(text: str) -> float:
@@ -154,19 +211,40 @@ def format_rate(rate: float) -> str:
 
 
 class Port:
-    """One rank's connection to a dialled :class:`Network`.
+    """One rank's connection to a dialled :class:`Network` (or :class:`TwoLevel` cluster).
 
     ``record=True`` keeps every message's wait as ``(start, end, kind, nbytes, thread)`` in
-    :attr:`messages` -- the network's side of a timeline."""
+    :attr:`messages` -- the network's side of a timeline.  On a cluster the port is rank ``rank``'s and
+    each message takes the wire of the link to its destination; a message between nodes also queues for
+    its node's shared link (``links``)."""
 
-    def __init__(self, network: Network, record: bool = False):
+    def __init__(self, network: "Network | TwoLevel", record: bool = False, rank: int = 0,
+                 links: "NodeLinks | None" = None):
         self.network = network
+        self.rank = rank
+        self.links = links
         self.messages: list[tuple[float, float, str, int, str]] | None = [] if record else None
         self._inbound_done = float("-inf")  # when this port finished taking in the last message
 
-    def send(self, nbytes: int, kind: str) -> None:
-        """Before a message leaves: hold it for ``alpha + nbytes/bandwidth``."""
-        self.hold(self.network.message_s(nbytes), kind, nbytes)
+    def wire_to(self, peer: int | None) -> Network | None:
+        """The wire a message to (or from) rank ``peer`` travels on."""
+        if not isinstance(self.network, TwoLevel):
+            return self.network
+        return self.network.wire(self.network.nodes.link(self.rank, self.rank if peer is None else peer))
+
+    def send(self, nbytes: int, kind: str, to: int | None = None) -> None:
+        """Before a message to rank ``to`` leaves: hold it for ``alpha + nbytes/bandwidth`` of its wire.
+        Between nodes the bytes go through the node's link one message after another, whichever of the
+        node's ranks sent them: ``G`` ranks sending across at once each see ``1/G`` of the bandwidth."""
+        wire = self.wire_to(to)
+        if wire is None:
+            return
+        if self.links is not None and isinstance(self.network, TwoLevel) and \
+                self.network.nodes.link(self.rank, to) == INTER:
+            through = self.links.reserve(self.network.nodes.node_of(self.rank), nbytes / wire.bandwidth)
+            self.hold(through + wire.alpha - time.perf_counter(), kind, nbytes)
+        else:
+            self.hold(wire.message_s(nbytes), kind, nbytes)
 
     def hold(self, seconds: float, kind: str, nbytes: int = 0) -> None:
         """Wait ``seconds`` of modelled network time (the native backend's critical paths use it directly)."""
@@ -175,21 +253,54 @@ class Port:
         if self.messages is not None:
             self.messages.append((start, time.perf_counter(), kind, nbytes, threading.current_thread().name))
 
-    def receive(self, nbytes: int) -> None:
+    def receive(self, nbytes: int, source: int | None = None) -> None:
         """After a message arrived: a port takes in ``bandwidth`` bytes a second at most, so a message
         arriving while the last one still streams in waits its turn (the parameter server's root)."""
-        done = max(time.perf_counter(), self._inbound_done + nbytes / self.network.bandwidth)
+        wire = self.wire_to(source)
+        if wire is None:
+            return
+        done = max(time.perf_counter(), self._inbound_done + nbytes / wire.bandwidth)
         _sleep_until(done)
         self._inbound_done = done
 
-    def receive_all(self, start: float, sizes: list[int]) -> None:
+    def receive_all(self, start: float, sizes: list[int], sources: list[int] | None = None) -> None:
         """Messages sent towards this port from ``start`` on, while this rank sent its own (a star exchange:
         a parameter server's push or pull).  A port is full duplex: they stream in one after another, the
         first after ``alpha``, however long this rank's own messages held it."""
-        if sizes:
-            done = max(start + self.network.alpha, self._inbound_done) + sum(sizes) / self.network.bandwidth
+        wires = [self.wire_to(s) for s in (sources or [None] * len(sizes))]
+        timed = [(w, n) for w, n in zip(wires, sizes, strict=True) if w is not None]
+        if timed:
+            first = min(w.alpha for w, _ in timed)
+            done = max(start + first, self._inbound_done) + sum(n / w.bandwidth for w, n in timed)
             _sleep_until(done)
             self._inbound_done = done
+
+
+class NodeLinks:
+    """Each node's one link to the others, shared by the node's ranks -- which are processes.  A file of
+    one ``double`` per node (``time.perf_counter`` is the machine's monotonic clock, the same in every
+    process) says until when the link is busy; a rank sending across reserves the next free slot under a
+    file lock.  A dialled cluster is simulated on one machine, so one file reaches every rank."""
+
+    def __init__(self, path: str, nodes: int):
+        self.path, self.nodes = path, nodes
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(self._fd).st_size < 8 * nodes:
+            os.pwrite(self._fd, struct.pack(f"{nodes}d", *[0.0] * nodes), 0)
+
+    def reserve(self, node: int, seconds: float) -> float:
+        """Queue ``seconds`` of transfer on ``node``'s link; when those bytes are through."""
+        fcntl.lockf(self._fd, fcntl.LOCK_EX, 8, 8 * node)
+        try:
+            (busy,) = struct.unpack("d", os.pread(self._fd, 8, 8 * node))
+            through = max(time.perf_counter(), busy) + seconds
+            os.pwrite(self._fd, struct.pack("d", through), 8 * node)
+        finally:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 8, 8 * node)
+        return through
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _sleep_until(deadline: float) -> None:

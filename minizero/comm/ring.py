@@ -62,7 +62,7 @@ class RingComm(StarExchanges, Comm):
             return self._paired(send, recv, right, left)
         request = None
         if send is not None and send.numel() > 0:
-            self._leaving(send.numel() * send.element_size())
+            self._leaving(send.numel() * send.element_size(), right)
             request = dist.isend(send, self.peer(right), group=self.group)
         if recv is not None and recv.numel() > 0:
             with self.board.waiting_for(self.peer(left)):  # the board is indexed by global rank
@@ -70,7 +70,7 @@ class RingComm(StarExchanges, Comm):
         if request is not None:
             with self.board.waiting_for(self.peer(right)):
                 request.wait()
-            self._report_sent(send.numel() * send.element_size())
+            self._report_sent(send.numel() * send.element_size(), right)
 
     def _paired(self, send: torch.Tensor | None, recv: torch.Tensor | None, right: int, left: int) -> None:
         """NCCL: the send and the receive of a step go in one group (``batch_isend_irecv``).  Issued one by
@@ -78,7 +78,7 @@ class RingComm(StarExchanges, Comm):
         a receive queued behind its neighbour's send: the ring deadlocks."""
         ops = []
         if send is not None and send.numel() > 0:
-            self._leaving(send.numel() * send.element_size())
+            self._leaving(send.numel() * send.element_size(), right)
             ops.append(dist.P2POp(dist.isend, send, self.peer(right), group=self.group))
         if recv is not None and recv.numel() > 0:
             ops.append(dist.P2POp(dist.irecv, recv, self.peer(left), group=self.group))
@@ -87,7 +87,7 @@ class RingComm(StarExchanges, Comm):
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
         if send is not None and send.numel() > 0:
-            self._report_sent(send.numel() * send.element_size())
+            self._report_sent(send.numel() * send.element_size(), right)
 
     def _scratch(self, numel: int, like: torch.Tensor) -> list[torch.Tensor]:
         """Two receive buffers of ``numel`` elements, kept between calls.
@@ -104,16 +104,16 @@ class RingComm(StarExchanges, Comm):
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         if tensor.numel() > 0:
-            self._leaving(tensor.numel() * tensor.element_size())
+            self._leaving(tensor.numel() * tensor.element_size(), dst)
             with self.board.waiting_for(self.peer(dst)):
                 dist.send(tensor, self.peer(dst), group=self.group)
-            self._report_sent(tensor.numel() * tensor.element_size())
+            self._report_sent(tensor.numel() * tensor.element_size(), dst)
 
     def _recv(self, tensor: torch.Tensor, src: int) -> None:
         if tensor.numel() > 0:
             with self.board.waiting_for(self.peer(src)):
                 dist.recv(tensor, self.peer(src), group=self.group)
-            self._arrived(tensor.numel() * tensor.element_size())
+            self._arrived(tensor.numel() * tensor.element_size(), src)
 
     def _chunks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         flat = tensor.view(-1)
@@ -158,6 +158,20 @@ class RingComm(StarExchanges, Comm):
     @collective("all_reduce")
     @on_device(point_to_point=True)
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        self._all_reduce(tensor, op)
+
+    @collective("reduce_scatter")
+    @on_device(point_to_point=True)
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        self._reduce_scatter(output, input, op)
+
+    @collective("all_gather")
+    @on_device(point_to_point=True)
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._all_gather(output, input)
+
+    # The algorithms, apart from the checking and booking around them: a hierarchical Comm replaces them.
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         chunks = self._chunks(tensor)
         mine = chunks[self.rank]
         self._ring_reduce_scatter(chunks, mine, op)
@@ -165,16 +179,12 @@ class RingComm(StarExchanges, Comm):
             mine.div_(self.world_size)  # on 1/N of the data, before it is copied N-1 times
         self._ring_all_gather(chunks)
 
-    @collective("reduce_scatter")
-    @on_device(point_to_point=True)
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         self._ring_reduce_scatter(self._chunks(input), output.view(-1), op)
         if op is ReduceOp.AVG:
             output.div_(self.world_size)
 
-    @collective("all_gather")
-    @on_device(point_to_point=True)
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         chunks = self._chunks(output)
         chunks[self.rank].copy_(input.view(-1))
         self._ring_all_gather(chunks)
@@ -192,18 +202,18 @@ class RingComm(StarExchanges, Comm):
         position = (self.rank - src) % n
         messages = tensor.view(-1).split(broadcast_message(tensor.element_size()))
         requests = []
-        right = self.peer((self.rank + 1) % n)
+        right = (self.rank + 1) % n
         self._at("broadcast")
         for message in messages:
             if position > 0:
                 self._recv(message, (self.rank - 1) % n)
             if position < n - 1 and message.numel() > 0:
-                self._leaving(message.numel() * message.element_size())
-                requests.append((dist.isend(message, right, group=self.group), message))
+                self._leaving(message.numel() * message.element_size(), right)
+                requests.append((dist.isend(message, self.peer(right), group=self.group), message))
         for request, message in requests:
             with self.board.waiting_for(ANYONE):  # whoever is downstream in the chain
                 request.wait()
-            self._report_sent(message.numel() * message.element_size())
+            self._report_sent(message.numel() * message.element_size(), right)
 
     @collective("root_all_reduce")
     @on_device(point_to_point=True)

@@ -139,8 +139,8 @@ class StarExchanges:
         sends = [(t, dst) for t, dst in sends if t.numel() > 0]
         recvs = [(i, t, src) for i, (t, src) in enumerate(recvs) if t.numel() > 0]
         start = time.perf_counter()  # a dialled port receives while it sends (full duplex): see below
-        for tensor, _ in sends:  # a dialled network holds each message before it leaves: the sender's port
-            self._leaving(tensor.numel() * tensor.element_size())
+        for tensor, dst in sends:  # a dialled network holds each message before it leaves: the sender's port
+            self._leaving(tensor.numel() * tensor.element_size(), dst)
         if self._nccl:
             ops = [dist.P2POp(dist.isend, t, self.peer(dst), group=self.group) for t, dst in sends]
             ops += [dist.P2POp(dist.irecv, t, self.peer(src), group=self.group) for _, t, src in recvs]
@@ -157,9 +157,10 @@ class StarExchanges:
                     dist.recv(tensor, self.peer(src), group=self.group)
                 arrived(i)
         if self.port is not None:  # the incoming messages stream in through one port: a server's incast
-            self.port.receive_all(start, [t.numel() * t.element_size() for _, t, _ in recvs])
+            self.port.receive_all(start, [t.numel() * t.element_size() for _, t, _ in recvs],
+                                  [self._members[src] for _, _, src in recvs])
         for request, dst in requests:
             with self.board.waiting_for(self.peer(dst)):
                 request.wait()
-        for tensor, _ in sends:  # every message has left (NCCL: the group's one handle said so)
-            self._report_sent(tensor.numel() * tensor.element_size())
+        for tensor, dst in sends:  # every message has left (NCCL: the group's one handle said so)
+            self._report_sent(tensor.numel() * tensor.element_size(), dst)
