@@ -44,9 +44,11 @@ class HierarchicalComm(RingComm):
                              f"'nodes=2x2,intra=nvlink,inter=ethernet-100g'")
         self.node = self.over(self.nodes.node_ranks(self.rank))
         self.across = self.over(self.nodes.across_ranks(self.rank))
-        self.node._flat = self.across._flat = True
 
-    _flat = False  # a view runs the flat ring's algorithms
+    @property
+    def _flat(self) -> bool:
+        """A view (a node, the ranks across nodes, HSDP's mesh) runs the flat ring's algorithms."""
+        return self._root is not self
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         if self._flat:

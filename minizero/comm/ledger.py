@@ -16,7 +16,7 @@ class Ledger:
     def __init__(self):
         self.sent: Counter[str] = Counter()  # kind -> bytes
         self.messages: Counter[str] = Counter()  # kind -> number of sends
-        self.by_link: Counter[str] = Counter()  # "intra" / "inter" -> bytes, on a cluster of nodes (see .nodes)
+        self.by_link: Counter[tuple[str, str]] = Counter()  # (kind, "intra" / "inter") -> bytes, on a cluster of nodes
         self._lock = threading.Lock()  # the comm thread and the main thread may both report
 
     def __call__(self, kind: str, nbytes: int, link: str | None = None) -> None:
@@ -24,7 +24,7 @@ class Ledger:
             self.sent[kind] += nbytes
             self.messages[kind] += 1
             if link is not None:
-                self.by_link[link] += nbytes
+                self.by_link[kind, link] += nbytes
 
     @property
     def total(self) -> int:
@@ -40,10 +40,15 @@ class Ledger:
         with self._lock:
             return dict(self.sent)
 
-    def links(self) -> dict[str, int]:
-        """Bytes per link class so far (empty on a flat network)."""
+    def links(self, kind: str | None = None) -> dict[str, int]:
+        """Bytes per link class so far, of one collective ``kind`` or of all but the fingerprints' (``check``);
+        empty on a flat network."""
+        out: Counter[str] = Counter()
         with self._lock:
-            return dict(self.by_link)
+            for (k, link), nbytes in self.by_link.items():
+                if k == kind or kind is None and k != "check":
+                    out[link] += nbytes
+        return dict(out)
 
     @contextmanager
     def attached(self, comm):

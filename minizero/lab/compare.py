@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch.distributed as dist
 
-from ..comm import parse_network
+from ..comm import INTER, INTRA, LINKS, TwoLevel, parse_network
 from ..launch import RankError, RankPool, check_world_size
 from ..precision import Precision
 from ..stages import check_stage_names
@@ -61,6 +61,13 @@ class Summary:
     step_ms: float
     max_abs_diff_exact: float  # with compression: the change it made against exact training
     skipped_steps: int  # fp16: steps skipped for overflow (the same on every rank, or the row fails)
+    # On a cluster of nodes (--network nodes=MxG,...): per rank and step, the bytes inside a node and between
+    # nodes as the ledger counted them, beside the stage's formula (nan off a cluster, or for a star)
+    intra_bytes_per_step: float = math.nan
+    inter_bytes_per_step: float = math.nan
+    intra_bytes_formula: float = math.nan
+    inter_bytes_formula: float = math.nan
+    links_match: bool | None = None
 
 
 def summarise(stage: str, results: list, reference, exp: Experiment, world_size: int, exact=None) -> Summary:
@@ -68,23 +75,25 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
     ``exact``, if given, the uncompressed one, to report how much compression changed."""
     verdict = judge(results, reference, exp.dtype)
     cls, first = stage_class(stage, exp.stages), results[0]
+    nodes = nodes_of(exp)
+    options = {**exp.options, "nodes": nodes} if nodes is not None else exp.options  # HSDP's facts need its mesh
     times = first.step_s[1:] or first.step_s  # the first step warms up
     sent = sum(r.sent_bytes for r in results) / (len(results) * exp.steps)
-    sent_formula = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, first.param_bytes, **exp.options)
+    sent_formula = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, first.param_bytes, **options)
     busiest = getattr(cls, "busiest_sent_bytes_per_step", cls.sent_bytes_per_step)  # torch's oracles state none
     if first.wire_sent_bytes_per_step is not None or first.weight_sent_bytes_per_step is not None:
         # a codec's or PowerSGD's wire (the gradients), or quantized weights (ZeRO-3's gathers): their formulas on
         # the stage's own buffers; the other part of the traffic, the stage's own formula for it
         grads, params = first.wire_sent_bytes_per_step, first.weight_sent_bytes_per_step
         if grads is None:
-            grads = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, 0, **exp.options)
+            grads = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, 0, **options)
         if params is None:
-            params = cls.sent_bytes_per_step(first.psi, world_size, 0, first.param_bytes, **exp.options)
+            params = cls.sent_bytes_per_step(first.psi, world_size, 0, first.param_bytes, **options)
         sent_formula = grads + params
         busiest = lambda *args, **kwargs: sent_formula  # noqa: E731  (every rank sends alike)
     state = max(r.held_bytes["total"] for r in results)
     formula_args = (element_size(exp), STATE_TENSORS[exp.optimizer])  # masters' bytes and states per parameter
-    state_formula = cls.state_bytes(first.psi, world_size, *formula_args, **exp.options)
+    state_formula = cls.state_bytes(first.psi, world_size, *formula_args, **options)
     skipped = {r.skipped_steps for r in results}
     return Summary(
         stage=stage, world_size=world_size, dtype=exp.dtype, backend=exp.backend, accum=exp.accum,
@@ -93,15 +102,37 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
         within_tolerance=verdict.ok and len(skipped) == 1, equivalent=getattr(cls, "equivalent", True),
         nonfinite=verdict.nonfinite, sent_bytes_per_step=sent, sent_bytes_formula=sent_formula,
         busiest_sent_bytes_per_step=max(r.sent_bytes for r in results) / exp.steps,
-        busiest_sent_bytes_formula=busiest(first.psi, world_size, first.grad_bytes, first.param_bytes, **exp.options),
+        busiest_sent_bytes_formula=busiest(first.psi, world_size, first.grad_bytes, first.param_bytes, **options),
         bytes_match=agrees(sent, sent_formula),
         check_bytes_per_step=sum(r.check_bytes for r in results) / (len(results) * exp.steps),
         state_bytes=state, state_bytes_formula=state_formula, memory_match=agrees(state, state_formula),
-        state_formula=cls.state_formula(*formula_args, **exp.options) if hasattr(cls, "state_formula") else "",
+        state_formula=cls.state_formula(*formula_args, **options) if hasattr(cls, "state_formula") else "",
         gathered_peak_bytes=max(r.gathered_peak_bytes for r in results),
         step_ms=1000 * statistics.median(times),
         max_abs_diff_exact=judge(results, exact, exp.dtype).max_abs_diff if exact else verdict.max_abs_diff,
-        skipped_steps=max(skipped))
+        skipped_steps=max(skipped), **link_columns(cls, results, exp, world_size, nodes, options))
+
+
+def nodes_of(exp: Experiment):
+    """The nodes the run's ranks sit on (a two-level network), or None."""
+    network = parse_network(exp.network)
+    return network.nodes if isinstance(network, TwoLevel) else None
+
+
+def link_columns(cls, results: list, exp: Experiment, world_size: int, nodes, options: dict) -> dict:
+    """Bytes per link class, counted (the mean over ranks) and by the stage's formula, on a cluster of nodes."""
+    if nodes is None:
+        return {}
+    first = results[0]
+    formula = cls.sent_bytes_by_link(first.psi, world_size, first.grad_bytes, first.param_bytes,
+                                     hierarchical=exp.backend == "hierarchical", **options)
+    counted = {link: sum(r.sent_by_link.get(link, 0) for r in results) / (len(results) * exp.steps)
+               for link in LINKS}
+    if formula is None:
+        return {"intra_bytes_per_step": counted[INTRA], "inter_bytes_per_step": counted[INTER]}
+    return {"intra_bytes_per_step": counted[INTRA], "inter_bytes_per_step": counted[INTER],
+            "intra_bytes_formula": formula[INTRA], "inter_bytes_formula": formula[INTER],
+            "links_match": all(agrees(counted[link], formula[link]) for link in LINKS)}
 
 
 def stage_options(stage: str, stages: dict | None = None, **cli) -> dict:
@@ -206,6 +237,7 @@ def format_table(rows: list[Summary]) -> str:
                      f"{r.sent_bytes_formula:>12,.0f}{r.state_bytes:>14,.0f}{r.state_bytes_formula:>12,.0f}"
                      f"  {r.state_formula:<{paper}}"
                      f"{r.step_ms:>9.2f}{r.max_abs_diff_exact:>10.1e}")
+    lines += link_table(rows)
     lines += [f"{r.stage}: NO -- {r.nonfinite} (NaN or inf is never a pass)" for r in rows if r.nonfinite]
     lines += [f"{r.stage}: not single-device training by design -- max|Δparam| is how far it went, not a failure"
               for r in rows if not r.equivalent and not r.nonfinite and not r.within_tolerance]
@@ -215,6 +247,21 @@ def format_table(rows: list[Summary]) -> str:
     lines += [f"{r.stage}: {r.skipped_steps} step(s) skipped for fp16 overflow, on every rank (dynamic loss scaling)"
               for r in rows if r.skipped_steps]
     return "\n".join(lines)
+
+
+def link_table(rows: list[Summary]) -> list[str]:
+    """On a cluster of nodes: the bytes each rank sent inside its node and to other nodes, beside the formulas."""
+    rows = [r for r in rows if not math.isnan(r.intra_bytes_per_step)]
+    if not rows:
+        return []
+    header = (f"{'stage':<14}{'intra-node B/step/rank':>24}{'formula':>12}{'inter-node B/step/rank':>24}"
+              f"{'formula':>12}{'ok':>5}")
+    lines = ["", "bytes per link class (the ledger, by the link each message crossed):", header, "-" * len(header)]
+    for r in rows:
+        ok = "n/a" if r.links_match is None else "yes" if r.links_match else "NO"
+        lines.append(f"{r.stage:<14}{r.intra_bytes_per_step:>24,.0f}{r.intra_bytes_formula:>12,.0f}"
+                     f"{r.inter_bytes_per_step:>24,.0f}{r.inter_bytes_formula:>12,.0f}{ok:>5}")
+    return lines
 
 
 def precision_option(args) -> Precision | None:

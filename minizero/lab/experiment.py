@@ -137,10 +137,11 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     finally:
         if comm:
             comm.close()
-    sent = ledger.snapshot()
+    sent, links = ledger.snapshot(), ledger.links()
     check_bytes = sent.pop("check", 0)  # fingerprints: apart from the traffic the formulas describe
     return RankResult(params=params, losses=losses, global_count=step.global_count, step_s=times,
                       sent_bytes=sum(sent.values()), sent_by_kind=sent, sent_per_step=per_step,
+                      sent_by_link=links,
                       check_bytes=check_bytes, psi=psi,
                       grad_bytes=wire_bytes(exp), param_bytes=precision_of(exp).working_bytes(element_size(exp)),
                       held_bytes=held, gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state,

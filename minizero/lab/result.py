@@ -14,6 +14,7 @@ class RankResult:
     step_s: list[float] = field(default_factory=list)
     sent_bytes: int = 0  # training traffic the ledger counted, fingerprints excluded
     sent_by_kind: dict = field(default_factory=dict)
+    sent_by_link: dict = field(default_factory=dict)  # on a cluster of nodes: "intra" / "inter" -> bytes
     sent_per_step: list[int] = field(default_factory=list)  # training traffic of each step (a cost failure names its step)
     check_bytes: int = 0  # the fingerprints' own traffic
     psi: int = 0  # trainable parameters

@@ -14,6 +14,7 @@ from .base import Stage
 from .ddp import DDP
 from .ddp_bucketed import BucketedDDP
 from .facts import Reduction, Shards
+from .hsdp import HSDP
 from .local_sgd import LocalSGD
 from .options import Option, check_declared, option_names
 from .protocol import DataParallel
@@ -33,7 +34,7 @@ def registry(*stages: type[Stage]) -> dict[str, type[Stage]]:
     return {stage.name: stage for stage in stages}
 
 
-STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, ParameterServer,
+STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, HSDP, ParameterServer,
                                              AsyncParameterServer, LocalSGD)
 REFERENCE = Stage.name  # single-device training: what every stage is compared with
 DEFAULT_STAGE = DDP.name  # what a command runs when no stage is named
@@ -75,7 +76,7 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | 
     return Stage(module, optimizer, **options) if cls is Stage else cls(module, optimizer, comm, **options)
 
 
-__all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "AsyncParameterServer", "BucketedDDP", "DDP", "DataParallel",
+__all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "AsyncParameterServer", "BucketedDDP", "DDP", "DataParallel", "HSDP",
            "LocalSGD", "Option", "ParameterServer", "Reduction", "Shards", "Stage", "ZeRO", "ZeRO1", "ZeRO2",
            "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "distributed", "make_stage", "option_names",
            "registry", "with_stages"]

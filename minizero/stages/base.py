@@ -164,6 +164,7 @@ class Stage(nn.Module):
 
     sent_bytes_per_step = classmethod(facts.sent_bytes_per_step)
     busiest_sent_bytes_per_step = classmethod(facts.busiest_sent_bytes_per_step)
+    sent_bytes_by_link = classmethod(facts.sent_bytes_by_link)
     state_terms = classmethod(facts.state_terms)
     state_bytes = classmethod(facts.state_bytes)
     state_formula = classmethod(facts.state_formula)

@@ -50,6 +50,19 @@ def busiest_sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int,
     return cls.sent_bytes_per_step(psi, world_size, grad_bytes, param_bytes, **options)
 
 
+def sent_bytes_by_link(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int, nodes=None,
+                       hierarchical: bool = False, **options) -> dict[str, float] | None:
+    """:meth:`sent_bytes_per_step` per link class on ``nodes`` (:class:`~minizero.comm.Nodes`), as the mean over
+    ranks, for a stage whose collectives are rings.  A flat ring sends everything to the right neighbour, and
+    only a node's last rank's neighbour is on another node: ``M/N`` of the bytes cross (none on one node).  In
+    two levels (:mod:`minizero.comm.hierarchical`) a reduce-scatter, all-gather or all-reduce sends
+    ``(G-1)/G`` of the tensor inside and ``(M-1)/(M G)`` across: ``(M-1)/(N-1)`` of its bytes cross."""
+    total = cls.sent_bytes_per_step(psi, world_size, grad_bytes, param_bytes, **options)
+    m, n = (nodes.count, nodes.world_size) if nodes is not None else (1, world_size)
+    across = 0.0 if m == 1 or n == 1 else (m - 1) / (n - 1) if hierarchical else m / n
+    return {"intra": total * (1 - across), "inter": total * across}
+
+
 def state_terms(cls, element_size: int, state_tensors: int, precision=None) -> tuple[int, int]:
     """Model-state bytes per parameter as ``(kept whole on every rank, divided by N)`` -- the ZeRO paper's
     Table 1 from :attr:`shards`.  Parameters and gradients take the working precision's bytes (2 under

@@ -131,6 +131,11 @@ class ParameterServer(ZeRO):
                              f"can be at most {world_size}; use --servers {world_size} or fewer (or more ranks)")
 
     @classmethod
+    def sent_bytes_by_link(cls, *args, **options) -> None:
+        """A star, not a ring: which link a push or pull crosses depends on where the servers sit (not stated)."""
+        return None
+
+    @classmethod
     def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, servers: int = 1, **options) -> float:
         """The mean over ranks (what ``compare`` reports for every stage): ``(N-1)/N Psi`` each way, ZeRO-1's."""
         return reduce_scatter_bytes(psi * grad_bytes, world_size) + all_gather_bytes(psi * param_bytes, world_size)

@@ -51,6 +51,9 @@ class ZeRO(Stage):
         if optimizer is not None:  # before anything is changed: a refused wrap leaves the optimizer as it was
             check_shardable(type(optimizer), comm.rank if comm else 0)
         super().__init__(module, optimizer, comm, precision)
+        # The ranks the parameters are sharded over, and those each shard is replicated over (None: sharded
+        # over every rank).  ZeRO shards over all N; HSDP over a node, replicated across nodes.
+        self.shard_comm, self.replica_comm = self.mesh(comm)
         self.find_unused_parameters = find_unused_parameters
         if optimizer is not None:
             check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
@@ -64,6 +67,18 @@ class ZeRO(Stage):
         self._unshared: set[int] = set()  # parameters with a gradient since the last all-gather (stepped, not shared)
         self._nothing: dict[str, nn.Parameter] = {}  # the empty pieces of parameters this rank owns none of
         self._synchronised_at_share = 0  # self.synchronised when the full parameters were last made current
+
+    def mesh(self, comm: Comm) -> tuple[Comm, Comm | None]:
+        """``(shard over, replicate over)``: every rank shards, nothing is replicated (a 1-D mesh)."""
+        return comm, None
+
+    def average_shard(self, averaged: torch.Tensor, full: torch.Tensor, tag, key) -> None:
+        """This rank's shard of the mean of every rank's ``full`` gradient buffer: a reduce-scatter."""
+        self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=key)
+
+    def average_whole(self, full: torch.Tensor, tag, key) -> None:
+        """A buffer kept whole on every rank (ZeRO-3's replicated modules), averaged as DDP does: an all-reduce."""
+        self.comm.all_reduce(full, ReduceOp.AVG, tag=tag, wire=self.wire, key=key)
 
     def param_groups(self) -> list[dict]:
         """What the flat groups are built from: the user's optimizer's param groups, or all trainable
@@ -84,7 +99,7 @@ class ZeRO(Stage):
         if not self.shards.parameters:  # full parameters kept: the all-gather after a step keeps them current
             self.remember_shared()
         if self.user_optimizer is not None:
-            self.optimizer = ShardedOptimizer.from_optimizer(self.user_optimizer, groups, self.comm, self.master)
+            self.optimizer = ShardedOptimizer.from_optimizer(self.user_optimizer, groups, self.shard_comm, self.master)
             self.optimizer.step, self.optimizer.zero_grad = self.step, self.zero_grad
 
     def _keep_sharded_masters(self) -> None:
@@ -203,8 +218,8 @@ class ZeRO(Stage):
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:
         """Every rank's ``full`` from the owners' shards, outside the training step (a consolidated state
-        dict): an all-gather -- a parameter server pulls instead."""
-        self.comm.all_gather(full, shard, tag=tag)
+        dict): an all-gather over the ranks that shard -- a parameter server pulls instead."""
+        self.shard_comm.all_gather(full, shard, tag=tag)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The pieces' gradients -- what the sharded optimizer steps -- cleared (or zeroed)."""
@@ -225,8 +240,10 @@ class ZeRO(Stage):
         # The norm's dtype and device: the same on every rank, including one that owns no piece.
         dtype = functools.reduce(torch.promote_types, [g.optimizer_dtype for g in self.groups], torch.float32)
         device = self.groups[0].shard.device if self.groups else torch.device("cpu")
-        return clip_sharded_grad_norm_(counted + (replicas if self.rank == 0 else []), max_norm, norm_type, self.comm,
-                                       dtype, device, self.tag("clip norm"), [] if self.rank == 0 else replicas)
+        # Summed over the ranks that shard (each holds disjoint pieces; a replica of a shard holds the same ones).
+        first = self.shard_comm.rank == 0
+        return clip_sharded_grad_norm_(counted + (replicas if first else []), max_norm, norm_type, self.shard_comm,
+                                       dtype, device, self.tag("clip norm"), [] if first else replicas)
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's averaged gradient in its full shape -- FSDP2's ``param.grad.full_tensor()`` --
@@ -306,6 +323,8 @@ class ZeRO(Stage):
         """This rank's pieces, each a range of one parameter: its value (fp32 master under mixed precision)
         and the sharded optimizer's state for it -- what a sharded checkpoint stores, with no communication."""
         optimizer = self._require_optimizer("owned_parts")
+        if self.replica_comm is not None and self.replica_comm.rank != 0:
+            return []  # HSDP: the first replica of each shard writes it; the others hold the same values
         return [Part(piece.segment.name, piece.start, piece.stop, optimizer.stepped(piece).detach().clone(),
                      flat_range(optimizer.local.state.get(optimizer.stepped(piece)), 0, piece.stop - piece.start))
                 for group in self.groups if not group.replicated or self.rank == 0  # a replica: rank 0 writes it

@@ -82,7 +82,7 @@ class ZeRO3(ZeRO):
                              f"copy is already 16-bit; use precision='fp32'")
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.weight_wire = QuantizedWeights(comm, codec) if codec is not None else None
+        self.weight_wire = QuantizedWeights(self.shard_comm, codec) if codec is not None else None
         self._observers: list = []
         # One sharded group per unit, param group and dtype; the last unit first (backward's order).  Then
         # the replicated parameters, whole on every rank, one group per param group and dtype.
@@ -92,7 +92,8 @@ class ZeRO3(ZeRO):
         named = self.names()
         replicated = [ReplicatedGroup([(named[id(p)], p) for p in params], gi) for gi, params in
                       plan_groups([[p for p in g["params"] if id(p) in whole] for g in self.param_groups()])]
-        self.shard([ShardedFlatGroup(named, self.rank, self.world_size, gi) for _, gi, named in plan] + replicated)
+        ranks = self.shard_comm
+        self.shard([ShardedFlatGroup(named, ranks.rank, ranks.world_size, gi) for _, gi, named in plan] + replicated)
         names = {id(m): n for n, m in module.named_modules()}
         self.units = [self.unit_class(u, names[id(m)] or "root",
                                       [g for g, (owner, _, _) in zip(self.groups[:len(plan)], plan, strict=True) if owner == u],
@@ -130,7 +131,7 @@ class ZeRO3(ZeRO):
             fulls = [g.shard.new_empty(g.shard_size * g.world_size) for g in unit.groups]
             for group, full in zip(unit.groups, fulls, strict=True):
                 if self.weight_wire is None or why == INSPECTION:  # a state dict holds the weights, not their codes
-                    self.comm.all_gather(full, group.shard, tag=tag)
+                    self.shard_comm.all_gather(full, group.shard, tag=tag)
                 else:  # qwZ: codes travel, every rank computes with the decoded shards
                     self.weight_wire.all_gather(full, group.shard, tag)
             return fulls
@@ -191,7 +192,7 @@ class ZeRO3(ZeRO):
             full, tag = group.take_gradients(), self.tag(f"replicated gradients (group {index})")
 
             def all_reduce() -> torch.Tensor:
-                self.comm.all_reduce(full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
+                self.average_whole(full, tag, index)
                 return full
             return all_reduce
         if index in self._skipped:
@@ -202,7 +203,7 @@ class ZeRO3(ZeRO):
 
         def reduce_scatter() -> torch.Tensor:
             averaged = torch.empty_like(group.shard)
-            self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
+            self.average_shard(averaged, full, tag, index)
             return averaged
         return reduce_scatter
 

@@ -1,0 +1,99 @@
+"""Stage ``hsdp``: ZeRO-3 inside each node, DDP across nodes -- FSDP2's hybrid sharding (HSDP), DeepSpeed's MiCS.
+
+ZeRO-3 over all ``N = M x G`` ranks of ``M`` nodes puts every all-gather and reduce-scatter on a ring that
+crosses the slow inter-node link, three times a step.  HSDP draws a 2-D mesh over the cluster -- FSDP2's
+``init_device_mesh("cuda", (M, G))``, the replicate dimension first -- and
+
+* **shards within a node**: parameters, gradients and optimizer states cut into ``G`` shards, one per rank
+  of the node; a unit's all-gather before forward and backward, and the gradients' reduce-scatter, stay on
+  the fast intra-node link;
+* **replicates across nodes**: the ``M`` ranks at one place on every node hold the same shard; after the
+  reduce-scatter each all-reduces its averaged shard with its replicas -- the only traffic between nodes,
+  ``2(M-1)/M`` of ``Psi/G`` per rank, against ZeRO-3's ``3(N-1)/N`` of ``Psi`` on a ring through the slow link.
+
+The price is memory: model states divided by ``G``, not ``N`` (``16 Psi / G`` for fp32 Adam).  The mean is
+the same: the reduce-scatter averages the node's ``G`` gradients, the all-reduce the ``M`` nodes' means --
+the mean of all ``N`` (exactly, for any split of N <= 4 into nodes: one of the two divisions is by 1 or 2).
+
+Everything else is ZeRO-3's (:mod:`.zero3`): units, prefetch, resharding after forward, replicated modules,
+quantized weights, checkpoints -- with its collectives on the node's ranks (:meth:`ZeRO.mesh`).  Checks that
+every rank must agree on (the model at wrap time, which parameters have a gradient anywhere, the loss) stay
+on all N ranks.  A checkpoint is written by the first replica of each shard and reads into any stage at
+any N and node shape.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm, Nodes, ReduceOp
+from ..formulas import all_reduce_bytes
+from .facts import Reduction
+from .zero3 import ZeRO3
+
+
+class HSDP(ZeRO3):
+    name = "hsdp"
+    options = tuple(o for o in ZeRO3.options if o.name not in ("compress", "error_feedback"))
+
+    def __init__(self, module, optimizer=None, comm: Comm | None = None, units=None, reshard_after_forward: bool = True,
+                 prefetch: int = 1, replicate=None, quantized_weights: str | None = None,
+                 find_unused_parameters: bool = False, precision="fp32"):
+        super().__init__(module, optimizer, comm, units=units, reshard_after_forward=reshard_after_forward,
+                         prefetch=prefetch, replicate=replicate, quantized_weights=quantized_weights,
+                         find_unused_parameters=find_unused_parameters, precision=precision)
+
+    def mesh(self, comm: Comm) -> tuple[Comm, Comm]:
+        """Shard over this rank's node, replicate over the ranks at its place on every node."""
+        if comm.nodes is None:
+            raise ValueError(f"rank {comm.rank}: hsdp shards within a node and replicates across nodes, and this "
+                             f"Comm does not know where the ranks sit: give the network's nodes, e.g. "
+                             f"network='nodes=2x2' (or --network 'nodes=2x2,intra=nvlink,inter=ethernet-100g')")
+        return comm.over(comm.nodes.node_ranks(comm.rank)), comm.over(comm.nodes.across_ranks(comm.rank))
+
+    def average_shard(self, averaged: torch.Tensor, full: torch.Tensor, tag, key) -> None:
+        """The node's mean of my shard (fast link), then the mean of the nodes' means (slow link)."""
+        self.shard_comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag)
+        self.replica_comm.all_reduce(averaged, ReduceOp.AVG, tag=tag)
+
+    def average_whole(self, full: torch.Tensor, tag, key) -> None:
+        """A replicated module's buffer: averaged in the node, then across nodes (a hierarchical all-reduce)."""
+        self.shard_comm.all_reduce(full, ReduceOp.AVG, tag=tag)
+        self.replica_comm.all_reduce(full, ReduceOp.AVG, tag=tag)
+
+    # ------------------------------------------------------------------ facts
+    @classmethod
+    def sent_bytes_by_link(cls, psi, world_size, grad_bytes, param_bytes, nodes: Nodes | None = None,
+                           **options) -> dict[str, float]:
+        """Per rank and step: ZeRO-3's bytes among the node's ``G`` ranks; the shard's all-reduce among ``M``."""
+        nodes = _nodes(nodes, world_size)
+        return {"intra": ZeRO3.sent_bytes_per_step(psi, nodes.per_node, grad_bytes, param_bytes, **options),
+                "inter": all_reduce_bytes(psi * grad_bytes / nodes.per_node, nodes.count)}
+
+    @classmethod
+    def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, nodes: Nodes | None = None,
+                            **options) -> float:
+        return sum(cls.sent_bytes_by_link(psi, world_size, grad_bytes, param_bytes, nodes, **options).values())
+
+    @classmethod
+    def state_bytes(cls, psi, world_size, element_size, state_tensors, precision=None, nodes: Nodes | None = None,
+                    **options) -> float:
+        """ZeRO-3's model states, divided by the node's ``G`` ranks instead of all ``N``."""
+        whole, divided = cls.state_terms(element_size, state_tensors, precision)
+        return psi * (whole + divided / _nodes(nodes, world_size).per_node)
+
+    @classmethod
+    def state_formula(cls, element_size, state_tensors, precision=None, **options) -> str:
+        whole, divided = cls.state_terms(element_size, state_tensors, precision)
+        return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/G"] * bool(divided)) or "0"
+
+    @classmethod
+    def reduction(cls, model, optimizer, world_size, nodes: Nodes | None = None, **options) -> Reduction:
+        plain = ZeRO3.reduction(model, optimizer, world_size, **options)
+        return Reduction(plain.buffers, padded=True, shards=_nodes(nodes, world_size).per_node, whole=plain.whole)
+
+
+def _nodes(nodes: Nodes | None, world_size: int) -> Nodes:
+    if nodes is None:
+        raise ValueError(f"hsdp's bytes and memory depend on the node shape: pass nodes= (the network's "
+                         f"nodes=MxG, M x G = {world_size})")
+    return nodes
