@@ -83,12 +83,19 @@ assert sorted(SIMPLEST_FIRST) == sorted(OPTIMIZERS)
 @st.composite
 def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_accum: int = 3, compress: bool = False,
                 backends=("ring", "native"), stages: dict | None = None, precision: bool = False,
-                tasks=("mlp", "mlp", "edge", "gpt"), wrap_first: bool = False):
+                tasks=("mlp", "mlp", "edge", "gpt"), wrap_first: bool = False, nodes: bool = False):
     """An experiment and its world size: model shape, batch split, optimizer, dtype...  With ``wrap_first``,
     half the draws build the optimizer after wrapping, over ``stage.parameters()``, and the loop zeroes and steps
     it itself (FSDP2's order: ``optimizer.zero_grad()`` sets every ``.grad`` to None behind the stage's back); and
-    half zero the gradients as a user's loop often does, with ``model.zero_grad()``."""
+    half zero the gradients as a user's loop often does, with ``model.zero_grad()``.  With ``nodes`` (always for a
+    stage whose mesh is the nodes: HSDP), the ranks sit on drawn nodes -- ``M x G = N``, one rank per node and
+    one node included -- and the backend may be the hierarchical one."""
     world_size = draw(st.sampled_from(world_sizes))
+    network = None
+    if nodes or getattr(stage_class(stage, stages), "needs_nodes", False):
+        per_node = draw(st.sampled_from([g for g in range(1, world_size + 1) if world_size % g == 0]))
+        network = f"nodes={world_size // per_node}x{per_node}"
+        backends = (*backends, "hierarchical")
     task = draw(st.sampled_from(tasks))
     model = {}
     if task == "mlp":
@@ -120,6 +127,7 @@ def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_
         dtype=dtype,
         seed=draw(st.integers(0, 2**16)),
         backend=draw(st.sampled_from(backends)),
+        network=network,
         rank_sizes=rank_sizes,
         options=draw(stage_options(stage, task, compress, stages, precision, world_size)),
         clip=draw(st.sampled_from(CLIPS)),

@@ -33,6 +33,7 @@ from .zero3 import ZeRO3
 
 class HSDP(ZeRO3):
     name = "hsdp"
+    needs_nodes = True  # its mesh is where the ranks sit: a run names the nodes (network="nodes=MxG,...")
     options = tuple(o for o in ZeRO3.options if o.name not in ("compress", "error_feedback"))
 
     def __init__(self, module, optimizer=None, comm: Comm | None = None, units=None, reshard_after_forward: bool = True,
