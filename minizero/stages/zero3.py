@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..buckets import BucketPipeline
-from ..comm import Comm, ReduceOp, Work
+from ..comm import Comm, Work
 from ..compress.weights import QuantizedWeights, parse_weights
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import ReplicatedGroup, ShardedFlatGroup, plan_groups
