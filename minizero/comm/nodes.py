@@ -69,6 +69,14 @@ class Nodes:
                              f"run has {world_size}; give nodes=MxG with M*G = {world_size} (e.g. nodes=1x{world_size})")
 
 
+def assumed_nodes(world_size: int) -> Nodes:
+    """Where a stage whose mesh is the nodes (HSDP) puts ``world_size`` ranks whose Comm was given none: two
+    nodes when N is even, one rank per node when it is odd -- so it shards *and* replicates wherever it can,
+    and every caller that runs each stage runs it.  Give the network's nodes to choose."""
+    count = 2 if world_size % 2 == 0 else world_size
+    return Nodes(count, world_size // count)
+
+
 def parse_nodes(text: "str | Nodes") -> Nodes:
     """``"2x4"``: 2 nodes of 4 ranks each (``M x G``, as a cluster is usually described)."""
     if isinstance(text, Nodes):

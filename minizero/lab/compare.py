@@ -25,7 +25,7 @@ from ..stages import check_stage_names
 from ..torchrun import init_from_env, under_torchrun
 from . import option_flags, preflight
 from .equivalence import DTYPES, RTOL, agrees, judge
-from .experiment import Experiment, element_size, exact_reference_of, precision_of, reference_of, rounds, run_experiment
+from .experiment import Experiment, element_size, exact_reference_of, network_of, precision_of, reference_of, rounds, run_experiment
 from .optimizers import STATE_TENSORS
 from .registry import LAB_STAGES, stage_class
 
@@ -75,7 +75,7 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
     ``exact``, if given, the uncompressed one, to report how much compression changed."""
     verdict = judge(results, reference, exp.dtype)
     cls, first = stage_class(stage, exp.stages), results[0]
-    nodes = nodes_of(exp)
+    nodes = nodes_of(exp, world_size)
     options = {**exp.options, "nodes": nodes} if nodes is not None else exp.options  # HSDP's facts need its mesh
     times = first.step_s[1:] or first.step_s  # the first step warms up
     sent = sum(r.sent_bytes for r in results) / (len(results) * exp.steps)
@@ -113,9 +113,9 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
         skipped_steps=max(skipped), **link_columns(cls, results, exp, world_size, nodes, options))
 
 
-def nodes_of(exp: Experiment):
+def nodes_of(exp: Experiment, world_size: int):
     """The nodes the run's ranks sit on (a two-level network), or None."""
-    network = parse_network(exp.network)
+    network = parse_network(network_of(exp, world_size))
     return network.nodes if isinstance(network, TwoLevel) else None
 
 

@@ -16,6 +16,7 @@ import torch
 
 from .. import checkpoint
 from ..comm import Ledger, make_comm
+from ..comm.nodes import assumed_nodes
 from ..compress import check_compress
 from ..compress import parse as parse_compress
 from ..launch import Rank
@@ -77,8 +78,18 @@ def build(me: Rank | None, exp: Experiment):
     model.to(exp.device)
     optimizer = None if exp.wrap_first else make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
-    comm = make_comm(exp.backend, check=exp.check, network=exp.network) if me else None
+    comm = make_comm(exp.backend, check=exp.check, network=network_of(exp, me.world_size)) if me else None
     return build_stage(exp.stage, model, optimizer, comm, exp.stages, **exp.options), model, comm, psi
+
+
+def network_of(exp: Experiment, world_size: int):
+    """The run's network.  A stage whose mesh is the nodes (HSDP), run without any, sits on the nodes it would
+    assume (:func:`~minizero.comm.nodes.assumed_nodes`), placed on the Comm, so the ledger counts per link
+    class and the native backend has the nodes' process groups."""
+    if exp.network is not None or not getattr(stage_class(exp.stage, exp.stages), "needs_nodes", False):
+        return exp.network
+    nodes = assumed_nodes(world_size)
+    return f"nodes={nodes.count}x{nodes.per_node}"
 
 
 def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = None) -> RankResult:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm, Nodes, ReduceOp
+from ..comm.nodes import assumed_nodes
 from ..formulas import all_reduce_bytes
 from .facts import Reduction
 from .zero3 import ZeRO3
@@ -33,7 +34,7 @@ from .zero3 import ZeRO3
 
 class HSDP(ZeRO3):
     name = "hsdp"
-    needs_nodes = True  # its mesh is where the ranks sit: a run names the nodes (network="nodes=MxG,...")
+    needs_nodes = True  # its mesh is where the ranks sit (network="nodes=MxG,..."; else assumed_nodes)
     options = tuple(o for o in ZeRO3.options if o.name not in ("compress", "error_feedback"))
 
     def __init__(self, module, optimizer=None, comm: Comm | None = None, units=None, reshard_after_forward: bool = True,
@@ -44,12 +45,16 @@ class HSDP(ZeRO3):
                          find_unused_parameters=find_unused_parameters, precision=precision)
 
     def mesh(self, comm: Comm) -> tuple[Comm, Comm]:
-        """Shard over this rank's node, replicate over the ranks at its place on every node."""
-        if comm.nodes is None:
-            raise ValueError(f"rank {comm.rank}: hsdp shards within a node and replicates across nodes, and this "
-                             f"Comm does not know where the ranks sit: give the network's nodes, e.g. "
-                             f"network='nodes=2x2' (or --network 'nodes=2x2,intra=nvlink,inter=ethernet-100g')")
-        return comm.over(comm.nodes.node_ranks(comm.rank)), comm.over(comm.nodes.across_ranks(comm.rank))
+        """Shard over this rank's node, replicate over the ranks at its place on every node.  A Comm that does
+        not know where its ranks sit gets :func:`~minizero.comm.nodes.assumed_nodes` (two nodes when N is even,
+        one rank per node when odd), stated as :attr:`nodes`."""
+        self.nodes = comm.nodes or assumed_nodes(comm.world_size)
+        node, across = self.nodes.node_ranks(comm.rank), self.nodes.across_ranks(comm.rank)
+        if comm.nodes is None and comm.name == "native":  # torch's collectives need process groups of those ranks
+            raise ValueError(f"rank {comm.rank}: hsdp on the native backend needs the nodes at the Comm's "
+                             f"construction (it creates their process groups): make_comm('native', "
+                             f"network='nodes={self.nodes.count}x{self.nodes.per_node}')")
+        return comm.over(node), comm.over(across)
 
     def average_shard(self, averaged: torch.Tensor, full: torch.Tensor, tag, key) -> None:
         """The node's mean of my shard (fast link), then the mean of the nodes' means (slow link)."""
@@ -94,7 +99,5 @@ class HSDP(ZeRO3):
 
 
 def _nodes(nodes: Nodes | None, world_size: int) -> Nodes:
-    if nodes is None:
-        raise ValueError(f"hsdp's bytes and memory depend on the node shape: pass nodes= (the network's "
-                         f"nodes=MxG, M x G = {world_size})")
-    return nodes
+    """The nodes a fact is stated for: those given, or those a Comm without nodes is assumed to have."""
+    return nodes if nodes is not None else assumed_nodes(world_size)

@@ -72,14 +72,6 @@ class ZeRO(Stage):
         """``(shard over, replicate over)``: every rank shards, nothing is replicated (a 1-D mesh)."""
         return comm, None
 
-    def average_shard(self, averaged: torch.Tensor, full: torch.Tensor, tag, key) -> None:
-        """This rank's shard of the mean of every rank's ``full`` gradient buffer: a reduce-scatter."""
-        self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=key)
-
-    def average_whole(self, full: torch.Tensor, tag, key) -> None:
-        """A buffer kept whole on every rank (ZeRO-3's replicated modules), averaged as DDP does: an all-reduce."""
-        self.comm.all_reduce(full, ReduceOp.AVG, tag=tag, wire=self.wire, key=key)
-
     def param_groups(self) -> list[dict]:
         """What the flat groups are built from: the user's optimizer's param groups, or all trainable
         parameters as one group when the optimizer comes after wrapping."""

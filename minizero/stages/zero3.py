@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..buckets import BucketPipeline
-from ..comm import Comm, Work
+from ..comm import Comm, ReduceOp, Work
 from ..compress.weights import QuantizedWeights, parse_weights
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import ReplicatedGroup, ShardedFlatGroup, plan_groups
@@ -206,6 +206,14 @@ class ZeRO3(ZeRO):
             self.average_shard(averaged, full, tag, index)
             return averaged
         return reduce_scatter
+
+    def average_shard(self, averaged: torch.Tensor, full: torch.Tensor, tag, key) -> None:
+        """This rank's shard of the mean of every rank's ``full`` gradient buffer: a reduce-scatter."""
+        self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=key)
+
+    def average_whole(self, full: torch.Tensor, tag, key) -> None:
+        """A replicated module's buffer, whole on every rank, averaged as DDP does: an all-reduce."""
+        self.comm.all_reduce(full, ReduceOp.AVG, tag=tag, wire=self.wire, key=key)
 
     def post_backward(self) -> None:
         """Backward has finished: the last reduce-scatters launched, each piece given its averaged gradient.
