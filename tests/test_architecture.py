@@ -157,7 +157,8 @@ def test_each_core_stage_file_calls_its_collectives():
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                  and isinstance(node.func.value, ast.Attribute)
                  and node.func.value.attr.endswith("comm")}  # self.comm, or HSDP's mesh: shard_comm, replica_comm
-        assert set(collectives) <= calls, (file, "calls self.comm. (or shard_comm, replica_comm)", sorted(calls), "but not", set(collectives) - calls)
+        assert set(collectives) <= calls, (file, "calls self.comm. (or shard_comm, replica_comm)", sorted(calls),
+                                           "but not", set(collectives) - calls)
 
 
 def test_no_comm_module_but_star_and_not_compress_mentions_the_servers():
