@@ -73,6 +73,8 @@ BESIDE_THE_LESSONS = {
     # the labs' checker: its verdicts are words about values, bytes and calls, never about how long anything took
     "test_lab_checker", "test_lab_mistakes", "test_lab_tree", "test_lab_reshard", "test_lab_mixed_precision",
     "test_lab_local_sgd",
+    # topology: values and bytes per link class (the dialled timings are test_network's, alone)
+    "test_hierarchical", "test_hsdp",
     # what the lessons print and draw: structure, names and bytes, never time
     "test_lesson_outputs", "test_production_names", "test_parallelism", "test_lesson_overlap",
     "test_lesson_ring_pictures", "test_lesson_layout", "test_lesson_debug_flags", "test_lesson_zero2_backward",
