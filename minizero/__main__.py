@@ -116,7 +116,10 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     scale.add_argument("--params", type=positive_float, required=True, help="Psi, the number of parameters")
     scale.add_argument("--world-size", default="1..1024", help="'1,2,4,8' or '1..1024' (powers of two)")
     scale.add_argument("--network", default="ethernet-100g", help="a preset (" + ", ".join(PRESETS) + ") or "
-                       "'alpha=10us,bandwidth=12.5GB/s'")
+                       "'alpha=10us,bandwidth=12.5GB/s'; a cluster: 'nodes=128x8,intra=nvlink,inter=infiniband-ndr' "
+                       "(nodes of 8; each world size fills N/8 of them)")
+    scale.add_argument("--collectives", default="flat", help="'flat', 'hierarchical' or 'flat,hierarchical': the "
+                       "world's rings as one ring, or in two levels (on a cluster)")
     scale.add_argument("--compress", default=None, metavar="WIRES",
                        help="'fp16,int8,topk:0.01,powersgd:rank=4': instead of the stages, when each compressor pays -- "
                             "its bytes, its time on --network, its compute, the break-even bandwidth per N")

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .comm.network import Network
+from .cluster_cost import RING_STEPS, collective_s, nodes_for
+from .comm.network import Network, TwoLevel
+from .comm.nodes import Nodes
 
-RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
 MAX_COLLECTIVES = 100_000  # buckets or units one step may replay: beyond, the model would take minutes
 
 
@@ -90,10 +91,31 @@ class StepPlan:
     buckets: tuple[float, ...] | None = None
     options: dict = field(default_factory=dict)
     step_s: float = 0.0  # the optimizer step's compute (measured; 0 when not given)
+    hierarchical: bool = False  # the world's collectives in two levels (the hierarchical backend)
 
     @property
     def psi(self) -> float:
         return float(sum(self.blocks))
+
+    @property
+    def nodes(self) -> Nodes:
+        """Where the ranks sit: nodes of the cluster's ``G`` (one node on a flat network)."""
+        return nodes_for(self.world_size, self.network)
+
+    @property
+    def slowest(self) -> Network:
+        """One flat network standing for the cluster, for exchanges modelled only as stars (the parameter
+        server): its slowest wire (the inter-node one, where there are several nodes)."""
+        net = self.network
+        if not isinstance(net, TwoLevel):
+            return net
+        wire = net.inter if self.nodes.count > 1 else net.intra
+        return wire if wire is not None else Network(0.0, 1e30, "free")
+
+    def collective_s(self, kind: str, nbytes: float, span: str = "world") -> tuple[float, float]:
+        """Seconds of ring ``kind`` on ``nbytes`` among the ``span`` ranks, and their alpha part
+        (:mod:`minizero.cluster_cost`)."""
+        return collective_s(kind, nbytes, self.network, self.nodes, span, self.hierarchical)
 
     def bucket_sizes(self, bucket_mb: float = 25.0) -> list[float]:
         if self.buckets is not None:
@@ -140,16 +162,17 @@ class Schedule:
         self.t += seconds
         self.compute_s += seconds
 
-    def launch(self, key, kind: str, numel: float, element_bytes: int) -> None:
-        """Queue a collective (a no-op for nothing, or for one rank: nothing to exchange)."""
-        n, net = self.plan.world_size, self.plan.network
-        cost = ring_s(kind, numel * element_bytes, n, net) if numel > 0 else 0.0
+    def launch(self, key, kind: str, numel: float, element_bytes: int, span: str = "world") -> None:
+        """Queue a collective among the ``span`` ranks -- all of them, or on a cluster a node's or the ranks
+        across nodes (HSDP's mesh) -- (a no-op for nothing, or for one rank: nothing to exchange)."""
+        cost, alpha = self.plan.collective_s(kind, numel * element_bytes, span) if numel > 0 else (0.0, 0.0)
         start = max(self.t, self._free)
         self._free = self._ends[key] = start + cost
         self.comm_s += cost
         if numel > 0:
-            self.latency_s += ring_latency_s(kind, n, net)
-            self.tree_latency_s += tree_latency_s(kind, n, net)
+            n = {"world": self.plan.world_size, "node": self.plan.nodes.per_node, "across": self.plan.nodes.count}[span]
+            self.latency_s += alpha
+            self.tree_latency_s += tree_latency_s(kind, n, self.plan.slowest) if span != "node" else alpha
 
     def launched(self, key) -> bool:
         return key in self._ends

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from ..comm.network import Network, parse_network
+from ..comm.network import Network, TwoLevel, parse_network
 from ..cost_model import MAX_COLLECTIVES, RING_STEPS, StepPlan, predict
 from ..launch import RankPool
 from ..precision import Precision
@@ -38,7 +38,7 @@ def world_sizes(text: str) -> list[int]:
 
 
 def uniform_plan(params: float, world_size: int, network: Network, compute_s: float, layers: int = 12,
-                 precision: str = "fp32", **options) -> StepPlan:
+                 precision: str = "fp32", hierarchical: bool = False, **options) -> StepPlan:
     """A model of ``params`` parameters in ``layers`` equal blocks; backward takes twice forward's time."""
     if not 1 <= layers <= min(params, MAX_COLLECTIVES):
         raise ValueError(f"--layers {layers} must be between 1 and the number of parameters ({params:g}), and at "
@@ -48,7 +48,7 @@ def uniform_plan(params: float, world_size: int, network: Network, compute_s: fl
                          f"a rank's shard would hold less than one; use fewer ranks or more --params")
     element = Precision.of(precision).working_bytes(4)
     return StepPlan(world_size, network, compute_s / 3, 2 * compute_s / 3, (0.0,) + (params / layers,) * layers,
-                    element, element, options=options)
+                    element, element, options=options, hierarchical=hierarchical)
 
 
 def measure_compute_s(params: float, micro_batch: int = 8, repeats: int = 5) -> tuple[float, str]:
@@ -66,14 +66,26 @@ def measure_compute_s(params: float, micro_batch: int = 8, repeats: int = 5) -> 
                                     f"took {measured * 1e3:.1f} ms forward+backward; scaled by Psi")
 
 
+def variants(stages: list[str], collectives: list[str]) -> list[tuple[str, bool]]:
+    """``(stage, hierarchical)`` to predict: each stage with each kind of world collective it has -- HSDP's are its
+    mesh's own (a node's, across the nodes), the parameter server's a star: flat only."""
+    return [(name, mode == "hierarchical") for name in stages for mode in collectives
+            if mode == "flat" or not getattr(STAGES[name], "needs_nodes", False) and STAGES[name].sent_bytes_by_link(
+                1.0, 2, 4, 4) is not None]
+
+
 def table(stages: list[str], params: float, sizes: list[int], network: Network, compute_s: float,
-          layers: int = 12, precision: str = "fp32", **options) -> list[dict]:
+          layers: int = 12, precision: str = "fp32", collectives=("flat",), **options) -> list[dict]:
     rows = []
-    for name in stages:
+    for name, hierarchical in variants(stages, list(collectives)):
         accepted = {k: v for k, v in options.items() if k in STAGES[name].option_names()}
         for n in sizes:
-            p = predict(STAGES[name], uniform_plan(params, n, network, compute_s, layers, precision, **accepted))
-            rows.append({"stage": name, "world_size": n, "step_ms": p.step_s * 1e3, "compute_ms": p.compute_s * 1e3,
+            plan = uniform_plan(params, n, network, compute_s, layers, precision, hierarchical, **accepted)
+            p = predict(STAGES[name], plan)
+            nodes = plan.nodes
+            rows.append({"stage": name + (" (hierarchical)" if hierarchical else ""), "world_size": n,
+                         "nodes": nodes.count, "per_node": nodes.per_node,
+                         "step_ms": p.step_s * 1e3, "compute_ms": p.compute_s * 1e3,
                          "comm_ms": p.comm_s * 1e3, "exposed_ms": p.exposed_s * 1e3,
                          "ring_latency_ms": p.latency_s * 1e3, "tree_latency_ms": p.tree_latency_s * 1e3,
                          "efficiency": p.efficiency})
@@ -102,24 +114,38 @@ def main(args) -> tuple[int, str]:
         compute_s, how = measure_compute_s(args.params)
     else:
         compute_s, how = args.compute_ms / 1e3, "given (--compute-ms)"
-    rows = table(stages, args.params, sizes, network, compute_s, args.layers, args.precision, **given(args))
+    collectives = [c for c in args.collectives.split(",") if c]
+    if not collectives or set(collectives) - {"flat", "hierarchical"}:
+        raise ValueError(f"--collectives {args.collectives!r}: give flat, hierarchical or flat,hierarchical")
+    rows = table(stages, args.params, sizes, network, compute_s, args.layers, args.precision, collectives, **given(args))
     if args.json:
-        return 0, json.dumps({"network": {"name": network.name, "alpha_s": network.alpha,
-                                          "bandwidth_Bps": network.bandwidth, "source": network.source},
+        return 0, json.dumps({"network": describe_network(network),
                               "params": args.params, "compute_ms": compute_s * 1e3, "compute": how,
                               "precision": args.precision, "rows": rows}, indent=2)
+    width = max(13, *(len(r["stage"]) + 2 for r in rows))
     lines = [f"predicted step per rank: Psi={args.params:.3g} in {args.layers} blocks, {args.precision}, "
              f"network {network.describe()}",
              f"compute {compute_s * 1e3:.1f} ms per step ({how}); ring collectives; the alpha terms are part of comm",
-             f"{'stage':<13}{'N':>6}{'step ms':>11}{'comm ms':>11}{'exposed ms':>12}{'ring α ms':>11}"
+             f"{'stage':<{width}}{'N':>6}{'nodes':>7}{'step ms':>11}{'comm ms':>11}{'exposed ms':>12}{'ring α ms':>11}"
              f"{'tree α ms':>11}{'efficiency':>12}"]
     for r in rows:
-        lines.append(f"{r['stage']:<13}{r['world_size']:>6}{r['step_ms']:>11.2f}{r['comm_ms']:>11.2f}"
+        lines.append(f"{r['stage']:<{width}}{r['world_size']:>6}{r['nodes']:>7}{r['step_ms']:>11.2f}{r['comm_ms']:>11.2f}"
                      f"{r['exposed_ms']:>12.2f}{r['ring_latency_ms']:>11.3f}{r['tree_latency_ms']:>11.3f}"
                      f"{r['efficiency']:>11.0%}")
-    if network.source:
-        lines.append(f"network source: {network.source}")
+    lines += [f"network source ({wire}): {source}" for wire, source in describe_network(network)["sources"].items()]
     return 0, "\n".join(lines)
+
+
+def describe_network(network) -> dict:
+    """The network as the JSON output states it: each wire's alpha, bandwidth and source."""
+    wires = {"intra": network.intra, "inter": network.inter} if isinstance(network, TwoLevel) else {"": network}
+    out = {"description": network.describe(), "sources": {k or network.name: w.source for k, w in wires.items()
+                                                           if w is not None and w.source}}
+    if isinstance(network, TwoLevel):
+        out["per_node"] = network.nodes.per_node
+    out.update({f"{k + '_' if k else ''}alpha_s": w.alpha for k, w in wires.items() if w is not None})
+    out.update({f"{k + '_' if k else ''}bandwidth_Bps": w.bandwidth for k, w in wires.items() if w is not None})
+    return out
 
 
 # ---------------------------------------------------------------- the model against measured runs
@@ -139,7 +165,18 @@ def measured_plan(exp: Experiment, world_size: int, network: Network, forward_s:
         buckets = tuple(float(sum(numel[n] for n in names)) for names in layout.buffers)
     element = precision_of(exp).working_bytes(4)
     return StepPlan(world_size, network, forward_s, backward_s, blocks, wire_bytes(exp), element, buckets,
-                    {k: v for k, v in exp.options.items() if k in stage.option_names()}, step_s)
+                    {k: v for k, v in exp.options.items() if k in stage.option_names()}, step_s,
+                    hierarchical=exp.backend == "hierarchical")
+
+
+def with_loopback(network, loopback_s: float):
+    """The dial plus the loopback's own cost per message, on every wire the dial has (a wire left out of a
+    cluster's dial still costs the loopback)."""
+    if not isinstance(network, TwoLevel):
+        return replace(network, alpha=network.alpha + loopback_s)
+    free = Network(0.0, 1e30, "free")
+    return replace(network, intra=replace(network.intra or free, alpha=(network.intra or free).alpha + loopback_s),
+                   inter=replace(network.inter or free, alpha=(network.inter or free).alpha + loopback_s))
 
 
 def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeats: int = 1) -> dict:
@@ -155,7 +192,9 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
         raise ValueError(f"the model replays one forward and backward per step; got accum={exp.accum}: compare "
                          f"a run with accum=1")
     exp = replace(exp, check=False)  # a fingerprint is (N-1) more messages per collective, which the model leaves out
-    quiet = pool.run(timeline_on_rank, replace(exp, network=None))
+    dialled = parse_network(network)  # undialled, a cluster's ranks still sit where they sit: its placement only
+    placement = f"nodes={dialled.nodes.count}x{dialled.nodes.per_node}" if isinstance(dialled, TwoLevel) else None
+    quiet = pool.run(timeline_on_rank, replace(exp, network=placement))
     runs = [pool.run(timeline_on_rank, replace(exp, network=network)) for _ in range(repeats)]
 
     def median(per_rank, what) -> float:
@@ -171,8 +210,7 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
     # The rank that arrives last at a collective does not wait for the others: its spans are the transfer.
     loopback = min(statistics.median(sum(e - s for _, s, e in st.comm) / max(messages(st), 1) for st in steps[1:])
                    for steps in quiet)
-    dialled = parse_network(network)
-    plan = measured_plan(exp, pool.world_size, replace(dialled, alpha=dialled.alpha + loopback), forward_s, backward_s,
+    plan = measured_plan(exp, pool.world_size, with_loopback(dialled, loopback), forward_s, backward_s,
                          step_s)
     predicted = predict(STAGES[exp.stage], plan)
     measured = [median(run, lambda st: st.end) for run in runs]

@@ -92,6 +92,14 @@ class HSDP(ZeRO3):
         whole, divided = cls.state_terms(element_size, state_tensors, precision)
         return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/G"] * bool(divided)) or "0"
 
+    shard_span = "node"  # the scaling model gathers and reduce-scatters inside the node...
+
+    @classmethod
+    def schedule_reduction(cls, s, key, numel: float) -> None:
+        """... and all-reduces each shard across the nodes, after its reduce-scatter, on the same thread."""
+        s.launch(key, "reduce_scatter", numel, s.plan.grad_bytes, span="node")
+        s.launch((key, "across"), "all_reduce", numel / s.plan.nodes.per_node, s.plan.grad_bytes, span="across")
+
     @classmethod
     def reduction(cls, model, optimizer, world_size, nodes: Nodes | None = None, **options) -> Reduction:
         plain = ZeRO3.reduction(model, optimizer, world_size, **options)

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp
-from ..cost_model import ring_latency_s, ring_s
 from ..flat import group_by_dtype, pack, unpack
 from ..formulas import all_reduce_bytes
 from .base import Stage
@@ -182,5 +181,5 @@ class LocalSGD(Stage):
         s.forward()
         s.backward()
         s.optimizer_step()
-        s.blocking_s(ring_s("all_reduce", plan.psi * plan.param_bytes, plan.world_size, plan.network) / average_every,
-                     ring_latency_s("all_reduce", plan.world_size, plan.network) / average_every)
+        seconds, alpha = plan.collective_s("all_reduce", plan.psi * plan.param_bytes)
+        s.blocking_s(seconds / average_every, alpha / average_every)

@@ -165,7 +165,7 @@ class ParameterServer(ZeRO):
     @classmethod
     def schedule(cls, s, servers: int = 1, **options) -> None:
         """Push after backward, pull after the servers' step: neither hides, and both wait on a server."""
-        plan, net = s.plan, s.plan.network
+        plan, net = s.plan, s.plan.slowest  # a star, on a cluster at the slow wire's pace
         s.forward()
         s.backward()
         s.blocking_s(push_s(plan.psi * plan.grad_bytes, plan.world_size, servers, net), net.alpha)

@@ -301,7 +301,7 @@ class ZeRO3(ZeRO):
 
         def gather(u: int, when: str) -> None:
             if not s.launched((when, u)):
-                s.launch((when, u), "all_gather", blocks[u], plan.param_bytes)
+                s.launch((when, u), "all_gather", blocks[u], plan.param_bytes, span=cls.shard_span)
 
         def run(order: list[int], when: str, compute, after=None) -> None:
             for i, u in enumerate(order):
@@ -320,11 +320,18 @@ class ZeRO3(ZeRO):
         order = [0] + list(range(len(blocks) - 1, 0, -1))
         when = "backward" if reshard_after_forward else "forward"
         run(order, when, lambda u: s.compute(blocks[u] * per_param_b * (u > 0) + (u == 0) * blocks[0] * per_param_b / 2),
-            lambda u: u and s.launch(("rs", u), "reduce_scatter", blocks[u], plan.grad_bytes))
+            lambda u: u and cls.schedule_reduction(s, ("rs", u), blocks[u]))
         s.compute(blocks[0] * per_param_b / 2)  # the embeddings' backward, last
-        s.launch(("rs", 0), "reduce_scatter", blocks[0], plan.grad_bytes)
+        cls.schedule_reduction(s, ("rs", 0), blocks[0])
         s.wait_all()
         s.optimizer_step()
+
+    shard_span = "world"  # the ranks the scaling model gathers and reduce-scatters among (HSDP: a node's)
+
+    @classmethod
+    def schedule_reduction(cls, s, key, numel: float) -> None:
+        """A unit's gradients, averaged in the scaling model: one reduce-scatter."""
+        s.launch(key, "reduce_scatter", numel, s.plan.grad_bytes)
 
     @classmethod
     def reduction(cls, model, optimizer, world_size, units=None, replicate=None, **options) -> Reduction:
