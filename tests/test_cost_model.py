@@ -63,6 +63,41 @@ def test_the_model_predicts_a_dialled_run(pools, n, stage, options):
     assert abs(r["error"]) < 0.35, r
 
 
+def test_collectives_on_a_cluster_by_hand():
+    """2 nodes x 4, 1 ms / 1 GB/s inside, 10 ms / 100 MB/s between, S = 80 MB all-reduced."""
+    from minizero.cluster_cost import collective_s
+    from minizero.comm import Nodes, parse_network
+    net, nodes, s = parse_network("nodes=2x4,intra=1ms/1GB/s,inter=10ms/100MB/s"), Nodes(2, 4), 8e7
+    flat, flat_alpha = collective_s("all_reduce", s, net, nodes)
+    assert flat == pytest.approx(14 * (0.010 + 1e7 / 1e8)) and flat_alpha == pytest.approx(14 * 0.010)  # 2(N-1) slow hops
+    two, two_alpha = collective_s("all_reduce", s, net, nodes, hierarchical=True)
+    inside = 6 * (0.001 + 2e7 / 1e9)  # 2(G-1) steps of S/G
+    across = 2 * (0.010 + 4 * (2e7 / 2) / 1e8)  # 2(M-1) steps; the 4 rings' S/(G M) share the node's link
+    assert two == pytest.approx(inside + across) and two_alpha == pytest.approx(6 * 0.001 + 2 * 0.010)
+    # HSDP's spans: a node's ring on the fast wire, the across ring of a shard on the shared slow one
+    assert collective_s("all_gather", s, net, nodes, "node")[0] == pytest.approx(3 * (0.001 + 2e7 / 1e9))
+    assert collective_s("all_reduce", s / 4, net, nodes, "across")[0] == pytest.approx(2 * (0.010 + 4 * 1e7 / 1e8))
+    one_node = collective_s("all_reduce", s, net, Nodes(1, 8))  # all inside: the fast wire only
+    assert one_node[0] == pytest.approx(14 * (0.001 + 1e7 / 1e9))
+    # the scaling model's plan fills nodes of G.  Through a node's link per step: flat ZeRO-3's three rings
+    # 3(N-1)/N x Psi; HSDP's shard all-reduce 2(M-1)/M x Psi (its G rings share the link) -- about 0.58x
+    zero3, hsdp = (predict(STAGES[name], StepPlan(64, parse_network("nodes=8x8,intra=nvlink,inter=ethernet-100g"),
+                                                  0.1, 0.2, (0.0,) + (1e8,) * 8)) for name in ("zero3", "hsdp"))
+    assert hsdp.comm_s < 0.65 * zero3.comm_s
+
+
+@pytest.mark.parametrize("stage, backend, options", [("hsdp", "ring", {"prefetch": 1}),
+                                                     ("zero3", "hierarchical", {"prefetch": 1})])
+def test_the_cluster_model_predicts_a_dialled_run_on_nodes(pools, stage, backend, options):
+    """2 nodes x 2 ranks, 1 ms / 100 MB/s inside and 10 ms / 10 MB/s between: within the flat model's 35% (seen
+    -14% and -6% here; at 2 x 3, -15% to +20% for zero3, hsdp and ddp-bucketed, flat and hierarchical)."""
+    exp = Experiment(stage=stage, task="gpt", steps=4, dtype="float32", optimizer="sgd", check=False,
+                     micro_batch=8, options=options, backend=backend)
+    r = model_against_measured(pools.pool(4), exp, "nodes=2x2,intra=1ms/100MB/s,inter=10ms/10MB/s")
+    assert r["comm_ms"] > 0.6 * r["predicted_ms"]
+    assert abs(r["error"]) < 0.35, r
+
+
 def test_scale_prints_the_table_and_json(capsys):
     assert main(["scale", "--stage", "ddp,zero3", "--params", "1e9", "--world-size", "1,8,1024",
                  "--network", "ethernet-100g", "--compute-ms", "200"]) == 0
@@ -75,6 +110,12 @@ def test_scale_prints_the_table_and_json(capsys):
     latency = [r["ring_latency_ms"] for r in rows]
     assert latency == sorted(latency) and latency[-1] > 100 * latency[0]  # the ring's alpha term grows with N
     assert rows[-1]["efficiency"] < rows[0]["efficiency"]
+    assert main(["scale", "--stage", "zero3,hsdp", "--params", "1e9", "--world-size", "8,64", "--compute-ms", "100",
+                 "--network", "nodes=8x8,intra=nvlink,inter=ethernet-100g", "--collectives", "flat,hierarchical",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["stage"], r["nodes"]) for r in rows] == [("zero3", 1), ("zero3", 8), ("zero3 (hierarchical)", 1),
+                                                         ("zero3 (hierarchical)", 8), ("hsdp", 1), ("hsdp", 8)]
 
 
 @pytest.mark.parametrize("argv, words", [

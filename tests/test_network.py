@@ -152,3 +152,55 @@ def test_native_waits_where_the_ring_chain_would(pool3):
     for r, want in enumerate((hop, 2 * hop, 2 * hop)):
         assert 0.9 * want < ring[r] < 1.5 * want, ("ring", r, ring[r], want)
         assert 0.9 * want < native[r] < 1.5 * want, ("native", r, native[r], want)
+
+
+# ------------------------------------------------------------------ a cluster: two wires, and the node's shared link
+def _send_across_at(links_path: str, rank: int, start: float, queue) -> None:
+    from minizero.comm.network import NodeLinks, Port, parse_network
+    cluster = parse_network("nodes=2x2,intra=0s/1GB/s,inter=0s/1MB/s")
+    port = Port(cluster, rank=rank, links=NodeLinks(links_path, 2))
+    while time.perf_counter() < start:
+        pass
+    port.send(20_000, "all_to_all", to=(rank + 2) % 4)  # 20 ms of the inter wire, to the other node
+    queue.put((rank, time.perf_counter() - start))
+
+
+def test_the_ranks_of_a_node_share_its_link_to_the_others(tmp_path):
+    """Two processes on node 0 each send 20 ms of bytes to node 1 at the same moment: the node's one link takes
+    them one after the other (the second is through after 40 ms); ranks on different nodes do not wait for
+    each other (each 20 ms).  Margins: a busy machine only adds time, and never takes 20 ms off."""
+    import multiprocessing as mp
+    context = mp.get_context("fork")
+    for ranks, slowest in (((0, 1), 0.040), ((0, 2), 0.020)):
+        path, queue = str(tmp_path / f"links-{ranks}"), context.Queue()
+        start = time.perf_counter() + 0.3
+        procs = [context.Process(target=_send_across_at, args=(path, r, start, queue)) for r in ranks]
+        for p in procs:
+            p.start()
+        times = sorted(queue.get(timeout=30)[1] for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+        assert times[0] >= 0.020 and times[1] >= slowest, (ranks, times)
+        if slowest == 0.020:  # on two nodes: nothing shared, so the pair did not take 40 ms
+            assert times[1] < 0.038, (ranks, times)
+
+
+def _all_reduce_on_cluster(me, backend: str, network: str):
+    from minizero.comm import make_comm
+    comm = make_comm(backend, network=network)
+    tensor = torch.ones(4000)
+    comm.all_reduce(tensor)  # a warm-up: the connections made
+    start = time.perf_counter()
+    comm.all_reduce(tensor)
+    comm.close()
+    return time.perf_counter() - start
+
+
+def test_the_hierarchical_all_reduce_crosses_the_slow_link_fewer_times(pools):
+    """2 nodes x 2 ranks, 30 ms per message between nodes, nothing inside: the flat ring's 6 steps each wait for
+    their inter-node hop (>= 180 ms); the two-level one has 2 slow steps (>= 60 ms).  Asked: under 0.6x."""
+    network = "nodes=2x2,inter=30ms/1GB/s"
+    flat = max(pools.run(4, _all_reduce_on_cluster, "ring", network))
+    two = max(pools.run(4, _all_reduce_on_cluster, "hierarchical", network))
+    assert flat >= 0.18 and two >= 0.06, (flat, two)
+    assert two < 0.6 * flat, (flat, two)

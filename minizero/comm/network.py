@@ -284,19 +284,21 @@ class NodeLinks:
 
     def __init__(self, path: str, nodes: int):
         self.path, self.nodes = path, nodes
+        self._threads = threading.Lock()  # a file lock is the process's: its threads take turns here first
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         if os.fstat(self._fd).st_size < 8 * nodes:
             os.pwrite(self._fd, struct.pack(f"{nodes}d", *[0.0] * nodes), 0)
 
     def reserve(self, node: int, seconds: float) -> float:
         """Queue ``seconds`` of transfer on ``node``'s link; when those bytes are through."""
-        fcntl.lockf(self._fd, fcntl.LOCK_EX, 8, 8 * node)
-        try:
-            (busy,) = struct.unpack("d", os.pread(self._fd, 8, 8 * node))
-            through = max(time.perf_counter(), busy) + seconds
-            os.pwrite(self._fd, struct.pack("d", through), 8 * node)
-        finally:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 8, 8 * node)
+        with self._threads:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 8, 8 * node)
+            try:
+                (busy,) = struct.unpack("d", os.pread(self._fd, 8, 8 * node))
+                through = max(time.perf_counter(), busy) + seconds
+                os.pwrite(self._fd, struct.pack("d", through), 8 * node)
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 8, 8 * node)
         return through
 
     def close(self) -> None:
