@@ -38,6 +38,14 @@ NAMES = {
     "every rank's new shard holds exactly its range": [
         RANK, ("the group", r"flat group \d+"),
         ("what it must hold", r"owns \[|should be|saved shards'|they are its|zeros")],
+    # the hierarchical lab: a result as a collective's, on a node shape; a cost as bytes on a link class, counted
+    # against the formula
+    planted.HIERARCHICAL_RESULTS: [COLLECTIVE, RANK, ("the node shape", r"\b\d+ nodes? x \d+ ranks?\b"),
+                                   ("the op", r"\b(SUM|AVG|MAX)\b"), ("the element", r"\belement \d+"),
+                                   ("the direction", r"should be")],
+    planted.HIERARCHICAL_LINKS: [COLLECTIVE, RANK, ("the link class", r"\b(intra|inter)-node link"),
+                                 ("counted against the formula", r"sent \d+ bytes .* sends \d+"),
+                                 ("the direction", r"too many|too few")],
 }
 
 

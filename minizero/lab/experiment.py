@@ -86,7 +86,8 @@ def network_of(exp: Experiment, world_size: int):
     """The run's network.  A stage whose mesh is the nodes (HSDP), run without any, sits on the nodes it would
     assume (:func:`~minizero.comm.nodes.assumed_nodes`), placed on the Comm, so the ledger counts per link
     class and the native backend has the nodes' process groups."""
-    if exp.network is not None or not getattr(stage_class(exp.stage, exp.stages), "needs_nodes", False):
+    cls = stage_class(exp.stage, exp.stages)
+    if exp.network is not None or not (getattr(cls, "needs_nodes", False) or exp.options.get("hpz")):
         return exp.network
     nodes = assumed_nodes(world_size)
     return f"nodes={nodes.count}x{nodes.per_node}"

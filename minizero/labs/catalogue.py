@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.flat import Reshard
-from ..comm import Comm, RingComm
+from ..comm import Comm, HierarchicalComm, RingComm
 from ..comm.tree import TreeComm
 from ..precision import Precision
 from ..stages import DDP, STAGES, BucketedDDP, LocalSGD, Stage, ZeRO1, ZeRO2, ZeRO3
@@ -117,6 +117,12 @@ LABS: dict[str, Lab] = _labs(
         "the PowerSGD step: P = M Q and Q = M^T P, each all-reduced, P orthogonalized between", BucketedDDP,
         ("PowerSGDWire.power_step",), ("powersgd equivalence", "powersgd bytes"),
         options={"compress": "powersgd:rank=2", "error_feedback": True}, precision=False),
+    # a Comm lab, as the tree's: no stage, no precision; its first check watches an all-reduce on nodes (a two-level
+    # Comm needs to know where the ranks sit, which the suite's training step does not say)
+    Lab("hierarchical", "lessons/16_topology.ipynb",
+        "the two-level all-reduce: reduce-scatter inside the node, all-reduce across the nodes, all-gather inside",
+        HierarchicalComm, ("Hierarchical._all_reduce",), ("hierarchical results", "hierarchical link bytes"),
+        precision=False, yours="yours on the nodes"),
 )
 
 assert all(lab.stage in STAGES for lab in LABS.values())

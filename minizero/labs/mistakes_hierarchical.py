@@ -10,9 +10,9 @@ package's guards it with ``_flat``, which a learner's file need not know of -- a
 (It belongs in :mod:`minizero.labs.given` beside the other labs' bases; it is built by the same ``without`` and
 reports that module as its own.)
 
-**The mistakes** subclass the base; ``mistake`` says, in the second person, what the learner did.  Three give the
-wrong values on some node shape (a division in the wrong place, a phase skipped, phases in the wrong order); two
-give the right values over the wrong links -- what only the bytes per link class show.  The checker runs a failing
+**The mistakes** subclass the base; ``mistake`` says, in the second person, what the learner did.  Five give the
+wrong values on some node shape (a division by the wrong number or one too many, a phase skipped, phases in the
+wrong order); two give the right values over the wrong links -- what only the bytes per link class show.  The checker runs a failing
 case through each (:mod:`minizero.labs.properties_hierarchical`) and names the one whose values and bytes per
 link are exactly the learner's.
 """
@@ -97,9 +97,26 @@ class GathersBeforeAcross(Hierarchical):
 
 
 class DividesAtBothLevels(Hierarchical):
-    mistake = ("you divided at both levels: the across ring's AVG divides by its M ranks, then you divided by N "
-               "again -- 1/M of the mean; reduce with SUM across and divide once, by N")
+    mistake = ("you divided by N at both levels, after the node's reduce-scatter and again after the across phase: "
+               "1/N of the mean -- divide once, by N, after the across phase")
     name = "hierarchical-divides-twice"
+
+    def _all_reduce(self, tensor, op) -> None:
+        columns = self.node._chunks(tensor)
+        mine = columns[self.node.rank]
+        self.node._ring_reduce_scatter(columns, mine, op)
+        if op is ReduceOp.AVG:
+            mine.div_(self.world_size)
+        self.across.all_reduce(mine, _summed(op))
+        if op is ReduceOp.AVG:
+            mine.div_(self.world_size)
+        self.node._ring_all_gather(columns)
+
+
+class AveragesAcrossToo(Hierarchical):
+    mistake = ("you passed AVG on to the across all-reduce, whose ring divides by its own M ranks, and divided by N "
+               "as well: 1/M of the mean -- reduce with SUM across the nodes and divide once, by N")
+    name = "hierarchical-averages-across"
 
     def _all_reduce(self, tensor, op) -> None:
         columns = self.node._chunks(tensor)
@@ -127,4 +144,4 @@ class AcrossTheWholeTensor(Hierarchical):
 
 
 HIERARCHICAL_MISTAKES = (DividesByNodeSize, SkipsTheAcrossPhase, FlatRingAllReduce, GathersBeforeAcross,
-                         DividesAtBothLevels, AcrossTheWholeTensor)
+                         DividesAtBothLevels, AveragesAcrossToo, AcrossTheWholeTensor)

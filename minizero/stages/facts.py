@@ -57,7 +57,12 @@ def sent_bytes_by_link(cls, psi: int, world_size: int, grad_bytes: int, param_by
     only a node's last rank's neighbour is on another node: ``M/N`` of the bytes cross (none on one node).  In
     two levels (:mod:`minizero.comm.hierarchical`) a reduce-scatter, all-gather or all-reduce sends
     ``(G-1)/G`` of the tensor inside and ``(M-1)/(M G)`` across: ``(M-1)/(N-1)`` of its bytes cross."""
-    total = cls.sent_bytes_per_step(psi, world_size, grad_bytes, param_bytes, **options)
+    return split_by_link(cls.sent_bytes_per_step(psi, world_size, grad_bytes, param_bytes, **options), world_size, nodes,
+                         hierarchical)
+
+
+def split_by_link(total: float, world_size: int, nodes=None, hierarchical: bool = False) -> dict[str, float]:
+    """``total`` bytes of ring collectives over all ranks, per link class (see :func:`sent_bytes_by_link`)."""
     m, n = (nodes.count, nodes.world_size) if nodes is not None else (1, world_size)
     across = 0.0 if m == 1 or n == 1 else (m - 1) / (n - 1) if hierarchical else m / n
     return {"intra": total * (1 - across), "inter": total * across}

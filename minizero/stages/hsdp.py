@@ -35,7 +35,7 @@ from .zero3 import ZeRO3
 class HSDP(ZeRO3):
     name = "hsdp"
     needs_nodes = True  # its mesh is where the ranks sit (network="nodes=MxG,..."; else assumed_nodes)
-    options = tuple(o for o in ZeRO3.options if o.name not in ("compress", "error_feedback"))
+    options = tuple(o for o in ZeRO3.options if o.name not in ("compress", "error_feedback", "hpz"))
 
     def __init__(self, module, optimizer=None, comm: Comm | None = None, units=None, reshard_after_forward: bool = True,
                  prefetch: int = 1, replicate=None, quantized_weights: str | None = None,
@@ -69,8 +69,9 @@ class HSDP(ZeRO3):
     # ------------------------------------------------------------------ facts
     @classmethod
     def sent_bytes_by_link(cls, psi, world_size, grad_bytes, param_bytes, nodes: Nodes | None = None,
-                           **options) -> dict[str, float]:
-        """Per rank and step: ZeRO-3's bytes among the node's ``G`` ranks; the shard's all-reduce among ``M``."""
+                           hierarchical: bool = False, **options) -> dict[str, float]:
+        """Per rank and step: ZeRO-3's bytes among the node's ``G`` ranks; the shard's all-reduce among ``M`` (its
+        mesh's own collectives, whatever the backend does with the world's)."""
         nodes = _nodes(nodes, world_size)
         return {"intra": ZeRO3.sent_bytes_per_step(psi, nodes.per_node, grad_bytes, param_bytes, **options),
                 "inter": all_reduce_bytes(psi * grad_bytes / nodes.per_node, nodes.count)}

@@ -38,11 +38,14 @@ from torch import nn
 
 from ..buckets import BucketPipeline
 from ..comm import Comm, ReduceOp, Work
+from ..comm.nodes import assumed_nodes
 from ..compress.weights import QuantizedWeights, parse_weights
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import ReplicatedGroup, ShardedFlatGroup, plan_groups
 from ..precision import Precision
+from ..secondary import SecondaryShards
 from ..units import Unit, plan_unit_groups, replicated_parameters, resolve_units
+from . import facts
 from .facts import Reduction, Shards
 from .options import WIRE_AND_USE, Option, natural_int, weights_spec
 from .zero import ZeRO
@@ -67,16 +70,22 @@ class ZeRO3(ZeRO):
                       "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: REPLICATED.get(d.task, ())),
                Option("quantized_weights", None, "all-gather the parameters as int8 or int4 codes (ZeRO++'s qwZ; "
                       "compute then sees the decoded weights)", weights_spec),
+               Option("hpz", False, "keep a node-local slice of each unit gathered for forward, so the backward "
+                      "all-gather stays inside the node (ZeRO++'s hpZ; on the network's nodes)", None,
+                      draw=lambda d: (False, True)),
                *WIRE_AND_USE)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None,
-                 quantized_weights: str | None = None, compress: str | None = None,
+                 quantized_weights: str | None = None, hpz: bool = False, compress: str | None = None,
                  error_feedback: bool = False, find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
         codec = parse_weights(quantized_weights)  # refused before anything is built
+        if codec is not None and hpz:
+            raise ValueError(f"hpz with quantized_weights={quantized_weights!r} is not built: the node-local slices "
+                             f"would be of the decoded weights; use one or the other")
         if codec is not None and Precision.of(precision).mixed:
             raise ValueError(f"quantized_weights={quantized_weights!r} under mixed precision is not built: the working "
                              f"copy is already 16-bit; use precision='fp32'")
@@ -84,6 +93,7 @@ class ZeRO3(ZeRO):
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.weight_wire = QuantizedWeights(self.shard_comm, codec) if codec is not None else None
         self._observers: list = []
+        self.secondary = SecondaryShards(comm, self._observe) if hpz else None  # ZeRO++'s hpZ, or None
         # One sharded group per unit, param group and dtype; the last unit first (backward's order).  Then
         # the replicated parameters, whole on every rank, one group per param group and dtype.
         unit_modules, whole = resolve_units(module, units), replicated_parameters(module, replicate, self.rank)
@@ -130,10 +140,14 @@ class ZeRO3(ZeRO):
         def all_gather() -> list[torch.Tensor]:
             fulls = [g.shard.new_empty(g.shard_size * g.world_size) for g in unit.groups]
             for group, full in zip(unit.groups, fulls, strict=True):
-                if self.weight_wire is None or why == INSPECTION:  # a state dict holds the weights, not their codes
+                if why == "backward" and self.secondary is not None and self.secondary.holds(group):
+                    self.secondary.all_gather(full, group, tag)  # hpZ: from the node's slices, inside the node
+                elif self.weight_wire is None or why == INSPECTION:  # a state dict holds the weights, not codes
                     self.shard_comm.all_gather(full, group.shard, tag=tag)
                 else:  # qwZ: codes travel, every rank computes with the decoded shards
                     self.weight_wire.all_gather(full, group.shard, tag)
+                if why == "forward" and self.secondary is not None:
+                    self.secondary.keep(group, full, unit.index)
             return fulls
         return self.comm.submit(all_gather)
 
@@ -244,6 +258,8 @@ class ZeRO3(ZeRO):
         with self.stepping():
             for unit in self.units:
                 unit.drop_prefetch()
+            if self.secondary is not None:  # slices of the weights the step is about to change
+                self.comm.submit(self.secondary.drop).wait()
             self.optimizer.step_owned()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -255,7 +271,8 @@ class ZeRO3(ZeRO):
     # ------------------------------------------------------------ accounting and state dicts
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()
-        held["params"] = [g.shard for g in self.groups] + [g.data for g in self.groups if g.gathered]
+        held["params"] = [g.shard for g in self.groups] + [g.data for g in self.groups if g.gathered] + \
+            (self.secondary.held() if self.secondary is not None else [])
         return held
 
     def full_state_dict(self) -> dict:
@@ -278,15 +295,29 @@ class ZeRO3(ZeRO):
     # ------------------------------------------------------------------ facts
     @classmethod
     def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, reshard_after_forward: bool = True,
-                            quantized_weights: str | None = None, **options) -> float:
+                            quantized_weights: str | None = None, hpz: bool = False, nodes=None, **options) -> float:
         """All-gather before forward and (if resharded after it) again before backward; reduce-scatter.  With
         ``quantized_weights`` the parameters travel as the codec's messages (whole shards: the blocks of a shard
-        of Psi/N elements)."""
-        gathers = 2 if reshard_after_forward else 1
+        of Psi/N elements); with ``hpz`` the backward gather is among the node's ``G`` ranks."""
+        return sum(cls.sent_bytes_by_link(psi, world_size, grad_bytes, param_bytes, nodes, False, reshard_after_forward,
+                                          quantized_weights, hpz, **options).values())
+
+    @classmethod
+    def sent_bytes_by_link(cls, psi, world_size, grad_bytes, param_bytes, nodes=None, hierarchical: bool = False,
+                           reshard_after_forward: bool = True, quantized_weights: str | None = None, hpz: bool = False,
+                           **options) -> dict[str, float]:
+        """The world's collectives split as rings split (:func:`minizero.stages.facts.sent_bytes_by_link`); hpZ's
+        backward gather all inside the node."""
         codec = parse_weights(quantized_weights)
         gathered = psi * param_bytes if codec is None or not param_bytes else \
             world_size * codec.message_bytes(-(-int(psi) // world_size), torch.float32)
-        return reduce_scatter_bytes(psi * grad_bytes, world_size) + gathers * all_gather_bytes(gathered, world_size)
+        secondary = hpz and reshard_after_forward
+        world = reduce_scatter_bytes(psi * grad_bytes, world_size) + \
+            (1 if secondary or not reshard_after_forward else 2) * all_gather_bytes(gathered, world_size)
+        split = facts.split_by_link(world, world_size, nodes, hierarchical)
+        if secondary:
+            split["intra"] += all_gather_bytes(psi * param_bytes, (nodes or assumed_nodes(world_size)).per_node)
+        return split
 
     @classmethod
     def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:

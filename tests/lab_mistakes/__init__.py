@@ -31,6 +31,8 @@ NESTS = "no_sync() nested and left by an exception"
 COLLECTIVES = "every collective's result"
 RING_COST = "bytes and messages per rank: the ring's"
 POWERSGD = "equivalence to a reference taking the same PowerSGD steps"
+HIERARCHICAL_RESULTS = "every all-reduce's result on every node shape: the flat ring's"
+HIERARCHICAL_LINKS = "bytes per rank on each link class: the two-level all-reduce's"
 
 #: ``lab_dir/file`` (no ``.py``) -> the property the checker must fail on it.
 EXPECTED: dict[str, str] = {
@@ -126,6 +128,14 @@ EXPECTED: dict[str, str] = {
     "powersgd/own_p_only": POWERSGD,
     "powersgd/rest_not_averaged": POWERSGD,
     "powersgd/orthogonalizes_before_summing": POWERSGD,
+    # planted: hierarchical
+    "hierarchical/avg_divides_by_node_size": HIERARCHICAL_RESULTS,
+    "hierarchical/skips_the_across_phase": HIERARCHICAL_RESULTS,
+    "hierarchical/gathers_before_across": HIERARCHICAL_RESULTS,
+    "hierarchical/divides_at_both_levels": HIERARCHICAL_RESULTS,
+    "hierarchical/averages_across_too": HIERARCHICAL_RESULTS,
+    "hierarchical/flat_ring_over_the_world": HIERARCHICAL_LINKS,
+    "hierarchical/all_reduces_the_whole_tensor_across": HIERARCHICAL_LINKS,
 }
 
 #: Planted mistakes the checker passes -- holes in the checker, each with why it is not caught.  Their test is a
