@@ -11,7 +11,10 @@ imports the finished class instead is refused before any property.
 """
 from __future__ import annotations
 
+import types
+
 from ..comm import RingComm
+from ..comm.hierarchical import HierarchicalComm
 from ..compress import Wire as PackageWire
 from ..precision import MasterWeights as PackageMasterWeights
 from ..stages import DDP as PackageDDP
@@ -110,3 +113,16 @@ class PowerSGDBucketedDDP(PackageBucketedDDP):
 
 
 PowerSGDBucketedDDP.__name__ = PowerSGDBucketedDDP.__qualname__ = "BucketedDDP"
+
+
+def _views_are_flat_rings(self, ranks):
+    """:meth:`Comm.over`, and the view's all-reduce the flat ring's (an instance attribute: it wins over the
+    learner's ``_all_reduce``, which the view's class -- the learner's -- defines), so ``self.across.all_reduce``
+    inside the learner's method is the flat ring over those ranks (:mod:`minizero.labs.mistakes_hierarchical`)."""
+    view = HierarchicalComm.over(self, ranks)
+    view._all_reduce = types.MethodType(RingComm._all_reduce, view)
+    return view
+
+
+#: The hierarchical lab's base: the package's two-level Comm without its all-reduce.
+Hierarchical = without(HierarchicalComm, "_all_reduce", name="Hierarchical", over=_views_are_flat_rings)

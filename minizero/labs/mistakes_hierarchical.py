@@ -7,8 +7,7 @@ views, ``node`` and ``across``, flat rings whatever the learner's class does.  A
 package's guards it with ``_flat``, which a learner's file need not know of -- and which would lead, through
 ``super()``, to the base's raising method.  Here each view's ``_all_reduce`` is the ring's, so calling
 ``self.across.all_reduce(...)`` inside yours is the flat ring over those ranks, as the lesson says.
-(It belongs in :mod:`minizero.labs.given` beside the other labs' bases; it is built by the same ``without`` and
-reports that module as its own.)
+(It lives in :mod:`minizero.labs.given`, beside the other labs' bases.)
 
 **The mistakes** subclass the base; ``mistake`` says, in the second person, what the learner did.  Five give the
 wrong values on some node shape (a division by the wrong number or one too many, a phase skipped, phases in the
@@ -18,23 +17,8 @@ link are exactly the learner's.
 """
 from __future__ import annotations
 
-import types
-
 from ..comm import ReduceOp, RingComm
-from ..comm.hierarchical import HierarchicalComm
-from .given import without
-
-
-def _views_are_flat_rings(self, ranks):
-    """:meth:`Comm.over`, and the view's all-reduce the flat ring's (an instance attribute: it wins over the
-    learner's ``_all_reduce``, which the view's class -- the learner's -- defines)."""
-    view = HierarchicalComm.over(self, ranks)
-    view._all_reduce = types.MethodType(RingComm._all_reduce, view)
-    return view
-
-
-#: What the skeleton builds on: the package's two-level Comm without its all-reduce.
-Hierarchical = without(HierarchicalComm, "_all_reduce", name="Hierarchical", over=_views_are_flat_rings)
+from .given import Hierarchical
 
 
 def _summed(op: ReduceOp) -> ReduceOp:

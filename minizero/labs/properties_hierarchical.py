@@ -3,10 +3,12 @@ byte by byte on each link class.
 
 * **results** -- drawn over every node shape of up to four ranks (``M`` nodes x ``G`` ranks, one node and one rank
   per node included), 0-29 elements (fewer than ranks included: some columns empty), float32 and float64: SUM, AVG
-  and MAX of small integers.  Every sum is exact in any order, so SUM and MAX must be the flat ring's bit for bit;
-  AVG is the same exact sum divided by N -- once, or by G and M in turn, which rounds differently: within a
-  tolerance.  Then, whatever the draws, every shape at 7 elements -- a slip that shows only with several nodes *and*
-  several ranks per node (2 x 2) is found even on a short search.
+  and MAX of small integers.  Every sum is exact in any order, so SUM and MAX must be the flat ring's bit for bit
+  (computed here, from every rank's input: what the flat ring gives, ``tests/test_hierarchical.py`` proves the
+  package's two levels equal to it); AVG is the same exact sum divided by N -- once, as the flat ring does, or by G
+  and M in turn, which may round differently: within a tolerance.  Then, whatever the draws, every shape at 7
+  elements -- a slip that shows only with several nodes *and* several ranks per node (2 x 2) is found even on a
+  short search.
 * **link bytes** -- at every shape, each rank's bytes booked under each link class (the ledger knows which link a
   message crossed: :meth:`~minizero.comm.base.Comm._report_sent`) exactly
   :func:`~minizero.comm.hierarchical.link_bytes_sent`'s.  The values cannot see a flat ring over the whole world --

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.mistakes_hierarchical import Hierarchical as GivenHierarchical
+from minizero.labs.given import Hierarchical as GivenHierarchical
 
 
 class Hierarchical(GivenHierarchical):
