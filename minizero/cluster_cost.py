@@ -18,7 +18,7 @@ Each function returns ``(seconds, the alpha part of them)``.
 from __future__ import annotations
 
 from .comm.network import Network, TwoLevel
-from .comm.nodes import Nodes
+from .comm.nodes import Nodes, assumed_nodes
 
 RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
 SPANS = ("world", "node", "across")  # which ranks a collective runs among
@@ -64,9 +64,10 @@ def collective_s(kind: str, nbytes: float, network: "Network | TwoLevel", nodes:
 
 def nodes_for(world_size: int, network: "Network | TwoLevel") -> Nodes:
     """The nodes ``world_size`` ranks fill: on a cluster, nodes of its ``G`` ranks (fewer than ``G`` ranks: one
-    node of those); on one flat network, one node."""
+    node of those); on one flat network, the nodes a stage whose mesh is the nodes assumes there
+    (:func:`~minizero.comm.nodes.assumed_nodes`) -- every ring on it alike, so only such a stage's view spans differ."""
     if not isinstance(network, TwoLevel):
-        return Nodes(1, world_size)
+        return assumed_nodes(world_size)
     g = network.nodes.per_node
     if world_size <= g:
         return Nodes(1, world_size)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..comm import chunk_bounds
+from ..comm import TwoLevel, chunk_bounds, parse_network
 from ..compress import Codec, check_compress, split_division
 from ..compress import parse as parse_compress
 from ..compress.gathered import mean_in_rank_order, split, stream
@@ -87,6 +87,21 @@ def powersgd_average(state: PowerState, key, flats: list[torch.Tensor], layout, 
     return out
 
 
+def two_levels(flats: list[torch.Tensor], padded: bool, average, replicas: int, inner_wire, wire, codec) -> torch.Tensor:
+    """HSDP's reduction: each node's ``G`` buffers averaged as its reduce-scatter (or all-reduce) does, exactly or in
+    the precision's reduce dtype; then each shard of the nodes' means averaged across the ``M`` nodes by the ranks at
+    its place -- on the wire, or through the codec.  ``average(flats, ranks, padded, shards, wire, codec)`` is one
+    level."""
+    g = len(flats) // replicas
+    nodes = [list(range(k * g, (k + 1) * g)) for k in range(replicas)]
+    means = [average([flats[r] for r in ranks], ranks, padded, g, inner_wire, None) for ranks in nodes]
+    if not padded:  # a replicated module, whole on every rank: every place's all-reduce across is the same one
+        return average(means, [ranks[0] for ranks in nodes], False, None, wire, codec)
+    size = means[0].numel() // g
+    return torch.cat([average([m[j * size:(j + 1) * size] for m in means], [ranks[j] for ranks in nodes], False, None,
+                              wire, codec) for j in range(g)])
+
+
 def run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     """Like :func:`minizero.lab.experiment.reference_of`, with the stage's compression emulated.
 
@@ -110,7 +125,8 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     parsed = parse_compress(exp.options.get("compress"))
     codec = parsed if isinstance(parsed, Codec) else None
     power = PowerState(parsed) if isinstance(parsed, PowerSGD) else None  # Q and its seeds: alike on every rank
-    pre, post = split_division(n)
+    # HSDP sums inside a node exactly, or in its precision's reduce dtype; compression is the slow hop's
+    inner_wire = REDUCE_DTYPES[precision.reduce_dtype] if precision.reduce_dtype is not None else None
     model = task.make_model(exp.seed, dtype, **exp.model)
     optimizer = make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     # The same precision recipe as the stage -- masters, loss scaler, skipped steps -- is the reference
@@ -122,11 +138,48 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     # wrapping, by one group of every trainable parameter (what the stage had to lay out before it existed).
     laid_out = SimpleNamespace(param_groups=[{"params": [p for p in model.parameters() if p.requires_grad]}]) \
         if exp.wrap_first else optimizer
-    reduction = stage_class.reduction(model, laid_out, n, **exp.options)
+    network = parse_network(exp.network)  # where the ranks sit: HSDP's two levels are its nodes
+    reduction = stage_class.reduction(model, laid_out, n, nodes=network.nodes if isinstance(network, TwoLevel) else None,
+                                      **exp.options)
     residuals: dict = {}
     settling: dict = {}  # under loss scaling, residuals are kept only if the step is taken (Wire.settle)
     weights = parse_weights(exp.options.get("quantized_weights"))  # ZeRO-3's qwZ: compute at the decoded weights
     record = RankResult(params=[], losses=[])
+    def average(flats: list[torch.Tensor], ranks: list[int], padded: bool, shards, wire, codec) -> torch.Tensor:
+        """The mean of ``flats`` (the buffers of ``ranks``) as the stage's collective leaves it, on ``wire`` or
+        through ``codec`` (or neither); residuals kept by rank and buffer (``key``, the loop's)."""
+        count = len(flats)
+        if codec is not None:  # every rank's messages decoded and added in rank order (compress.gathered)
+            decoded = []
+            for i, (r, flat) in enumerate(zip(ranks, flats, strict=True)):  # (i: the rank in the collective's group)
+                carried = flat.clone()
+                if error_feedback and (r, key) in residuals:
+                    carried += residuals[(r, key)]
+                # a reduce-scatter encodes each shard on its own (qgZ's all-to-all); an all-reduce the whole
+                decoded.append(torch.cat([codec.decode(codec.encode(p, stream(i, p) if codec.stochastic else None),
+                                                       p.numel(), p.dtype) for p in split(carried, count if padded else 1)]))
+                if error_feedback:
+                    residuals[(r, key)] = carried - decoded[-1]
+            return mean_in_rank_order(decoded)
+        if wire is None:
+            return ring_sum(flats, shards if padded else None) / count
+        # divide by pre and post in the wider of the two dtypes (minizero.compress.Wire)
+        wide = torch.promote_types(flats[0].dtype, wire)
+        pre, post = split_division(count)
+        wires, pending = [], {}
+        for r, flat in zip(ranks, flats, strict=True):
+            scaled = flat.to(wide) / pre
+            if error_feedback and (r, key) in residuals:
+                scaled += residuals[(r, key)]
+            wires.append(scaled.to(wire))
+            pending[(r, key)] = scaled - wires[-1].to(wide)
+        summed = ring_sum(wires, shards if padded else None)
+        if error_feedback and precision.scaled:
+            settling.update(pending)
+        elif error_feedback and bool(torch.isfinite(summed).all()):  # an overflow keeps the old error
+            residuals.update(pending)
+        return (summed.to(wide) / post).to(flats[0].dtype)
+
     for s in range(exp.steps):
         x, y = task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model)
         per_rank, loss_total = [], 0.0
@@ -156,38 +209,13 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
             if padded:  # a reduce-scatter of a buffer padded to a multiple of N (or of S, a push)
                 size = padded_size(flats[0].numel(), reduction.shards or n)
                 flats = [torch.cat([f, f.new_zeros(size - f.numel())]) for f in flats]
-            if codec is not None:  # every rank's messages decoded and added in rank order (compress.gathered)
-                decoded = []
-                for r, flat in enumerate(flats):
-                    carried = flat.clone()
-                    if error_feedback and (r, key) in residuals:
-                        carried += residuals[(r, key)]
-                    # a reduce-scatter encodes each shard on its own (qgZ's all-to-all); an all-reduce the whole
-                    decoded.append(torch.cat([codec.decode(codec.encode(p, stream(r, p) if codec.stochastic else None),
-                                                           p.numel(), p.dtype) for p in split(carried, n if padded else 1)]))
-                    if error_feedback:
-                        residuals[(r, key)] = carried - decoded[-1]
-                averaged = mean_in_rank_order(decoded)
+            if reduction.replicas is not None:  # HSDP: each node's mean, exactly (or in its reduce dtype); then across
+                averaged = two_levels(flats, padded, average, reduction.replicas, inner_wire, wire, codec)
             elif power is not None:
                 layout = [(name, params_by_name[name].shape) for name in packed]
                 averaged = powersgd_average(power, key, flats, layout, residuals if error_feedback else None)
-            elif wire is None:
-                averaged = ring_sum(flats, reduction.shards if padded else None) / n
-            else:  # divide by pre and post in the wider of the two dtypes (minizero.compress.Wire)
-                wide = torch.promote_types(flats[0].dtype, wire)
-                wires, pending = [], {}
-                for r, flat in enumerate(flats):
-                    scaled = flat.to(wide) / pre
-                    if error_feedback and (r, key) in residuals:
-                        scaled += residuals[(r, key)]
-                    wires.append(scaled.to(wire))
-                    pending[(r, key)] = scaled - wires[-1].to(wide)
-                summed = ring_sum(wires, reduction.shards if padded else None)
-                if error_feedback and precision.scaled:
-                    settling.update(pending)
-                elif error_feedback and bool(torch.isfinite(summed).all()):  # an overflow keeps the old error
-                    residuals.update(pending)
-                averaged = (summed.to(wide) / post).to(flats[0].dtype)
+            else:
+                averaged = average(flats, list(range(n)), padded, reduction.shards, wire, codec)
             grads = [torch.empty_like(params_by_name[name]) for name in packed]
             unpack(averaged[:sum(g.numel() for g in grads)], grads)
             for name, grad in zip(packed, grads, strict=True):

@@ -126,6 +126,16 @@ def link_columns(cls, results: list, exp: Experiment, world_size: int, nodes, op
     first = results[0]
     formula = cls.sent_bytes_by_link(first.psi, world_size, first.grad_bytes, first.param_bytes,
                                      hierarchical=exp.backend == "hierarchical", **options)
+    wire, weights = first.wire_sent_bytes_per_step, first.weight_sent_bytes_per_step
+    if formula is not None and (wire is not None or weights is not None):
+        # A codec's or quantized weights' bytes are their wire's own formula; which links carry them is stated by
+        # a stage whose mesh is the nodes (HSDP: the gradients' wire across, the weights' gathers inside), by no other.
+        if not getattr(cls, "needs_nodes", False):
+            formula = None
+        else:
+            formula = cls.sent_bytes_by_link(first.psi, world_size, 0 if wire is not None else first.grad_bytes,
+                                             0 if weights is not None else first.param_bytes, **options)
+            formula = {INTRA: formula[INTRA] + (weights or 0.0), INTER: formula[INTER] + (wire or 0.0)}
     counted = {link: sum(r.sent_by_link.get(link, 0) for r in results) / (len(results) * exp.steps)
                for link in LINKS}
     if formula is None:

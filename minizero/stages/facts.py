@@ -30,13 +30,16 @@ class Reduction:
     ``packs_unused``: a parameter without a gradient on any rank still has its (zero) slot in the buffer;
     ``shards``: how many shards a padded buffer is cut into, if not N (a parameter server's S); ``whole``:
     the buffers (by index) all-reduced as they are even so, neither padded nor cut (ZeRO-3's replicated
-    modules)."""
+    modules); ``replicas``: for a reduction in two levels, the groups of ``shards`` consecutive ranks that each reduce
+    exactly that way, whose results are then averaged across the groups, shard by shard (HSDP's nodes -- one node
+    included: where a compressed wire rides); None for one level."""
 
     buffers: list[list[str]]
     padded: bool = False
     packs_unused: bool = True
     shards: int | None = None
     whole: frozenset = frozenset()
+    replicas: int | None = None
 
 
 def sent_bytes_per_step(cls, psi: int, world_size: int, grad_bytes: int, param_bytes: int, **options) -> float:

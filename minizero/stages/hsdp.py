@@ -27,7 +27,10 @@ import torch
 
 from ..comm import Comm, Nodes, ReduceOp
 from ..comm.nodes import assumed_nodes
+from ..compress import PowerSGD, Wire
+from ..compress import parse as parse_compress
 from ..formulas import all_reduce_bytes
+from ..precision import REDUCE_DTYPES
 from .facts import Reduction
 from .zero3 import ZeRO3
 
@@ -35,14 +38,25 @@ from .zero3 import ZeRO3
 class HSDP(ZeRO3):
     name = "hsdp"
     needs_nodes = True  # its mesh is where the ranks sit (network="nodes=MxG,..."; else assumed_nodes)
-    options = tuple(o for o in ZeRO3.options if o.name not in ("compress", "error_feedback", "hpz"))
+    options = tuple(o for o in ZeRO3.options if o.name != "hpz")  # (its backward gathers are in the node already)
+    averages_with = "all_reduce"  # a compressed wire rides the all-reduce across nodes: the slow hop only
 
     def __init__(self, module, optimizer=None, comm: Comm | None = None, units=None, reshard_after_forward: bool = True,
-                 prefetch: int = 1, replicate=None, quantized_weights: str | None = None,
-                 find_unused_parameters: bool = False, precision="fp32"):
+                 prefetch: int = 1, replicate=None, quantized_weights: str | None = None, compress: str | None = None,
+                 error_feedback: bool = False, find_unused_parameters: bool = False, precision="fp32"):
+        if isinstance(parse_compress(compress), PowerSGD):
+            raise ValueError(f"compress={compress!r} on hsdp is not built: its compressed all-reduce is of gradient "
+                             f"shards, and a shard of a matrix has no low-rank factors of its own; use a codec "
+                             f"(int8, int4, topk, sign) or compress='fp16' or 'bf16'")
         super().__init__(module, optimizer, comm, units=units, reshard_after_forward=reshard_after_forward,
                          prefetch=prefetch, replicate=replicate, quantized_weights=quantized_weights,
+                         compress=compress, error_feedback=error_feedback,
                          find_unused_parameters=find_unused_parameters, precision=precision)
+        # Inside the node the gradients travel exact -- or, under a precision policy's wider reduce_dtype, summed in
+        # it as every stage sums them: that is the summation's dtype, not compression.
+        reduce_dtype = self.precision.reduce_dtype
+        self.node_wire = Wire(self.shard_comm, REDUCE_DTYPES[reduce_dtype], overflow_raises=not self.precision.scaled) \
+            if reduce_dtype is not None else None
 
     def mesh(self, comm: Comm) -> tuple[Comm, Comm]:
         """Shard over this rank's node, replicate over the ranks at its place on every node.  A Comm that does
@@ -57,14 +71,15 @@ class HSDP(ZeRO3):
         return comm.over(node), comm.over(across)
 
     def average_shard(self, averaged: torch.Tensor, full: torch.Tensor, tag, key) -> None:
-        """The node's mean of my shard (fast link), then the mean of the nodes' means (slow link)."""
-        self.shard_comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag)
-        self.replica_comm.all_reduce(averaged, ReduceOp.AVG, tag=tag)
+        """The node's mean of my shard (fast link), then the mean of the nodes' means (slow link: the only hop a
+        ``compress=`` wire compresses)."""
+        self.shard_comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.node_wire, key=key)
+        self.replica_comm.all_reduce(averaged, ReduceOp.AVG, tag=tag, wire=self.wire, key=key)
 
     def average_whole(self, full: torch.Tensor, tag, key) -> None:
         """A replicated module's buffer: averaged in the node, then across nodes (a hierarchical all-reduce)."""
-        self.shard_comm.all_reduce(full, ReduceOp.AVG, tag=tag)
-        self.replica_comm.all_reduce(full, ReduceOp.AVG, tag=tag)
+        self.shard_comm.all_reduce(full, ReduceOp.AVG, tag=tag, wire=self.node_wire, key=key)
+        self.replica_comm.all_reduce(full, ReduceOp.AVG, tag=tag, wire=self.wire, key=key)
 
     # ------------------------------------------------------------------ facts
     @classmethod
@@ -73,7 +88,10 @@ class HSDP(ZeRO3):
         """Per rank and step: ZeRO-3's bytes among the node's ``G`` ranks; the shard's all-reduce among ``M`` (its
         mesh's own collectives, whatever the backend does with the world's)."""
         nodes = _nodes(nodes, world_size)
-        return {"intra": ZeRO3.sent_bytes_per_step(psi, nodes.per_node, grad_bytes, param_bytes, **options),
+        # ``grad_bytes`` are the wire's; a compressed wire rides the slow hop only, and inside the node the
+        # gradients travel as they are: in the working dtype, the parameters' bytes
+        inside = param_bytes if options.get("compress") not in (None, "none") else grad_bytes
+        return {"intra": ZeRO3.sent_bytes_per_step(psi, nodes.per_node, inside, param_bytes, **options),
                 "inter": all_reduce_bytes(psi * grad_bytes / nodes.per_node, nodes.count)}
 
     @classmethod
@@ -103,8 +121,8 @@ class HSDP(ZeRO3):
 
     @classmethod
     def reduction(cls, model, optimizer, world_size, nodes: Nodes | None = None, **options) -> Reduction:
-        plain = ZeRO3.reduction(model, optimizer, world_size, **options)
-        return Reduction(plain.buffers, padded=True, shards=_nodes(nodes, world_size).per_node, whole=plain.whole)
+        plain, nodes = ZeRO3.reduction(model, optimizer, world_size, **options), _nodes(nodes, world_size)
+        return Reduction(plain.buffers, padded=True, shards=nodes.per_node, whole=plain.whole, replicas=nodes.count)
 
 
 def _nodes(nodes: Nodes | None, world_size: int) -> Nodes:

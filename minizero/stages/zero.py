@@ -57,7 +57,8 @@ class ZeRO(Stage):
         self.find_unused_parameters = find_unused_parameters
         if optimizer is not None:
             check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
-        self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision,
+        # The wire rides the collective the stage averages with -- HSDP's: the all-reduce across its replicas
+        self.wire = make_wire(self.replica_comm or comm, compress, error_feedback, self.trainable(), self.precision,
                               averages_with=self.averages_with)
         check_same_model(module, comm)
         broadcast_module(module, comm)

@@ -70,9 +70,9 @@ class ZeRO3(ZeRO):
                       "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: REPLICATED.get(d.task, ())),
                Option("quantized_weights", None, "all-gather the parameters as int8 or int4 codes (ZeRO++'s qwZ; "
                       "compute then sees the decoded weights)", weights_spec),
+               # (not drawn by the whole suite, whose draws it would shift: tests/test_hsdp.py draws it in every example)
                Option("hpz", False, "keep a node-local slice of each unit gathered for forward, so the backward "
-                      "all-gather stays inside the node (ZeRO++'s hpZ; on the network's nodes)", None,
-                      draw=lambda d: (False, True)),
+                      "all-gather stays inside the node (ZeRO++'s hpZ; on the network's nodes)", None),
                *WIRE_AND_USE)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
 
