@@ -24,12 +24,9 @@ What every collective goes through lives here, once, so the algorithms stay clea
 """
 from __future__ import annotations
 
-import copy
 import enum
 import functools
 import inspect
-import os
-import tempfile
 import threading
 import time
 import weakref
@@ -40,9 +37,10 @@ import torch.distributed as dist
 
 from . import progress
 from .fingerprint import DTYPES, Call, CollectiveMismatch, Tag, exchange
-from .network import Network, NodeLinks, Port, TwoLevel
+from .network import Network, Port, TwoLevel
 from .nodes import Nodes
 from .thread import CommThread, Work
+from .views import Views
 
 
 class ReduceOp(enum.Enum):
@@ -151,7 +149,7 @@ def _tensors(arguments: dict) -> list[torch.Tensor]:
     return [arguments[k] for k in ("tensor", "input", "output") if k in arguments]
 
 
-class Comm:
+class Comm(Views):
     """Collectives over a process group; subclasses implement the algorithms.
 
     Every collective is in place or writes into a caller-given ``output``,
@@ -224,45 +222,6 @@ class Comm:
             link = self.nodes.link(self._members[self.rank], self._members[to])
             for observer in self._observers:
                 observer(kind, nbytes, link=link)
-
-    # ----------------------------------------------------------- nodes and views
-    def _node_links(self, network) -> NodeLinks | None:
-        """The nodes' shared links, for a cluster with a dialled inter-node wire: one file every rank opens
-        (its path chosen by rank 0 and broadcast -- a collective, at construction, as torch's groups are)."""
-        if not isinstance(network, TwoLevel) or network.inter is None or network.nodes.count == 1:
-            return None
-        path = [None]
-        if self.rank == 0:
-            handle, path[0] = tempfile.mkstemp(prefix="minizero-links-")
-            os.close(handle)
-        dist.broadcast_object_list(path, src=self.peer(0), group=self.group)
-        links = NodeLinks(path[0], network.nodes.count)
-        if self.rank == 0:  # unlinked when rank 0's Comm goes: the other ranks' open handles keep it readable
-            weakref.finalize(self, os.unlink, path[0])
-        return links
-
-    def over(self, ranks: list[int]) -> "Comm":
-        """A Comm over some of this one's ranks (``ranks``, which include this rank), in that order: a
-        node's ranks, or the ranks at one place on every node.  It is a *view*: its collectives see
-        ``rank`` and ``world_size`` of the sub-group, but run on the whole Comm's communication thread, in
-        the one order every rank issues them, so messages of the views never interleave; the ledger and the
-        dialled port are the whole Comm's, so a view's bytes are booked with their links.  Called inside a
-        collective, a view's collective is part of it (booked once, under the outer kind)."""
-        if self.rank not in ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
-            raise ValueError(f"rank {self.rank}: a view over ranks {ranks} must name distinct ranks of this Comm "
-                             f"(0..{self.world_size - 1}), this one included")
-        view = copy.copy(self)
-        view._members = [self._members[r] for r in ranks]
-        view.rank, view.world_size = ranks.index(self.rank), len(ranks)
-        view._calls, view._failed = 0, None
-        view.group = self._group_over(view._members)
-        return view
-
-    def _group_over(self, members: list[int]):
-        """The process group a view's messages travel in: the whole one, for point-to-point messages (a
-        view's peers are named by their global rank); torch's own collectives need a group of just those
-        ranks (:class:`~minizero.comm.native.NativeComm`)."""
-        return self._root.group
 
     def _at(self, part: str, step: int = -1) -> None:
         """Tell the board where this collective is (the fingerprint exchange's own steps say so)."""

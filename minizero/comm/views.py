@@ -1,0 +1,67 @@
+"""Views of a Comm: the same ranks' communication layer, seen as a node's ranks or as the ranks at one place on
+every node (:mod:`.nodes`) -- what the hierarchical collectives and HSDP's 2-D mesh run their collectives on.
+
+A view is a shallow copy of the whole Comm with another ``rank``, ``world_size`` and member list.  Everything that
+must stay one per rank is the whole Comm's and shared by reference: the communication thread (so every view's
+collectives run in the one order all ranks issue them, and their messages never interleave), the byte ledger and
+the other observers, the dialled port, the progress board.  torch's own collectives need a process group of the
+view's ranks, made once at construction (:class:`~minizero.comm.native.NativeComm`); the ring's point-to-point
+messages name their peers by global rank in the whole group.  The nodes' shared links, for a dialled cluster, are
+opened here too: one file per run, its path agreed at construction.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import weakref
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from .network import NodeLinks, TwoLevel
+
+if TYPE_CHECKING:
+    from .base import Comm
+
+
+class Views:
+    """What :class:`~minizero.comm.base.Comm` offers for nodes: :meth:`over`, and its construction's shared links."""
+
+    def _node_links(self, network) -> NodeLinks | None:
+        """The nodes' shared links, for a cluster with a dialled inter-node wire: one file every rank opens
+        (its path chosen by rank 0 and broadcast -- a collective, at construction, as torch's groups are)."""
+        if not isinstance(network, TwoLevel) or network.inter is None or network.nodes.count == 1:
+            return None
+        path = [None]
+        if self.rank == 0:
+            handle, path[0] = tempfile.mkstemp(prefix="minizero-links-")
+            os.close(handle)
+        dist.broadcast_object_list(path, src=self.peer(0), group=self.group)
+        links = NodeLinks(path[0], network.nodes.count)
+        if self.rank == 0:  # unlinked when rank 0's Comm goes: the other ranks' open handles keep it readable
+            weakref.finalize(self, os.unlink, path[0])
+        return links
+
+    def over(self, ranks: list[int]) -> "Comm":
+        """A Comm over some of this one's ranks (``ranks``, which include this rank), in that order: a
+        node's ranks, or the ranks at one place on every node.  It is a *view*: its collectives see
+        ``rank`` and ``world_size`` of the sub-group, but run on the whole Comm's communication thread, in
+        the one order every rank issues them, so messages of the views never interleave; the ledger and the
+        dialled port are the whole Comm's, so a view's bytes are booked with their links.  Called inside a
+        collective, a view's collective is part of it (booked once, under the outer kind)."""
+        if self.rank not in ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"rank {self.rank}: a view over ranks {ranks} must name distinct ranks of this Comm "
+                             f"(0..{self.world_size - 1}), this one included")
+        view = copy.copy(self)
+        view._members = [self._members[r] for r in ranks]
+        view.rank, view.world_size = ranks.index(self.rank), len(ranks)
+        view._calls, view._failed = 0, None
+        view.group = self._group_over(view._members)
+        return view
+
+    def _group_over(self, members: list[int]):
+        """The process group a view's messages travel in: the whole one, for point-to-point messages (a
+        view's peers are named by their global rank); torch's own collectives need a group of just those
+        ranks (:class:`~minizero.comm.native.NativeComm`)."""
+        return self._root.group
