@@ -15,14 +15,10 @@ import copy
 import os
 import tempfile
 import weakref
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from .network import NodeLinks, TwoLevel
-
-if TYPE_CHECKING:
-    from .base import Comm
 
 
 class Views:
@@ -43,7 +39,7 @@ class Views:
             weakref.finalize(self, os.unlink, path[0])
         return links
 
-    def over(self, ranks: list[int]) -> "Comm":
+    def over(self, ranks: list[int]) -> "Views":
         """A Comm over some of this one's ranks (``ranks``, which include this rank), in that order: a
         node's ranks, or the ranks at one place on every node.  It is a *view*: its collectives see
         ``rank`` and ``world_size`` of the sub-group, but run on the whole Comm's communication thread, in
