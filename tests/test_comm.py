@@ -21,9 +21,11 @@ def contribution(rank: int, numel: int, dtype, seed: int) -> torch.Tensor:
     return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
 
 
-def _collective_on_rank(me, case):
+def _collective_on_rank(me, case, network=None):
+    """``case``'s collective on this rank: its result and the ledger (with ``network``'s nodes, also the bytes per
+    link class: tests/test_hierarchical.py)."""
     kind, numel, dtype, op, backend, seed, src = case
-    comm = make_comm(backend.removesuffix("-paired"))
+    comm = make_comm(backend.removesuffix("-paired"), network=network)
     if backend == "ring-paired":  # the path NCCL takes: each step's send and receive in one batch_isend_irecv
         comm._pair_steps = True
     ledger = Ledger()
@@ -48,7 +50,7 @@ def _collective_on_rank(me, case):
             out = contribution(me.rank, numel, dtype, seed)
             comm.broadcast(out, src)
     comm.close()
-    return out, ledger.snapshot()
+    return (out, ledger.snapshot()) if network is None else (out, ledger.snapshot(), ledger.links())
 
 
 def expected(kind, rank, n, numel, dtype, op, seed, src):

@@ -9,34 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.comm import INTER, INTRA, Ledger, Nodes, ReduceOp, make_comm
+from minizero.comm import INTER, INTRA, Nodes, ReduceOp
 from minizero.comm.hierarchical import link_bytes_sent
 from tests.equivalence import examples
-from tests.test_comm import contribution, expected
+from tests.test_comm import _collective_on_rank, expected
 
 SHAPES = [(m, g) for m in range(1, 5) for g in range(1, 5) if m * g <= 4]  # nodes x ranks per node
 
 
 def _two_level_on_rank(me, case, shape, backend):
     kind, numel, dtype, op, seed = case
-    comm = make_comm(backend, network=f"nodes={shape[0]}x{shape[1]}")
-    ledger = Ledger()
-    n = me.world_size
-    with ledger.attached(comm):
-        if kind == "all_reduce":
-            out = contribution(me.rank, numel, dtype, seed)
-            comm.all_reduce(out, op)
-        elif kind == "reduce_scatter":
-            full = contribution(me.rank, numel * n, dtype, seed)
-            before = full.clone()
-            out = torch.full((numel,), 99, dtype=dtype)
-            comm.reduce_scatter(out, full, op)
-            assert torch.equal(full, before), "reduce_scatter must not modify its input"
-        else:
-            out = torch.full((numel * n,), 99, dtype=dtype)
-            comm.all_gather(out, contribution(me.rank, numel, dtype, seed))
-    comm.close()
-    return out, ledger.snapshot(), ledger.links()
+    return _collective_on_rank(me, (kind, numel, dtype, op, backend, seed, 0), f"nodes={shape[0]}x{shape[1]}")
 
 
 cases = st.tuples(st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]),
