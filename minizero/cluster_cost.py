@@ -58,8 +58,8 @@ def collective_s(kind: str, nbytes: float, network: "Network | TwoLevel", nodes:
         alpha, moved = _hop(intra, nbytes / n)
         return _ring(per * (n - 1), alpha, moved)
     slow, fast = _hop(inter, nbytes / n), _hop(intra, nbytes / n) if g > 1 else (0.0, 0.0)
-    step, alpha = max(slow, fast, key=sum), max(slow, fast, key=sum)[0]
-    return _ring(per * (n - 1), alpha, step[1])
+    alpha, moved = max(slow, fast, key=sum)  # the step ends with its slowest hop
+    return _ring(per * (n - 1), alpha, moved)
 
 
 def nodes_for(world_size: int, network: "Network | TwoLevel") -> Nodes:

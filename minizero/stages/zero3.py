@@ -320,19 +320,22 @@ class ZeRO3(ZeRO):
         return split
 
     @classmethod
-    def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:
+    def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, hpz: bool = False,
+                 **options) -> None:
         """Units in call order, as :meth:`unit_pre_forward` and :meth:`unit_pre_backward` run them: a unit waits
         for its all-gather, then starts the next ``prefetch`` ones, then computes.  The root (unit 0) is
         gathered first; its compute is half before the blocks (embeddings) and half after (the head), and
         in backward the reverse; its backward hook fires first and prefetches nothing; each unit's
         reduce-scatter leaves when its backward is done, the root's last.  (With find_unused_parameters
-        every reduce-scatter waits for the end of backward: not modelled.)"""
+        every reduce-scatter waits for the end of backward: not modelled.)  With ``hpz`` the backward gathers are
+        among the node's ranks."""
         blocks, plan = s.plan.blocks, s.plan
         per_param_f, per_param_b = plan.forward_s / plan.psi, plan.backward_s / plan.psi
 
         def gather(u: int, when: str) -> None:
             if not s.launched((when, u)):
-                s.launch((when, u), "all_gather", blocks[u], plan.param_bytes, span=cls.shard_span)
+                span = "node" if hpz and when == "backward" else cls.shard_span
+                s.launch((when, u), "all_gather", blocks[u], plan.param_bytes, span=span)
 
         def run(order: list[int], when: str, compute, after=None) -> None:
             for i, u in enumerate(order):
