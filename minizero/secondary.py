@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 
 from .comm import Comm
-from .comm.nodes import assumed_nodes
 
 
 class SecondaryShards:
@@ -29,12 +28,7 @@ class SecondaryShards:
     so the gathered working set counts them (:class:`minizero.memory.GatheredMemory`)."""
 
     def __init__(self, comm: Comm, observe: Callable[[str, int, int], None]):
-        if comm.nodes is None and comm.name == "native":  # torch's collectives need the node's process group
-            nodes = assumed_nodes(comm.world_size)
-            raise ValueError(f"rank {comm.rank}: hpz on the native backend needs the nodes at the Comm's construction "
-                             f"(it creates their process groups): make_comm('native', "
-                             f"network='nodes={nodes.count}x{nodes.per_node}')")
-        self.nodes = comm.nodes or assumed_nodes(comm.world_size)
+        self.nodes = comm.nodes_or_assumed("hpz")
         self.node = comm.over(self.nodes.node_ranks(comm.rank))
         self._observe = observe
         self._slices: dict[int, tuple[torch.Tensor, int]] = {}  # id(group) -> (slice, unit)

@@ -137,3 +137,23 @@ def test_checkpoints_reshard_across_node_shapes(pools, tmp_path, saved, loaded, 
                    optimizer_states=reference.optimizer_states[1:])
     verdict = judge(rest, tail, "float64", states=True)
     assert verdict.ok, verdict.violation or verdict.nonfinite
+
+
+def _native_without_nodes(me, stage, options):
+    import torch
+
+    from minizero.comm import make_comm
+    from minizero.stages import make_stage
+    try:
+        make_stage(stage, torch.nn.Linear(3, 2), None, make_comm("native"), **options)
+    except ValueError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("stage, options, who", [("hsdp", {}, "hsdp"), ("zero3", {"hpz": True}, "hpz")])
+def test_the_native_backend_without_nodes_is_refused_saying_what_to_pass(pools, stage, options, who):
+    """torch's collectives on a view need its process group, made when the Comm is built: one built without nodes
+    cannot grow them later (new_group is collective), so the stage says which network to give instead."""
+    said = pools.run(2, _native_without_nodes, stage, options)
+    assert said == [f"rank {r}: {who} on the native backend needs the nodes at the Comm's construction (it creates "
+                    f"their process groups): make_comm('native', network='nodes=2x1')" for r in range(2)]

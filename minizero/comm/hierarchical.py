@@ -14,7 +14,7 @@ link's latency ``2(N-1)`` times and pushes ``2(N-1)/N`` of the tensor through ea
 Slow steps: ``2(M-1)`` instead of ``2(N-1)``.  Bytes through a node's link: ``G`` rings x ``2(M-1)/M`` of
 ``S/G`` = ``2(M-1)/M x S``, against the flat ring's ``2(N-1)/N x S`` -- at two nodes ``S`` instead of
 nearly ``2S``.  Every rank sends
-``2(G-1)/G x S`` inside its node and ``2(M-1)/(M G) x S`` across (:mod:`minizero.formulas`).
+``2(G-1)/G x S`` inside its node and ``2(M-1)/(M G) x S`` across (:func:`link_bytes_sent`, below).
 
 Reduce-scatter and all-gather split the same way: rank ``(node k, place j)`` owns world chunk ``k G + j``,
 so inside the node place ``j`` collects the *column* of chunks ``{k' G + j}`` and the ring across the nodes

@@ -19,6 +19,7 @@ import weakref
 import torch.distributed as dist
 
 from .network import NodeLinks, TwoLevel
+from .nodes import Nodes, assumed_nodes
 
 
 class Views:
@@ -61,3 +62,16 @@ class Views:
         view's peers are named by their global rank); torch's own collectives need a group of just those
         ranks (:class:`~minizero.comm.native.NativeComm`)."""
         return self._root.group
+
+    def nodes_or_assumed(self, who: str) -> Nodes:
+        """The nodes this Comm's ranks sit on -- or, for a Comm built without any, the nodes ``who`` (a stage or
+        option whose mesh is the nodes) assumes: :func:`~minizero.comm.nodes.assumed_nodes`.  Not on the native
+        backend, whose views need process groups made at construction."""
+        if self.nodes is not None:
+            return self.nodes
+        nodes = assumed_nodes(self.world_size)
+        if self.name == "native":
+            raise ValueError(f"rank {self.rank}: {who} on the native backend needs the nodes at the Comm's "
+                             f"construction (it creates their process groups): make_comm('native', "
+                             f"network='nodes={nodes.count}x{nodes.per_node}')")
+        return nodes

@@ -62,12 +62,8 @@ class HSDP(ZeRO3):
         """Shard over this rank's node, replicate over the ranks at its place on every node.  A Comm that does
         not know where its ranks sit gets :func:`~minizero.comm.nodes.assumed_nodes` (two nodes when N is even,
         one rank per node when odd), stated as :attr:`nodes`."""
-        self.nodes = comm.nodes or assumed_nodes(comm.world_size)
+        self.nodes = comm.nodes_or_assumed("hsdp")
         node, across = self.nodes.node_ranks(comm.rank), self.nodes.across_ranks(comm.rank)
-        if comm.nodes is None and comm.name == "native":  # torch's collectives need process groups of those ranks
-            raise ValueError(f"rank {comm.rank}: hsdp on the native backend needs the nodes at the Comm's "
-                             f"construction (it creates their process groups): make_comm('native', "
-                             f"network='nodes={self.nodes.count}x{self.nodes.per_node}')")
         return comm.over(node), comm.over(across)
 
     def average_shard(self, averaged: torch.Tensor, full: torch.Tensor, tag, key) -> None:
