@@ -142,8 +142,8 @@ def test_no_sync_on_some_ranks_is_caught_at_the_first_bucket(pools):
         pools.run(2, _no_sync_forgotten, True)
     message = str(info.value)
     assert "ranks disagree on the next collective" in message
-    assert "rank 0: #4 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, backward 1, synchronising" in message
-    assert "rank 1: #4 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, backward 2, synchronising" in message
+    assert "rank 0: #3 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, backward 1, synchronising" in message
+    assert "rank 1: #3 all_reduce of 20 float32 (avg) for 'bucket 0', step 0, backward 2, synchronising" in message
     assert "no_sync() was entered on some ranks only" in message
 
 

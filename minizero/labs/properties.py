@@ -90,7 +90,7 @@ def sent_bytes(checker, options: dict | None = None) -> str:
         results = checker.run_case(n, exp)
         first = results[0]
         formula = checker.lab.answer.sent_bytes_per_step(first.psi, n, first.grad_bytes, first.param_bytes, **options)
-        kinds = set(checker.run(n, replace(exp, stage=checker.lab.stage))[0].sent_by_kind)
+        kinds = set(checker.package(n, replace(exp, stage=checker.lab.stage))[0].sent_by_kind)
         problem = bytes_problem(results, formula, kinds)
         if problem:
             average = sum(x.sent_bytes for x in results) / (n * exp.steps)
@@ -133,8 +133,8 @@ def memory(checker) -> str:
     gradients and optimizer states; a tensor a learner keeps on an attribute of their own is not seen."""
     options = taken_steps(checker.options)
     words = checker.lab.answer.state_formula(4, 2, **checker.options)
-    for n, k in COST_CASES:
-        exp = Experiment(stage=checker.key, task="gpt", steps=1, accum=k, dtype="float32", optimizer="adamw",
+    for n, k in COST_CASES:  # the cases (and so the runs) of `sent_bytes`: the state held after their two steps
+        exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=k, dtype="float32", optimizer="adamw",
                          options=options)
         results = checker.run_case(n, exp)
         formula = checker.lab.answer.state_bytes(results[0].psi, n, 4, STATE_TENSORS["adamw"], **checker.options)

@@ -104,7 +104,7 @@ def matches_the_package(checker) -> str:
     def examine(drawn):
         exp, n = drawn
         results = checker.run(n, exp)
-        theirs = checker.run(n, replace(exp, stage=LocalSGD.name))
+        theirs = checker.package(n, replace(exp, stage=LocalSGD.name))
         why = departs(results, theirs, exp)
         return (why, results) if why else None
 

@@ -77,10 +77,20 @@ def check_same_model(module: nn.Module, comm: Comm) -> None:
 
 def broadcast_module(module: nn.Module, comm: Comm, src: int = 0) -> None:
     """Make every replica start from rank ``src``'s parameters and buffers (as torch DDP does) --
-    integer buffers (BatchNorm's counter) and non-contiguous tensors included."""
+    integer buffers (BatchNorm's counter) and non-contiguous tensors included.
+
+    Coalesced, as torch DDP's ``_sync_module_states`` broadcasts them (``_broadcast_coalesced``, 250 MB buckets):
+    the tensors of one dtype copied into one flat buffer, one broadcast each -- not a collective per tensor, whose
+    fixed cost (a fingerprint, a latency per hop) a model of many small tensors would pay many times over."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
     with torch.no_grad():
-        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-            flat = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
-            comm.broadcast(flat, src, tag=Tag(f"broadcast {name}"))
-            if flat is not tensor.data:
-                tensor.data.copy_(flat)
+        for dtype, named in by_dtype.items():
+            flat = torch.cat([tensor.detach().reshape(-1) for _, tensor in named])
+            what = named[0][0] if len(named) == 1 else f"{len(named)} tensors, {named[0][0]} first"
+            comm.broadcast(flat, src, tag=Tag(f"broadcast {str(dtype).removeprefix('torch.')} ({what})"))
+            offset = 0
+            for _, tensor in named:
+                tensor.data.copy_(flat[offset:offset + tensor.numel()].view(tensor.shape))
+                offset += tensor.numel()
