@@ -51,6 +51,9 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str, stages
                    help="fp16: clean steps before the loss scale doubles (2000)")
     p.add_argument("--min-loss-scale", type=positive_float, default=None, help="fp16: the loss scale's floor (1)")
     p.add_argument("--clip", type=positive_float, default=None, help="clip the global L2 gradient norm to this")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="keep each block's input only and replay its forward in backward (torch.utils.checkpoint, "
+                        "non-reentrant; minizero.activations); the reference never does")
     p.add_argument("--backend", choices=list(BACKENDS), default="ring")
     p.add_argument("--seed", type=preflight.seed, default=0)
     p.add_argument("--timeout", type=preflight.timeout_s, default=300.0,

@@ -290,6 +290,7 @@ def experiment_of(args) -> Experiment:
     return Experiment(task=args.task, dtype=args.dtype, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                       micro_batch=args.micro_batch, accum=args.accum, backend=args.backend, seed=args.seed,
                       clip=(args.clip, 2.0) if args.clip else None, check=args.check,
+                      checkpoint_activations=args.checkpoint_activations,
                       network=args.network if parse_network(args.network) else None,  # refused here if bad
                       stages=getattr(args, "registry", None))
 
@@ -314,7 +315,8 @@ def main(args) -> tuple[int, str]:
     world_size = rows[0].world_size  # under torchrun: the ranks that really ran, not --world-size
     lines = [f"{args.task} model, {args.dtype}, {args.optimizer}, N={world_size}, {args.steps} steps of "
              f"K={args.accum} micro-batches, {args.backend} collectives, precision {args.precision}, "
-             f"compression {args.compress or 'none'}; "
+             f"compression {args.compress or 'none'}"
+             f"{', activation checkpointing' if args.checkpoint_activations else ''}; "
              f"tolerance: relative {RTOL[args.dtype]:g}"]
     if args.precision != "fp32":
         lines.append(f"(precision {args.precision}: each stage is compared with a single-device reference applying the "

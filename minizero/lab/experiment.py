@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .. import checkpoint
+from ..activations import checkpoint_blocks
 from ..comm import Ledger, make_comm
 from ..comm.nodes import assumed_nodes
 from ..compress import check_compress
@@ -64,6 +65,7 @@ class Experiment:
     stages: dict | None = field(default=None, repr=False)  # a registry other than the lab's (mutants, new stages)
     wrap_first: bool = False  # the optimizer built after wrapping, over stage.parameters(), stepped by the loop (FSDP2)
     zero_grad: str = "optimizer"  # what the loop zeroes with: the optimizer's (or stage's) zero_grad, or "model"'s
+    checkpoint_activations: bool = False  # the ranks replay each block's forward in backward (the reference never)
 
     def global_batch(self, world_size: int) -> int:
         return sum(self.rank_sizes) if self.rank_sizes else self.micro_batch * self.accum * world_size
@@ -76,6 +78,8 @@ def build(me: Rank | None, exp: Experiment):
     stage_class(exp.stage, exp.stages)  # an unknown name is refused before anything is built
     model = TASKS[exp.task].make_model(exp.seed + 1000 * (me.rank if me else 0), DTYPES[exp.dtype], **exp.model)
     model.to(exp.device)
+    if exp.checkpoint_activations and me is not None:  # before wrapping, as FSDP2 wants it
+        checkpoint_blocks(model)
     optimizer = None if exp.wrap_first else make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
     comm = make_comm(exp.backend, check=exp.check, network=network_of(exp, me.world_size)) if me else None

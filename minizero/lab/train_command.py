@@ -45,6 +45,8 @@ def add_parser(sub, positive_int, natural_int, positive_float) -> None:
     p.add_argument("--consolidated", action="store_true",
                    help="save one torch.load-able file (gathered) instead of one file per rank")
     p.add_argument("--resume", default=None, help="a checkpoint: a --save directory (its latest) or a step-N one")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="keep each transformer block's input only and replay its forward in backward")
     p.add_argument("--log-every", type=positive_int, default=10)
     p.add_argument("--timeout", type=preflight.timeout_s, default=300.0,
                    help=f"seconds a collective may go without progress before the run is ended as stalled "
@@ -84,7 +86,8 @@ def make_run(args) -> Run:
                lr=args.lr, schedule=args.schedule, warmup=args.warmup, seed=args.seed,
                options=tuple(options.items()), collectives=args.collectives, device=args.device, save=args.save,
                save_every=args.save_every, consolidated=args.consolidated, resume=args.resume,
-               log_every=args.log_every, progress_to="stderr" if args.json else "stdout")
+               log_every=args.log_every, progress_to="stderr" if args.json else "stdout",
+               checkpoint_activations=args.checkpoint_activations)
 
 
 def check_hardware(args, backend: str, world_size: int) -> None:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import checkpoint
+from ..activations import checkpoint_blocks
 from ..comm import Ledger, Tag, make_comm
 from ..memory import GatheredMemory, held_bytes
 from ..train import shard_step, train_step
@@ -57,6 +58,7 @@ class Run:
     resume: str | None = None
     log_every: int = 10
     check: bool = False  # fingerprint every collective (costs a message per collective)
+    checkpoint_activations: bool = False  # replay each block's forward in backward (minizero.activations)
     progress_to: str = "stdout"  # or stderr, when stdout carries the JSON summary; or none (a study's many runs)
 
     def say(self, text: str) -> None:
@@ -72,7 +74,10 @@ class Run:
         return {"sizes": MLP_SIZES} if self.model == "mlp" else GPT_SIZES[self.model]
 
     def make_model(self) -> torch.nn.Module:
-        return self.task.make_model(self.seed, torch.float32, **self.model_kwargs)
+        model = self.task.make_model(self.seed, torch.float32, **self.model_kwargs)
+        if self.checkpoint_activations:
+            checkpoint_blocks(model)
+        return model
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then constant or cosine down to a tenth: a pure function of the step, so a resumed

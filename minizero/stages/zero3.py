@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..activations import replayed_by_backward
 from ..buckets import BucketPipeline
 from ..comm import Comm, ReduceOp, Work
 from ..comm.nodes import assumed_nodes
@@ -152,6 +153,12 @@ class ZeRO3(ZeRO):
         return self.comm.submit(all_gather)
 
     def unit_pre_forward(self, u: int) -> None:
+        if replayed_by_backward():
+            # A unit inside a checkpointed block, its forward replayed by backward (minizero.activations): the
+            # gather backward needs, once -- its pre-backward hook, later, finds it gathered -- and nothing else:
+            # not recorded as a call, no forward prefetch, and (post-forward) no reshard, no new hooks.
+            self.units[u].pre_backward()
+            return
         if u == 0:  # a new forward: this step's bookkeeping starts afresh
             self._recording, self._skipped = [], set()
             for unit in self.units:  # a prefetch from the last backward may predate a step (yours or the stage's)
@@ -164,6 +171,8 @@ class ZeRO3(ZeRO):
         self._prefetch_after(u, +1)
 
     def unit_post_forward(self, u: int, output) -> None:
+        if replayed_by_backward():  # (see unit_pre_forward)
+            return
         if u == 0:
             self._order = self._recording
         if torch.is_grad_enabled():
