@@ -20,6 +20,7 @@ from .lab.optimizers import OPTIMIZERS
 from .lab.option_flags import add_flags
 from .lab.rank_verdict import rank_error_verdict
 from .lab.registry import LAB_STAGES
+from .lab.step_memory import gpu_bytes
 from .lab.tasks import TASKS
 from .lab.train_command import add_parser as add_train_command
 from .labs.cli import add_commands as add_lab_commands
@@ -89,7 +90,13 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     memory.add_argument("--precision", choices=list(PRECISIONS), default="fp16",
                         help="fp16/bf16: the paper's mixed precision (default); fp32: one precision throughout")
     memory.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
-    memory.add_argument("--micro-batch", type=positive_int, default=4, help="--model: for the activation estimate")
+    memory.add_argument("--micro-batch", type=positive_int, default=4, help="samples per rank per micro-batch")
+    memory.add_argument("--seq", type=positive_int, default=2048, help="--params: tokens per sample (a --model's "
+                                                                        "are its own)")
+    memory.add_argument("--checkpoint-activations", action="store_true",
+                        help="each block keeps its input only and is replayed in backward (minizero.activations)")
+    memory.add_argument("--gpu", type=gpu_bytes, default=None,
+                        help="a GPU's memory, e.g. 80GB: does each stage fit, and if not, the smallest change that does")
     memory.add_argument("--timeout", type=preflight.timeout_s, default=300.0)
     memory.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="speed against torch's own implementation, as ratios")

@@ -10,6 +10,8 @@ not counted.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -40,3 +42,24 @@ class GatheredMemory:
     def __call__(self, event: str, nbytes: int, source=None) -> None:
         self.now += nbytes if event == "gather" else -nbytes
         self.peak = max(self.peak, self.now)
+
+
+def profiled_step(step: Callable[[], None], device: str = "cpu") -> dict[str, int]:
+    """The allocator's own account of one training step: ``step()`` run under torch's profiler with memory
+    profiling, each allocation sorted into torch's categories (parameter, optimizer state, gradient, activation,
+    autograd detail, temporary, input) by ``torch.profiler._memory_profiler`` -- what ``export_memory_timeline``
+    draws.  Returns the bytes of each category at the step's peak, ``peak`` itself, and each category's own
+    largest figure (``most_<category>``), on ``device`` (the CPU here: torch.cuda's statistics need no profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        step()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
+    names = {index + 1: "unknown" if category is None else category.name.lower()
+             for category, index in _CATEGORY_TO_INDEX.items()}
+    at_peak = max(sizes, key=sum)
+    out = {name: at_peak[i] for i, name in names.items()}
+    out["peak"] = sum(at_peak)
+    out.update({f"most_{name}": max(row[i] for row in sizes) for i, name in names.items()})
+    return out

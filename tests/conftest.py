@@ -76,7 +76,7 @@ BESIDE_THE_LESSONS = {
     # topology: values and bytes per link class (the dialled timings are test_network's, alone)
     "test_hierarchical", "test_hsdp",
     # activation checkpointing: values, bytes and calls
-    "test_activation_checkpointing",
+    "test_activation_checkpointing", "test_step_memory",
     # what the lessons print and draw: structure, names and bytes, never time
     "test_lesson_outputs", "test_production_names", "test_parallelism", "test_lesson_overlap",
     "test_lesson_ring_pictures", "test_lesson_layout", "test_lesson_debug_flags", "test_lesson_zero2_backward",

@@ -7,20 +7,29 @@ from a model minizero knows, and beside the formula runs every stage live at a
 small N and reports the bytes it really held (:mod:`minizero.memory`).
 
 Model states are not all of a rank's memory: activations come on top and do not
-shrink with N under any ZeRO stage.  For the GPT an activation estimate is
-printed on a line of its own, so nobody reads "1.9 GB" as "fits in 2 GB".
+shrink with N under any ZeRO stage.  So a second table gives the step's peak per
+rank by component (:mod:`.step_memory`): for ``--params``, predicted, and with
+``--gpu 80GB`` whether each stage fits and the smallest change that makes it fit;
+for ``--model``, each component predicted beside measured -- model states from the
+live tensors, activations from the allocator's own account of a profiled step,
+ZeRO-3's gathered units from its observer.
 """
 from __future__ import annotations
 
 import json
 
+import torch
+
+from ..activations import checkpoint_blocks
 from ..launch import RankPool
+from ..memory import profiled_step
 from ..precision import Precision
-from ..stages import STAGES, distributed
+from ..stages import REFERENCE, STAGES, distributed, make_stage
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
 from .optimizers import STATE_TENSORS
-from .tasks import GPT_DEFAULTS
+from .step_memory import Plan, Shape, activation_bytes, fits, gathered_unit_bytes
+from .tasks import GPT_DEFAULTS, TASKS, vocabulary
 
 #: Models ``--model`` knows: the lab's GPT, and the benchmarks' larger one.
 MODELS = {"gpt": {}, "bench-gpt": BENCH_GPT}
@@ -50,7 +59,7 @@ def measured_rows(model: str, world_size: int, precision: str, optimizer: str, t
             if results[0].skipped_steps == STEPS:
                 raise ValueError(f"{name}: every one of {STEPS} fp16 steps overflowed; no optimizer state to measure")
             rows.append({"stage": name, "measured_bytes_per_rank": max(r.held_bytes["total"] for r in results),
-                         "psi": results[0].psi})
+                         "gathered_peak": max(r.gathered_peak_bytes for r in results), "psi": results[0].psi})
     return rows
 
 
@@ -59,14 +68,42 @@ def gpt_config(model: str) -> dict:
     return {**GPT_DEFAULTS, **MODELS[model]}
 
 
-def gpt_activation_bytes(model: str, micro_batch: int, precision: str) -> float:
-    """Activations one GPT forward keeps for backward, per rank and micro-batch: Korthikanti et al. (2022),
-    "Reducing Activation Recomputation in Large Transformer Models", eq. 1 -- s*b*h*(34 + 5*a*s/h) bytes per
-    layer with 16-bit activations, no recomputation -- doubled for fp32.  Any ZeRO stage leaves it as it is."""
+def gpt_shape(model: str) -> Shape:
+    """The lab GPT's shape for :mod:`.step_memory`: no dropout, the sonnets' vocabulary."""
     config = gpt_config(model)
-    s, b, h, a = config["block_size"], micro_batch, config["d_model"], config["n_head"]
-    per_layer = s * b * h * (34 + 5 * a * s / h)
-    return config["n_layer"] * per_layer * (1 if Precision.of(precision).mixed else 2)
+    return Shape(config["n_layer"], config["d_model"], config["n_head"], config["block_size"], len(vocabulary()),
+                 dropout=False)
+
+
+def gpt_activation_bytes(model: str, micro_batch: int, precision: str, checkpointed: bool = False) -> float:
+    """The most activations one GPT micro-batch holds for backward, per rank (:func:`.step_memory.activation_bytes`:
+    Korthikanti et al. 2022, eq. 1, for this dropout-free GPT).  Any ZeRO stage leaves it as it is."""
+    working = Precision.of(precision).working_bytes(MASTER_BYTES)
+    return activation_bytes(gpt_shape(model), micro_batch, working, checkpointed)["peak"]
+
+
+def measured_activation_bytes(model: str, micro_batch: int, checkpointed: bool, precision: str = "fp32") -> int:
+    """What the allocator saw of one training step of the GPT on one rank's micro-batch, run by the single-device
+    stage in ``precision`` (its casts: a 16-bit working copy, the logits back in fp32), profiled
+    (:func:`minizero.memory.profiled_step`): the step's peak less its parameters (masters and working copy),
+    optimizer states, gradients and input -- the activations and autograd's own buffers.  Activations are the same
+    under every stage: each rank computes its micro-batch whole.  (The second step is profiled: Adam's states exist.)"""
+    shape = gpt_shape(model)
+    net = TASKS["gpt"].make_model(0, torch.float32, **MODELS[model])
+    if checkpointed:
+        checkpoint_blocks(net)
+    options = {"precision": precision} if Precision.of(precision).mixed else {}
+    stage = make_stage(REFERENCE, net, torch.optim.Adam(net.parameters(), lr=1e-3), **options)
+    x, y = TASKS["gpt"].make_batch(micro_batch, 0, 0, torch.float32, **MODELS[model])
+
+    def step():
+        stage.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(stage(x).reshape(-1, shape.vocab), y.reshape(-1)).backward()
+        stage.step()
+
+    step()
+    seen = profiled_step(step)
+    return seen["peak"] - seen["parameter"] - seen["optimizer_state"] - seen["gradient"] - seen["input"]
 
 
 def gb(nbytes: float) -> str:
@@ -89,7 +126,8 @@ def main(args) -> tuple[int, str]:
                                                                 STATE_TENSORS[args.optimizer], precision)
             row.update(measured_world_size=live_n, measured_bytes_per_rank=live["measured_bytes_per_rank"],
                        formula_bytes_at_measured_world_size=formula_at_live,
-                       activation_bytes_estimate=gpt_activation_bytes(args.model, args.micro_batch, precision))
+                       activation_bytes_estimate=gpt_activation_bytes(args.model, args.micro_batch, precision,
+                                                                      args.checkpoint_activations))
     if args.json:
         return 0, json.dumps(rows, indent=2)
     k = (MASTER_BYTES if Precision.of(precision).mixed else 0) + MASTER_BYTES * STATE_TENSORS[args.optimizer]
@@ -105,11 +143,60 @@ def main(args) -> tuple[int, str]:
         if args.model:
             line += f"{row['measured_bytes_per_rank']:>20,}{row['formula_bytes_at_measured_world_size']:>12,.0f}"
         lines.append(line)
-    lines.append("Model states only (parameters, gradients, optimizer states; ZeRO's padding in 'measured'). Not "
-                 "included: activations, communication buffers, ZeRO-3's gathered units, allocator overhead.")
-    if args.model:
-        act = rows[0]["activation_bytes_estimate"]
-        lines.append(f"Activations of one micro-batch of {args.micro_batch} x {gpt_config(args.model)['block_size']} "
-                     f"tokens, per rank, any stage: about {act:,.0f} bytes ({gb(act)}) -- Korthikanti et al. 2022, "
-                     f"eq. 1, no recomputation; they do not shrink with N.")
+    lines.append("Model states only (parameters, gradients, optimizer states; ZeRO's padding in 'measured').")
+    lines += [""] + (measured_step_lines(args, psi, measured, live_n) if args.model else predicted_step_lines(args, psi))
     return 0, "\n".join(lines)
+
+
+def measured_step_lines(args, psi: float, measured: list[dict], live_n: int) -> list[str]:
+    """Each component of a rank's peak predicted beside measured, per stage, at the live world size."""
+    shape, precision, ck = gpt_shape(args.model), args.precision, args.checkpoint_activations
+    working = Precision.of(precision).working_bytes(MASTER_BYTES)
+    act_predicted = activation_bytes(shape, args.micro_batch, working, ck)["peak"]
+    act_measured = measured_activation_bytes(args.model, args.micro_batch, ck, precision)
+    lines = [f"The step's peak per rank at N={live_n}, a micro-batch of {args.micro_batch} x {shape.seq} tokens"
+             f"{', blocks checkpointed' if ck else ''}: predicted / measured (bytes)",
+             f"{'stage':<14}{'model states':>26}{'activations':>26}{'gathered units':>26}{'peak':>26}{'off':>7}"]
+    for row in measured:
+        stage = row["stage"]
+        states = STAGES[stage].state_bytes(psi, live_n, MASTER_BYTES, STATE_TENSORS[args.optimizer], precision)
+        gathered = gathered_unit_bytes(stage, shape, live_n, working)
+        predicted, seen = states + act_predicted + gathered, row["measured_bytes_per_rank"] + act_measured + row[
+            "gathered_peak"]
+        lines.append(f"{stage:<14}{pair(states, row['measured_bytes_per_rank'])}{pair(act_predicted, act_measured)}"
+                     f"{pair(gathered, row['gathered_peak'])}{pair(predicted, seen)}{seen / predicted - 1:>+7.1%}")
+    lines += ["model states: each stage's formula / the live tensors it held; activations: Korthikanti et al. 2022, "
+              "eq. 1, for this dropout-free GPT (minizero.lab.step_memory) / the allocator's peak in one profiled "
+              "step less parameters, optimizer states, gradients and input (torch.profiler's memory categories); "
+              "gathered units: ZeRO-3's root unit and 1 + prefetch blocks / the gathered peak its observer saw."]
+    return lines
+
+
+def predicted_step_lines(args, psi: float) -> list[str]:
+    """Each stage's peak per rank at ``--world-size``, by component, for a GPT-3-shaped model of ``psi``
+    parameters; with ``--gpu``, whether it fits and the smallest change that makes it fit."""
+    shape = Shape.of_params(psi, args.seq)
+    lines = [f"The step's peak per rank at N={args.world_size}: a GPT shaped as GPT-3's nearest ({shape.layers} layers, "
+             f"hidden {shape.hidden}, {shape.heads} heads, vocabulary {shape.vocab:,}), {args.micro_batch} x "
+             f"{shape.seq} tokens per micro-batch{', blocks checkpointed' if args.checkpoint_activations else ''}",
+             f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'peak':>12}"
+             + (f"   on {gb(args.gpu)}" if args.gpu else "")]
+    for stage in distributed():
+        if stage not in STAGES or not STAGES[stage].equivalent:
+            continue
+        plan = Plan(stage, args.world_size, args.micro_batch, args.checkpoint_activations)
+        here, fitting = fits(psi, shape, plan, args.gpu or float("inf"), args.precision, args.optimizer)
+        line = (f"{stage:<14}{gb(here['model_states']):>14}{gb(here['activations']):>14}"
+                f"{gb(here['gathered_units']) if here['gathered_units'] else '-':>12}{gb(here['total']):>12}")
+        if args.gpu:
+            line += ("   fits" if fitting == plan else f"   does not fit; smallest change: {fitting.change_from(plan)}"
+                     if fitting else "   does not fit, nor with any one or two changes tried")
+        lines.append(line)
+    lines.append("activations: Korthikanti et al. 2022, eq. 1 (16-bit: s*b*h*(34 + 5*a*s/h) per layer; checkpointed, "
+                 "2sbh per layer and one layer replayed) plus the head's logits; not included: communication "
+                 "buffers, fragmentation, the CUDA context (about 0.5-1 GB).")
+    return lines
+
+
+def pair(predicted: float, measured: float) -> str:
+    return f"{predicted:>13,.0f} /{measured:>11,.0f}"

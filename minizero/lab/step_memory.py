@@ -1,0 +1,179 @@
+"""Will it fit?  A step's memory per rank: the model states, and what the step keeps on top -- activations above all.
+
+Model states come from each stage's own formula (:meth:`Stage.state_bytes`, the ZeRO paper's Table 1).  What a
+step adds is what backward needs of the forward, and no ZeRO stage shrinks it.  Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", eq. 1) count it for a transformer layer in 16 bits:
+s*b*h*(34 + 5*a*s/h) bytes -- attention 11sbh + 5as^2b (the QKV input 2sbh, Q and K 4sbh, the softmax's output
+2as^2b, its dropout mask as^2b and the dropout's output 2as^2b, V 2sbh, the projection's input 2sbh and its dropout
+mask sbh), the MLP 19sbh (its input 2sbh, GeLU's input 8sbh and output 8sbh, a dropout mask sbh) and the two
+LayerNorms' inputs 4sbh.  minizero's GPT has no dropout: 32sbh + 2as^2b.  With every block checkpointed (their "full
+recomputation", :mod:`minizero.activations`) a layer keeps only its input, 2sbh, and backward holds one layer's
+activations at a time while it replays it.  After the blocks, the final LayerNorm's and the head's inputs (2sbh
+each) and the logits with their log-softmax (2sbV each) -- the vocabulary term the formula leaves out, which a
+small model with a large vocabulary is dominated by.  In fp32, every figure doubles.
+
+:func:`fits` answers "will it fit on this GPU, and if not, what is the smallest change that makes it fit?".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..precision import Precision
+from ..stages import STAGES, distributed
+from .optimizers import STATE_TENSORS
+
+MASTER_BYTES = 4
+
+#: GPT-3's family (Brown et al. 2020, Table 2.1): Psi -> (layers, hidden, heads), the shape ``--params`` assumes.
+GPT3 = {125e6: (12, 768, 12), 350e6: (24, 1024, 16), 760e6: (24, 1536, 16), 1.3e9: (24, 2048, 24),
+        2.7e9: (32, 2560, 32), 6.7e9: (32, 4096, 32), 13e9: (40, 5140, 40), 175e9: (96, 12288, 96)}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A GPT: ``layers`` blocks of width ``hidden`` with ``heads`` heads, sequences of ``seq`` tokens, a vocabulary
+    of ``vocab``; ``dropout``: its layers drop out (Megatron's GPT, the formula's model) or not (minizero's)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int = 50257
+    dropout: bool = True
+
+    @classmethod
+    def of_params(cls, psi: float, seq: int) -> "Shape":
+        """The GPT-3 shape nearest ``psi`` parameters (by ratio)."""
+        nearest = min(GPT3, key=lambda p: max(p, psi) / min(p, psi))
+        layers, hidden, heads = GPT3[nearest]
+        return cls(layers, hidden, heads, seq)
+
+
+def activation_bytes(shape: Shape, micro_batch: int, element_bytes: int, checkpointed: bool = False) -> dict:
+    """Bytes of activations one rank keeps for backward at the end of a micro-batch's forward (``blocks``,
+    ``head``) and the most it holds in backward (``peak``: with checkpointing, the kept inputs plus one block
+    replayed)."""
+    s, b, h, a, v = shape.seq, micro_batch, shape.hidden, shape.heads, shape.vocab
+    half = element_bytes / 2  # the formula counts 16-bit bytes
+    per_block = s * b * h * ((34 if shape.dropout else 32) + (5 if shape.dropout else 2) * a * s / h) * half
+    head = (2 * s * b * h + 2 * s * b * v) * element_bytes
+    if checkpointed:
+        kept = shape.layers * s * b * h * element_bytes
+        return {"blocks": kept, "head": head, "peak": kept + head + per_block, "per_block": per_block}
+    blocks = shape.layers * per_block
+    return {"blocks": blocks, "head": head, "peak": blocks + head, "per_block": per_block}
+
+
+def gathered_unit_bytes(stage: str, shape: Shape, world_size: int, element_bytes: int, prefetch: int = 1) -> float:
+    """ZeRO-3's working set in the working precision: the root unit (the embeddings, tied to the head, and the final
+    LayerNorm: gathered for the whole forward and again for the whole backward), the block computing and the
+    ``prefetch`` blocks gathering behind it (12h^2 + 13h parameters each).  None for a stage that keeps its
+    parameters whole."""
+    if not STAGES[stage].shards.parameters:
+        return 0.0
+    h = shape.hidden
+    root = (shape.vocab + shape.seq + 2) * h
+    return (root + min(1 + prefetch, shape.layers) * (12 * h * h + 13 * h)) * element_bytes
+
+
+def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batch: int, precision: str = "bf16",
+               optimizer: str = "adam", checkpointed: bool = False) -> dict:
+    """One rank's peak, by component: model states (the stage's formula), activations, ZeRO-3's gathered units."""
+    working = Precision.of(precision).working_bytes(MASTER_BYTES)
+    states = STAGES[stage].state_bytes(psi, world_size, MASTER_BYTES, STATE_TENSORS[optimizer], precision)
+    activations = activation_bytes(shape, micro_batch, working, checkpointed)["peak"]
+    gathered = gathered_unit_bytes(stage, shape, world_size, working)
+    return {"model_states": states, "activations": activations, "gathered_units": gathered,
+            "total": states + activations + gathered}
+
+
+@dataclass(frozen=True)
+class Plan:
+    stage: str
+    world_size: int
+    micro_batch: int
+    checkpointed: bool
+
+    def change_from(self, other: "Plan") -> str:
+        said = []
+        if self.checkpointed != other.checkpointed:
+            said.append("--checkpoint-activations")
+        if self.stage != other.stage:
+            said.append(f"stage {self.stage}")
+        if self.micro_batch != other.micro_batch:
+            said.append(f"--micro-batch {self.micro_batch}")
+        if self.world_size != other.world_size:
+            said.append(f"--world-size {self.world_size}")
+        return " + ".join(said)
+
+
+def sharded_kinds(stage: str) -> int:
+    """How many of the ZeRO paper's three kinds of model state ``stage`` divides among its ranks (P_os, +g, +p)."""
+    shards = STAGES[stage].shards
+    return shards.optimizer_states + shards.gradients + shards.parameters
+
+
+def further_stages(stage: str) -> list[str]:
+    """The stages equivalent to single-device training that shard more of the model state than ``stage``: the
+    next ZeRO stages first."""
+    more = [s for s in distributed() if STAGES[s].equivalent and sharded_kinds(s) > sharded_kinds(stage)]
+    return sorted(more, key=sharded_kinds)
+
+
+def smallest_change(plan: Plan, fits_with) -> Plan | None:
+    """The first plan that fits, trying one change, then two, the cheapest first: checkpointing (one more forward),
+    a stage that shards more (more communication: ZeRO-3's is 1.5x), halving the micro-batch (more micro-batches per
+    step), more ranks (up to 16x: money)."""
+    def single(p: Plan):
+        if not p.checkpointed:
+            yield replace(p, checkpointed=True)
+        yield from (replace(p, stage=s) for s in further_stages(p.stage))
+        mb = p.micro_batch // 2
+        while mb >= 1:
+            yield replace(p, micro_batch=mb)
+            mb //= 2
+        yield from (replace(p, world_size=p.world_size * k) for k in (2, 4, 8, 16))
+
+    for candidate in single(plan):
+        if fits_with(candidate):
+            return candidate
+    for first in single(plan):
+        for candidate in single(first):
+            if fits_with(candidate):
+                return candidate
+    return None
+
+
+def fits(psi: float, shape: Shape, plan: Plan, gpu_bytes: float, precision: str = "bf16",
+         optimizer: str = "adam") -> tuple[dict, Plan | None]:
+    """``(the peak by component, the smallest change that fits -- the plan itself if it fits, None if nothing
+    tried fits)``."""
+    def peak(p: Plan) -> dict:
+        return step_bytes(p.stage, psi, shape, p.world_size, p.micro_batch, precision, optimizer, p.checkpointed)
+
+    here = peak(plan)
+    if here["total"] <= gpu_bytes:
+        return here, plan
+    return here, smallest_change(plan, lambda p: peak(p)["total"] <= gpu_bytes)
+
+
+UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
+         "TIB": 2 ** 40}
+
+
+def gpu_bytes(text: str) -> float:
+    """``80GB`` (the vendors' GB, 1e9: an "80 GB" H100 holds 79.6 GiB of it), ``80GiB``, or bytes."""
+    number = text.strip().upper()
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if unit and number.endswith(unit):
+            value, scale = number[:-len(unit)], UNITS[unit]
+            break
+    else:
+        value, scale = number, 1
+    try:
+        size = float(value) * scale
+    except ValueError:
+        size = float("nan")
+    if not size > 0:
+        raise ValueError(f"--gpu {text!r}: give a memory size such as 80GB, 40GiB or 8e10 (bytes)")
+    return size

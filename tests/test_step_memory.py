@@ -1,0 +1,70 @@
+"""Will it fit? (:mod:`minizero.lab.step_memory`): the activations a step keeps, by Korthikanti et al. 2022's
+formula, with and without checkpointing; the peak per rank beside the allocator's own account of a step; the
+smallest change that makes a model fit a GPU."""
+from __future__ import annotations
+
+import pytest
+
+from minizero.lab.memory_table import gathered_unit_bytes, gpt_shape, measured_activation_bytes, measured_rows
+from minizero.lab.optimizers import STATE_TENSORS
+from minizero.lab.step_memory import Plan, Shape, activation_bytes, fits, gpu_bytes, step_bytes
+from minizero.stages import STAGES, distributed
+
+
+def test_the_formula_is_korthikantis_eq_1_and_full_recomputation_keeps_each_layers_input():
+    shape = Shape(layers=32, hidden=4096, heads=32, seq=2048, vocab=50257)
+    s, b, h, a = 2048, 1, 4096, 32
+    sixteen = activation_bytes(shape, b, 2)
+    assert sixteen["per_block"] == s * b * h * (34 + 5 * a * s / h)  # eq. 1, 16-bit bytes
+    assert sixteen["peak"] == 32 * sixteen["per_block"] + sixteen["head"]
+    assert activation_bytes(shape, b, 4)["peak"] == 2 * sixteen["peak"]  # fp32: every figure doubles
+    kept = activation_bytes(shape, b, 2, checkpointed=True)
+    assert kept["blocks"] == 32 * 2 * s * b * h and kept["peak"] == kept["blocks"] + kept["head"] + kept["per_block"]
+    no_dropout = activation_bytes(Shape(32, 4096, 32, 2048, dropout=False), b, 2)
+    assert no_dropout["per_block"] == s * b * h * (32 + 2 * a * s / h)  # the masks and the dropout's outputs gone
+
+
+def test_the_papers_7_5b_model_on_64_gpus_of_80gb():
+    shape = Shape.of_params(7.5e9, 2048)
+    assert (shape.layers, shape.hidden, shape.heads) == (32, 4096, 32)  # GPT-3 6.7B's shape, the nearest
+    verdicts = {stage: fits(7.5e9, shape, Plan(stage, 64, 1, False), 80e9, "fp16") for stage in
+                ("ddp", "zero1", "zero2", "zero3")}
+    assert verdicts["zero1"][0]["model_states"] == pytest.approx(31.4e9, rel=1e-3)  # Table 1, with the activations
+    assert verdicts["ddp"][1] == Plan("zero1", 64, 1, False)  # the cheapest change that fits: ZeRO-1
+    for stage in ("zero1", "zero2", "zero3"):
+        assert verdicts[stage][1] == Plan(stage, 64, 1, False)  # fits as it is
+    # Longer sequences on 8 GPUs: no ZeRO stage is enough, checkpointing is the smallest change for each.
+    for stage in ("zero1", "zero2", "zero3"):
+        here, change = fits(7.5e9, Shape.of_params(7.5e9, 4096), Plan(stage, 8, 4, False), 80e9, "fp16")
+        assert here["total"] > 80e9 and change == Plan(stage, 8, 4, True), (stage, change)
+    assert fits(7.5e9, shape, Plan("ddp", 1, 1, False), 1e9)[1] is None  # 1 GB: nothing tried fits
+
+
+def test_gpu_sizes_are_read_in_the_vendors_units_and_nonsense_is_refused():
+    assert gpu_bytes("80GB") == 80e9 and gpu_bytes("40GiB") == 40 * 2 ** 30 and gpu_bytes("8e10") == 8e10
+    for bad in ("eighty", "0GB", "-1GB", "GB"):
+        with pytest.raises(ValueError, match="give a memory size such as 80GB"):
+            gpu_bytes(bad)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["stored", "checkpointed"])
+def test_the_predicted_peak_is_within_10_percent_of_the_measured_for_every_stage(checkpointed):
+    """fp32, three ranks (uneven shards): model states (the formula / the live tensors), activations (the formula /
+    the allocator's peak of a profiled step, less its model states), ZeRO-3's gathered units (the formula / the
+    observer's peak)."""
+    n, micro_batch = 3, 8
+    shape = gpt_shape("gpt")
+    rows = measured_rows("gpt", n, "fp32", "adamw", timeout_s=60.0)
+    activations = measured_activation_bytes("gpt", micro_batch, checkpointed, "fp32")
+    predicted_activations = activation_bytes(shape, micro_batch, 4, checkpointed)["peak"]
+    assert abs(activations / predicted_activations - 1) < 0.10, (activations, predicted_activations)
+    assert {row["stage"] for row in rows} == set(distributed())
+    for row in rows:
+        stage, psi = row["stage"], row["psi"]
+        states = STAGES[stage].state_bytes(psi, n, 4, STATE_TENSORS["adamw"], "fp32")
+        gathered = gathered_unit_bytes(stage, shape, n, 4)
+        assert abs(row["measured_bytes_per_rank"] / states - 1) < 0.01, (stage, row, states)
+        assert abs(row["gathered_peak"] - gathered) <= 0.02 * max(gathered, 1), (stage, row["gathered_peak"], gathered)
+        predicted = step_bytes(stage, psi, shape, n, micro_batch, "fp32", "adamw", checkpointed)["total"]
+        seen = row["measured_bytes_per_rank"] + activations + row["gathered_peak"]
+        assert abs(seen / predicted - 1) < 0.10, (stage, seen, predicted)
