@@ -59,10 +59,10 @@ class Pools(RankPools):
 
 
 #: Modules none of whose tests measures time: their results are the same on a busy CPU, only later, so
-#: ``pytest -m "not alone"`` may run them beside other work (the lessons, say).  Every other module is marked
-#: ``alone``: the dialled network, overlap, the cost model, the launcher's and the faults' stall timeouts, the
-#: mutants, test_robustness (it sleeps for launched work to finish), test_train_command (it shares test_launch's
-#: torchrun launch) -- and any module not listed here.  List a new module only if none of its assertions
+#: ``pytest -m "not alone and not waits"`` may run them beside other work (the lessons, say).  Every other module is
+#: marked ``waits`` (:data:`BOUNDED_WAITS`: the launcher's and the faults' stall timeouts, the checker's deadlines,
+#: test_robustness, which sleeps for launched work to finish, test_train_command, which shares test_launch's torchrun
+#: launch) or ``alone``: the dialled network, overlap, the cost model, the mutants -- and any module not listed.  List a new module only if none of its assertions
 #: depends on how long anything takes.  (`make test` runs the suite, then the lessons, one after the other.)
 BESIDE_THE_LESSONS = {
     "test_architecture", "test_bad_input", "test_bench_all", "test_bucketed", "test_checkpoint", "test_cli", "test_comm",
@@ -86,14 +86,33 @@ BESIDE_THE_LESSONS = {
 }
 
 
+#: Modules whose assertions about time are *bounded waits*: a stall named within its timeout, a deadline that stops
+#: a looping rank, a launch that ends, a healthy run that outlives its timeout because it keeps moving.  On a busy
+#: machine their clocks run out the same, only later, and every bound has seconds of margin -- so `make test` runs
+#: them two at a time (they sleep far more than they compute), apart from the modules that compare durations (the
+#: dialled network, overlap, the cost model, the mutants), which run one at a time.  ``torchrun``: the modules
+#: sharing one torchrun launch (a session fixture), kept on one worker.
+BOUNDED_WAITS = {"test_faults", "test_check_bounded", "test_launch", "test_robustness", "test_torchrun_shutdown",
+                 "test_verdicts", "test_train_command"}
+SHARING_A_TORCHRUN_LAUNCH = {"test_launch", "test_train_command"}
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "alone: measures time; `make test` runs it after the lessons and the rest")
+    config.addinivalue_line("markers", "alone: measures time; `make test` runs it one test at a time, first")
+    config.addinivalue_line("markers", "waits: a bounded wait for a timeout or a deadline; `make test` runs two at a "
+                                       "time, next")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     for item in items:
         module = getattr(item, "module", None)  # a lesson notebook's item has none: it runs beside the rest
-        if module is not None and module.__name__.rsplit(".", 1)[-1] not in BESIDE_THE_LESSONS:
+        name = module.__name__.rsplit(".", 1)[-1] if module is not None else None
+        if name in BOUNDED_WAITS:
+            item.add_marker(pytest.mark.waits)
+            if name in SHARING_A_TORCHRUN_LAUNCH:
+                item.add_marker(pytest.mark.xdist_group("torchrun"))
+        elif name is not None and name not in BESIDE_THE_LESSONS:
             item.add_marker(pytest.mark.alone)
 
 
