@@ -59,11 +59,13 @@ class Pools(RankPools):
 
 
 #: Modules none of whose tests measures time: their results are the same on a busy CPU, only later, so
-#: ``pytest -m "not alone and not waits"`` may run them beside other work (the lessons, say).  Every other module is
-#: marked ``waits`` (:data:`BOUNDED_WAITS`: the launcher's and the faults' stall timeouts, the checker's deadlines,
-#: test_robustness, which sleeps for launched work to finish, test_train_command, which shares test_launch's torchrun
-#: launch) or ``alone``: the dialled network, overlap, the cost model, the mutants -- and any module not listed.  List a new module only if none of its assertions
-#: depends on how long anything takes.  (`make test` runs the suite, then the lessons, one after the other.)
+#: ``pytest -m "not alone and not waits"`` may run them beside other work (the lessons, say).  Every other module
+#: is marked ``waits`` (:data:`BOUNDED_WAITS`: the launcher's and the faults' stall timeouts, the checker's
+#: deadlines, test_robustness, which sleeps for launched work to finish, test_train_command, which shares
+#: test_launch's torchrun launch) or ``alone``: the dialled network, overlap, the cost model, the mutants -- and
+#: any module not listed.  List a new module only if none of its assertions depends on how long anything takes.
+#: (`make test` runs the ``alone`` modules one test at a time, then the ``waits`` two at a time, then these beside
+#: the lessons, two at a time.)
 BESIDE_THE_LESSONS = {
     "test_architecture", "test_bad_input", "test_bench_all", "test_bucketed", "test_checkpoint", "test_cli", "test_comm",
     "test_compression", "test_contrast_stages", "test_ddp_equivalence", "test_docs", "test_fingerprint", "test_labs",
