@@ -15,6 +15,7 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -116,6 +117,45 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.xdist_group("torchrun"))
         elif name is not None and name not in BESIDE_THE_LESSONS:
             item.add_marker(pytest.mark.alone)
+    interleave_the_lessons(items)
+
+
+def recorded_seconds(item) -> float:
+    """How long the lesson's cells took when it was last executed, from the timestamps its committed notebook
+    records (0 when it records none)."""
+    import json
+    from datetime import datetime
+
+    total = 0.0
+    try:
+        cells = json.loads(Path(str(item.fspath)).read_text())["cells"]
+    except (OSError, ValueError, KeyError):
+        return total
+    for cell in cells:
+        times = cell.get("metadata", {}).get("execution", {})
+        if "iopub.execute_input" in times and "shell.execute_reply" in times:
+            start, end = (datetime.fromisoformat(times[k].replace("Z", "+00:00"))
+                          for k in ("iopub.execute_input", "shell.execute_reply"))
+            total += (end - start).total_seconds()
+    return total
+
+
+def interleave_the_lessons(items: list) -> None:
+    """Spread the lesson notebooks evenly through the run, each beside tests rather than all of them together at
+    the end: a lesson waits on its kernel, its ranks and its dialled wire as much as it computes, and the tests
+    beside it use what it leaves of the CPU."""
+    lessons = sorted((item for item in items if getattr(item, "module", None) is None), key=recorded_seconds,
+                     reverse=True)  # the longest first: what runs last is short
+    rest = [item for item in items if getattr(item, "module", None) is not None]
+    if not lessons or not rest:
+        return
+    every = len(rest) / len(lessons)
+    order, taken = [], 0
+    for i, lesson in enumerate(lessons):
+        upto = round(i * every)
+        order += rest[taken:upto] + [lesson]
+        taken = upto
+    items[:] = order + rest[taken:]
 
 
 @pytest.fixture(scope="session")
