@@ -109,6 +109,10 @@ def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, 
     store = _rendezvous(rank, port, backstop_s(timeout_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=backstop_s(timeout_s)))
+    # Every rank connected before any runs a task: gloo's init can return on one rank while a peer is still
+    # connecting to it, and a task that ends that rank at once (a crash, an exit) would then break the peer's
+    # connection -- and the peer's death, not the cause, could be the one named.
+    dist.barrier()
     me = Rank(rank, world_size, local_rank=rank, backend=backend)
     while True:
         task = tasks.get()

@@ -62,7 +62,7 @@ def test_the_predicted_peak_is_within_10_percent_of_the_measured_for_every_stage
         for row in rows:
             stage, psi = row["stage"], row["psi"]
             states = STAGES[stage].state_bytes(psi, n, 4, STATE_TENSORS["adamw"], "fp32")
-            gathered = gathered_unit_bytes(stage, shape, n, 4)
+            gathered = gathered_unit_bytes(stage, shape, 4)
             assert abs(row["measured_bytes_per_rank"] / states - 1) < 0.01, (stage, row, states)
             assert abs(row["gathered_peak"] - gathered) <= 0.02 * max(gathered, 1), (stage, row["gathered_peak"],
                                                                                      gathered)

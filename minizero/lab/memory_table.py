@@ -160,7 +160,7 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int) -> 
     for row in measured:
         stage = row["stage"]
         states = STAGES[stage].state_bytes(psi, live_n, MASTER_BYTES, STATE_TENSORS[args.optimizer], precision)
-        gathered = gathered_unit_bytes(stage, shape, live_n, working)
+        gathered = gathered_unit_bytes(stage, shape, working)
         predicted, seen = states + act_predicted + gathered, row["measured_bytes_per_rank"] + act_measured + row[
             "gathered_peak"]
         lines.append(f"{stage:<14}{pair(states, row['measured_bytes_per_rank'])}{pair(act_predicted, act_measured)}"

@@ -9,8 +9,8 @@ mask sbh), the MLP 19sbh (its input 2sbh, GeLU's input 8sbh and output 8sbh, a d
 LayerNorms' inputs 4sbh.  minizero's GPT has no dropout: 32sbh + 2as^2b.  With every block checkpointed (their "full
 recomputation", :mod:`minizero.activations`) a layer keeps only its input, 2sbh, and backward holds one layer's
 activations at a time while it replays it.  After the blocks, the final LayerNorm's and the head's inputs (2sbh
-each) and the logits with their log-softmax (2sbV each) -- the vocabulary term the formula leaves out, which a
-small model with a large vocabulary is dominated by.  In fp32, every figure doubles.
+each) and the logits with their log-softmax (2sbV each): terms outside the layers, which eq. 1, a count per layer,
+leaves out, and which weigh most in a small model with a large vocabulary.  In fp32, every figure doubles.
 
 :func:`fits` answers "will it fit on this GPU, and if not, what is the smallest change that makes it fit?".
 """
@@ -64,7 +64,7 @@ def activation_bytes(shape: Shape, micro_batch: int, element_bytes: int, checkpo
     return {"blocks": blocks, "head": head, "peak": blocks + head, "per_block": per_block}
 
 
-def gathered_unit_bytes(stage: str, shape: Shape, world_size: int, element_bytes: int, prefetch: int = 1) -> float:
+def gathered_unit_bytes(stage: str, shape: Shape, element_bytes: int, prefetch: int = 1) -> float:
     """ZeRO-3's working set in the working precision: the root unit (the embeddings, tied to the head, and the final
     LayerNorm: gathered for the whole forward and again for the whole backward), the block computing and the
     ``prefetch`` blocks gathering behind it (12h^2 + 13h parameters each).  None for a stage that keeps its
@@ -82,7 +82,7 @@ def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batc
     working = Precision.of(precision).working_bytes(MASTER_BYTES)
     states = STAGES[stage].state_bytes(psi, world_size, MASTER_BYTES, STATE_TENSORS[optimizer], precision)
     activations = activation_bytes(shape, micro_batch, working, checkpointed)["peak"]
-    gathered = gathered_unit_bytes(stage, shape, world_size, working)
+    gathered = gathered_unit_bytes(stage, shape, working)
     return {"model_states": states, "activations": activations, "gathered_units": gathered,
             "total": states + activations + gathered}
 
