@@ -26,7 +26,7 @@ def checkpointed(drawn):
 def test_every_stage_with_checkpointed_blocks_trains_as_without(pools, stage):
     """A stage equivalent to single-device training stays so; the others (stale pulls, local SGD) train exactly
     as they do without checkpointing."""
-    @settings(max_examples=examples(5))
+    @settings(max_examples=examples(4))
     @given(drawn=experiments(stage, max_accum=2).map(checkpointed))
     def prop(drawn):
         if STAGES[stage].equivalent:

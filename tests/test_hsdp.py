@@ -37,8 +37,8 @@ def test_bucketed_ddp_on_drawn_nodes_and_the_hierarchical_backend(pools, drawn):
     run_and_check(pools, exp, world_size)
 
 
-@pytest.mark.parametrize("shape, backend", [("2x2", "ring"), ("2x2", "hierarchical"), ("1x4", "hierarchical"),
-                                            ("4x1", "ring"), ("1x3", "ring"), ("3x1", "hierarchical")])
+@pytest.mark.parametrize("shape, backend", [("2x2", "ring"), ("2x2", "hierarchical"), ("1x3", "ring"),
+                                            ("3x1", "hierarchical")])  # both levels, one node (uneven), one per node
 def test_bytes_per_link_and_memory_beside_their_formulas(shape, backend):
     """compare's own rows: every link class's bytes within 2% of the formula, model states 16Ψ/G."""
     m, g = map(int, shape.split("x"))
@@ -105,7 +105,7 @@ def test_hsdp_in_mixed_precision_matches_the_same_casts_reference(pools, drawn):
     run_and_check(pools, exp, world_size)
 
 
-@pytest.mark.parametrize("codec", ["int8", "topk:0.25", "sign"])
+@pytest.mark.parametrize("codec", ["int8", "sign"])  # a block-scaled codec and a one-bit one (top-k: test_codecs)
 def test_a_codec_on_the_slow_hop_only(codec):
     """A codec rides HSDP's all-reduce across nodes (its messages all-gathered, decoded in node order); inside the
     node nothing is rounded.  Against the same-casts reference, with each link's bytes beside the formula."""
