@@ -10,11 +10,13 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -123,9 +125,6 @@ def pytest_collection_modifyitems(items):
 def recorded_seconds(item) -> float:
     """How long the lesson's cells took when it was last executed, from the timestamps its committed notebook
     records (0 when it records none)."""
-    import json
-    from datetime import datetime
-
     total = 0.0
     try:
         cells = json.loads(Path(str(item.fspath)).read_text())["cells"]
