@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from minizero.lab.memory_table import gathered_unit_bytes, gpt_shape, measured_activation_bytes, measured_rows
+from minizero.lab.memory_table import gpt_shape, measured_activation_bytes, measured_rows
 from minizero.lab.optimizers import STATE_TENSORS
-from minizero.lab.step_memory import Plan, Shape, activation_bytes, fits, gpu_bytes, step_bytes
+from minizero.lab.step_memory import Plan, Shape, activation_bytes, fits, gathered_unit_bytes, gpu_bytes, step_bytes
 from minizero.stages import STAGES, distributed
 
 

@@ -28,12 +28,11 @@ from ..stages import REFERENCE, STAGES, distributed, make_stage
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
 from .optimizers import STATE_TENSORS
-from .step_memory import Plan, Shape, activation_bytes, fits, gathered_unit_bytes
+from .step_memory import MASTER_BYTES, Plan, Shape, activation_bytes, fits, step_bytes
 from .tasks import GPT_DEFAULTS, TASKS, vocabulary
 
 #: Models ``--model`` knows: the lab's GPT, and the benchmarks' larger one.
 MODELS = {"gpt": {}, "bench-gpt": BENCH_GPT}
-MASTER_BYTES = 4  # fp32: the masters under mixed precision, everything in plain fp32 training
 STEPS = 4  # steps of a live measurement
 LIVE_WORLD_SIZE = 4  # the most ranks a live measurement starts (the bytes then follow the formula in N)
 
@@ -151,20 +150,18 @@ def main(args) -> tuple[int, str]:
 def measured_step_lines(args, psi: float, measured: list[dict], live_n: int) -> list[str]:
     """Each component of a rank's peak predicted beside measured, per stage, at the live world size."""
     shape, precision, ck = gpt_shape(args.model), args.precision, args.checkpoint_activations
-    working = Precision.of(precision).working_bytes(MASTER_BYTES)
-    act_predicted = activation_bytes(shape, args.micro_batch, working, ck)["peak"]
     act_measured = measured_activation_bytes(args.model, args.micro_batch, ck, precision)
     lines = [f"The step's peak per rank at N={live_n}, a micro-batch of {args.micro_batch} x {shape.seq} tokens"
              f"{', blocks checkpointed' if ck else ''}: predicted / measured (bytes)",
              f"{'stage':<14}{'model states':>26}{'activations':>26}{'gathered units':>26}{'peak':>26}{'off':>7}"]
     for row in measured:
         stage = row["stage"]
-        states = STAGES[stage].state_bytes(psi, live_n, MASTER_BYTES, STATE_TENSORS[args.optimizer], precision)
-        gathered = gathered_unit_bytes(stage, shape, working)
-        predicted, seen = states + act_predicted + gathered, row["measured_bytes_per_rank"] + act_measured + row[
-            "gathered_peak"]
-        lines.append(f"{stage:<14}{pair(states, row['measured_bytes_per_rank'])}{pair(act_predicted, act_measured)}"
-                     f"{pair(gathered, row['gathered_peak'])}{pair(predicted, seen)}{seen / predicted - 1:>+7.1%}")
+        predicted = step_bytes(stage, psi, shape, live_n, args.micro_batch, precision, args.optimizer, ck)
+        seen = row["measured_bytes_per_rank"] + act_measured + row["gathered_peak"]
+        lines.append(f"{stage:<14}{pair(predicted['model_states'], row['measured_bytes_per_rank'])}"
+                     f"{pair(predicted['activations'], act_measured)}"
+                     f"{pair(predicted['gathered_units'], row['gathered_peak'])}"
+                     f"{pair(predicted['total'], seen)}{seen / predicted['total'] - 1:>+7.1%}")
     lines += ["model states: each stage's formula / the live tensors it held; activations: Korthikanti et al. 2022, "
               "eq. 1, for this dropout-free GPT (minizero.lab.step_memory) / the allocator's peak in one profiled "
               "step less parameters, optimizer states, gradients and input (torch.profiler's memory categories); "
@@ -182,7 +179,7 @@ def predicted_step_lines(args, psi: float) -> list[str]:
              f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'peak':>12}"
              + (f"   on {gb(args.gpu)}" if args.gpu else "")]
     for stage in distributed():
-        if stage not in STAGES or not STAGES[stage].equivalent:
+        if not STAGES[stage].equivalent:
             continue
         plan = Plan(stage, args.world_size, args.micro_batch, args.checkpoint_activations)
         here, fitting = fits(psi, shape, plan, args.gpu or float("inf"), args.precision, args.optimizer)
@@ -194,7 +191,7 @@ def predicted_step_lines(args, psi: float) -> list[str]:
         lines.append(line)
     lines.append("activations: Korthikanti et al. 2022, eq. 1 (16-bit: s*b*h*(34 + 5*a*s/h) per layer; checkpointed, "
                  "2sbh per layer and one layer replayed) plus the head's logits; not included: communication "
-                 "buffers, fragmentation, the CUDA context (about 0.5-1 GB).")
+                 "buffers, fragmentation, the CUDA context.")
     return lines
 
 

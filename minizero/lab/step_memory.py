@@ -22,7 +22,7 @@ from ..precision import Precision
 from ..stages import STAGES, distributed
 from .optimizers import STATE_TENSORS
 
-MASTER_BYTES = 4
+MASTER_BYTES = 4  # fp32: the masters under mixed precision, everything in plain fp32 training
 
 #: GPT-3's family (Brown et al. 2020, Table 2.1): Psi -> (layers, hidden, heads), the shape ``--params`` assumes.
 GPT3 = {125e6: (12, 768, 12), 350e6: (24, 1024, 16), 760e6: (24, 1536, 16), 1.3e9: (24, 2048, 24),
@@ -157,7 +157,7 @@ def fits(psi: float, shape: Shape, plan: Plan, gpu_bytes: float, precision: str 
     return here, smallest_change(plan, lambda p: peak(p)["total"] <= gpu_bytes)
 
 
-UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
          "TIB": 2 ** 40}
 
 
@@ -165,7 +165,7 @@ def gpu_bytes(text: str) -> float:
     """``80GB`` (the vendors' GB, 1e9: an "80 GB" H100 holds 79.6 GiB of it), ``80GiB``, or bytes."""
     number = text.strip().upper()
     for unit in sorted(UNITS, key=len, reverse=True):
-        if unit and number.endswith(unit):
+        if number.endswith(unit):
             value, scale = number[:-len(unit)], UNITS[unit]
             break
     else:
