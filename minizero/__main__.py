@@ -95,6 +95,8 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
                                                                         "are its own)")
     memory.add_argument("--checkpoint-activations", action="store_true",
                         help="each block keeps its input only and is replayed in backward (minizero.activations)")
+    memory.add_argument("--offload-optimizer", action="store_true",
+                        help="the ZeRO stages keep their optimizer states in host memory (ZeRO-Offload, minizero.offload)")
     memory.add_argument("--gpu", type=gpu_bytes, default=None,
                         help="a GPU's memory, e.g. 80GB: does each stage fit, and if not, the smallest change that does")
     memory.add_argument("--timeout", type=preflight.timeout_s, default=300.0)

@@ -84,11 +84,12 @@ class FlatGroup:
         self.shard = self._keep(self.shard_of(data))  # the owned shard
         self.pieces = self._cut_pieces()
 
-    def keep_master(self, working_dtype: torch.dtype) -> torch.Tensor:
+    def keep_master(self, working_dtype: torch.dtype, place=torch.Tensor.clone) -> torch.Tensor:
         """Mixed precision: the owned shard's values, still fp32, become the **master shard** (what the
         optimizer steps); the buffer -- the parameters the model computes with, and what is all-gathered --
-        becomes their 16-bit working copy.  Returns the master shard."""
-        self.master = self.shard.detach().clone()
+        becomes their 16-bit working copy.  ``place``: where the master is kept (offload: a host copy,
+        :meth:`~minizero.offload.HostCopies.place`).  Returns the master shard."""
+        self.master = place(self.shard.detach())
         self._live_in(self.data.to(working_dtype))
         return self.master
 
@@ -235,10 +236,11 @@ class ShardedFlatGroup(FlatGroup):
         self.data = None
         self.reshard()
 
-    def keep_master(self, working_dtype: torch.dtype) -> torch.Tensor:
+    def keep_master(self, working_dtype: torch.dtype, place=None) -> torch.Tensor:
         """The owned shard (its own storage) becomes the fp32 master; a 16-bit copy of it is what is kept
-        and all-gathered."""
-        self.master, self.shard = self.shard, self.shard.to(working_dtype)
+        and all-gathered.  Offloaded (``place``), the master is a host copy and the shard stays the device's."""
+        self.master = self.shard if place is None else place(self.shard)
+        self.shard = self.shard.to(working_dtype)
         self.pieces = self._cut_pieces()
         self.reshard()
         return self.master

@@ -14,9 +14,14 @@ from typing import Callable
 
 import torch
 
+#: The kinds a stage keeps in host memory (``held_tensors()``' ``host_master``, ``host_optimizer`` under
+#: optimizer offload): counted apart, as ``host``, and not in the device's ``total``.
+HOST = "host_"
+
 
 def held_bytes(held: dict[str, list[torch.Tensor]]) -> dict[str, int]:
-    """Bytes per kind (params, grads, optimizer) and in total; shared storage counted once."""
+    """Bytes per kind (params, grads, optimizer) and in ``total`` on the device; shared storage counted once.
+    What is kept in host memory (kinds named ``host_...``) adds up to ``host`` instead."""
     seen: set[int] = set()
     out = {}
     for kind, tensors in held.items():
@@ -28,7 +33,8 @@ def held_bytes(held: dict[str, list[torch.Tensor]]) -> dict[str, int]:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
         out[kind] = total
-    out["total"] = sum(out.values())
+    out["total"] = sum(v for k, v in out.items() if not k.startswith(HOST))
+    out["host"] = sum(v for k, v in out.items() if k.startswith(HOST))
     return out
 
 

@@ -217,12 +217,17 @@ class MasterWeights:
     unscaled into the masters' ``.grad``, the working one freed, an overflow agreed on and the step skipped
     by setting every master's ``.grad`` to None, which torch's optimizers skip), and rounds the masters
     into the working copy before the next forward (:meth:`refresh`).
+
+    With ``copies`` (:class:`~minizero.offload.HostCopies`) the masters live in host memory -- ZeRO-Offload --
+    and every gradient read and parameter written back crosses through it, counted; in fp32 too, where the
+    "masters" are fp32 host copies of the shard and there is nothing to round.
     """
 
     def __init__(self, working: list[torch.Tensor], masters: list[nn.Parameter], precision: Precision,
                  comm: Comm | None = None, tag: Callable[[str], Tag] | None = None,
-                 masters_dtype: torch.dtype | None = None, optimizer_outside: bool = False):
+                 masters_dtype: torch.dtype | None = None, optimizer_outside: bool = False, copies=None):
         self.working, self.masters, self.precision = working, masters, precision
+        self.copies = copies  # a HostCopies when the masters are offloaded, else None (same device)
         self.optimizer_outside = optimizer_outside
         self._refreshed = [m._version for m in masters]  # optimizer_outside: each master's version when last rounded
         # Said by the caller where this rank may hold no master at all (a ZeRO rank with an empty shard, a
@@ -266,9 +271,20 @@ class MasterWeights:
         if self._overflow is None:
             inverse = 1.0 / self.loss_scale
             for w, m in zip(self.working, self.masters, strict=True):
-                m.grad = None if w.grad is None else w.grad.to(m.dtype, copy=True).mul_(inverse)
+                m.grad = None if w.grad is None else self._gradient_of(w, m).mul_(inverse)
             self._overflow = self._agree_on_overflow() if self.scaler else False
         return self._overflow
+
+    def _gradient_of(self, w: torch.Tensor, m: nn.Parameter) -> torch.Tensor:
+        """A new tensor: the working gradient in the master's dtype, where the master lives."""
+        return self.copies.gradient(w.grad, m.dtype) if self.copies else w.grad.to(m.dtype, copy=True)
+
+    def _round_into(self, w: torch.Tensor, m: nn.Parameter) -> None:
+        """The one rounding to 16 bits: the stepped master into its working copy."""
+        if self.copies:
+            self.copies.write_back(w, m)
+        else:
+            w.copy_(m)
 
     def _agree_on_overflow(self) -> bool:
         # The flag is built on the device and all-reduced there; the one host synchronisation of the step is
@@ -302,7 +318,7 @@ class MasterWeights:
             optimizer_step()
             for w, m in zip(self.working, self.masters, strict=True):
                 if m.grad is not None:
-                    w.copy_(m)  # the one rounding to 16 bits
+                    self._round_into(w, m)
             stepped = True
             return True
         finally:
@@ -333,7 +349,7 @@ class MasterWeights:
         inverse = 1.0 / scale
         for w, m in zip(self.working, self.masters, strict=True):
             if w.grad is not None:
-                g = w.grad.to(m.dtype, copy=True).mul_(inverse)
+                g = self._gradient_of(w, m).mul_(inverse)
                 m.grad = g if m.grad is None else m.grad.add_(g)
                 w.grad = None
         overflow = self._agree_on_overflow() if self.scaler else False
@@ -353,6 +369,6 @@ class MasterWeights:
         changed = False
         for i, (w, m) in enumerate(zip(self.working, self.masters, strict=True)):
             if m._version != self._refreshed[i]:
-                w.copy_(m)
+                self._round_into(w, m)
                 self._refreshed[i], changed = m._version, True
         return changed

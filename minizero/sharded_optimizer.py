@@ -158,7 +158,7 @@ def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_typ
     total = sharded_grad_norm(grads, norm_type, comm, dtype, device, tag)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # below max_norm nothing grows
     for g in grads + [g for g in replicas if g.numel()]:
-        g.mul_(coefficient)
+        g.mul_(coefficient.to(g.device))  # (offloaded gradients are on the host, the norm on the device)
     return total[0]
 
 
@@ -169,10 +169,10 @@ def sharded_grad_norm(grads: list[torch.Tensor], norm_type: float, comm: Comm, d
     grads = [g for g in grads if g.numel()]
     zero = torch.zeros(1, dtype=dtype, device=device)
     if math.isinf(norm_type):
-        total = torch.stack([g.abs().max().to(dtype) for g in grads]).max().reshape(1) if grads else zero
+        total = torch.stack([g.abs().max().to(device, dtype) for g in grads]).max().reshape(1) if grads else zero
         comm.all_reduce(total, ReduceOp.MAX, tag=tag)
         return total
-    total = sum((g.abs().pow(norm_type).sum().to(dtype) for g in grads), zero).reshape(1)
+    total = sum((g.abs().pow(norm_type).sum().to(device, dtype) for g in grads), zero).reshape(1)
     comm.all_reduce(total, ReduceOp.SUM, tag=tag)
     return total.pow(1.0 / norm_type)
 

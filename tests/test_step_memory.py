@@ -17,7 +17,9 @@ def test_the_formula_is_korthikantis_eq_1_and_full_recomputation_keeps_each_laye
     sixteen = activation_bytes(shape, b, 2)
     assert sixteen["per_block"] == s * b * h * (34 + 5 * a * s / h)  # eq. 1, 16-bit bytes
     assert sixteen["peak"] == 32 * sixteen["per_block"] + sixteen["head"]
-    assert activation_bytes(shape, b, 4)["peak"] == 2 * sixteen["peak"]  # fp32: every figure doubles
+    fp32 = activation_bytes(shape, b, 4)
+    assert fp32["per_block"] == 2 * sixteen["per_block"]  # fp32: the blocks' figures double...
+    assert fp32["head"] - sixteen["head"] == 2 * s * b * h * (4 - 2)  # ... and the head's 2sbh inputs; not its fp32 logits
     kept = activation_bytes(shape, b, 2, checkpointed=True)
     assert kept["blocks"] == 32 * 2 * s * b * h and kept["peak"] == kept["blocks"] + kept["head"] + kept["per_block"]
     no_dropout = activation_bytes(Shape(32, 4096, 32, 2048, dropout=False), b, 2)
@@ -69,3 +71,27 @@ def test_the_predicted_peak_is_within_10_percent_of_the_measured_for_every_stage
             predicted = step_bytes(stage, psi, shape, n, micro_batch, "fp32", "adamw", checkpointed)["total"]
             seen = row["measured_bytes_per_rank"] + activations + row["gathered_peak"]
             assert abs(seen / predicted - 1) < 0.10, (stage, checkpointed, seen, predicted)
+
+
+def test_16_bit_activations_are_within_15_percent_of_the_formula():
+    """bf16 (the logits and their log-softmax counted in fp32, as the stage computes the loss): what is left is
+    about one vocabulary-sized fp32 tensor the formula does not count, some 8-12% on this small GPT."""
+    shape = gpt_shape("gpt")
+    for checkpointed in (False, True):
+        measured = measured_activation_bytes("gpt", 8, checkpointed, "bf16")
+        predicted = activation_bytes(shape, 8, 2, checkpointed)["peak"]
+        assert abs(measured / predicted - 1) < 0.15, (checkpointed, measured, predicted)
+
+
+def test_offload_moves_the_optimizers_bytes_to_the_host_and_is_a_change_that_can_make_it_fit():
+    """13B on four 40 GB GPUs, blocks checkpointed: ZeRO-3 does not fit (its 16Psi/N of model states alone is 52 GB),
+    and offloading the optimizer -- 12Psi/N to the host -- is the smallest change; mixed precision's fp32 step
+    gradients are 4Psi for DDP, 4Psi/N under ZeRO, none on the device once offloaded."""
+    psi, shape = 13e9, Shape.of_params(13e9, 2048)
+    here, change = fits(psi, shape, Plan("zero3", 4, 1, True), 40e9, "bf16")
+    assert here["total"] > 40e9 and change == Plan("zero3", 4, 1, True, offloaded=True), (here, change)
+    offloaded = step_bytes("zero3", psi, shape, 4, 1, "bf16", "adam", True, offloaded=True)
+    assert offloaded["model_states"] == pytest.approx(4 * psi / 4) and offloaded["host"] == pytest.approx(12 * psi / 4)
+    assert step_bytes("ddp", psi, shape, 4, 1, "bf16")["step_gradients"] == 4 * psi
+    assert step_bytes("zero2", psi, shape, 4, 1, "bf16")["step_gradients"] == 4 * psi / 4
+    assert offloaded["step_gradients"] == 0 and step_bytes("zero2", psi, shape, 4, 1, "fp32")["step_gradients"] == 0

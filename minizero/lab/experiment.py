@@ -164,7 +164,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                       wire_sent_bytes_per_step=sum(wire_formula.values()) if wire_formula is not None else None,
                       wire_sent_by_kind_per_step=wire_formula, weight_sent_bytes_per_step=weight_formula,
                       optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak,
-                      skipped_steps=getattr(stage, "skipped_steps", 0))
+                      skipped_steps=getattr(stage, "skipped_steps", 0),
+                      host_copied=stage.host_copies.counted() if getattr(stage, "host_copies", None) else {})
 
 
 def element_size(exp: Experiment) -> int:

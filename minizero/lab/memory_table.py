@@ -28,7 +28,7 @@ from ..stages import REFERENCE, STAGES, distributed, make_stage
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT
 from .optimizers import STATE_TENSORS
-from .step_memory import MASTER_BYTES, Plan, Shape, activation_bytes, fits, step_bytes
+from .step_memory import MASTER_BYTES, Plan, Shape, activation_bytes, fits, offloads, step_bytes
 from .tasks import GPT_DEFAULTS, TASKS, vocabulary
 
 #: Models ``--model`` knows: the lab's GPT, and the benchmarks' larger one.
@@ -37,14 +37,21 @@ STEPS = 4  # steps of a live measurement
 LIVE_WORLD_SIZE = 4  # the most ranks a live measurement starts (the bytes then follow the formula in N)
 
 
-def formula_rows(psi: float, world_size: int, precision: str, optimizer: str) -> list[dict]:
-    """Every stage's model-state bytes per rank from its own formula."""
-    k = STATE_TENSORS[optimizer]
-    return [{"stage": name, "bytes_per_rank": STAGES[name].state_bytes(psi, world_size, MASTER_BYTES, k, precision),
-             "formula": STAGES[name].state_formula(MASTER_BYTES, k, precision)} for name in distributed()]
+def formula_rows(psi: float, world_size: int, precision: str, optimizer: str, offload: bool = False) -> list[dict]:
+    """Every stage's model-state bytes per rank from its own formula (on the device; ``offload``: the stages that
+    take it keep their optimizer states in host memory, ``host_bytes_per_rank``)."""
+    k, rows = STATE_TENSORS[optimizer], []
+    for name in distributed():
+        options = {"offload_optimizer": True} if offload and offloads(name) else {}
+        args = (MASTER_BYTES, k, precision)
+        rows.append({"stage": name, "bytes_per_rank": STAGES[name].state_bytes(psi, world_size, *args, **options),
+                     "host_bytes_per_rank": STAGES[name].host_state_bytes(psi, world_size, *args, **options),
+                     "formula": STAGES[name].state_formula(*args, **options)})
+    return rows
 
 
-def measured_rows(model: str, world_size: int, precision: str, optimizer: str, timeout_s: float) -> list[dict]:
+def measured_rows(model: str, world_size: int, precision: str, optimizer: str, timeout_s: float,
+                  offload: bool = False) -> list[dict]:
     """Every stage trained for a few steps on ``world_size`` ranks: the most model-state bytes any rank held.
     (Adam creates its states at its first step, and fp16's first steps may be skipped while the loss scale
     comes down from 2^16: a run with no step taken would show no optimizer states.)"""
@@ -52,12 +59,14 @@ def measured_rows(model: str, world_size: int, precision: str, optimizer: str, t
     rows = []
     with RankPool(world_size, timeout_s=timeout_s) as pool:
         for name in distributed():
+            taken = {**options, **({"offload_optimizer": True} if offload and offloads(name) else {})}
             exp = Experiment(stage=name, task="gpt", model=MODELS[model], optimizer=optimizer, steps=STEPS,
-                             dtype="float32", options={k: v for k, v in options.items() if k in STAGES[name].option_names()})
+                             dtype="float32", options={k: v for k, v in taken.items() if k in STAGES[name].option_names()})
             results = pool.run(run_experiment, exp)
             if results[0].skipped_steps == STEPS:
                 raise ValueError(f"{name}: every one of {STEPS} fp16 steps overflowed; no optimizer state to measure")
             rows.append({"stage": name, "measured_bytes_per_rank": max(r.held_bytes["total"] for r in results),
+                         "measured_host_bytes_per_rank": max(r.held_bytes["host"] for r in results),
                          "gathered_peak": max(r.gathered_peak_bytes for r in results), "psi": results[0].psi})
     return rows
 
@@ -114,16 +123,19 @@ def main(args) -> tuple[int, str]:
     precision = args.precision
     if args.model:
         live_n = min(args.world_size, LIVE_WORLD_SIZE)
-        measured = measured_rows(args.model, live_n, precision, args.optimizer, args.timeout)
+        measured = measured_rows(args.model, live_n, precision, args.optimizer, args.timeout, args.offload_optimizer)
         psi = measured[0]["psi"]
     else:
         psi = args.params
-    rows = formula_rows(psi, args.world_size, precision, args.optimizer)
+    offload = args.offload_optimizer
+    rows = formula_rows(psi, args.world_size, precision, args.optimizer, offload)
     if args.model:
-        for row, live in zip(rows, measured, strict=True):
-            formula_at_live = STAGES[row["stage"]].state_bytes(psi, live_n, MASTER_BYTES,
-                                                                STATE_TENSORS[args.optimizer], precision)
+        at_live_n = formula_rows(psi, live_n, precision, args.optimizer, offload)
+        for row, live, at_live in zip(rows, measured, at_live_n, strict=True):
+            formula_at_live = at_live["bytes_per_rank"]
             row.update(measured_world_size=live_n, measured_bytes_per_rank=live["measured_bytes_per_rank"],
+                       measured_host_bytes_per_rank=live["measured_host_bytes_per_rank"],
+                       host_formula_bytes_at_measured_world_size=at_live["host_bytes_per_rank"],
                        formula_bytes_at_measured_world_size=formula_at_live,
                        activation_bytes_estimate=gpt_activation_bytes(args.model, args.micro_batch, precision,
                                                                       args.checkpoint_activations))
@@ -133,16 +145,21 @@ def main(args) -> tuple[int, str]:
     lines = [f"Model-state bytes per rank: Psi = {psi:,.4g} parameters, N = {args.world_size} ranks, precision "
              f"{precision}, {args.optimizer} (K = {k} optimizer bytes per parameter)"]
     width = max([14] + [len(row["formula"]) + 2 for row in rows])
-    header = f"{'stage':<14}{'formula':<{width}}{'bytes/rank':>14}"
+    header = f"{'stage':<14}{'formula':<{width}}{'bytes/rank':>14}" + (f"{'host/rank':>12}" if offload else "")
     if args.model:
-        header += f"{f'measured at N={live_n}':>20}{'formula':>12}"
+        header += f"{f'measured at N={live_n}':>20}{'formula':>12}" + (f"{'host':>12}{'formula':>12}" if offload else "")
     lines += [header, "-" * len(header)]
     for row in rows:
         line = f"{row['stage']:<14}{row['formula']:<{width}}{gb(row['bytes_per_rank']):>14}"
+        line += f"{gb(row['host_bytes_per_rank']) if row['host_bytes_per_rank'] else '-':>12}" if offload else ""
         if args.model:
             line += f"{row['measured_bytes_per_rank']:>20,}{row['formula_bytes_at_measured_world_size']:>12,.0f}"
+            line += (f"{row['measured_host_bytes_per_rank']:>12,}{row['host_formula_bytes_at_measured_world_size']:>12,.0f}"
+                     if offload else "")
         lines.append(line)
-    lines.append("Model states only (parameters, gradients, optimizer states; ZeRO's padding in 'measured').")
+    lines.append("Model states only (parameters, gradients, optimizer states; ZeRO's padding in 'measured')"
+                 + ("; --offload-optimizer: the ZeRO stages' optimizer states in host memory ('host')." if offload
+                    else "."))
     lines += [""] + (measured_step_lines(args, psi, measured, live_n) if args.model else predicted_step_lines(args, psi))
     return 0, "\n".join(lines)
 
@@ -156,7 +173,8 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int) -> 
              f"{'stage':<14}{'model states':>26}{'activations':>26}{'gathered units':>26}{'peak':>26}{'off':>7}"]
     for row in measured:
         stage = row["stage"]
-        predicted = step_bytes(stage, psi, shape, live_n, args.micro_batch, precision, args.optimizer, ck)
+        predicted = step_bytes(stage, psi, shape, live_n, args.micro_batch, precision, args.optimizer, ck,
+                               args.offload_optimizer and offloads(stage))
         seen = row["measured_bytes_per_rank"] + act_measured + row["gathered_peak"]
         lines.append(f"{stage:<14}{pair(predicted['model_states'], row['measured_bytes_per_rank'])}"
                      f"{pair(predicted['activations'], act_measured)}"
@@ -176,22 +194,27 @@ def predicted_step_lines(args, psi: float) -> list[str]:
     lines = [f"The step's peak per rank at N={args.world_size}: a GPT shaped as GPT-3's nearest ({shape.layers} layers, "
              f"hidden {shape.hidden}, {shape.heads} heads, vocabulary {shape.vocab:,}), {args.micro_batch} x "
              f"{shape.seq} tokens per micro-batch{', blocks checkpointed' if args.checkpoint_activations else ''}",
-             f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'peak':>12}"
-             + (f"   on {gb(args.gpu)}" if args.gpu else "")]
+             f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'step grads':>12}{'peak':>12}"
+             + (f"{'host':>12}" if args.offload_optimizer else "") + (f"   on {gb(args.gpu)}" if args.gpu else "")]
     for stage in distributed():
         if not STAGES[stage].equivalent:
             continue
-        plan = Plan(stage, args.world_size, args.micro_batch, args.checkpoint_activations)
+        plan = Plan(stage, args.world_size, args.micro_batch, args.checkpoint_activations,
+                    args.offload_optimizer and offloads(stage))
         here, fitting = fits(psi, shape, plan, args.gpu or float("inf"), args.precision, args.optimizer)
         line = (f"{stage:<14}{gb(here['model_states']):>14}{gb(here['activations']):>14}"
-                f"{gb(here['gathered_units']) if here['gathered_units'] else '-':>12}{gb(here['total']):>12}")
+                f"{gb(here['gathered_units']) if here['gathered_units'] else '-':>12}"
+                f"{gb(here['step_gradients']) if here['step_gradients'] else '-':>12}{gb(here['total']):>12}"
+                + (f"{gb(here['host']) if here['host'] else '-':>12}" if args.offload_optimizer else ""))
         if args.gpu:
             line += ("   fits" if fitting == plan else f"   does not fit; smallest change: {fitting.change_from(plan)}"
                      if fitting else "   does not fit, nor with any one or two changes tried")
         lines.append(line)
-    lines.append("activations: Korthikanti et al. 2022, eq. 1 (16-bit: s*b*h*(34 + 5*a*s/h) per layer; checkpointed, "
-                 "2sbh per layer and one layer replayed) plus the head's logits; not included: communication "
-                 "buffers, fragmentation, the CUDA context.")
+    lines.append("peak: model states + the larger of backward's activations and gathered units and the step's fp32 "
+                 "gradients (mixed precision; freed activations make room for them). activations: Korthikanti et al. "
+                 "2022, eq. 1 (16-bit: s*b*h*(34 + 5*a*s/h) per layer; checkpointed, 2sbh per layer and one layer "
+                 "replayed) plus the head's logits; not included: buckets in flight, the communication scratch, "
+                 "fragmentation, the CUDA context.")
     return lines
 
 

@@ -9,8 +9,9 @@ mask sbh), the MLP 19sbh (its input 2sbh, GeLU's input 8sbh and output 8sbh, a d
 LayerNorms' inputs 4sbh.  minizero's GPT has no dropout: 32sbh + 2as^2b.  With every block checkpointed (their "full
 recomputation", :mod:`minizero.activations`) a layer keeps only its input, 2sbh, and backward holds one layer's
 activations at a time while it replays it.  After the blocks, the final LayerNorm's and the head's inputs (2sbh
-each) and the logits with their log-softmax (2sbV each): terms outside the layers, which eq. 1, a count per layer,
-leaves out, and which weigh most in a small model with a large vocabulary.  In fp32, every figure doubles.
+each) and the logits with their log-softmax (sbV each, in fp32 always: a stage hands the loss fp32 logits,
+:func:`minizero.stages.mixed.cast_call`): terms outside the layers, which eq. 1, a count per layer, leaves out, and
+which weigh most in a small model with a large vocabulary.  In fp32, every other figure doubles.
 
 :func:`fits` answers "will it fit on this GPU, and if not, what is the smallest change that makes it fit?".
 """
@@ -23,6 +24,7 @@ from ..stages import STAGES, distributed
 from .optimizers import STATE_TENSORS
 
 MASTER_BYTES = 4  # fp32: the masters under mixed precision, everything in plain fp32 training
+LOSS_BYTES = 4  # the logits the loss sees, and their log-softmax: fp32 under every precision
 
 #: GPT-3's family (Brown et al. 2020, Table 2.1): Psi -> (layers, hidden, heads), the shape ``--params`` assumes.
 GPT3 = {125e6: (12, 768, 12), 350e6: (24, 1024, 16), 760e6: (24, 1536, 16), 1.3e9: (24, 2048, 24),
@@ -56,7 +58,7 @@ def activation_bytes(shape: Shape, micro_batch: int, element_bytes: int, checkpo
     s, b, h, a, v = shape.seq, micro_batch, shape.hidden, shape.heads, shape.vocab
     half = element_bytes / 2  # the formula counts 16-bit bytes
     per_block = s * b * h * ((34 if shape.dropout else 32) + (5 if shape.dropout else 2) * a * s / h) * half
-    head = (2 * s * b * h + 2 * s * b * v) * element_bytes
+    head = 2 * s * b * h * element_bytes + 2 * s * b * v * LOSS_BYTES
     if checkpointed:
         kept = shape.layers * s * b * h * element_bytes
         return {"blocks": kept, "head": head, "peak": kept + head + per_block, "per_block": per_block}
@@ -76,15 +78,35 @@ def gathered_unit_bytes(stage: str, shape: Shape, element_bytes: int, prefetch: 
     return (root + min(1 + prefetch, shape.layers) * (12 * h * h + 13 * h)) * element_bytes
 
 
+def step_gradient_bytes(stage: str, psi: float, world_size: int, precision: str, offloaded: bool = False) -> float:
+    """Mixed precision's temporary fp32 gradients at the step: each gradient the optimizer steps, widened to fp32
+    beside its master (:class:`~minizero.precision.MasterWeights`) -- the owned shard's under ZeRO, every
+    parameter's otherwise -- and freed after the step.  Offloaded, they are made on the host."""
+    if not Precision.of(precision).mixed or offloaded:
+        return 0.0
+    cls = STAGES[stage]
+    return psi * MASTER_BYTES / (cls.shard_count(world_size) if cls.shards and cls.shards.optimizer_states else 1)
+
+
 def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batch: int, precision: str = "bf16",
-               optimizer: str = "adam", checkpointed: bool = False) -> dict:
-    """One rank's peak, by component: model states (the stage's formula), activations, ZeRO-3's gathered units."""
+               optimizer: str = "adam", checkpointed: bool = False, offloaded: bool = False) -> dict:
+    """One rank's peak on the device, by component: model states (the stage's formula), and on top of them the
+    larger of two moments -- backward (activations and ZeRO-3's gathered units) and the step (mixed precision's
+    fp32 gradients; activations are freed by then).  ``host``: what optimizer offload keeps in host memory."""
+    cls, k = STAGES[stage], STATE_TENSORS[optimizer]
     working = Precision.of(precision).working_bytes(MASTER_BYTES)
-    states = STAGES[stage].state_bytes(psi, world_size, MASTER_BYTES, STATE_TENSORS[optimizer], precision)
+    states = cls.state_bytes(psi, world_size, MASTER_BYTES, k, precision, offload_optimizer=offloaded)
     activations = activation_bytes(shape, micro_batch, working, checkpointed)["peak"]
     gathered = gathered_unit_bytes(stage, shape, working)
+    gradients = step_gradient_bytes(stage, psi, world_size, precision, offloaded)
     return {"model_states": states, "activations": activations, "gathered_units": gathered,
-            "total": states + activations + gathered}
+            "step_gradients": gradients, "total": states + max(activations + gathered, gradients),
+            "host": cls.host_state_bytes(psi, world_size, MASTER_BYTES, k, precision, offload_optimizer=offloaded)}
+
+
+def offloads(stage: str) -> bool:
+    """Does ``stage`` take ``offload_optimizer`` (the ZeRO stages declare it)?"""
+    return "offload_optimizer" in STAGES[stage].option_names()
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,7 @@ class Plan:
     world_size: int
     micro_batch: int
     checkpointed: bool
+    offloaded: bool = False
 
     def change_from(self, other: "Plan") -> str:
         said = []
@@ -100,6 +123,8 @@ class Plan:
             said.append("--checkpoint-activations")
         if self.stage != other.stage:
             said.append(f"stage {self.stage}")
+        if self.offloaded != other.offloaded:
+            said.append("--offload-optimizer")
         if self.micro_batch != other.micro_batch:
             said.append(f"--micro-batch {self.micro_batch}")
         if self.world_size != other.world_size:
@@ -122,12 +147,15 @@ def further_stages(stage: str) -> list[str]:
 
 def smallest_change(plan: Plan, fits_with) -> Plan | None:
     """The first plan that fits, trying one change, then two, the cheapest first: checkpointing (one more forward),
-    a stage that shards more (more communication: ZeRO-3's is 1.5x), halving the micro-batch (more micro-batches per
-    step), more ranks (up to 16x: money)."""
+    a stage that shards more (more communication: ZeRO-3's is 1.5x), offloading the optimizer (the step on the CPU,
+    2Psi/N bytes each way over PCIe), halving the micro-batch (more micro-batches per step), more ranks (up to 16x:
+    money)."""
     def single(p: Plan):
         if not p.checkpointed:
             yield replace(p, checkpointed=True)
-        yield from (replace(p, stage=s) for s in further_stages(p.stage))
+        yield from (replace(p, stage=s) for s in further_stages(p.stage) if offloads(s) or not p.offloaded)
+        if not p.offloaded and offloads(p.stage):
+            yield replace(p, offloaded=True)
         mb = p.micro_batch // 2
         while mb >= 1:
             yield replace(p, micro_batch=mb)
@@ -149,7 +177,8 @@ def fits(psi: float, shape: Shape, plan: Plan, gpu_bytes: float, precision: str 
     """``(the peak by component, the smallest change that fits -- the plan itself if it fits, None if nothing
     tried fits)``."""
     def peak(p: Plan) -> dict:
-        return step_bytes(p.stage, psi, shape, p.world_size, p.micro_batch, precision, optimizer, p.checkpointed)
+        return step_bytes(p.stage, psi, shape, p.world_size, p.micro_batch, precision, optimizer, p.checkpointed,
+                          p.offloaded)
 
     here = peak(plan)
     if here["total"] <= gpu_bytes:

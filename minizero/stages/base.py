@@ -167,6 +167,9 @@ class Stage(nn.Module):
     sent_bytes_by_link = classmethod(facts.sent_bytes_by_link)
     state_terms = classmethod(facts.state_terms)
     state_bytes = classmethod(facts.state_bytes)
+    host_state_bytes = classmethod(facts.host_state_bytes)
+    shard_count = classmethod(facts.shard_count)
+    shard_symbol = "N"  # what divides the sharded state in the formula's notation (HSDP: G)
     state_formula = classmethod(facts.state_formula)
     schedule = classmethod(facts.schedule)
     reduction = classmethod(facts.reduction)
@@ -200,7 +203,7 @@ class Stage(nn.Module):
         """The wrapped model's forward, as the stage's own (see :meth:`_refuse_direct_call`)."""
         self._forwarding = True
         try:
-            return self.module(*args, **kwargs) if self.master is None else self._cast_call(*args, **kwargs)
+            return self._cast_call(*args, **kwargs) if self.precision.mixed else self.module(*args, **kwargs)
         finally:
             self._forwarding = False
 

@@ -71,29 +71,59 @@ def split_by_link(total: float, world_size: int, nodes=None, hierarchical: bool 
     return {"intra": total * (1 - across), "inter": total * across}
 
 
-def state_terms(cls, element_size: int, state_tensors: int, precision=None) -> tuple[int, int]:
-    """Model-state bytes per parameter as ``(kept whole on every rank, divided by N)`` -- the ZeRO paper's
-    Table 1 from :attr:`shards`.  Parameters and gradients take the working precision's bytes (2 under
-    mixed precision); the optimizer's K bytes are its ``state_tensors`` states in ``element_size`` (the
-    model's precision), plus, under mixed precision, the fp32 master: Adam's K = 4 + 4 + 4 = 12."""
+def state_terms(cls, element_size: int, state_tensors: int, precision=None,
+                offload_optimizer: bool = False) -> tuple[int, int]:
+    """Model-state bytes per parameter on the device as ``(kept whole on every rank, divided by N)`` -- the
+    ZeRO paper's Table 1 from :attr:`shards`.  Parameters and gradients take the working precision's bytes
+    (2 under mixed precision); the optimizer's K bytes are its ``state_tensors`` states in ``element_size``
+    (the model's precision), plus the fp32 master under mixed precision: Adam's K = 4 + 4 + 4 = 12.
+    ``offload_optimizer``: the K bytes are in host memory (:meth:`host_state_bytes`), none on the device."""
     precision = Precision.of(precision)
     working = precision.working_bytes(element_size)
-    k = (element_size if precision.mixed else 0) + state_tensors * element_size
+    k = 0 if offload_optimizer else optimizer_bytes(element_size, state_tensors, precision)
     kinds = [(working, cls.shards.parameters), (working, cls.shards.gradients), (k, cls.shards.optimizer_states)]
     return (sum(b for b, divided in kinds if not divided), sum(b for b, divided in kinds if divided))
 
 
+def optimizer_bytes(element_size: int, state_tensors: int, precision=None, offloaded: bool = False) -> int:
+    """K, the optimizer's bytes per parameter: its states, and the fp32 master under mixed precision -- or,
+    offloaded in fp32, the shard's own host copy, which the host steps (:mod:`minizero.offload`)."""
+    return (element_size if Precision.of(precision).mixed or offloaded else 0) + state_tensors * element_size
+
+
+def shard_count(cls, world_size: int, **options) -> int:
+    """How many ranks divide what a stage shards: all N (HSDP: the G of a node)."""
+    return world_size
+
+
 def state_bytes(cls, psi: int, world_size: int, element_size: int, state_tensors: int, precision=None,
-                **options) -> float:
-    """Model-state bytes per rank (ZeRO paper, Table 1): Psi * (whole + divided / N), see :meth:`state_terms`."""
-    whole, divided = cls.state_terms(element_size, state_tensors, precision)
-    return psi * (whole + divided / world_size)
+                offload_optimizer: bool = False, **options) -> float:
+    """Model-state bytes per rank on the device (ZeRO paper, Table 1): Psi * (whole + divided / N), see
+    :meth:`state_terms`."""
+    whole, divided = cls.state_terms(element_size, state_tensors, precision, offload_optimizer)
+    return psi * (whole + divided / cls.shard_count(world_size, **options))
 
 
-def state_formula(cls, element_size: int, state_tensors: int, precision=None, **options) -> str:
-    """:meth:`state_bytes` in the paper's notation: ``16Ψ``, ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N``, ``16Ψ/N``."""
-    whole, divided = cls.state_terms(element_size, state_tensors, precision)
-    return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/N"] * bool(divided)) or "0"
+def host_state_bytes(cls, psi: int, world_size: int, element_size: int, state_tensors: int, precision=None,
+                     offload_optimizer: bool = False, **options) -> float:
+    """Model-state bytes per rank in host memory: under offload the shard's K bytes per parameter (ZeRO-Offload:
+    K Psi / N), nothing without it."""
+    if not offload_optimizer:
+        return 0.0
+    k = optimizer_bytes(element_size, state_tensors, precision, offloaded=True)
+    return psi * k / cls.shard_count(world_size, **options)
+
+
+def state_formula(cls, element_size: int, state_tensors: int, precision=None, offload_optimizer: bool = False,
+                  **options) -> str:
+    """:meth:`state_bytes` in the paper's notation: ``16Ψ``, ``4Ψ + 12Ψ/N``, ``2Ψ + 14Ψ/N``, ``16Ψ/N``;
+    offloaded, the device's and then the host's: ``2Ψ + 2Ψ/N, host 12Ψ/N``."""
+    n = cls.shard_symbol
+    whole, divided = cls.state_terms(element_size, state_tensors, precision, offload_optimizer)
+    device = " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/{n}"] * bool(divided)) or "0"
+    if not offload_optimizer:
+        return device
+    return f"{device}, host {optimizer_bytes(element_size, state_tensors, precision, offloaded=True)}Ψ/{n}"
 
 
 def schedule(cls, s, **options) -> None:

@@ -43,7 +43,8 @@ class HSDP(ZeRO3):
 
     def __init__(self, module, optimizer=None, comm: Comm | None = None, units=None, reshard_after_forward: bool = True,
                  prefetch: int = 1, replicate=None, quantized_weights: str | None = None, compress: str | None = None,
-                 error_feedback: bool = False, find_unused_parameters: bool = False, precision="fp32"):
+                 error_feedback: bool = False, find_unused_parameters: bool = False, precision="fp32",
+                 offload_optimizer: bool = False):
         if isinstance(parse_compress(compress), PowerSGD):
             raise ValueError(f"compress={compress!r} on hsdp is not built: its compressed all-reduce is of gradient "
                              f"shards, and a shard of a matrix has no low-rank factors of its own; use a codec "
@@ -51,7 +52,8 @@ class HSDP(ZeRO3):
         super().__init__(module, optimizer, comm, units=units, reshard_after_forward=reshard_after_forward,
                          prefetch=prefetch, replicate=replicate, quantized_weights=quantized_weights,
                          compress=compress, error_feedback=error_feedback,
-                         find_unused_parameters=find_unused_parameters, precision=precision)
+                         find_unused_parameters=find_unused_parameters, precision=precision,
+                         offload_optimizer=offload_optimizer)
         # Inside the node the gradients travel exact -- or, under a precision policy's wider reduce_dtype, summed in
         # it as every stage sums them: that is the summation's dtype, not compression.
         reduce_dtype = self.precision.reduce_dtype
@@ -95,17 +97,11 @@ class HSDP(ZeRO3):
                             **options) -> float:
         return sum(cls.sent_bytes_by_link(psi, world_size, grad_bytes, param_bytes, nodes, **options).values())
 
-    @classmethod
-    def state_bytes(cls, psi, world_size, element_size, state_tensors, precision=None, nodes: Nodes | None = None,
-                    **options) -> float:
-        """ZeRO-3's model states, divided by the node's ``G`` ranks instead of all ``N``."""
-        whole, divided = cls.state_terms(element_size, state_tensors, precision)
-        return psi * (whole + divided / _nodes(nodes, world_size).per_node)
+    shard_symbol = "G"  # ZeRO-3's model states, divided by the node's G ranks instead of all N
 
     @classmethod
-    def state_formula(cls, element_size, state_tensors, precision=None, **options) -> str:
-        whole, divided = cls.state_terms(element_size, state_tensors, precision)
-        return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{divided}Ψ/G"] * bool(divided)) or "0"
+    def shard_count(cls, world_size, nodes: Nodes | None = None, **options) -> int:
+        return _nodes(nodes, world_size).per_node
 
     shard_span = "node"  # the scaling model gathers and reduce-scatters inside the node...
 

@@ -59,7 +59,7 @@ def settle_wire(self) -> None:
 def cast_call(self, *args, **kwargs):
     """The model's forward in its working precision: floating inputs cast to 16 bits (FSDP2's
     ``cast_forward_inputs``), floating outputs back to the masters' dtype, so the loss is computed in fp32."""
-    if self.master is None:
+    if not self.precision.mixed:  # (offloaded fp32 training keeps fp32 "masters" on the host, and no cast)
         return self.module(*args, **kwargs)
     working, full = self.precision.working_dtype, self.master.masters_dtype
     args, kwargs = _cast_floating((args, kwargs), working)

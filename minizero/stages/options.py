@@ -147,6 +147,11 @@ PRECISION = Option("precision", "fp32", "fp32, or bf16/fp16 compute with fp32 ma
 #: What a stage that averages gradients takes, in its constructor's order after bucket_mb.
 WIRE_AND_USE = (COMPRESS, ERROR_FEEDBACK, FIND_UNUSED_PARAMETERS, PRECISION)
 
+#: The ZeRO stages' last option.  Not drawn by the whole suite, whose draws it would shift:
+#: tests/test_offload.py draws it in every example of every ZeRO stage.
+OFFLOAD_OPTIMIZER = Option("offload_optimizer", False, "keep this rank's fp32 masters and optimizer states in "
+                           "host memory and step there (ZeRO-Offload, minizero.offload)", None)
+
 
 def option_names(stage: type) -> list[str]:
     """The keywords of ``stage``'s declared options (``Stage.option_names`` is this)."""

@@ -33,6 +33,7 @@ from torch import nn
 from ..comm import Comm, ReduceOp
 from ..compress import make_wire
 from ..layout import FlatGroup
+from ..offload import HostCopies, check_offloadable
 from ..parts import Part, flat_range
 from ..precision import Precision, cast_parameters
 from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
@@ -47,10 +48,13 @@ class ZeRO(Stage):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Comm,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
-                 precision: str | Precision = "fp32"):
+                 precision: str | Precision = "fp32", offload_optimizer: bool = False):
         if optimizer is not None:  # before anything is changed: a refused wrap leaves the optimizer as it was
             check_shardable(type(optimizer), comm.rank if comm else 0)
+        check_offloadable(offload_optimizer, comm.rank if comm else 0)
         super().__init__(module, optimizer, comm, precision)
+        # ZeRO-Offload (minizero.offload): the owned shard's masters and optimizer states in host memory.
+        self.host_copies = HostCopies() if offload_optimizer else None
         # The ranks the parameters are sharded over, and those each shard is replicated over (None: sharded
         # over every rank).  ZeRO shards over all N; HSDP over a node, replicated across nodes.
         self.shard_comm, self.replica_comm = self.mesh(comm)
@@ -87,7 +91,7 @@ class ZeRO(Stage):
         """Take ``groups`` as this stage's layout; the user's optimizer, if given, becomes its sharded twin
         (routed: whichever ``step`` the user calls, the stage's runs -- it shares the result too)."""
         self.groups = groups
-        if self.precision.mixed:
+        if self.precision.mixed or self.host_copies:
             self._keep_sharded_masters()
         if not self.shards.parameters:  # full parameters kept: the all-gather after a step keeps them current
             self.remember_shared()
@@ -97,15 +101,21 @@ class ZeRO(Stage):
 
     def _keep_sharded_masters(self) -> None:
         """Mixed precision, ZeRO's way: fp32 masters of the *owned shard* only (12 bytes per parameter for
-        Adam, divided by N); the flat buffers -- parameters and what is all-gathered -- become 16-bit."""
-        dtype = self.precision.working_dtype
-        masters = [group.keep_master(dtype) for group in self.groups]
-        self._frozen = cast_parameters(self.module, dtype, skip={id(s.param) for g in self.groups for s in g.segments})
+        Adam, divided by N); the flat buffers -- parameters and what is all-gathered -- become 16-bit.
+        Offloaded, the masters are kept in host memory -- in fp32 training too, as plain copies of the shard --
+        and the optimizer, built over them, keeps its states there and steps there."""
+        dtype = self.precision.working_dtype  # None in fp32: each group keeps its own
+        place = {"place": self.host_copies.place} if self.host_copies else {}
+        masters = [group.keep_master(dtype or group.dtype, **place) for group in self.groups]
+        if dtype is not None:
+            self._frozen = cast_parameters(self.module, dtype, skip={id(s.param) for g in self.groups for s in g.segments})
         working = [piece.param for group in self.groups for piece in group.pieces]
         pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
                   for group, master in zip(self.groups, masters, strict=True) for piece in group.pieces]
+        copies = {"copies": self.host_copies} if self.host_copies else {}  # (a lab's own class need not take it)
         self.master = self.master_class(working, pieces, self.precision, self.comm, self.tag,
-                                         masters[0].dtype if masters else None, optimizer_outside=self.user_optimizer is None)
+                                         masters[0].dtype if masters else None, optimizer_outside=self.user_optimizer is None,
+                                         **copies)
         self._settle_wire()
 
     def _master_values(self) -> dict[int, torch.Tensor]:
@@ -267,10 +277,11 @@ class ZeRO(Stage):
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         # Storage is what counts: a view counts its whole buffer once (minizero.memory).
         pieces = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
+        where = "host_" if self.host_copies else ""  # offloaded: in host memory (minizero.memory.held_bytes)
         return {"params": [p for _, p in self.trainable()],
                 "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None],
-                "master": [group.master for group in self.groups if group.master is not None],
-                "optimizer": optimizer_tensors(self.optimizer.local if self.optimizer is not None else None),
+                where + "master": [group.master for group in self.groups if group.master is not None],
+                where + "optimizer": optimizer_tensors(self.optimizer.local if self.optimizer is not None else None),
                 "error_feedback": self.wire.held() if self.wire else []}
 
     def full_optimizer_state_dict(self) -> dict:

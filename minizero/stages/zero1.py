@@ -36,19 +36,20 @@ from ..grad_buffers import FullGradients
 from ..layout import build_groups, plan_groups
 from ..precision import Precision
 from .facts import Reduction, Shards
-from .options import WIRE_AND_USE
+from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE
 from .zero import ZeRO
 
 
 class ZeRO1(ZeRO):
     name = "zero1"
     shards = Shards(optimizer_states=True)
-    options = WIRE_AND_USE
+    options = (*WIRE_AND_USE, OFFLOAD_OPTIMIZER)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
-                 precision: str | Precision = "fp32"):
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
+                 precision: str | Precision = "fp32", offload_optimizer: bool = False):
+        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision,
+                         offload_optimizer)
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names()))
         self.full_grads = FullGradients(self.groups)  # one flat buffer per group; each .grad a view into it
         self.zero_grad()

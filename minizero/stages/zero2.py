@@ -38,20 +38,22 @@ from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
 from ..precision import Precision
 from .facts import Reduction, Shards
-from .options import BUCKET_MB, WIRE_AND_USE
+from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, WIRE_AND_USE
 from .zero import ZeRO
 
 
 class ZeRO2(ZeRO):
     name = "zero2"
     shards = Shards(optimizer_states=True, gradients=True)
-    options = (BUCKET_MB, *WIRE_AND_USE)
+    options = (BUCKET_MB, *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  bucket_mb: float = 25.0, compress: str | None = None, error_feedback: bool = False,
-                 find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
+                 find_unused_parameters: bool = False, precision: str | Precision = "fp32",
+                 offload_optimizer: bool = False):
         check_bucket_mb(bucket_mb)
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
+        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision,
+                         offload_optimizer)
         self.bucket_mb = bucket_mb
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names(),
                                 max_numel=bucket_numel(bucket_mb, self.param_groups(), self.precision)))

@@ -48,7 +48,7 @@ from ..secondary import SecondaryShards
 from ..units import Unit, plan_unit_groups, replicated_parameters, resolve_units
 from . import facts
 from .facts import Reduction, Shards
-from .options import WIRE_AND_USE, Option, natural_int, weights_spec
+from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int, weights_spec
 from .zero import ZeRO
 
 INSPECTION = "state_dict"  # why a unit is gathered outside training: exactly, whatever the training gathers send
@@ -74,13 +74,14 @@ class ZeRO3(ZeRO):
                # (not drawn by the whole suite, whose draws it would shift: tests/test_hsdp.py draws it in every example)
                Option("hpz", False, "keep a node-local slice of each unit gathered for forward, so the backward "
                       "all-gather stays inside the node (ZeRO++'s hpZ; on the network's nodes)", None),
-               *WIRE_AND_USE)
+               *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None,
                  quantized_weights: str | None = None, hpz: bool = False, compress: str | None = None,
-                 error_feedback: bool = False, find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
+                 error_feedback: bool = False, find_unused_parameters: bool = False, precision: str | Precision = "fp32",
+                 offload_optimizer: bool = False):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
         codec = parse_weights(quantized_weights)  # refused before anything is built
@@ -90,7 +91,8 @@ class ZeRO3(ZeRO):
         if codec is not None and Precision.of(precision).mixed:
             raise ValueError(f"quantized_weights={quantized_weights!r} under mixed precision is not built: the working "
                              f"copy is already 16-bit; use precision='fp32'")
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
+        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision,
+                         offload_optimizer)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.weight_wire = QuantizedWeights(self.shard_comm, codec) if codec is not None else None
         self._observers: list = []
