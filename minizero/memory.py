@@ -10,6 +10,9 @@ not counted.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import Callable
 
 import torch
@@ -59,7 +62,8 @@ def profiled_step(step: Callable[[], None], device: str = "cpu") -> dict[str, in
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                                  with_stack=True) as prof:
         step()
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
     names = {index + 1: "unknown" if category is None else category.name.lower()
@@ -69,3 +73,19 @@ def profiled_step(step: Callable[[], None], device: str = "cpu") -> dict[str, in
     out["peak"] = sum(at_peak)
     out.update({f"most_{name}": max(row[i] for row in sizes) for i, name in names.items()})
     return out
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler's C++ side writes a line to the process's stderr as it starts and stops (and warns of blocks
+    allocated before it started, which it leaves out): noise under every measurement, so file descriptor 2 is
+    pointed at the null device while it runs, and restored."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

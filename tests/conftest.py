@@ -80,8 +80,8 @@ BESIDE_THE_LESSONS = {
     "test_lab_local_sgd", "test_lab_hierarchical",
     # topology: values and bytes per link class (the dialled timings are test_network's, alone)
     "test_hierarchical", "test_hsdp",
-    # activation checkpointing: values, bytes and calls
-    "test_activation_checkpointing", "test_step_memory",
+    # the step's memory: checkpointing, offload, the predicted peak -- values, bytes and calls
+    "test_activation_checkpointing", "test_step_memory", "test_offload",
     # what the lessons print and draw: structure, names and bytes, never time
     "test_lesson_outputs", "test_production_names", "test_parallelism", "test_lesson_overlap",
     "test_lesson_ring_pictures", "test_lesson_layout", "test_lesson_debug_flags", "test_lesson_zero2_backward",

@@ -156,7 +156,9 @@ ROWS: tuple[Row, ...] = (
         "Precision(reduce_dtype=None or 'fp32'); in fp32 runs, compress='fp16'/'bf16'",
         (Torch(f"{_FSDP}.MixedPrecisionPolicy", "reduce_dtype", None),), (Ours(ZeRO2, "compress", None),)),
     Row("fully_shard(offload_policy=CPUOffloadPolicy())",
-        "keeps sharded parameters, gradients and the optimizer step on the CPU", "none",
+        "keeps sharded parameters, gradients and the optimizer step on the CPU",
+        "offload_optimizer=True: the optimizer's side only (masters, states, the step); parameters and gradients "
+        "stay on the device",
         (Torch(f"{_FSDP}.CPUOffloadPolicy", "pin_memory", True),)),
     Row("FSDPModule.set_modules_to_forward_prefetch",
         "which units' all-gathers to issue ahead of use (implicit prefetch otherwise)",
@@ -221,7 +223,8 @@ ROWS: tuple[Row, ...] = (
         "most parameters resident per GPU before releasing (default 1e9)",
         "none: the gathered set is the root, the unit computing and `prefetch` units", deepspeed=True),
     Row("DeepSpeed offload_optimizer", "optimizer states and step on CPU or NVMe: ZeRO-Offload (default off)",
-        "none", deepspeed=True),
+        "zero1/2/3, hsdp: offload_optimizer=True, the owned shard's masters and optimizer states in host memory, "
+        "the step on the CPU (no NVMe)", ours=(Ours(ZeRO2, "offload_optimizer", False),), deepspeed=True),
 )
 
 
