@@ -36,13 +36,12 @@ lint: install
 	$(PY) -m ruff check minizero tests
 
 # First, alone, the tests that compare durations (tests/conftest.py marks them `alone`: the dialled network,
-# overlap, the cost model, the mutants).  Then the bounded waits -- stall timeouts, deadlines, launches that end --
-# two at a time: they sleep more than they compute, and each bound has seconds of margin.  Then the rest beside the
-# lessons, two at a time (pytest-xdist): nothing in them is asserted on timing.
+# overlap, the cost model, the mutants).  Then everything else with the lessons, three at a time on two cores
+# (pytest-xdist): nothing there is asserted on timing but the bounded waits -- stall timeouts, deadlines, launches
+# that end -- which sleep more than they compute, give the third worker its room, and hold seconds of margin.
 test: install lint
 	$(PY) -m pytest -q tests -m alone
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests -m waits
-	$(PY) -m pytest -q -n 2 -m "not alone and not waits" tests lessons --nbmake --nbmake-timeout=300
+	$(PY) -m pytest -q -n 3 --dist loadgroup -m "not alone" tests lessons --nbmake --nbmake-timeout=300
 
 # Hunting: many more random examples, fresh seeds each run.
 test-deep: install

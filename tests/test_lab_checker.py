@@ -70,7 +70,7 @@ def test_an_answer_key_with_any_part_deleted_fails_naming_a_method(pools, tmp_pa
     A helper of the learner's own, deleted, is named by what raises where it was called."""
     variant = tmp_path / f"{lab.replace('-', '_')}_without_{member}.py"
     variant.write_text(_without(path, owner, member))
-    report = check(lab, impl=str(variant), examples=2, pools=pools, out=quiet, shrink_s=1.0)
+    report = check(lab, impl=str(variant), examples=2, pools=pools, out=quiet, shrink_s=0.5)
     assert not report.ok, f"{variant.name} passed: the deleted {owner}.{member} was not needed, or was replaced"
     todo = f"{owner}.{member}"
     if todo in LABS[lab].todo:

@@ -24,13 +24,13 @@ def quiet(_):
 
 @pytest.mark.parametrize("mistake", MISTAKES, ids=lambda m: m.name)
 def test_a_known_mistake_is_named(pools, mistake):
-    report = check("mixed-precision", impl=mistake, examples=2, pools=pools, out=quiet, shrink_s=1.0)
+    report = check("mixed-precision", impl=mistake, examples=2, pools=pools, out=quiet, shrink_s=0.5)
     assert report.failed == STEP and report.mistake == mistake.mistake, report
 
 
 def test_ranks_that_do_not_agree_on_an_overflow_fail_the_step_alone(pools):
     """An inf in rank 1's gradient only: rank 1 skips, rank 0 -- deciding on its own shard -- steps."""
-    report = check("mixed-precision", impl=OwnOverflowVerdict, examples=2, pools=pools, out=quiet, shrink_s=1.0)
+    report = check("mixed-precision", impl=OwnOverflowVerdict, examples=2, pools=pools, out=quiet, shrink_s=0.5)
     assert report.why.startswith("step 1: the ranks disagree -- rank(s) [") and "skipped the step" in report.why, \
         report.why
 
@@ -40,7 +40,7 @@ def test_ranks_that_do_not_agree_on_an_overflow_fail_zero2_training(pools):
     its shard while the other, having skipped, has moved on -- the collectives disagree, and the verdict says why."""
     lab = LABS["mixed-precision"]
     with pytest.raises(Failed) as failed:
-        mixed_training(Checker(lab, Impl.of(lab, OwnOverflowVerdict), pools, examples=2, shrink_s=1.0))
+        mixed_training(Checker(lab, Impl.of(lab, OwnOverflowVerdict), pools, examples=2, shrink_s=0.5))
     assert "ranks disagree on the next collective" in failed.value.why
     assert "did every rank skip the same steps?" in failed.value.why and "3 step(s)" in failed.value.case
 
@@ -48,5 +48,5 @@ def test_ranks_that_do_not_agree_on_an_overflow_fail_zero2_training(pools):
 def test_a_step_on_scaled_gradients_fails_zero2_training_named(pools):
     lab = LABS["mixed-precision"]
     with pytest.raises(Failed) as failed:
-        mixed_training(Checker(lab, Impl.of(lab, NeverUnscales), pools, examples=2, shrink_s=1.0))
+        mixed_training(Checker(lab, Impl.of(lab, NeverUnscales), pools, examples=2, shrink_s=0.5))
     assert "rank 0's" in failed.value.why and failed.value.mistake == NeverUnscales.mistake

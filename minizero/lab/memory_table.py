@@ -51,14 +51,14 @@ def formula_rows(psi: float, world_size: int, precision: str, optimizer: str, of
 
 
 def measured_rows(model: str, world_size: int, precision: str, optimizer: str, timeout_s: float,
-                  offload: bool = False) -> list[dict]:
+                  offload: bool = False, stages: list[str] | None = None) -> list[dict]:
     """Every stage trained for a few steps on ``world_size`` ranks: the most model-state bytes any rank held.
     (Adam creates its states at its first step, and fp16's first steps may be skipped while the loss scale
-    comes down from 2^16: a run with no step taken would show no optimizer states.)"""
+    comes down from 2^16: a run with no step taken would show no optimizer states.)  ``stages``: these only."""
     options = {"precision": precision} if Precision.of(precision).mixed else {}
     rows = []
     with RankPool(world_size, timeout_s=timeout_s) as pool:
-        for name in distributed():
+        for name in stages or distributed():
             taken = {**options, **({"offload_optimizer": True} if offload and offloads(name) else {})}
             exp = Experiment(stage=name, task="gpt", model=MODELS[model], optimizer=optimizer, steps=STEPS,
                              dtype="float32", options={k: v for k, v in taken.items() if k in STAGES[name].option_names()})
