@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 WORLD  ?= 3
 
-.PHONY: demo test test-deep lint install bench soak clean
+.PHONY: demo test test-deep lint install lessons bench soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# The lesson notebooks in JupyterLab (not needed by `make test`, which executes them without it).
+lessons: install
+	$(PY) -m pip install --quiet -e '.[dev,lab]'
+	$(PY) -m jupyter lab lessons/
 
 STAGES ?= ddp,ddp-bucketed,zero1,zero2,zero3
 

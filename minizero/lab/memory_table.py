@@ -51,7 +51,7 @@ def formula_rows(psi: float, world_size: int, precision: str, optimizer: str, of
 
 
 def measured_rows(model: str, world_size: int, precision: str, optimizer: str, timeout_s: float,
-                  offload: bool = False, stages: list[str] | None = None) -> list[dict]:
+                  offload: bool = False, stages: list[str] | None = None, steps: int = STEPS) -> list[dict]:
     """Every stage trained for a few steps on ``world_size`` ranks: the most model-state bytes any rank held.
     (Adam creates its states at its first step, and fp16's first steps may be skipped while the loss scale
     comes down from 2^16: a run with no step taken would show no optimizer states.)  ``stages``: these only."""
@@ -60,11 +60,11 @@ def measured_rows(model: str, world_size: int, precision: str, optimizer: str, t
     with RankPool(world_size, timeout_s=timeout_s) as pool:
         for name in stages or distributed():
             taken = {**options, **({"offload_optimizer": True} if offload and offloads(name) else {})}
-            exp = Experiment(stage=name, task="gpt", model=MODELS[model], optimizer=optimizer, steps=STEPS,
+            exp = Experiment(stage=name, task="gpt", model=MODELS[model], optimizer=optimizer, steps=steps,
                              dtype="float32", options={k: v for k, v in taken.items() if k in STAGES[name].option_names()})
             results = pool.run(run_experiment, exp)
-            if results[0].skipped_steps == STEPS:
-                raise ValueError(f"{name}: every one of {STEPS} fp16 steps overflowed; no optimizer state to measure")
+            if results[0].skipped_steps == steps:
+                raise ValueError(f"{name}: every one of {steps} fp16 steps overflowed; no optimizer state to measure")
             rows.append({"stage": name, "measured_bytes_per_rank": max(r.held_bytes["total"] for r in results),
                          "measured_host_bytes_per_rank": max(r.held_bytes["host"] for r in results),
                          "gathered_peak": max(r.gathered_peak_bytes for r in results), "psi": results[0].psi})
