@@ -17,9 +17,7 @@ from typing import Callable
 
 import torch
 
-#: The kinds a stage keeps in host memory (``held_tensors()``' ``host_master``, ``host_optimizer`` under
-#: optimizer offload): counted apart, as ``host``, and not in the device's ``total``.
-HOST = "host_"
+from .offload import HOST_KIND
 
 
 def held_bytes(held: dict[str, list[torch.Tensor]]) -> dict[str, int]:
@@ -36,8 +34,8 @@ def held_bytes(held: dict[str, list[torch.Tensor]]) -> dict[str, int]:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
         out[kind] = total
-    out["total"] = sum(v for k, v in out.items() if not k.startswith(HOST))
-    out["host"] = sum(v for k, v in out.items() if k.startswith(HOST))
+    out["total"] = sum(v for k, v in out.items() if not k.startswith(HOST_KIND))
+    out["host"] = sum(v for k, v in out.items() if k.startswith(HOST_KIND))
     return out
 
 

@@ -33,6 +33,9 @@ import torch
 
 #: Where offloaded state lives: host memory (DeepSpeed's ``offload_optimizer.device = "cpu"``).
 HOST = torch.device("cpu")
+#: How a stage's ``held_tensors()`` names a kind it keeps there (``host_master``, ``host_optimizer``): memory
+#: accounting adds those up apart, as ``host`` (:func:`minizero.memory.held_bytes`), not in the device's total.
+HOST_KIND = "host_"
 
 
 class HostCopies:

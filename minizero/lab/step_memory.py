@@ -85,7 +85,7 @@ def step_gradient_bytes(stage: str, psi: float, world_size: int, precision: str,
     if not Precision.of(precision).mixed or offloaded:
         return 0.0
     cls = STAGES[stage]
-    return psi * MASTER_BYTES / (cls.shard_count(world_size) if cls.shards and cls.shards.optimizer_states else 1)
+    return psi * MASTER_BYTES / (cls.shard_count(world_size) if cls.shards.optimizer_states else 1)
 
 
 def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batch: int, precision: str = "bf16",

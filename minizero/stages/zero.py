@@ -33,7 +33,7 @@ from torch import nn
 from ..comm import Comm, ReduceOp
 from ..compress import make_wire
 from ..layout import FlatGroup
-from ..offload import HostCopies, check_offloadable
+from ..offload import HOST_KIND, HostCopies, check_offloadable
 from ..parts import Part, flat_range
 from ..precision import Precision, cast_parameters
 from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
@@ -277,7 +277,7 @@ class ZeRO(Stage):
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         # Storage is what counts: a view counts its whole buffer once (minizero.memory).
         pieces = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
-        where = "host_" if self.host_copies else ""  # offloaded: in host memory (minizero.memory.held_bytes)
+        where = HOST_KIND if self.host_copies else ""  # offloaded: in host memory, counted apart
         return {"params": [p for _, p in self.trainable()],
                 "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None],
                 where + "master": [group.master for group in self.groups if group.master is not None],
