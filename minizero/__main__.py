@@ -99,6 +99,9 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
                         help="the ZeRO stages keep their optimizer states in host memory (ZeRO-Offload, minizero.offload)")
     memory.add_argument("--gpu", type=gpu_bytes, default=None,
                         help="a GPU's memory, e.g. 80GB: does each stage fit, and if not, the smallest change that does")
+    memory.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="--model: where the ranks train (cuda: all on the current GPU, gloo between them; the "
+                             "step's peak is then torch.cuda's max_memory_allocated)")
     memory.add_argument("--timeout", type=preflight.timeout_s, default=300.0)
     memory.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="speed against torch's own implementation, as ratios")

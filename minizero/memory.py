@@ -73,6 +73,33 @@ def profiled_step(step: Callable[[], None], device: str = "cpu") -> dict[str, in
     return out
 
 
+class CudaStepPeaks:
+    """The CUDA allocator's figures around each training step (``torch.cuda``'s statistics: every allocation of
+    this process on its device, the libraries' included): ``resident`` -- allocated as the step begins (the model
+    states, and what CUDA libraries keep between steps: a cuBLAS workspace per thread that ran a matrix product) --
+    and ``peak``, the most allocated during the step, counted from a reset at its start.  ``run_peak`` is the
+    most over the whole run, as ``max_memory_allocated`` would have said without the resets."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.steps: list[tuple[int, int]] = []  # (resident, peak) per step
+        self.run_peak = 0
+
+    def __enter__(self) -> "CudaStepPeaks":
+        torch.cuda.synchronize(self.device)
+        self.run_peak = max(self.run_peak, torch.cuda.max_memory_allocated(self.device))
+        self._resident = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.steps.append((self._resident, peak))
+        self.run_peak = max(self.run_peak, peak)
+
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
     """The profiler's C++ side writes a line to the process's stderr as it starts and stops (and warns of blocks

@@ -8,6 +8,7 @@ results -- one :class:`RankResult` per rank -- and judges them with
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field, replace
@@ -21,7 +22,7 @@ from ..comm.nodes import assumed_nodes
 from ..compress import check_compress
 from ..compress import parse as parse_compress
 from ..launch import Rank
-from ..memory import GatheredMemory, held_bytes
+from ..memory import CudaStepPeaks, GatheredMemory, held_bytes
 from ..precision import Precision
 from ..stages import DEFAULT_STAGE, REFERENCE, Stage
 from ..train import shard_step, train_step
@@ -105,7 +106,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     """
     rank, n = (me.rank, me.world_size) if me else (0, world_size or 1)
     task, dtype = TASKS[exp.task], DTYPES[exp.dtype]
-    if exp.device.startswith("cuda"):
+    cuda = exp.device.startswith("cuda")
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     stage, model, comm, psi = build(me, exp)
     # FSDP2's order: the optimizer over the stage's parameters (ZeRO's pieces; fp32 masters under mixed precision),
@@ -119,16 +121,18 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         params, losses, times, states, scales, per_step = [], [], [], [], [], []
         if exp.resume:
             checkpoint.load(stage, exp.resume)
+        peaks = CudaStepPeaks(exp.device) if cuda else contextlib.nullcontext()
         for s in range(exp.first_step, exp.first_step + exp.steps):
-            x, y = (t.to(exp.device) for t in task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model))
-            step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
-                else shard_step(x, y, 0, 1, 1)
-            start = time.perf_counter()
-            with poison_gradient(model, exp, s, rank, n if me else None):
-                losses.append(train_step(stage, step, clip=exp.clip, sync_every_micro_batch=exp.sync_every_micro_batch,
-                                         optimizer=optimizer,
-                                         zero_grad=model.zero_grad if exp.zero_grad == "model" else None))
-            times.append(time.perf_counter() - start)
+            with peaks:  # on CUDA: what was allocated as the step began, and the most during it (the batch's too)
+                x, y = (t.to(exp.device) for t in task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model))
+                step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
+                    else shard_step(x, y, 0, 1, 1)
+                start = time.perf_counter()
+                with poison_gradient(model, exp, s, rank, n if me else None):
+                    losses.append(train_step(stage, step, clip=exp.clip, optimizer=optimizer,
+                                             sync_every_micro_batch=exp.sync_every_micro_batch,
+                                             zero_grad=model.zero_grad if exp.zero_grad == "model" else None))
+                times.append(time.perf_counter() - start)
             per_step.append(sum(v for k, v in ledger.snapshot().items() if k != "check") - sum(per_step))
             scales.append(getattr(stage, "loss_scale", 1.0))
             if comm:
@@ -144,7 +148,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             if hasattr(wire, "formula_by_kind") else None
         weights = getattr(stage, "weight_wire", None)  # ZeRO-3's quantized weights (qwZ): the gathers' formula
         weight_formula = weights.formula_by_kind["all_gather"] / exp.steps if weights is not None else None
-        cuda_peak = torch.cuda.max_memory_allocated() if exp.device.startswith("cuda") else 0
+        cuda_peak = max(peaks.run_peak, torch.cuda.max_memory_allocated()) if cuda else 0
         if comm:
             comm.remove_observer(ledger)
         if exp.save:  # not training traffic either
@@ -164,6 +168,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                       wire_sent_bytes_per_step=sum(wire_formula.values()) if wire_formula is not None else None,
                       wire_sent_by_kind_per_step=wire_formula, weight_sent_bytes_per_step=weight_formula,
                       optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak,
+                      cuda_steps=peaks.steps if cuda else [],
                       skipped_steps=getattr(stage, "skipped_steps", 0),
                       host_copied=stage.host_copies.counted() if getattr(stage, "host_copies", None) else {})
 

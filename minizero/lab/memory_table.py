@@ -26,13 +26,14 @@ from ..memory import profiled_step
 from ..precision import Precision
 from ..stages import REFERENCE, STAGES, distributed, make_stage
 from .experiment import Experiment, run_experiment
-from .models import BENCH_GPT
+from .models import BENCH_GPT, GPT_SIZES
 from .optimizers import STATE_TENSORS
 from .step_memory import MASTER_BYTES, Plan, Shape, activation_bytes, fits, offloads, step_bytes
 from .tasks import GPT_DEFAULTS, TASKS, vocabulary
 
-#: Models ``--model`` knows: the lab's GPT, and the benchmarks' larger one.
-MODELS = {"gpt": {}, "bench-gpt": BENCH_GPT}
+#: Models ``--model`` knows: the lab's GPT, the benchmarks' larger one, and ``train``'s sizes (on a GPU, ``large``
+#: and ``100m`` are where activations outweigh what CUDA's libraries keep).
+MODELS = {"gpt": {}, "bench-gpt": BENCH_GPT, **{name: GPT_SIZES[name] for name in ("medium", "large", "100m")}}
 STEPS = 4  # steps of a live measurement
 LIVE_WORLD_SIZE = 4  # the most ranks a live measurement starts (the bytes then follow the formula in N)
 
@@ -51,23 +52,32 @@ def formula_rows(psi: float, world_size: int, precision: str, optimizer: str, of
 
 
 def measured_rows(model: str, world_size: int, precision: str, optimizer: str, timeout_s: float,
-                  offload: bool = False, stages: list[str] | None = None, steps: int = STEPS) -> list[dict]:
+                  offload: bool = False, stages: list[str] | None = None, steps: int = STEPS, device: str = "cpu",
+                  micro_batch: int = 4, checkpointed: bool = False) -> list[dict]:
     """Every stage trained for a few steps on ``world_size`` ranks: the most model-state bytes any rank held.
     (Adam creates its states at its first step, and fp16's first steps may be skipped while the loss scale
-    comes down from 2^16: a run with no step taken would show no optimizer states.)  ``stages``: these only."""
+    comes down from 2^16: a run with no step taken would show no optimizer states.)  ``stages``: these only.
+    On ``device="cuda"`` (the ranks share the current GPU over gloo) each row has the allocator's figures too, of
+    the last step of the rank that peaked highest in it: ``cuda_resident`` as the step began, ``cuda_peak`` during
+    it, ``cuda_held`` its model states; ``cuda_steps``: every rank's every step."""
     options = {"precision": precision} if Precision.of(precision).mixed else {}
     rows = []
-    with RankPool(world_size, timeout_s=timeout_s) as pool:
+    with RankPool(world_size, timeout_s=timeout_s, start_method="spawn" if device == "cuda" else None) as pool:
         for name in stages or distributed():
             taken = {**options, **({"offload_optimizer": True} if offload and offloads(name) else {})}
             exp = Experiment(stage=name, task="gpt", model=MODELS[model], optimizer=optimizer, steps=steps,
-                             dtype="float32", options={k: v for k, v in taken.items() if k in STAGES[name].option_names()})
+                             dtype="float32", options={k: v for k, v in taken.items() if k in STAGES[name].option_names()},
+                             device=device, micro_batch=micro_batch, checkpoint_activations=checkpointed)
             results = pool.run(run_experiment, exp)
             if results[0].skipped_steps == steps:
                 raise ValueError(f"{name}: every one of {steps} fp16 steps overflowed; no optimizer state to measure")
             rows.append({"stage": name, "measured_bytes_per_rank": max(r.held_bytes["total"] for r in results),
                          "measured_host_bytes_per_rank": max(r.held_bytes["host"] for r in results),
                          "gathered_peak": max(r.gathered_peak_bytes for r in results), "psi": results[0].psi})
+            if device == "cuda":  # the last step, the steady state: Adam's states and cuBLAS's workspaces exist
+                last = max(results, key=lambda r: r.cuda_steps[-1][1])
+                rows[-1].update(cuda_resident=last.cuda_steps[-1][0], cuda_peak=last.cuda_steps[-1][1],
+                                cuda_held=last.held_bytes["total"], cuda_steps=[r.cuda_steps for r in results])
     return rows
 
 
@@ -121,9 +131,17 @@ def gb(nbytes: float) -> str:
 
 def main(args) -> tuple[int, str]:
     precision = args.precision
+    if args.device == "cuda" and not args.model:
+        raise ValueError("memory --device cuda measures a --model's ranks on the GPU; --params is a prediction "
+                         "only: leave --device out, or give --model")
     if args.model:
         live_n = min(args.world_size, LIVE_WORLD_SIZE)
-        measured = measured_rows(args.model, live_n, precision, args.optimizer, args.timeout, args.offload_optimizer)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"memory --device cuda: torch {torch.__version__} sees no CUDA GPU here "
+                             f"(torch.cuda.is_available() is False); leave --device out to measure on the CPU")
+        measured = measured_rows(args.model, live_n, precision, args.optimizer, args.timeout, args.offload_optimizer,
+                                 device=args.device, micro_batch=args.micro_batch,
+                                 checkpointed=args.checkpoint_activations)
         psi = measured[0]["psi"]
     else:
         psi = args.params
@@ -138,7 +156,11 @@ def main(args) -> tuple[int, str]:
                        host_formula_bytes_at_measured_world_size=at_live["host_bytes_per_rank"],
                        formula_bytes_at_measured_world_size=formula_at_live,
                        activation_bytes_estimate=gpt_activation_bytes(args.model, args.micro_batch, precision,
-                                                                      args.checkpoint_activations))
+                                                                      args.checkpoint_activations),
+                       step_predicted=step_bytes(row["stage"], psi, gpt_shape(args.model), live_n, args.micro_batch,
+                                                 precision, args.optimizer, args.checkpoint_activations,
+                                                 offload and offloads(row["stage"])),
+                       **{k: v for k, v in live.items() if k.startswith("cuda_")})
     if args.json:
         return 0, json.dumps(rows, indent=2)
     k = (MASTER_BYTES if Precision.of(precision).mixed else 0) + MASTER_BYTES * STATE_TENSORS[args.optimizer]
@@ -160,7 +182,12 @@ def main(args) -> tuple[int, str]:
     lines.append("Model states only (parameters, gradients, optimizer states; ZeRO's padding in 'measured')"
                  + ("; --offload-optimizer: the ZeRO stages' optimizer states in host memory ('host')." if offload
                     else "."))
-    lines += [""] + (measured_step_lines(args, psi, measured, live_n) if args.model else predicted_step_lines(args, psi))
+    if args.model:
+        step = cuda_step_lines(args, psi, measured, live_n, torch.cuda.get_device_name()) if args.device == "cuda" \
+            else measured_step_lines(args, psi, measured, live_n)
+    else:
+        step = predicted_step_lines(args, psi)
+    lines += [""] + step
     return 0, "\n".join(lines)
 
 
@@ -184,6 +211,33 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int) -> 
               "eq. 1, for this dropout-free GPT (minizero.lab.step_memory) / the allocator's peak in one profiled "
               "step less parameters, optimizer states, gradients and input (torch.profiler's memory categories); "
               "gathered units: ZeRO-3's root unit and 1 + prefetch blocks / the gathered peak its observer saw."]
+    return lines
+
+
+def cuda_step_lines(args, psi: float, measured: list[dict], live_n: int, gpu: str) -> list[str]:
+    """On a GPU the allocator sees everything (``torch.cuda.max_memory_allocated``): each stage's last step, its
+    peak beside the prediction.  What CUDA's libraries keep between steps (a cuBLAS workspace per thread that ran a
+    matrix product: forward's and autograd's) is no part of the model's step: it is measured, as the memory
+    allocated when the step began less the model states held, and printed apart."""
+    shape, precision, ck = gpt_shape(args.model), args.precision, args.checkpoint_activations
+    lines = [f"The step's peak per rank at N={live_n} on one {gpu}, a micro-batch of "
+             f"{args.micro_batch} x {shape.seq} tokens{', blocks checkpointed' if ck else ''}: predicted / measured "
+             f"by torch.cuda's allocator (bytes; the last of {STEPS} steps)",
+             f"{'stage':<14}{'model states':>30}{'the step adds':>30}{'peak':>30}{'off':>7}{'libraries':>14}"]
+    for row in measured:
+        stage = row["stage"]
+        predicted = step_bytes(stage, psi, shape, live_n, args.micro_batch, precision, args.optimizer, ck,
+                               args.offload_optimizer and offloads(stage))
+        libraries = row["cuda_resident"] - row["cuda_held"]
+        seen = row["cuda_peak"] - libraries
+        adds = predicted["total"] - predicted["model_states"]
+        lines.append(f"{stage:<14}{pair(predicted['model_states'], row['cuda_held'], 13)}"
+                     f"{pair(adds, row['cuda_peak'] - row['cuda_resident'], 13)}"
+                     f"{pair(predicted['total'], seen, 13)}{seen / predicted['total'] - 1:>+7.1%}{libraries:>14,}")
+    lines += ["the step adds: activations, ZeRO-3's gathered units, mixed precision's fp32 gradients at the step "
+              "(minizero.lab.step_memory) / the allocator's peak in the step less what was allocated as it began. "
+              "peak: measured less 'libraries' -- allocated as the step began less the model states held: CUDA "
+              "libraries' own buffers (cuBLAS's workspaces), kept from the first step on."]
     return lines
 
 
@@ -218,5 +272,5 @@ def predicted_step_lines(args, psi: float) -> list[str]:
     return lines
 
 
-def pair(predicted: float, measured: float) -> str:
-    return f"{predicted:>13,.0f} /{measured:>11,.0f}"
+def pair(predicted: float, measured: float, width: int = 11) -> str:
+    return f"{predicted:>{width + 2},.0f} /{measured:>{width},.0f}"

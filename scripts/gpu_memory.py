@@ -1,0 +1,133 @@
+"""The whole step's memory on a GPU, in one command: ``python scripts/gpu_memory.py [--out FILE]`` (issue 31).
+
+1. ``memory --model M --device cuda``: every stage's last step on four ranks sharing GPU 0 (gloo between them),
+   its peak by ``torch.cuda.max_memory_allocated`` beside the prediction of :mod:`minizero.lab.step_memory` --
+   the lab's GPT (the issue's command), and ``large``, where activations outweigh what CUDA's libraries keep,
+   with and without checkpointing, and with the optimizer offloaded;
+2. optimizer offload on CUDA: each ZeRO stage trained with its optimizer in pinned host memory against the same
+   run without offload, to the bit (losses, parameters after every step, optimizer state), in fp32, bf16 and
+   fp16, the optimizer given at wrap time or built after over ``stage.parameters()``, with clipping (whose
+   coefficient must reach gradients on two devices) and accumulation, at N = 3 (uneven shards); and whether
+   the host masters are pinned.
+
+Writes what each case printed and measured to ``--out`` (JSON) after every case, so a run cut short keeps what
+it measured.  Without CUDA it says so and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import torch  # noqa: E402
+
+from minizero.lab.experiment import Experiment, build, run_experiment  # noqa: E402
+from minizero.launch import RankPool  # noqa: E402
+from minizero.offload import HOST_KIND  # noqa: E402
+from minizero.stages import STAGES, distributed  # noqa: E402
+
+MEMORY_CASES = [["--model", "gpt", "--micro-batch", "8", "--checkpoint-activations"],
+                ["--model", "large", "--micro-batch", "8"],
+                ["--model", "large", "--micro-batch", "8", "--checkpoint-activations"],
+                ["--model", "large", "--micro-batch", "8", "--offload-optimizer"]]
+OFFLOADING = [s for s in distributed() if "offload_optimizer" in STAGES[s].option_names()]
+
+
+def memory_case(argv: list[str]) -> dict:
+    """One ``memory --json`` command on the GPU (its table is printed from the rows: ``cuda_step_lines``)."""
+    command = [sys.executable, "-m", "minizero", "memory", "--world-size", "4", "--precision", "bf16", "--device",
+               "cuda", *argv, "--json"]
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    rows = json.loads(done.stdout) if done.returncode == 0 else None
+    print(" ".join(argv), f"rc {done.returncode} in {time.monotonic() - started:.0f} s", done.stderr[-3000:], flush=True)
+    for row in rows or []:
+        print(f"  {row['stage']:<14} held {row.get('cuda_held'):>14,} resident {row.get('cuda_resident'):>14,} "
+              f"peak {row.get('cuda_peak'):>14,} predicted {row['step_predicted']['total']:>14,.0f}", flush=True)
+    return {"argv": argv, "rc": done.returncode, "stderr": done.stderr[-3000:], "rows": rows,
+            "s": time.monotonic() - started}
+
+
+def pinned(me, exp: Experiment) -> dict:
+    """On one rank: the stage built with offload holds its host state in pinned memory, off the GPU."""
+    stage, _, comm, _ = build(me, exp)
+    try:
+        host = [t for kind, ts in stage.held_tensors().items() if kind.startswith(HOST_KIND) for t in ts]
+        return {"host_tensors": len(host), "pinned": sum(t.is_pinned() for t in host),
+                "on_cpu": sum(t.device.type == "cpu" for t in host)}
+    finally:
+        if comm:
+            comm.close()
+
+
+def same_to_the_bit(a, b) -> bool:
+    if torch.is_tensor(b):
+        return torch.is_tensor(a) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    if isinstance(b, dict):
+        return set(a) == set(b) and all(same_to_the_bit(a[k], b[k]) for k in b)
+    if isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_to_the_bit(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def offload_cases(pool: RankPool, device: str = "cuda") -> list[dict]:
+    out = []
+    for stage in OFFLOADING:
+        for precision in ("fp32", "bf16", "fp16"):
+            for wrap_first in (False, True):
+                options = {} if precision == "fp32" else {"precision": precision}
+                base = Experiment(stage=stage, device=device, dtype="float32", steps=3, accum=2, micro_batch=3,
+                                  clip=(1.0, 2.0), wrap_first=wrap_first, options=options, lr=1e-2)
+                off = replace(base, options={**options, "offload_optimizer": True})
+                want, got = pool.run(run_experiment, base), pool.run(run_experiment, off)
+                same = all(same_to_the_bit(g.losses, w.losses) and same_to_the_bit(g.params, w.params)
+                           and same_to_the_bit(g.optimizer_state, w.optimizer_state) for g, w in zip(got, want, strict=True))
+                case = {"stage": stage, "precision": precision, "wrap_first": wrap_first, "same_to_the_bit": same,
+                        "losses": [r.losses for r in got], "device_held": [r.held_bytes["total"] for r in got],
+                        "device_held_without": [r.held_bytes["total"] for r in want],
+                        "host_held": [r.held_bytes["host"] for r in got], "copied": [r.host_copied for r in got],
+                        "skipped": [r.skipped_steps for r in got], "pinned": pool.run(pinned, off)}
+                print(stage, precision, "wrap_first" if wrap_first else "at wrap", "same" if same else "DIFFERENT",
+                      case["pinned"][0], case["device_held"], case["device_held_without"], case["host_held"], flush=True)
+                out.append(case)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu-memory.json")
+    parser.add_argument("--cpu", action="store_true", help="try the offload cases on the CPU (the script's own check)")
+    args = parser.parse_args()
+    if args.cpu:
+        with RankPool(3, timeout_s=300) as pool:
+            cases = offload_cases(pool, "cpu")
+        return 0 if all(c["same_to_the_bit"] for c in cases) else 1
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here (torch.cuda.is_available() is False): nothing was run or written", file=sys.stderr)
+        return 1
+    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "memory": [], "offload": []}
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+
+    with RankPool(3, start_method="spawn", timeout_s=300) as pool:
+        results["offload"] = offload_cases(pool)
+    save()
+    for argv in MEMORY_CASES:
+        results["memory"].append(memory_case(argv))
+        save()
+    failed = [c for c in results["offload"] if not c["same_to_the_bit"]] + \
+        [c for c in results["memory"] if c["rc"] != 0]
+    print(f"{len(failed)} case(s) failed" if failed else "every case ran; offload the same to the bit on CUDA")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
