@@ -16,6 +16,7 @@ from .lab.bench import BENCHES
 from .lab.compress_study import add_parser as add_compress_study
 from .lab.equivalence import DTYPES
 from .lab.memory_table import MODELS as MEMORY_MODELS
+from .lab.memory_table import stage_list
 from .lab.optimizers import OPTIMIZERS
 from .lab.option_flags import add_flags
 from .lab.rank_verdict import rank_error_verdict
@@ -99,6 +100,8 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
                         help="the ZeRO stages keep their optimizer states in host memory (ZeRO-Offload, minizero.offload)")
     memory.add_argument("--gpu", type=gpu_bytes, default=None,
                         help="a GPU's memory, e.g. 80GB: does each stage fit, and if not, the smallest change that does")
+    memory.add_argument("--stages", type=stage_list, default=None,
+                        help="these stages only, comma-separated (default: every distributed stage)")
     memory.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="--model: where the ranks train (cuda: all on the current GPU, gloo between them; the "
                              "step's peak is then torch.cuda's max_memory_allocated)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import time
 from dataclasses import dataclass, field, replace
 
@@ -107,7 +108,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     rank, n = (me.rank, me.world_size) if me else (0, world_size or 1)
     task, dtype = TASKS[exp.task], DTYPES[exp.dtype]
     cuda = exp.device.startswith("cuda")
-    if cuda:
+    if cuda:  # a pool's rank runs one experiment after another: the last one's cycles (stage <-> hooks) go first,
+        gc.collect()  # or its tensors would still be allocated in this one's figures
         torch.cuda.reset_peak_memory_stats()
     stage, model, comm, psi = build(me, exp)
     # FSDP2's order: the optimizer over the stage's parameters (ZeRO's pieces; fp32 masters under mixed precision),

@@ -16,6 +16,7 @@ ZeRO-3's gathered units from its observer.
 """
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -38,11 +39,12 @@ STEPS = 4  # steps of a live measurement
 LIVE_WORLD_SIZE = 4  # the most ranks a live measurement starts (the bytes then follow the formula in N)
 
 
-def formula_rows(psi: float, world_size: int, precision: str, optimizer: str, offload: bool = False) -> list[dict]:
-    """Every stage's model-state bytes per rank from its own formula (on the device; ``offload``: the stages that
-    take it keep their optimizer states in host memory, ``host_bytes_per_rank``)."""
+def formula_rows(psi: float, world_size: int, precision: str, optimizer: str, offload: bool = False,
+                 stages: list[str] | None = None) -> list[dict]:
+    """Every stage's (``stages``': these only) model-state bytes per rank from its own formula (on the device;
+    ``offload``: the stages that take it keep their optimizer states in host memory, ``host_bytes_per_rank``)."""
     k, rows = STATE_TENSORS[optimizer], []
-    for name in distributed():
+    for name in stages or distributed():
         options = {"offload_optimizer": True} if offload and offloads(name) else {}
         args = (MASTER_BYTES, k, precision)
         rows.append({"stage": name, "bytes_per_rank": STAGES[name].state_bytes(psi, world_size, *args, **options),
@@ -79,6 +81,16 @@ def measured_rows(model: str, world_size: int, precision: str, optimizer: str, t
                 rows[-1].update(cuda_resident=last.cuda_steps[-1][0], cuda_peak=last.cuda_steps[-1][1],
                                 cuda_held=last.held_bytes["total"], cuda_steps=[r.cuda_steps for r in results])
     return rows
+
+
+def stage_list(text: str) -> list[str]:
+    """``--stages zero2,zero3``: distributed stages, by name."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in distributed()]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(unknown) or 'no stage'} is not a distributed stage; "
+                                         f"choose from {', '.join(distributed())}")
+    return names
 
 
 def gpt_config(model: str) -> dict:
@@ -140,15 +152,15 @@ def main(args) -> tuple[int, str]:
             raise ValueError(f"memory --device cuda: torch {torch.__version__} sees no CUDA GPU here "
                              f"(torch.cuda.is_available() is False); leave --device out to measure on the CPU")
         measured = measured_rows(args.model, live_n, precision, args.optimizer, args.timeout, args.offload_optimizer,
-                                 device=args.device, micro_batch=args.micro_batch,
+                                 stages=args.stages, device=args.device, micro_batch=args.micro_batch,
                                  checkpointed=args.checkpoint_activations)
         psi = measured[0]["psi"]
     else:
         psi = args.params
     offload = args.offload_optimizer
-    rows = formula_rows(psi, args.world_size, precision, args.optimizer, offload)
+    rows = formula_rows(psi, args.world_size, precision, args.optimizer, offload, args.stages)
     if args.model:
-        at_live_n = formula_rows(psi, live_n, precision, args.optimizer, offload)
+        at_live_n = formula_rows(psi, live_n, precision, args.optimizer, offload, args.stages)
         for row, live, at_live in zip(rows, measured, at_live_n, strict=True):
             formula_at_live = at_live["bytes_per_rank"]
             row.update(measured_world_size=live_n, measured_bytes_per_rank=live["measured_bytes_per_rank"],
@@ -159,7 +171,7 @@ def main(args) -> tuple[int, str]:
                                                                       args.checkpoint_activations),
                        step_predicted=step_bytes(row["stage"], psi, gpt_shape(args.model), live_n, args.micro_batch,
                                                  precision, args.optimizer, args.checkpoint_activations,
-                                                 offload and offloads(row["stage"])),
+                                                 offload and offloads(row["stage"]), foreach=args.device == "cuda"),
                        **{k: v for k, v in live.items() if k.startswith("cuda_")})
     if args.json:
         return 0, json.dumps(rows, indent=2)
@@ -201,7 +213,7 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int) -> 
     for row in measured:
         stage = row["stage"]
         predicted = step_bytes(stage, psi, shape, live_n, args.micro_batch, precision, args.optimizer, ck,
-                               args.offload_optimizer and offloads(stage))
+                               args.offload_optimizer and offloads(stage), foreach=False)  # the CPU's for-loop step
         seen = row["measured_bytes_per_rank"] + act_measured + row["gathered_peak"]
         lines.append(f"{stage:<14}{pair(predicted['model_states'], row['measured_bytes_per_rank'])}"
                      f"{pair(predicted['activations'], act_measured)}"
@@ -234,8 +246,9 @@ def cuda_step_lines(args, psi: float, measured: list[dict], live_n: int, gpu: st
         lines.append(f"{stage:<14}{pair(predicted['model_states'], row['cuda_held'], 13)}"
                      f"{pair(adds, row['cuda_peak'] - row['cuda_resident'], 13)}"
                      f"{pair(predicted['total'], seen, 13)}{seen / predicted['total'] - 1:>+7.1%}{libraries:>14,}")
-    lines += ["the step adds: activations, ZeRO-3's gathered units, mixed precision's fp32 gradients at the step "
-              "(minizero.lab.step_memory) / the allocator's peak in the step less what was allocated as it began. "
+    lines += ["the step adds: the larger of backward's activations and ZeRO-3's gathered units and the step's fp32 "
+              "gradients and Adam's foreach intermediates (minizero.lab.step_memory) / the allocator's peak in the "
+              "step less what was allocated as it began. "
               "peak: measured less 'libraries' -- allocated as the step began less the model states held: CUDA "
               "libraries' own buffers (cuBLAS's workspaces), kept from the first step on."]
     return lines
@@ -248,7 +261,7 @@ def predicted_step_lines(args, psi: float) -> list[str]:
     lines = [f"The step's peak per rank at N={args.world_size}: a GPT shaped as GPT-3's nearest ({shape.layers} layers, "
              f"hidden {shape.hidden}, {shape.heads} heads, vocabulary {shape.vocab:,}), {args.micro_batch} x "
              f"{shape.seq} tokens per micro-batch{', blocks checkpointed' if args.checkpoint_activations else ''}",
-             f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'step grads':>12}{'peak':>12}"
+             f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'at step':>12}{'peak':>12}"
              + (f"{'host':>12}" if args.offload_optimizer else "") + (f"   on {gb(args.gpu)}" if args.gpu else "")]
     for stage in distributed():
         if not STAGES[stage].equivalent:
@@ -256,18 +269,20 @@ def predicted_step_lines(args, psi: float) -> list[str]:
         plan = Plan(stage, args.world_size, args.micro_batch, args.checkpoint_activations,
                     args.offload_optimizer and offloads(stage))
         here, fitting = fits(psi, shape, plan, args.gpu or float("inf"), args.precision, args.optimizer)
+        at_step = here["step_gradients"] + here["optimizer_temporaries"]
         line = (f"{stage:<14}{gb(here['model_states']):>14}{gb(here['activations']):>14}"
                 f"{gb(here['gathered_units']) if here['gathered_units'] else '-':>12}"
-                f"{gb(here['step_gradients']) if here['step_gradients'] else '-':>12}{gb(here['total']):>12}"
+                f"{gb(at_step) if at_step else '-':>12}{gb(here['total']):>12}"
                 + (f"{gb(here['host']) if here['host'] else '-':>12}" if args.offload_optimizer else ""))
         if args.gpu:
             line += ("   fits" if fitting == plan else f"   does not fit; smallest change: {fitting.change_from(plan)}"
                      if fitting else "   does not fit, nor with any one or two changes tried")
         lines.append(line)
-    lines.append("peak: model states + the larger of backward's activations and gathered units and the step's fp32 "
-                 "gradients (mixed precision; freed activations make room for them). activations: Korthikanti et al. "
-                 "2022, eq. 1 (16-bit: s*b*h*(34 + 5*a*s/h) per layer; checkpointed, 2sbh per layer and one layer "
-                 "replayed) plus the head's logits; not included: buckets in flight, the communication scratch, "
+    lines.append("peak: model states + the larger of backward's activations and gathered units and what the step "
+                 "adds ('at step': mixed precision's fp32 gradients, and the foreach optimizer's intermediates -- "
+                 "Adam's sqrt(v), as large as the state it steps; freed activations make room for them). activations: "
+                 "Korthikanti et al. 2022, eq. 1 (16-bit: s*b*h*(34 + 5*a*s/h) per layer; checkpointed, 2sbh per layer "
+                 "and one layer replayed) plus the head's logits; not included: buckets in flight, the communication scratch, "
                  "fragmentation, the CUDA context.")
     return lines
 

@@ -34,3 +34,10 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float, param_groups: b
 
 #: Full-size optimizer state tensors per parameter: Adam keeps m and v, momentum one buffer.
 STATE_TENSORS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2}
+
+#: Full-size intermediates torch's *foreach* implementation (its default for CUDA tensors) makes at a step, each
+#: a tensor list the size of every parameter it steps: Adam's and AdamW's square root of the second moment
+#: (``torch._foreach_sqrt(exp_avg_sqs)``), Nesterov's look-ahead gradient.  The for-loop implementation (CPU
+#: tensors) makes them one parameter at a time.  torch.optim's docs: foreach uses "~ sizeof(params) more peak
+#: memory" than the for-loop.
+FOREACH_TEMPORARIES = {"sgd": 0, "momentum": 0, "nesterov": 1, "adam": 1, "adamw": 1}

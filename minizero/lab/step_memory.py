@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..precision import Precision
 from ..stages import STAGES, distributed
-from .optimizers import STATE_TENSORS
+from .optimizers import FOREACH_TEMPORARIES, STATE_TENSORS
 
 MASTER_BYTES = 4  # fp32: the masters under mixed precision, everything in plain fp32 training
 LOSS_BYTES = 4  # the logits the loss sees, and their log-softmax: fp32 under every precision
@@ -88,19 +88,34 @@ def step_gradient_bytes(stage: str, psi: float, world_size: int, precision: str,
     return psi * MASTER_BYTES / (cls.shard_count(world_size) if cls.shards.optimizer_states else 1)
 
 
+def step_temporary_bytes(stage: str, psi: float, world_size: int, optimizer: str, offloaded: bool = False) -> float:
+    """The optimizer's own intermediates at the step on a GPU: torch's foreach implementation computes over whole
+    tensor lists, so each intermediate (:data:`~.optimizers.FOREACH_TEMPORARIES`) is as large as the fp32 state it
+    steps -- the owned shard's under ZeRO.  Offloaded, the step runs on the host."""
+    if offloaded:
+        return 0.0
+    cls = STAGES[stage]
+    stepped = psi / (cls.shard_count(world_size) if cls.shards.optimizer_states else 1)
+    return FOREACH_TEMPORARIES[optimizer] * stepped * MASTER_BYTES
+
+
 def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batch: int, precision: str = "bf16",
-               optimizer: str = "adam", checkpointed: bool = False, offloaded: bool = False) -> dict:
+               optimizer: str = "adam", checkpointed: bool = False, offloaded: bool = False,
+               foreach: bool = True) -> dict:
     """One rank's peak on the device, by component: model states (the stage's formula), and on top of them the
     larger of two moments -- backward (activations and ZeRO-3's gathered units) and the step (mixed precision's
-    fp32 gradients; activations are freed by then).  ``host``: what optimizer offload keeps in host memory."""
+    fp32 gradients, and with ``foreach`` -- torch's default on a GPU -- the optimizer's intermediates; activations
+    are freed by then).  ``host``: what optimizer offload keeps in host memory."""
     cls, k = STAGES[stage], STATE_TENSORS[optimizer]
     working = Precision.of(precision).working_bytes(MASTER_BYTES)
     states = cls.state_bytes(psi, world_size, MASTER_BYTES, k, precision, offload_optimizer=offloaded)
     activations = activation_bytes(shape, micro_batch, working, checkpointed)["peak"]
     gathered = gathered_unit_bytes(stage, shape, working)
     gradients = step_gradient_bytes(stage, psi, world_size, precision, offloaded)
+    temporaries = step_temporary_bytes(stage, psi, world_size, optimizer, offloaded) if foreach else 0.0
     return {"model_states": states, "activations": activations, "gathered_units": gathered,
-            "step_gradients": gradients, "total": states + max(activations + gathered, gradients),
+            "step_gradients": gradients, "optimizer_temporaries": temporaries,
+            "total": states + max(activations + gathered, gradients + temporaries),
             "host": cls.host_state_bytes(psi, world_size, MASTER_BYTES, k, precision, offload_optimizer=offloaded)}
 
 
