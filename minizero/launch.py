@@ -129,6 +129,9 @@ def _rank_main(rank, world_size, port, tasks, results, threads, timeout_s, row, 
         except Exception:  # noqa: BLE001
             payload = pickle.dumps((False, f"rank {rank}: result is not picklable:\n{traceback.format_exc()}"))
         results.put((rank, payload))
+        # Nothing of a task outlives it: a result held here while the next task runs would keep its tensors --
+        # on a GPU, allocated memory -- in the next one's measurements (found measuring CUDA peaks, issue 31).
+        task = fn = args = kwargs = reply = payload = None
     dist.destroy_process_group()
 
 

@@ -104,6 +104,28 @@ def test_pool_refuses_after_failure_and_runs_many_tasks():
         pool.run(_whoami, 0)
 
 
+_RETURNED = []  # weak references to what a task returned, on each rank
+
+
+def _return_a_tensor(me):
+    import weakref
+    result = torch.zeros(4)
+    _RETURNED.append(weakref.ref(result))
+    return result
+
+
+def _is_the_last_result_alive(me):
+    return _RETURNED[-1]() is not None
+
+
+def test_a_rank_keeps_nothing_of_a_task_once_its_result_is_sent():
+    """A rank that held its last result while running the next task kept its tensors -- on a GPU, allocated memory
+    that the next task's CUDA peaks counted as its own (issue 31)."""
+    with RankPool(2, timeout_s=30) as pool:
+        pool.run(_return_a_tensor)
+        assert pool.run(_is_the_last_result_alive) == [False, False]
+
+
 def _unpicklable(me):
     return lambda: me.rank  # a lambda cannot travel back to the caller
 

@@ -141,7 +141,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                 comm.remove_observer(ledger)  # what follows is inspection, not training traffic
             params.append({k: v.cpu() for k, v in snapshot_parameters(stage, model).items()})  # off the GPU
             if exp.record_states and optimizer is None:  # (the loop's own optimizer holds pieces' states)
-                states.append(copy.deepcopy(stage.full_optimizer_state_dict()))
+                states.append(off_the_device(stage.full_optimizer_state_dict()))
             if comm:
                 comm.add_observer(ledger)
         held = held_bytes(stage.held_tensors())
@@ -155,7 +155,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             comm.remove_observer(ledger)
         if exp.save:  # not training traffic either
             checkpoint.save(stage, exp.save, exp.first_step + exp.steps, consolidated=exp.consolidated)
-        optimizer_state = copy.deepcopy(stage.full_optimizer_state_dict()) if optimizer is None else {}
+        optimizer_state = off_the_device(stage.full_optimizer_state_dict()) if optimizer is None else {}
     finally:
         if comm:
             comm.close()
@@ -188,6 +188,18 @@ def wire_bytes(exp: Experiment) -> int:
     """Bytes per gradient element in the reduction: compression's wire, else the precision's."""
     wire = check_compress(exp.options.get("compress"))
     return torch.empty(0, dtype=wire).element_size() if wire else precision_of(exp).reduce_bytes(element_size(exp))
+
+
+def off_the_device(state):
+    """A copy of a nest of dicts and lists whose tensors are in host memory: what a rank returns holds no GPU memory
+    (nor device handles for the caller to open)."""
+    if torch.is_tensor(state):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: off_the_device(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(off_the_device(v) for v in state)
+    return copy.deepcopy(state)
 
 
 def snapshot_parameters(stage, model) -> dict:
