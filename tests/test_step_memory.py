@@ -4,10 +4,22 @@ smallest change that makes a model fit a GPU."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from minizero.lab.memory_table import gpt_shape, measured_activation_bytes, measured_rows
-from minizero.lab.optimizers import STATE_TENSORS
-from minizero.lab.step_memory import Plan, Shape, activation_bytes, fits, gathered_unit_bytes, gpu_bytes, step_bytes
+from minizero.lab.memory_table import MODELS, gpt_shape, measured_activation_bytes, measured_rows
+from minizero.lab.optimizers import OPTIMIZERS, STATE_TENSORS
+from minizero.lab.step_memory import (
+    Plan,
+    Shape,
+    activation_bytes,
+    fits,
+    gathered_unit_bytes,
+    gpu_bytes,
+    step_bytes,
+    step_temporary_bytes,
+)
+from minizero.lab.tasks import TASKS
+from minizero.memory import profiled_step
 from minizero.stages import STAGES, distributed
 
 
@@ -68,7 +80,8 @@ def test_the_predicted_peak_is_within_10_percent_of_the_measured_for_every_stage
             assert abs(row["measured_bytes_per_rank"] / states - 1) < 0.01, (stage, row, states)
             assert abs(row["gathered_peak"] - gathered) <= 0.02 * max(gathered, 1), (stage, row["gathered_peak"],
                                                                                      gathered)
-            predicted = step_bytes(stage, psi, shape, n, micro_batch, "fp32", "adamw", checkpointed)["total"]
+            predicted = step_bytes(stage, psi, shape, n, micro_batch, "fp32", "adamw", checkpointed,
+                                   foreach=False)["total"]  # (the CPU's for-loop optimizer)
             seen = row["measured_bytes_per_rank"] + activations + row["gathered_peak"]
             assert abs(seen / predicted - 1) < 0.10, (stage, checkpointed, seen, predicted)
 
@@ -95,3 +108,36 @@ def test_offload_moves_the_optimizers_bytes_to_the_host_and_is_a_change_that_can
     assert step_bytes("ddp", psi, shape, 4, 1, "bf16")["step_gradients"] == 4 * psi
     assert step_bytes("zero2", psi, shape, 4, 1, "bf16")["step_gradients"] == 4 * psi / 4
     assert offloaded["step_gradients"] == 0 and step_bytes("zero2", psi, shape, 4, 1, "fp32")["step_gradients"] == 0
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_foreach_step_holds_what_the_prediction_says_on_top_of_the_model_states(name):
+    """torch's foreach optimizer (its default for CUDA tensors; asked for here on the CPU) computes over whole tensor
+    lists: Adam's sqrt(v) is one more fp32 copy of everything it steps -- the GPU run found DDP's peak there, not in
+    backward.  The profiled step holds exactly that beyond its parameters, gradients and states; the for-loop
+    implementation (the CPU's default) one parameter's worth at a time.  SGD's foreach works in place."""
+    model = MODELS["bench-gpt"]
+    net = TASKS["gpt"].make_model(0, torch.float32, **model)
+    optimizer = OPTIMIZERS[name](net.parameters(), 1e-3)
+    x, y = TASKS["gpt"].make_batch(2, 0, 0, torch.float32, **model)
+    psi = sum(p.numel() for p in net.parameters())
+    largest = max(p.numel() for p in net.parameters()) * 4
+
+    def backward():
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+
+    backward()
+    optimizer.step()  # the states exist from here on
+    held = {}
+    for foreach in (True, False):
+        for group in optimizer.param_groups:
+            group["foreach"] = foreach
+        backward()
+        seen = profiled_step(optimizer.step)
+        held[foreach] = seen["peak"] - seen["parameter"] - seen["gradient"] - seen["optimizer_state"]
+    predicted = step_temporary_bytes("ddp", psi, 1, name)
+    assert abs(held[True] - predicted) <= 64, (name, held, predicted)  # (64 B: the step counters' scalars)
+    assert held[False] <= 2 * largest + 4096, (name, held, largest)  # Adam's loop: sqrt(v) and its quotient
+    assert step_temporary_bytes("zero2", psi, 4, name) == predicted / 4  # ZeRO steps the owned shard
+    assert step_temporary_bytes("zero2", psi, 4, name, offloaded=True) == 0  # offloaded: on the host
