@@ -224,16 +224,25 @@ class ReplicatedGroup(FlatGroup):
 class ShardedFlatGroup(FlatGroup):
     """ZeRO-3's group: only the owned shard persists.
 
-    The full buffer exists only between :meth:`gather` and :meth:`reshard`;
-    in between, the parameters point at empty placeholders, so a forward
-    through an ungathered unit fails loudly instead of computing with stale
-    weights.  Autograd saves *parameters* (not their values) for backward,
-    so re-gathering before backward restores exactly what it needs.
+    The full buffer holds memory only between :meth:`full_buffer` (the gather
+    writes into it) and :meth:`reshard`; in between, the parameters point at
+    empty placeholders, so a forward through an ungathered unit fails loudly
+    instead of computing with stale weights.
+
+    The pitfall: autograd does not save only *parameters* for backward.  A
+    linear layer on a batch of sequences saves ``weight.t()`` -- a view of the
+    full buffer, which pointing the parameters elsewhere does not free: every
+    unit's full parameters would stay allocated from its forward to its
+    backward, the whole model at once.  So resharding frees the buffer's
+    storage *in place* (``untyped_storage().resize_(0)``) and the next gather
+    refills the same storage: every view autograd saved sees the gathered
+    values again by backward.  FSDP frees its unsharded parameters the same way.
     """
 
     def __init__(self, named_params, rank: int, world_size: int, group_index: int = 0):
         super().__init__(named_params, rank, world_size, group_index)
         self.data = None
+        self._full = None  # the full buffer, kept for its storage: allocated while gathered, resized to 0 between
         self.reshard()
 
     def keep_master(self, working_dtype: torch.dtype, place=None) -> torch.Tensor:
@@ -243,6 +252,7 @@ class ShardedFlatGroup(FlatGroup):
         self.shard = self.shard.to(working_dtype)
         self.pieces = self._cut_pieces()
         self.reshard()
+        self._full = None  # gathered in the working dtype from now on
         return self.master
 
     def _keep(self, owned: torch.Tensor) -> torch.Tensor:
@@ -259,6 +269,17 @@ class ShardedFlatGroup(FlatGroup):
             self.master.copy_(self.shard_of(full))
         self.shard.copy_(self.shard_of(full))
 
+    def full_buffer(self) -> torch.Tensor:
+        """The full buffer, its storage allocated, for a gather to write into (main thread, before the gather
+        starts): the same storage every time, so that what autograd saved of it is refilled too."""
+        numel = self.shard_size * self.world_size
+        if self._full is None:
+            self._full = self.shard.new_empty(numel)
+        storage = self._full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(numel * self._full.element_size())
+        return self._full
+
     def use(self, full: torch.Tensor) -> None:
         """Point the parameters into a gathered buffer (main thread)."""
         self.data = full
@@ -266,7 +287,10 @@ class ShardedFlatGroup(FlatGroup):
             s.param.data = full[s.start:s.stop].view(s.shape)
 
     def reshard(self) -> None:
-        """Free the full buffer: the parameters keep their shapes' names but no memory."""
+        """Free the full buffer's memory in place (see the class): the parameters keep their shapes' names but
+        no memory, and no view of the buffer keeps any."""
         self.data = None
+        if self._full is not None:
+            self._full.untyped_storage().resize_(0)
         for s in self.segments:
             s.param.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)

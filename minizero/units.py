@@ -172,6 +172,7 @@ class Unit:
             self._gathering = None
             for g in self.groups:
                 self._observe("free", g.full_bytes, self.index)
+                g.reshard()  # its buffer's memory: never pointed to, freed all the same
 
     def reshard(self) -> None:
         for group in self.groups:

@@ -8,7 +8,7 @@ from torch import nn
 
 from minizero.comm import make_comm
 from minizero.lab.costs import bytes_problem, memory_problem
-from minizero.lab.experiment import Experiment, run_experiment
+from minizero.lab.experiment import Experiment, build, run_experiment
 from minizero.lab.models import MLP, ReuseModel, TinyGPT
 from minizero.lab.tasks import TASKS
 from minizero.launch import RankError
@@ -100,6 +100,43 @@ def test_gathered_peak_is_the_root_plus_the_units_prefetch_implies(pools, prefet
     whole = sum(per_unit)
     if prefetch == 0:
         assert results[0].gathered_peak_bytes < whole  # sharding actually saves memory
+
+
+def _what_autograd_keeps_of_the_gathered_parameters(me, checkpointed: bool):
+    """After one forward: the bytes of every gathered full buffer that a tensor autograd saved still holds, and the
+    bytes of the units gathered now.  (Every buffer a unit's parameters were pointed into is recorded.)"""
+    from minizero.layout import ShardedFlatGroup
+
+    exp = Experiment(stage="zero3", task="gpt", dtype="float32", micro_batch=4, checkpoint_activations=checkpointed)
+    stage, model, comm, _ = build(me, exp)
+    buffers, use = set(), ShardedFlatGroup.use
+
+    def recording_use(group, full):
+        buffers.add(full.untyped_storage()._cdata)
+        use(group, full)
+
+    saved = []
+    x, y = TASKS["gpt"].make_batch(exp.global_batch(me.world_size), 0, 0, torch.float32)
+    ShardedFlatGroup.use = recording_use
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            stage(x[:4])
+    finally:
+        ShardedFlatGroup.use = use
+        comm.close()
+    kept = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in saved
+            if t.untyped_storage()._cdata in buffers}
+    return sum(kept.values()), sum(g.full_bytes for g in stage.groups if g.gathered)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_resharded_unit_keeps_no_memory_through_what_autograd_saved(pools, checkpointed):
+    """A linear layer on a batch of sequences saves ``weight.t()``, a view of the gathered buffer: resharding by
+    pointing the parameters elsewhere left every unit's full parameters allocated from its forward to its
+    backward -- the whole model at once, found on a GPU (issue 31: ZeRO-3's step 30% above the prediction).
+    Freed in place, the buffers autograd saved hold nothing beyond the units still gathered."""
+    for kept, gathered_now in pools.run(2, _what_autograd_keeps_of_the_gathered_parameters, checkpointed):
+        assert kept <= gathered_now, (kept, gathered_now)
 
 
 def _full_state_dict_loads(me):

@@ -139,9 +139,9 @@ class ZeRO3(ZeRO):
         """Start ``unit``'s all-gather on the communication thread (now, or as a prefetch): one full buffer
         per flat group, from every rank's shard -- not yet pointed to; :meth:`Unit.unshard` does that."""
         tag = self.tag(f"{unit.label} {why} all-gather")
+        fulls = [g.full_buffer() for g in unit.groups]  # allocated here, on the main thread; written there
 
         def all_gather() -> list[torch.Tensor]:
-            fulls = [g.shard.new_empty(g.shard_size * g.world_size) for g in unit.groups]
             for group, full in zip(unit.groups, fulls, strict=True):
                 if why == "backward" and self.secondary is not None and self.secondary.holds(group):
                     self.secondary.all_gather(full, group, tag)  # hpZ: from the node's slices, inside the node
