@@ -221,6 +221,10 @@ class ReplicatedGroup(FlatGroup):
         super().__init__(named_params, 0, 1, group_index)
 
 
+class FreedBuffer(RuntimeError):
+    """A gathered buffer handed to :meth:`ShardedFlatGroup.use` after its unit resharded: its storage is freed."""
+
+
 class ShardedFlatGroup(FlatGroup):
     """ZeRO-3's group: only the owned shard persists.
 
@@ -281,7 +285,14 @@ class ShardedFlatGroup(FlatGroup):
         return self._full
 
     def use(self, full: torch.Tensor) -> None:
-        """Point the parameters into a gathered buffer (main thread)."""
+        """Point the parameters into a gathered buffer (main thread).  A buffer freed since its gather is refused:
+        it holds no values at all now, not even the stale ones a kept gather result once held."""
+        if full.untyped_storage().nbytes() < full.numel() * full.element_size():
+            raise FreedBuffer(
+                f"rank {self.rank}'s {self.segments[0].name} (flat group {self.group_index}): use() was handed a "
+                f"buffer freed when its unit last resharded -- a gather's result used again, whose values, kept, would "
+                f"be the old gather's, never moved by the optimizer steps since. Start a new all-gather for every "
+                f"forward and backward (Unit.unshard: start_gather, then the result, once) and let it go after use()")
         self.data = full
         for s in self.segments:
             s.param.data = full[s.start:s.stop].view(s.shape)

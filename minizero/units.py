@@ -140,7 +140,8 @@ class Unit:
             self.reshard()
 
     def pre_backward(self) -> None:
-        """Autograd saved the *parameters*: pointing them at freshly gathered values is all backward needs."""
+        """Autograd saved the parameters and views of their buffer (``weight.t()``): the gather refills that
+        buffer's storage, freed in place at reshard, so both see the gathered values."""
         self.unshard("backward")
 
     def post_backward(self, group: ShardedFlatGroup) -> None:

@@ -141,3 +141,18 @@ def test_a_foreach_step_holds_what_the_prediction_says_on_top_of_the_model_state
     assert held[False] <= 2 * largest + 4096, (name, held, largest)  # Adam's loop: sqrt(v) and its quotient
     assert step_temporary_bytes("zero2", psi, 4, name) == predicted / 4  # ZeRO steps the owned shard
     assert step_temporary_bytes("zero2", psi, 4, name, offloaded=True) == 0  # offloaded: on the host
+
+
+def test_measuring_on_a_gpu_is_refused_without_one_or_without_a_model(capsys):
+    """``memory --device cuda`` measures a --model's ranks on the GPU: with --params there is nothing to measure, and
+    on a machine without CUDA nothing to measure with -- each refused before any rank starts, saying what to do."""
+    from minizero.__main__ import main as cli
+
+    assert cli(["memory", "--params", "1e9", "--device", "cuda"]) != 0
+    assert "--params is a prediction only: leave --device out, or give --model" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli(["memory", "--model", "gpt", "--device", "cuda"]) != 0
+        assert "sees no CUDA GPU here (torch.cuda.is_available() is False)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["memory", "--model", "gpt", "--stages", "ddp,zero9"])
+    assert "zero9 is not a distributed stage; choose from ddp" in capsys.readouterr().err

@@ -139,6 +139,33 @@ def test_a_resharded_unit_keeps_no_memory_through_what_autograd_saved(pools, che
         assert kept <= gathered_now, (kept, gathered_now)
 
 
+def _use_a_kept_gather_after_reshard(me):
+    from minizero.layout import FreedBuffer
+
+    exp = Experiment(stage="zero3", task="gpt", dtype="float32")
+    stage, _, comm, _ = build(me, exp)
+    try:
+        unit = stage.units[1]
+        unit.unshard("forward")
+        kept = [g.data for g in unit.groups]
+        unit.reshard()
+        try:
+            unit.groups[0].use(kept[0])
+        except FreedBuffer as error:
+            return str(error)
+        return "accepted"
+    finally:
+        comm.close()
+
+
+def test_a_gathered_buffer_used_after_its_unit_resharded_is_refused(pools):
+    """Freed in place, a kept gather result holds no values at all -- not even stale ones: a lab's Unit that keeps
+    one is told so, naming the rank and the parameter, instead of meeting torch's storage error mid-backward."""
+    for said in pools.run(2, _use_a_kept_gather_after_reshard):
+        assert "use() was handed a buffer freed when its unit last resharded" in said, said
+        assert said.startswith(("rank 0's blocks.0.", "rank 1's blocks.0.")), said
+
+
 def _full_state_dict_loads(me):
     gpt = TinyGPT(seed=me.rank, dtype=torch.float64)
     stage = make_stage("zero3", gpt, torch.optim.SGD(gpt.parameters(), lr=0.1), make_comm("ring"))

@@ -6,10 +6,12 @@ the owned shard of each and materialises a **unit**'s full parameters
 computes:
 
 1. before a unit's forward: all-gather its parameters; after it: free them
-   (``reshard_after_forward=True``, the default);
+   (``reshard_after_forward=True``, the default) -- in place, the buffer's
+   storage resized to 0, because autograd saved views of it (a linear layer
+   keeps ``weight.t()``; :class:`~minizero.layout.ShardedFlatGroup`);
 2. before its backward (a hook on the unit's output fires just then):
-   all-gather again; autograd saved the *parameters*, which now point at the
-   freshly gathered values;
+   all-gather again into the same storage: the parameters and every view
+   autograd saved see the gathered values;
 3. when a flat group's gradients are all ready: pack them, free the full
    gradients and parameters, reduce-scatter into the pieces' ``.grad`` --
    ZeRO-2's bucket pipeline, one bucket per unit, param group and dtype;
@@ -42,7 +44,7 @@ from ..comm import Comm, ReduceOp, Work
 from ..comm.nodes import assumed_nodes
 from ..compress.weights import QuantizedWeights, parse_weights
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
-from ..layout import ReplicatedGroup, ShardedFlatGroup, plan_groups
+from ..layout import FreedBuffer, ReplicatedGroup, ShardedFlatGroup, plan_groups
 from ..precision import Precision
 from ..secondary import SecondaryShards
 from ..units import Unit, plan_unit_groups, replicated_parameters, resolve_units
@@ -159,7 +161,7 @@ class ZeRO3(ZeRO):
             # A unit inside a checkpointed block, its forward replayed by backward (minizero.activations): the
             # gather backward needs, once -- its pre-backward hook, later, finds it gathered -- and nothing else:
             # not recorded as a call, no forward prefetch, and (post-forward) no reshard, no new hooks.
-            self.units[u].pre_backward()
+            self._unit_moment(u, "backward's replay", self.units[u].pre_backward)
             return
         if u == 0:  # a new forward: this step's bookkeeping starts afresh
             self._recording, self._skipped = [], set()
@@ -169,7 +171,7 @@ class ZeRO3(ZeRO):
             self._recording.append(u)
         if torch.is_grad_enabled():
             self._called.add(u)
-        self.units[u].pre_forward()
+        self._unit_moment(u, "forward", self.units[u].pre_forward)
         self._prefetch_after(u, +1)
 
     def unit_post_forward(self, u: int, output) -> None:
@@ -187,8 +189,24 @@ class ZeRO3(ZeRO):
                                     or not torch.is_grad_enabled())
 
     def unit_pre_backward(self, u: int) -> None:
-        self.units[u].pre_backward()
+        self._unit_moment(u, "backward", self.units[u].pre_backward)
         self._prefetch_after(u, -1)
+
+    def _unit_moment(self, u: int, why: str, moment) -> None:
+        """A unit's pre-forward or pre-backward moment, then a check that it left the unit gathered: its layers
+        are about to compute, and what autograd saved of a freed buffer has no storage (the step named, which the
+        group cannot know)."""
+        unit = self.units[u]
+        try:
+            moment()
+        except FreedBuffer as error:
+            raise FreedBuffer(f"{error} (step {self.steps_taken}, the {why} of {unit.label})") from None
+        for group in unit.groups:
+            if not group.gathered:
+                raise FreedBuffer(f"rank {self.rank}'s {group.segments[0].name}: the {why} of {unit.label} in step "
+                                  f"{self.steps_taken} is about to compute, and its flat group {group.group_index} is "
+                                  f"not gathered -- its full buffer, freed at reshard, holds no values for the layers "
+                                  f"(nor for what autograd saved of it). Gather the unit here (Unit.unshard).")
 
     def _prefetch_after(self, u: int, direction: int) -> None:
         """Start gathering the next ``prefetch`` units in (reverse, for backward) call order."""

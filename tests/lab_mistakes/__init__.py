@@ -161,8 +161,8 @@ VAGUE: dict[str, str] = {
     "ring/all_gather_takes_n_steps": "gloo's 'Pair is not connected' at N = 1: not that the ring sent to itself, one "
                                      "step too many",
     "ring/receives_the_wrong_chunk": "a stall (chunks of different sizes deadlock the ring): no element or value",
-    "zero3/pre_backward_does_nothing": "a size mismatch inside autograd (tensor a (0) vs b (8)): not which parameter "
-                                       "backward found freed",
+    "zero3/pre_backward_does_nothing": "the stage names the rank, the parameter and the step whose unit was not "
+                                       "gathered for backward, but no value went wrong: there is no direction to name",
 }
 
 #: The properties a value slip fails: searched with :data:`EXAMPLES` drawn examples.

@@ -56,8 +56,8 @@ class Unit(GivenUnit):
         raise NotImplementedError("write Unit.post_forward: the unit freed if reshard")
 
     def pre_backward(self) -> None:
-        """After it: the unit is gathered, for its backward (autograd saved the *parameters*, not their values:
-        pointing them at gathered values is all backward needs)."""
+        """After it: the unit is gathered, for its backward (autograd saved the parameters and views of their
+        buffer, not copies: the gather refills the storage they share)."""
         raise NotImplementedError("write Unit.pre_backward: the unit gathered for its backward")
 
     def post_backward(self, group) -> None:

@@ -43,8 +43,9 @@ class Unit(GivenUnit):
         raise NotImplementedError("write Unit.post_forward: free the full parameters if reshard")
 
     def pre_backward(self) -> None:
-        """The unit's backward is about to run.  Autograd saved the *parameters*, not their values: make them
-        whole again and backward computes with them."""
+        """The unit's backward is about to run.  Autograd saved the parameters and views of their buffer, not
+        copies: gather the unit again (the group refills the storage those views share) and backward computes
+        with them."""
         raise NotImplementedError("write Unit.pre_backward: the parameters whole again for backward")
 
     def post_backward(self, group) -> None:
