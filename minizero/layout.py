@@ -275,8 +275,12 @@ class ShardedFlatGroup(FlatGroup):
 
     def full_buffer(self) -> torch.Tensor:
         """The full buffer, its storage allocated, for a gather to write into (main thread, before the gather
-        starts): the same storage every time, so that what autograd saved of it is refilled too."""
+        starts): the same storage every time, so that what autograd saved of it is refilled too.  A group still
+        gathered (a unit gathered again while one of its groups was freed) gets a buffer of its own: its live one
+        may be computing, and may be freed while the gather writes."""
         numel = self.shard_size * self.world_size
+        if self.gathered:
+            return self.shard.new_empty(numel)
         if self._full is None:
             self._full = self.shard.new_empty(numel)
         storage = self._full.untyped_storage()

@@ -99,7 +99,6 @@ class CudaStepPeaks:
         self.run_peak = max(self.run_peak, peak)
 
 
-
 @contextlib.contextmanager
 def _quiet_stderr():
     """The profiler's C++ side writes a line to the process's stderr as it starts and stops (and warns of blocks

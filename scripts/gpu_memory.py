@@ -1,14 +1,15 @@
 """The whole step's memory on a GPU, in one command: ``python scripts/gpu_memory.py [--out FILE]`` (issue 31).
 
-1. ``memory --model M --device cuda``: every stage's last step on four ranks sharing GPU 0 (gloo between them),
-   its peak by ``torch.cuda.max_memory_allocated`` beside the prediction of :mod:`minizero.lab.step_memory` --
-   the lab's GPT (the issue's command), and ``large``, where activations outweigh what CUDA's libraries keep,
-   with and without checkpointing, and with the optimizer offloaded;
+1. ``memory --model large --device cuda --stages ddp,zero1,zero2,zero3``: each stage's last step on four ranks
+   sharing GPU 0 (gloo between them), its peak by ``torch.cuda.max_memory_allocated`` beside the prediction of
+   :mod:`minizero.lab.step_memory` -- ``large`` is where activations outweigh what CUDA's libraries keep -- with
+   and without checkpointing;
 2. optimizer offload on CUDA: each ZeRO stage trained with its optimizer in pinned host memory against the same
-   run without offload, to the bit (losses, parameters after every step, optimizer state), in fp32, bf16 and
-   fp16, the optimizer given at wrap time or built after over ``stage.parameters()``, with clipping (whose
-   coefficient must reach gradients on two devices) and accumulation, at N = 3 (uneven shards); and whether
-   the host masters are pinned.
+   run without offload, how far apart (losses, parameters after every step, optimizer state: the offloaded step
+   is the CPU's for-loop Adam, the other the GPU's foreach kernels, so rounding apart), in fp32 (a float64 model)
+   and bf16, with clipping (whose coefficient must reach gradients on two devices) and accumulation, at N = 3
+   (uneven shards); zero2 also with the optimizer built after wrapping; and whether the host masters are pinned;
+3. then, as time allows, ``large`` with the optimizer offloaded and the lab's GPT (the issue's command).
 
 Writes what each case printed and measured to ``--out`` (JSON) after every case, so a run cut short keeps what
 it measured.  Without CUDA it says so and exits 1.

@@ -134,7 +134,8 @@ def test_a_resharded_unit_keeps_no_memory_through_what_autograd_saved(pools, che
     """A linear layer on a batch of sequences saves ``weight.t()``, a view of the gathered buffer: resharding by
     pointing the parameters elsewhere left every unit's full parameters allocated from its forward to its
     backward -- the whole model at once, found on a GPU (issue 31: ZeRO-3's step 30% above the prediction).
-    Freed in place, the buffers autograd saved hold nothing beyond the units still gathered."""
+    Freed in place, the buffers autograd saved hold nothing beyond the units still gathered.  (Checkpointed, the
+    blocks' forward saves under checkpoint's own hooks, which this probe does not see: only the root's saves are.)"""
     for kept, gathered_now in pools.run(2, _what_autograd_keeps_of_the_gathered_parameters, checkpointed):
         assert kept <= gathered_now, (kept, gathered_now)
 

@@ -263,7 +263,7 @@ def predicted_step_lines(args, psi: float) -> list[str]:
              f"{shape.seq} tokens per micro-batch{', blocks checkpointed' if args.checkpoint_activations else ''}",
              f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'at step':>12}{'peak':>12}"
              + (f"{'host':>12}" if args.offload_optimizer else "") + (f"   on {gb(args.gpu)}" if args.gpu else "")]
-    for stage in distributed():
+    for stage in args.stages or distributed():
         if not STAGES[stage].equivalent:
             continue
         plan = Plan(stage, args.world_size, args.micro_batch, args.checkpoint_activations,

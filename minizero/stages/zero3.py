@@ -203,7 +203,7 @@ class ZeRO3(ZeRO):
             raise FreedBuffer(f"{error} (step {self.steps_taken}, the {why} of {unit.label})") from None
         for group in unit.groups:
             if not group.gathered:
-                raise FreedBuffer(f"rank {self.rank}'s {group.segments[0].name}: the {why} of {unit.label} in step "
+                raise RuntimeError(f"rank {self.rank}'s {group.segments[0].name}: the {why} of {unit.label} in step "
                                   f"{self.steps_taken} is about to compute, and its flat group {group.group_index} is "
                                   f"not gathered -- its full buffer, freed at reshard, holds no values for the layers "
                                   f"(nor for what autograd saved of it). Gather the unit here (Unit.unshard).")
