@@ -282,8 +282,9 @@ def predicted_step_lines(args, psi: float) -> list[str]:
                  "adds ('at step': mixed precision's fp32 gradients, and the foreach optimizer's intermediates -- "
                  "Adam's sqrt(v), as large as the state it steps; freed activations make room for them). activations: "
                  "Korthikanti et al. 2022, eq. 1 (16-bit: s*b*h*(34 + 5*a*s/h) per layer; checkpointed, 2sbh per layer "
-                 "and one layer replayed) plus the head's logits; not included: buckets in flight, the communication scratch, "
-                 "fragmentation, the CUDA context.")
+                 "and one layer replayed) plus the head's logits; not included: buckets in flight, the collectives' outputs, "
+                 "fragmentation, the CUDA context, and what CUDA's libraries keep (cuBLAS's workspaces; 94 MB beside "
+                 "DDP's model states on an H100, docs/gpu-results.md).")
     return lines
 
 
