@@ -156,3 +156,25 @@ def test_measuring_on_a_gpu_is_refused_without_one_or_without_a_model(capsys):
     with pytest.raises(SystemExit):
         cli(["memory", "--model", "gpt", "--stages", "ddp,zero9"])
     assert "zero9 is not a distributed stage; choose from ddp" in capsys.readouterr().err
+
+
+def test_the_gpu_table_sets_what_cudas_libraries_keep_apart_from_the_step():
+    """``memory --device cuda``'s table, from a rank's figures (no GPU needed to read them): the step adds its peak
+    less what was allocated as it began; the libraries' share is that start less the model states held, and comes
+    off the measured peak before it is set beside the prediction."""
+    from types import SimpleNamespace
+
+    from minizero.lab.memory_table import cuda_step_lines
+
+    args = SimpleNamespace(model="gpt", precision="bf16", checkpoint_activations=False, micro_batch=8,
+                           optimizer="adam", offload_optimizer=False)
+    psi, n = 27_584, 4
+    predicted = step_bytes("zero2", psi, gpt_shape("gpt"), n, 8, "bf16", "adam")
+    held, libraries = int(predicted["model_states"]), 70_000_000
+    adds = int(1.1 * (predicted["total"] - predicted["model_states"]))  # the step adds 10% more than predicted
+    row = {"stage": "zero2", "cuda_held": held, "cuda_resident": held + libraries,
+           "cuda_peak": held + libraries + adds}
+    line = cuda_step_lines(args, psi, [row], n, "a GPU")[2]
+    off = (held + adds) / predicted["total"] - 1
+    assert line.split()[-2] == f"{off:+.1%}" and line.split()[-1] == f"{libraries:,}", line
+    assert f"{adds:,}" in line and f"{held + adds:,}" in line, line
