@@ -169,9 +169,7 @@ def main(args) -> tuple[int, str]:
                        formula_bytes_at_measured_world_size=formula_at_live,
                        activation_bytes_estimate=gpt_activation_bytes(args.model, args.micro_batch, precision,
                                                                       args.checkpoint_activations),
-                       step_predicted=step_bytes(row["stage"], psi, gpt_shape(args.model), live_n, args.micro_batch,
-                                                 precision, args.optimizer, args.checkpoint_activations,
-                                                 offload and offloads(row["stage"]), foreach=args.device == "cuda"),
+                       step_predicted=predicted_step(args, row["stage"], psi, live_n, foreach=args.device == "cuda"),
                        **{k: v for k, v in live.items() if k.startswith("cuda_")})
     if args.json:
         return 0, json.dumps(rows, indent=2)
@@ -212,8 +210,7 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int) -> 
              f"{'stage':<14}{'model states':>26}{'activations':>26}{'gathered units':>26}{'peak':>26}{'off':>7}"]
     for row in measured:
         stage = row["stage"]
-        predicted = step_bytes(stage, psi, shape, live_n, args.micro_batch, precision, args.optimizer, ck,
-                               args.offload_optimizer and offloads(stage), foreach=False)  # the CPU's for-loop step
+        predicted = predicted_step(args, stage, psi, live_n, foreach=False)  # the CPU's for-loop step
         seen = row["measured_bytes_per_rank"] + act_measured + row["gathered_peak"]
         lines.append(f"{stage:<14}{pair(predicted['model_states'], row['measured_bytes_per_rank'])}"
                      f"{pair(predicted['activations'], act_measured)}"
@@ -228,18 +225,17 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int) -> 
 
 def cuda_step_lines(args, psi: float, measured: list[dict], live_n: int, gpu: str) -> list[str]:
     """On a GPU the allocator sees everything (``torch.cuda.max_memory_allocated``): each stage's last step, its
-    peak beside the prediction.  What CUDA's libraries keep between steps (a cuBLAS workspace per thread that ran a
-    matrix product: forward's and autograd's) is no part of the model's step: it is measured, as the memory
-    allocated when the step began less the model states held, and printed apart."""
-    shape, precision, ck = gpt_shape(args.model), args.precision, args.checkpoint_activations
+    peak beside the prediction.  What CUDA's libraries keep between steps (cuBLAS's workspaces, one per handle and
+    stream) is no part of the model's step: it is measured, as the memory allocated when the step began less the
+    model states held, and printed apart."""
+    shape, ck = gpt_shape(args.model), args.checkpoint_activations
     lines = [f"The step's peak per rank at N={live_n} on one {gpu}, a micro-batch of "
              f"{args.micro_batch} x {shape.seq} tokens{', blocks checkpointed' if ck else ''}: predicted / measured "
              f"by torch.cuda's allocator (bytes; the last of {STEPS} steps)",
              f"{'stage':<14}{'model states':>30}{'the step adds':>30}{'peak':>30}{'off':>7}{'libraries':>14}"]
     for row in measured:
         stage = row["stage"]
-        predicted = step_bytes(stage, psi, shape, live_n, args.micro_batch, precision, args.optimizer, ck,
-                               args.offload_optimizer and offloads(stage))
+        predicted = predicted_step(args, stage, psi, live_n, foreach=True)  # the GPU's default
         libraries = row["cuda_resident"] - row["cuda_held"]
         seen = row["cuda_peak"] - libraries
         adds = predicted["total"] - predicted["model_states"]
@@ -252,6 +248,12 @@ def cuda_step_lines(args, psi: float, measured: list[dict], live_n: int, gpu: st
               "peak: measured less 'libraries' -- allocated as the step began less the model states held: CUDA "
               "libraries' own buffers (cuBLAS's workspaces), kept from the first step on."]
     return lines
+
+
+def predicted_step(args, stage: str, psi: float, world_size: int, foreach: bool) -> dict:
+    """:func:`.step_memory.step_bytes` of ``--model``'s GPT as the command's flags describe it, for ``stage``."""
+    return step_bytes(stage, psi, gpt_shape(args.model), world_size, args.micro_batch, args.precision, args.optimizer,
+                      args.checkpoint_activations, args.offload_optimizer and offloads(stage), foreach=foreach)
 
 
 def predicted_step_lines(args, psi: float) -> list[str]:

@@ -78,14 +78,19 @@ def gathered_unit_bytes(stage: str, shape: Shape, element_bytes: int, prefetch: 
     return (root + min(1 + prefetch, shape.layers) * (12 * h * h + 13 * h)) * element_bytes
 
 
+def stepped_params(stage: str, psi: float, world_size: int) -> float:
+    """How many parameters a rank's optimizer steps: the owned shard's under ZeRO, every one otherwise."""
+    cls = STAGES[stage]
+    return psi / (cls.shard_count(world_size) if cls.shards.optimizer_states else 1)
+
+
 def step_gradient_bytes(stage: str, psi: float, world_size: int, precision: str, offloaded: bool = False) -> float:
     """Mixed precision's temporary fp32 gradients at the step: each gradient the optimizer steps, widened to fp32
     beside its master (:class:`~minizero.precision.MasterWeights`) -- the owned shard's under ZeRO, every
     parameter's otherwise -- and freed after the step.  Offloaded, they are made on the host."""
     if not Precision.of(precision).mixed or offloaded:
         return 0.0
-    cls = STAGES[stage]
-    return psi * MASTER_BYTES / (cls.shard_count(world_size) if cls.shards.optimizer_states else 1)
+    return stepped_params(stage, psi, world_size) * MASTER_BYTES
 
 
 def step_temporary_bytes(stage: str, psi: float, world_size: int, optimizer: str, offloaded: bool = False) -> float:
@@ -94,9 +99,7 @@ def step_temporary_bytes(stage: str, psi: float, world_size: int, optimizer: str
     steps -- the owned shard's under ZeRO.  Offloaded, the step runs on the host."""
     if offloaded:
         return 0.0
-    cls = STAGES[stage]
-    stepped = psi / (cls.shard_count(world_size) if cls.shards.optimizer_states else 1)
-    return FOREACH_TEMPORARIES[optimizer] * stepped * MASTER_BYTES
+    return FOREACH_TEMPORARIES[optimizer] * stepped_params(stage, psi, world_size) * MASTER_BYTES
 
 
 def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batch: int, precision: str = "bf16",
