@@ -21,6 +21,9 @@ from .comm import Comm
 from .comm.thread import drain
 
 MiB = 1 << 20
+#: ZeRO-2's and -3's bound on packed buckets whose reduce-scatter has not finished: FSDP2 waits for the previous
+#: reduce-scatter before it packs the next (``FSDPParamGroup.post_backward``), so one is in flight at a time.
+MAX_IN_FLIGHT = 1
 
 
 @dataclass
@@ -117,15 +120,34 @@ class BucketPipeline:
 
     A round is one backward's worth: inside ``with pipeline.round():``, whatever happens -- an error in a
     hook, a check that refuses, a collective that fails -- nothing is left running and nothing marked.
+
+    ``max_in_flight``: for stages whose ``start`` packs a bucket into a new buffer (ZeRO-2 and -3), the most
+    buckets launched and not yet done.  Before starting another, the pipeline waits for the oldest -- FSDP2's
+    rule, one reduce-scatter in flight while the next bucket is packed -- so however slow the network, backward
+    holds at most ``max_in_flight`` packed buckets and the one being packed (whose gradients it frees once
+    copied): a bound :mod:`minizero.lab.step_memory` can predict.  ``None``: no bound (``ddp-bucketed``'s buckets
+    are reduced in place; waiting would save nothing).
     """
 
-    def __init__(self, comm: Comm, buckets: list[list[nn.Parameter]], start: Callable[[int], Callable[[], object]]):
+    def __init__(self, comm: Comm, buckets: list[list[nn.Parameter]], start: Callable[[int], Callable[[], object]],
+                 max_in_flight: int | None = None):
+        if max_in_flight is not None and not (isinstance(max_in_flight, int) and max_in_flight >= 1):
+            raise ValueError(f"max_in_flight must be a whole number >= 1 (or None: no bound), got {max_in_flight!r}")
         self.comm = comm
         self._start = start
         self._order = ReadyOrder(buckets, self._launch)
         self._works: dict[int, object] = {}
+        self.max_in_flight = max_in_flight
+
+    def in_flight(self) -> list[int]:
+        """The buckets launched this round whose collective has not finished."""
+        return [index for index, work in self._works.items() if not work.done()]
 
     def _launch(self, index: int) -> None:
+        if self.max_in_flight is not None:
+            pending = self.in_flight()  # in launch order
+            for oldest in pending[:max(0, len(pending) - self.max_in_flight + 1)]:
+                self._works[oldest].wait()  # an error surfaces here, or in wait_all: the round drains the rest
         collective = self._start(index)
         if not callable(collective):  # else the communication thread's "'NoneType' object is not callable"
             raise TypeError(f"rank {self.comm.rank}: launching bucket {index} returned {collective!r}, not a function: "

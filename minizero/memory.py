@@ -11,11 +11,13 @@ not counted.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .offload import HOST_KIND
 
@@ -97,6 +99,77 @@ class CudaStepPeaks:
         peak = torch.cuda.max_memory_allocated(self.device)
         self.steps.append((self._resident, peak))
         self.run_peak = max(self.run_peak, peak)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_in_use() -> Callable[[], int]:
+    """A function returning the bytes this process's C heap has handed out and not taken back, in every thread:
+    glibc's ``mallinfo2()`` -- ``uordblks`` (the arenas' chunks in use, every arena summed) plus ``hblkhd`` (the
+    large blocks mmap'ed one by one: a tensor of more than 128 kB, say).  torch's CPU allocator takes its memory from
+    malloc, so this is the CPU's ``torch.cuda.memory_allocated``, with Python's and the libraries' own heap
+    besides.  Refused where the C library has no ``mallinfo2`` (glibc before 2.33, macOS, Windows)."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        raise RuntimeError("measuring a CPU step's memory reads glibc's mallinfo2() (glibc 2.33 or later, Linux); "
+                           "this C library has none: measure on Linux, or on a GPU (--device cuda)") from None
+    mallinfo2.restype = _MallInfo2
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+    return in_use
+
+
+class _AfterEveryOp(TorchDispatchMode):
+    """Calls ``sample()`` after every aten operator this thread runs -- autograd's backward included, which runs
+    the mode stack of the thread that called it -- when the operator's outputs are made and its inputs still held."""
+
+    def __init__(self, sample: Callable[[], None]):
+        super().__init__()
+        self._sample = sample
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sample()
+        return out
+
+
+class HostStepPeaks:
+    """:class:`CudaStepPeaks` on the CPU: around each training step, ``resident`` -- the bytes malloc had handed out
+    as the step began -- and ``peak``, the most it had out at any moment sampled during the step: after every aten
+    operator of the rank's main thread (forward, backward and the optimizer step), so what the communication
+    thread holds then -- buckets in flight, a collective's output -- is in it too.  A sampled peak: a buffer made
+    and freed *inside* one operator, or between two samples on the other thread, is missed, so it can only be
+    below the true one (about 4 us a sample; a step of the lab's GPT runs some thousands of operators)."""
+
+    def __init__(self):
+        self._in_use = malloc_in_use()
+        self.steps: list[tuple[int, int]] = []  # (resident, peak) per step
+        self._peak = 0
+        self._mode = None
+
+    def _sample(self) -> None:
+        now = self._in_use()
+        if now > self._peak:
+            self._peak = now
+
+    def __enter__(self) -> "HostStepPeaks":
+        self._resident = self._peak = self._in_use()
+        self._mode = _AfterEveryOp(self._sample)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
+        self._sample()
+        self.steps.append((self._resident, self._peak))
 
 
 @contextlib.contextmanager

@@ -247,3 +247,43 @@ def test_a_ring_step_on_one_rank_is_refused_before_gloo_sees_it():
     ring.rank, ring.world_size = 0, 1
     with pytest.raises(RuntimeError, match="a ring of N ranks takes N - 1 steps per phase, none at N = 1"):
         ring._send_right_recv_left(torch.ones(1), torch.empty(1), "all-gather", 0)
+
+
+class _OneThread:
+    """A Comm's part a BucketPipeline uses -- its rank and its communication thread -- without peers."""
+
+    def __init__(self):
+        from minizero.comm.thread import CommThread
+        self.rank, self._thread = 0, CommThread("test-comm")
+
+    def submit(self, fn):
+        return self._thread.submit(fn)
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_zero_stages_hold_at_most_their_bound_of_buckets_in_flight(bound):
+    """Backward marks five buckets at once and each reduce takes 10 ms: with the bound, a launch first waits until
+    fewer than ``bound`` are in flight -- the memory of packed buckets is bounded however slow the network; without
+    one (reduces held until every bucket is launched) they pile up."""
+    import threading
+
+    from minizero.buckets import MAX_IN_FLIGHT, BucketPipeline
+    assert MAX_IN_FLIGHT == 1  # ZeRO-2's and -3's, as FSDP2's
+    params = [nn.Parameter(torch.zeros(1)) for _ in range(5)]
+    comm, seen, gate = _OneThread(), {}, threading.Event()
+    for limit in (bound, None):
+        def start(index, limit=limit):
+            seen.setdefault(limit, []).append(len(pipeline.in_flight()))
+            return (lambda: time.sleep(0.01)) if limit else gate.wait
+        pipeline = BucketPipeline(comm, [[p] for p in params], start, max_in_flight=limit)
+        with pipeline.round():
+            for p in params:
+                pipeline.mark(p)
+            gate.set()
+            pipeline.wait_all()
+    comm._thread.close()
+    assert max(seen[bound]) <= bound - 1, seen  # at most `bound` once this one is launched
+    assert seen[None] == [0, 1, 2, 3, 4], seen  # without a bound: every one launched before it
+    for bad in (0, 1.5, "1"):
+        with pytest.raises(ValueError, match="max_in_flight must be a whole number >= 1"):
+            BucketPipeline(comm, [[p] for p in params], start, max_in_flight=bad)

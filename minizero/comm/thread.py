@@ -34,6 +34,10 @@ class Work:
     def wait(self) -> None:
         self.result()
 
+    def done(self) -> bool:
+        """Has the collective finished (or failed)?  Never blocks."""
+        return self._future.done()
+
     def result(self):
         """Wait, and return what the submitted function returned."""
         if not self._waits or self._future.done():

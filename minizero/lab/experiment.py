@@ -23,7 +23,7 @@ from ..comm.nodes import assumed_nodes
 from ..compress import check_compress
 from ..compress import parse as parse_compress
 from ..launch import Rank
-from ..memory import CudaStepPeaks, GatheredMemory, held_bytes
+from ..memory import CudaStepPeaks, GatheredMemory, HostStepPeaks, held_bytes
 from ..precision import Precision
 from ..stages import DEFAULT_STAGE, REFERENCE, Stage
 from ..train import shard_step, train_step
@@ -68,6 +68,7 @@ class Experiment:
     wrap_first: bool = False  # the optimizer built after wrapping, over stage.parameters(), stepped by the loop (FSDP2)
     zero_grad: str = "optimizer"  # what the loop zeroes with: the optimizer's (or stage's) zero_grad, or "model"'s
     checkpoint_activations: bool = False  # the ranks replay each block's forward in backward (the reference never)
+    host_step_peaks: bool = False  # on the CPU, malloc's bytes as each step begins and the most during it (sampled)
 
     def global_batch(self, world_size: int) -> int:
         return sum(self.rank_sizes) if self.rank_sizes else self.micro_batch * self.accum * world_size
@@ -123,9 +124,10 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         params, losses, times, states, scales, per_step = [], [], [], [], [], []
         if exp.resume:
             checkpoint.load(stage, exp.resume)
-        peaks = CudaStepPeaks(exp.device) if cuda else contextlib.nullcontext()
+        peaks = CudaStepPeaks(exp.device) if cuda else HostStepPeaks() if exp.host_step_peaks \
+            else contextlib.nullcontext()
         for s in range(exp.first_step, exp.first_step + exp.steps):
-            with peaks:  # on CUDA: what was allocated as the step began, and the most during it (the batch's too)
+            with peaks:  # what was allocated as the step began, and the most during it (the batch's too)
                 x, y = (t.to(exp.device) for t in task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model))
                 step = shard_step(x, y, rank, n, exp.accum, list(exp.rank_sizes) if exp.rank_sizes else None) if me \
                     else shard_step(x, y, 0, 1, 1)
@@ -171,6 +173,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                       wire_sent_by_kind_per_step=wire_formula, weight_sent_bytes_per_step=weight_formula,
                       optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak,
                       cuda_steps=peaks.steps if cuda else [],
+                      host_steps=peaks.steps if exp.host_step_peaks and not cuda else [],
                       skipped_steps=getattr(stage, "skipped_steps", 0),
                       host_copied=stage.host_copies.counted() if getattr(stage, "host_copies", None) else {})
 

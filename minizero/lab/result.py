@@ -28,6 +28,7 @@ class RankResult:
     skipped_steps: int = 0  # steps skipped for overflow (fp16 dynamic loss scaling)
     cuda_peak_bytes: int = 0  # torch.cuda.max_memory_allocated() over the run (device="cuda")
     cuda_steps: list = field(default_factory=list)  # (allocated as it began, the most during it) per step (CUDA)
+    host_steps: list = field(default_factory=list)  # the same of malloc's bytes, sampled (CPU, host_step_peaks)
     host_copied: dict = field(default_factory=dict)  # optimizer offload: bytes copied "to_host", "to_device"
     wire_sent_bytes_per_step: float | None = None  # a codec's wire: its formula on this rank's own buffers
     wire_sent_by_kind_per_step: dict | None = None  # ... by the collective the wire sends with

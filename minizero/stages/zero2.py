@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..buckets import BucketPipeline, MiB, check_bucket_mb
+from ..buckets import MAX_IN_FLIGHT, BucketPipeline, MiB, check_bucket_mb
 from ..comm import Comm, ReduceOp
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
@@ -58,7 +58,7 @@ class ZeRO2(ZeRO):
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names(),
                                 max_numel=bucket_numel(bucket_mb, self.param_groups(), self.precision)))
         self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
-                                       self._reduce_scatter)
+                                       self._reduce_scatter, max_in_flight=MAX_IN_FLIGHT)
         self.zero_grad()
         for group in self.groups:
             for s in group.segments:

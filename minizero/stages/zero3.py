@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..activations import replayed_by_backward
-from ..buckets import BucketPipeline
+from ..buckets import MAX_IN_FLIGHT, BucketPipeline
 from ..comm import Comm, ReduceOp, Work
 from ..comm.nodes import assumed_nodes
 from ..compress.weights import QuantizedWeights, parse_weights
@@ -116,7 +116,7 @@ class ZeRO3(ZeRO):
                       for u, m in enumerate([module] + unit_modules)]
         self._unit_of = [self.units[owner] for owner, _, _ in plan] + [None] * len(replicated)  # group -> unit
         self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
-                                       self._reduce_scatter)
+                                       self._reduce_scatter, max_in_flight=MAX_IN_FLIGHT)
         self._order: list[int] = []  # units in the order the last forward called them
         self._recording: list[int] = []
         self._called: set[int] = set()  # units called with autograd on since the last synchronisation
