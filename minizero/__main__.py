@@ -100,6 +100,9 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
                         help="the ZeRO stages keep their optimizer states in host memory (ZeRO-Offload, minizero.offload)")
     memory.add_argument("--gpu", type=gpu_bytes, default=None,
                         help="a GPU's memory, e.g. 80GB: does each stage fit, and if not, the smallest change that does")
+    memory.add_argument("--bucket-mb", type=positive_float, default=25.0,
+                        help="the bucket cap of ddp-bucketed and ZeRO-2 in MiB (torch DDP's 25): ZeRO-2 holds two at a "
+                             "time as it packs them")
     memory.add_argument("--stages", type=stage_list, default=None,
                         help="these stages only, comma-separated (default: every distributed stage)")
     memory.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

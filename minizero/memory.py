@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import sys
 from typing import Callable
@@ -53,12 +54,18 @@ class GatheredMemory:
         self.peak = max(self.peak, self.now)
 
 
+#: torch's memory categories of what a step keeps between steps (and the batch): the rest is the step's own.
+KEPT_CATEGORIES = ("parameter", "optimizer_state", "gradient", "input")
+
+
 def profiled_step(step: Callable[[], None], device: str = "cpu") -> dict[str, int]:
     """The allocator's own account of one training step: ``step()`` run under torch's profiler with memory
     profiling, each allocation sorted into torch's categories (parameter, optimizer state, gradient, activation,
     autograd detail, temporary, input) by ``torch.profiler._memory_profiler`` -- what ``export_memory_timeline``
-    draws.  Returns the bytes of each category at the step's peak, ``peak`` itself, and each category's own
-    largest figure (``most_<category>``), on ``device`` (the CPU here: torch.cuda's statistics need no profiler)."""
+    draws.  Returns the bytes of each category at the step's peak, ``peak`` itself, each category's own largest
+    figure (``most_<category>``), and the most of all but :data:`KEPT_CATEGORIES` at any moment
+    (``most_besides_kept``: activations, autograd's buffers, temporaries), on ``device`` (the CPU here: torch.cuda's
+    statistics need no profiler)."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
 
@@ -72,6 +79,8 @@ def profiled_step(step: Callable[[], None], device: str = "cpu") -> dict[str, in
     out = {name: at_peak[i] for i, name in names.items()}
     out["peak"] = sum(at_peak)
     out.update({f"most_{name}": max(row[i] for row in sizes) for i, name in names.items()})
+    kept = [i for i, name in names.items() if name in KEPT_CATEGORIES]
+    out["most_besides_kept"] = max(sum(row) - sum(row[i] for i in kept) for row in sizes)
     return out
 
 
@@ -88,6 +97,7 @@ class CudaStepPeaks:
         self.run_peak = 0
 
     def __enter__(self) -> "CudaStepPeaks":
+        gc.collect()  # as HostStepPeaks
         torch.cuda.synchronize(self.device)
         self.run_peak = max(self.run_peak, torch.cuda.max_memory_allocated(self.device))
         self._resident = torch.cuda.memory_allocated(self.device)
@@ -160,6 +170,7 @@ class HostStepPeaks:
             self._peak = now
 
     def __enter__(self) -> "HostStepPeaks":
+        gc.collect()  # tensors the last step left in reference cycles would count as resident, and be freed mid-step
         self._resident = self._peak = self._in_use()
         self._mode = _AfterEveryOp(self._sample)
         self._mode.__enter__()

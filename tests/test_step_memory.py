@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from minizero.lab.memory_table import MODELS, gpt_shape, measured_activation_bytes, measured_rows
-from minizero.lab.optimizers import OPTIMIZERS, STATE_TENSORS
+from minizero.lab.optimizers import OPTIMIZERS
 from minizero.lab.step_memory import (
     Plan,
     Shape,
     activation_bytes,
+    backward_activation_bytes,
     fits,
     gathered_unit_bytes,
     gpu_bytes,
@@ -61,39 +62,49 @@ def test_gpu_sizes_are_read_in_the_vendors_units_and_nonsense_is_refused():
             gpu_bytes(bad)
 
 
-def test_the_predicted_peak_is_within_10_percent_of_the_measured_for_every_stage():
-    """fp32, three ranks (uneven shards), blocks stored and checkpointed: model states (the formula / the live
-    tensors), activations (the formula / the allocator's peak of a profiled step, less its model states), ZeRO-3's
-    gathered units (the formula / the observer's peak)."""
-    n, micro_batch = 3, 8
-    shape = gpt_shape("gpt")
-    rows = measured_rows("gpt", n, "fp32", "adamw", timeout_s=60.0, steps=2)  # (fp32: no step is skipped)
-    assert {row["stage"] for row in rows} == set(distributed())
-    for checkpointed in (False, True):
-        activations = measured_activation_bytes("gpt", micro_batch, checkpointed, "fp32")
-        predicted_activations = activation_bytes(shape, micro_batch, 4, checkpointed)["peak"]
-        assert abs(activations / predicted_activations - 1) < 0.10, (checkpointed, activations, predicted_activations)
-        for row in rows:
-            stage, psi = row["stage"], row["psi"]
-            states = STAGES[stage].state_bytes(psi, n, 4, STATE_TENSORS["adamw"], "fp32")
-            gathered = gathered_unit_bytes(stage, shape, 4)
-            assert abs(row["measured_bytes_per_rank"] / states - 1) < 0.01, (stage, row, states)
-            assert abs(row["gathered_peak"] - gathered) <= 0.02 * max(gathered, 1), (stage, row["gathered_peak"],
-                                                                                     gathered)
-            predicted = step_bytes(stage, psi, shape, n, micro_batch, "fp32", "adamw", checkpointed,
-                                   foreach=False)["total"]  # (the CPU's for-loop optimizer)
-            seen = row["measured_bytes_per_rank"] + activations + row["gathered_peak"]
-            assert abs(seen / predicted - 1) < 0.10, (stage, checkpointed, seen, predicted)
+#: How far a step's measured peak may be from the prediction: above it by at most 3% (a "fits" must fit), below it by
+#: at most 6% (the prediction's bounds: a bucket taken as still in flight, ZeRO-3's prefetched unit as gathered).
+ABOVE, BELOW = 0.03, 0.06
 
 
-def test_16_bit_activations_are_within_15_percent_of_the_formula():
-    """bf16 (the logits and their log-softmax counted in fp32, as the stage computes the loss): what is left is
-    about one vocabulary-sized fp32 tensor the formula does not count, some 8-12% on this small GPT."""
-    shape = gpt_shape("gpt")
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_predicted_peak_holds_the_measured_one_for_every_stage(checkpointed):
+    """bench-gpt (Psi = 0.8M), fp32, three ranks, 1 MiB buckets (ZeRO-2 packs four): each stage's whole step as malloc
+    saw it -- sampled after every operator of a rank, its communication thread's buffers included -- less what the
+    process held besides the model states, against the most of the prediction's four moments.  Fails when the
+    gradients zero_grad() frees are counted at backward's start, when DDP's flat copy, backward's working memory or
+    ZeRO-2's packed buckets are left out."""
+    n, micro_batch, bucket_mb = 3, 8, 1.0
+    shape, equivalent = gpt_shape("bench-gpt"), [s for s in distributed() if STAGES[s].equivalent]
+    rows = measured_rows("bench-gpt", n, "fp32", "adamw", timeout_s=120.0, stages=equivalent, steps=2,
+                         micro_batch=micro_batch, checkpointed=checkpointed, bucket_mb=bucket_mb)
+    for row in rows:
+        stage, psi = row["stage"], row["psi"]
+        predicted = step_bytes(stage, psi, shape, n, micro_batch, "fp32", "adamw", checkpointed, foreach=False,
+                               bucket_mb=bucket_mb)  # (the CPU's for-loop optimizer)
+        assert abs(row["host_held"] / predicted["model_states"] - 1) < 0.01, (stage, row, predicted)
+        gathered = gathered_unit_bytes(stage, shape, 4)
+        assert abs(row["gathered_peak"] - gathered) <= 0.02 * max(gathered, 1), (stage, row["gathered_peak"], gathered)
+        seen = row["host_held"] + row["host_peak"] - row["host_resident"]
+        assert -BELOW < seen / predicted["total"] - 1 < ABOVE, (stage, checkpointed, seen, predicted)
+    buckets = {row["stage"]: step_bytes(row["stage"], row["psi"], shape, n, micro_batch, "fp32", "adamw", checkpointed,
+                                        foreach=False, bucket_mb=bucket_mb)["buckets"] for row in rows}
+    assert (buckets["zero2"] > 0) == checkpointed  # stored blocks: the peak is backward's start, before any bucket
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activations_measured_in_a_profiled_step_are_within_12_percent_of_the_prediction(precision):
+    """bench-gpt on one device: the most a step held at any moment besides its model states and input
+    (torch.profiler's memory categories) beside Korthikanti et al.'s count and what backward adds to it -- the
+    loss's gradient, the gradient through a block's MLP, the head's gradient waiting for the embedding's -- blocks
+    stored and checkpointed (measured -10% to 0%: the prediction takes a block's activations as freed in step with its
+    parameters' gradients, an upper bound).  bf16: the logits and their log-softmax in fp32, as the stage computes
+    the loss."""
+    shape, working = gpt_shape("bench-gpt"), 4 if precision == "fp32" else 2
     for checkpointed in (False, True):
-        measured = measured_activation_bytes("gpt", 8, checkpointed, "bf16")
-        predicted = activation_bytes(shape, 8, 2, checkpointed)["peak"]
-        assert abs(measured / predicted - 1) < 0.15, (checkpointed, measured, predicted)
+        measured = measured_activation_bytes("bench-gpt", 8, checkpointed, precision)
+        predicted = backward_activation_bytes(shape, 8, working, checkpointed)
+        assert abs(measured / predicted - 1) < 0.12, (checkpointed, measured, predicted)
 
 
 def test_offload_moves_the_optimizers_bytes_to_the_host_and_is_a_change_that_can_make_it_fit():
@@ -160,21 +171,21 @@ def test_measuring_on_a_gpu_is_refused_without_one_or_without_a_model(capsys):
 
 def test_the_gpu_table_sets_what_cudas_libraries_keep_apart_from_the_step():
     """``memory --device cuda``'s table, from a rank's figures (no GPU needed to read them): the step adds its peak
-    less what was allocated as it began; the libraries' share is that start less the model states held, and comes
-    off the measured peak before it is set beside the prediction."""
+    less what was allocated as it began; the libraries' share ('rest') is that start less the model states held, and
+    comes off the measured peak before it is set beside the prediction."""
     from types import SimpleNamespace
 
-    from minizero.lab.memory_table import cuda_step_lines
+    from minizero.lab.memory_table import measured_step_lines
 
     args = SimpleNamespace(model="gpt", precision="bf16", checkpoint_activations=False, micro_batch=8,
-                           optimizer="adam", offload_optimizer=False)
+                           optimizer="adam", offload_optimizer=False, bucket_mb=25.0)
     psi, n = 27_584, 4
     predicted = step_bytes("zero2", psi, gpt_shape("gpt"), n, 8, "bf16", "adam")
     held, libraries = int(predicted["model_states"]), 70_000_000
     adds = int(1.1 * (predicted["total"] - predicted["model_states"]))  # the step adds 10% more than predicted
     row = {"stage": "zero2", "cuda_held": held, "cuda_resident": held + libraries,
-           "cuda_peak": held + libraries + adds}
-    line = cuda_step_lines(args, psi, [row], n, "a GPU")[2]
+           "cuda_peak": held + libraries + adds, "gathered_peak": 0}
+    line = measured_step_lines(args, psi, [row], n, "a GPU")[2]
     off = (held + adds) / predicted["total"] - 1
     assert line.split()[-2] == f"{off:+.1%}" and line.split()[-1] == f"{libraries:,}", line
-    assert f"{adds:,}" in line and f"{held + adds:,}" in line, line
+    assert f"{held + adds:,}" in line and f"{held:,}" in line, line

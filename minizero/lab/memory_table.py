@@ -29,7 +29,7 @@ from ..stages import REFERENCE, STAGES, distributed, make_stage
 from .experiment import Experiment, run_experiment
 from .models import BENCH_GPT, GPT_SIZES
 from .optimizers import STATE_TENSORS
-from .step_memory import MASTER_BYTES, Plan, Shape, activation_bytes, fits, offloads, step_bytes
+from .step_memory import MASTER_BYTES, Plan, Shape, backward_activation_bytes, fits, offloads, step_bytes
 from .tasks import GPT_DEFAULTS, TASKS, vocabulary
 
 #: Models ``--model`` knows: the lab's GPT, the benchmarks' larger one, and ``train``'s sizes (on a GPU, ``large``
@@ -55,31 +55,37 @@ def formula_rows(psi: float, world_size: int, precision: str, optimizer: str, of
 
 def measured_rows(model: str, world_size: int, precision: str, optimizer: str, timeout_s: float,
                   offload: bool = False, stages: list[str] | None = None, steps: int = STEPS, device: str = "cpu",
-                  micro_batch: int = 4, checkpointed: bool = False) -> list[dict]:
+                  micro_batch: int = 4, checkpointed: bool = False, bucket_mb: float = 25.0) -> list[dict]:
     """Every stage trained for a few steps on ``world_size`` ranks: the most model-state bytes any rank held.
     (Adam creates its states at its first step, and fp16's first steps may be skipped while the loss scale
     comes down from 2^16: a run with no step taken would show no optimizer states.)  ``stages``: these only.
-    On ``device="cuda"`` (the ranks share the current GPU over gloo) each row has the allocator's figures too, of
-    the last step of the rank that peaked highest in it: ``cuda_resident`` as the step began, ``cuda_peak`` during
-    it, ``cuda_held`` its model states; ``cuda_steps``: every rank's every step."""
+    Each row has the allocator's figures too, of the last step of the rank that held the most in it -- on the CPU
+    malloc's, sampled after every operator (``host_``: :class:`~minizero.memory.HostStepPeaks`), on ``"cuda"``
+    torch.cuda's (``cuda_``; the ranks share the current GPU over gloo): ``<prefix>_resident`` as the step began,
+    ``<prefix>_peak`` during it, ``<prefix>_held`` its model states, ``<prefix>_steps`` every rank's every step."""
     options = {"precision": precision} if Precision.of(precision).mixed else {}
-    rows = []
+    prefix, rows = "cuda" if device == "cuda" else "host", []
     with RankPool(world_size, timeout_s=timeout_s, start_method="spawn" if device == "cuda" else None) as pool:
         for name in stages or distributed():
-            taken = {**options, **({"offload_optimizer": True} if offload and offloads(name) else {})}
+            taken = {**options, "bucket_mb": bucket_mb,
+                     **({"offload_optimizer": True} if offload and offloads(name) else {})}
             exp = Experiment(stage=name, task="gpt", model=MODELS[model], optimizer=optimizer, steps=steps,
                              dtype="float32", options={k: v for k, v in taken.items() if k in STAGES[name].option_names()},
-                             device=device, micro_batch=micro_batch, checkpoint_activations=checkpointed)
+                             device=device, micro_batch=micro_batch, checkpoint_activations=checkpointed,
+                             host_step_peaks=device != "cuda")
             results = pool.run(run_experiment, exp)
             if results[0].skipped_steps == steps:
                 raise ValueError(f"{name}: every one of {steps} fp16 steps overflowed; no optimizer state to measure")
             rows.append({"stage": name, "measured_bytes_per_rank": max(r.held_bytes["total"] for r in results),
                          "measured_host_bytes_per_rank": max(r.held_bytes["host"] for r in results),
                          "gathered_peak": max(r.gathered_peak_bytes for r in results), "psi": results[0].psi})
-            if device == "cuda":  # the last step, the steady state: Adam's states and cuBLAS's workspaces exist
-                last = max(results, key=lambda r: r.cuda_steps[-1][1])
-                rows[-1].update(cuda_resident=last.cuda_steps[-1][0], cuda_peak=last.cuda_steps[-1][1],
-                                cuda_held=last.held_bytes["total"], cuda_steps=[r.cuda_steps for r in results])
+            per_rank = [r.cuda_steps if device == "cuda" else r.host_steps for r in results]
+            # The last step (the steady state) of the rank whose step held the most beside what the process keeps
+            # anyway (a parameter server's server, not a worker whose Python heap happens to be larger).
+            last = max(range(len(results)), key=lambda i: results[i].held_bytes["total"] + per_rank[i][-1][1]
+                       - per_rank[i][-1][0])
+            rows[-1].update({f"{prefix}_resident": per_rank[last][-1][0], f"{prefix}_peak": per_rank[last][-1][1],
+                             f"{prefix}_held": results[last].held_bytes["total"], f"{prefix}_steps": per_rank})
     return rows
 
 
@@ -106,18 +112,20 @@ def gpt_shape(model: str) -> Shape:
 
 
 def gpt_activation_bytes(model: str, micro_batch: int, precision: str, checkpointed: bool = False) -> float:
-    """The most activations one GPT micro-batch holds for backward, per rank (:func:`.step_memory.activation_bytes`:
-    Korthikanti et al. 2022, eq. 1, for this dropout-free GPT).  Any ZeRO stage leaves it as it is."""
+    """The most activations one GPT micro-batch holds at any moment of backward, per rank
+    (:func:`.step_memory.backward_activation_bytes`: Korthikanti et al. 2022, eq. 1, for this dropout-free GPT, and
+    what backward adds to it).  Any ZeRO stage leaves it as it is."""
     working = Precision.of(precision).working_bytes(MASTER_BYTES)
-    return activation_bytes(gpt_shape(model), micro_batch, working, checkpointed)["peak"]
+    return backward_activation_bytes(gpt_shape(model), micro_batch, working, checkpointed)
 
 
 def measured_activation_bytes(model: str, micro_batch: int, checkpointed: bool, precision: str = "fp32") -> int:
     """What the allocator saw of one training step of the GPT on one rank's micro-batch, run by the single-device
     stage in ``precision`` (its casts: a 16-bit working copy, the logits back in fp32), profiled
-    (:func:`minizero.memory.profiled_step`): the step's peak less its parameters (masters and working copy),
-    optimizer states, gradients and input -- the activations and autograd's own buffers.  Activations are the same
-    under every stage: each rank computes its micro-batch whole.  (The second step is profiled: Adam's states exist.)"""
+    (:func:`minizero.memory.profiled_step`): the most it held at any moment besides its parameters (masters and
+    working copy), optimizer states, gradients and input -- the activations and autograd's own buffers.  Activations
+    are the same under every stage: each rank computes its micro-batch whole.  (The second step is profiled: Adam's
+    states exist.)"""
     shape = gpt_shape(model)
     net = TASKS["gpt"].make_model(0, torch.float32, **MODELS[model])
     if checkpointed:
@@ -132,8 +140,7 @@ def measured_activation_bytes(model: str, micro_batch: int, checkpointed: bool, 
         stage.step()
 
     step()
-    seen = profiled_step(step)
-    return seen["peak"] - seen["parameter"] - seen["optimizer_state"] - seen["gradient"] - seen["input"]
+    return profiled_step(step)["most_besides_kept"]
 
 
 def gb(nbytes: float) -> str:
@@ -153,7 +160,7 @@ def main(args) -> tuple[int, str]:
                              f"(torch.cuda.is_available() is False); leave --device out to measure on the CPU")
         measured = measured_rows(args.model, live_n, precision, args.optimizer, args.timeout, args.offload_optimizer,
                                  stages=args.stages, device=args.device, micro_batch=args.micro_batch,
-                                 checkpointed=args.checkpoint_activations)
+                                 checkpointed=args.checkpoint_activations, bucket_mb=args.bucket_mb)
         psi = measured[0]["psi"]
     else:
         psi = args.params
@@ -170,7 +177,7 @@ def main(args) -> tuple[int, str]:
                        activation_bytes_estimate=gpt_activation_bytes(args.model, args.micro_batch, precision,
                                                                       args.checkpoint_activations),
                        step_predicted=predicted_step(args, row["stage"], psi, live_n, foreach=args.device == "cuda"),
-                       **{k: v for k, v in live.items() if k.startswith("cuda_")})
+                       **{k: v for k, v in live.items() if k.startswith(("cuda_", "host_"))})
     if args.json:
         return 0, json.dumps(rows, indent=2)
     k = (MASTER_BYTES if Precision.of(precision).mixed else 0) + MASTER_BYTES * STATE_TENSORS[args.optimizer]
@@ -193,67 +200,57 @@ def main(args) -> tuple[int, str]:
                  + ("; --offload-optimizer: the ZeRO stages' optimizer states in host memory ('host')." if offload
                     else "."))
     if args.model:
-        step = cuda_step_lines(args, psi, measured, live_n, torch.cuda.get_device_name()) if args.device == "cuda" \
-            else measured_step_lines(args, psi, measured, live_n)
+        step = measured_step_lines(args, psi, measured, live_n,
+                                   torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     else:
         step = predicted_step_lines(args, psi)
     lines += [""] + step
     return 0, "\n".join(lines)
 
 
-def measured_step_lines(args, psi: float, measured: list[dict], live_n: int) -> list[str]:
-    """Each component of a rank's peak predicted beside measured, per stage, at the live world size."""
-    shape, precision, ck = gpt_shape(args.model), args.precision, args.checkpoint_activations
-    act_measured = measured_activation_bytes(args.model, args.micro_batch, ck, precision)
-    lines = [f"The step's peak per rank at N={live_n}, a micro-batch of {args.micro_batch} x {shape.seq} tokens"
-             f"{', blocks checkpointed' if ck else ''}: predicted / measured (bytes)",
-             f"{'stage':<14}{'model states':>26}{'activations':>26}{'gathered units':>26}{'peak':>26}{'off':>7}"]
-    for row in measured:
-        stage = row["stage"]
-        predicted = predicted_step(args, stage, psi, live_n, foreach=False)  # the CPU's for-loop step
-        seen = row["measured_bytes_per_rank"] + act_measured + row["gathered_peak"]
-        lines.append(f"{stage:<14}{pair(predicted['model_states'], row['measured_bytes_per_rank'])}"
-                     f"{pair(predicted['activations'], act_measured)}"
-                     f"{pair(predicted['gathered_units'], row['gathered_peak'])}"
-                     f"{pair(predicted['total'], seen)}{seen / predicted['total'] - 1:>+7.1%}")
-    lines += ["model states: each stage's formula / the live tensors it held; activations: Korthikanti et al. 2022, "
-              "eq. 1, for this dropout-free GPT (minizero.lab.step_memory) / the allocator's peak in one profiled "
-              "step less parameters, optimizer states, gradients and input (torch.profiler's memory categories); "
-              "gathered units: ZeRO-3's root unit and 1 + prefetch blocks / the gathered peak its observer saw."]
-    return lines
-
-
-def cuda_step_lines(args, psi: float, measured: list[dict], live_n: int, gpu: str) -> list[str]:
-    """On a GPU the allocator sees everything (``torch.cuda.max_memory_allocated``): each stage's last step, its
-    peak beside the prediction.  What CUDA's libraries keep between steps (cuBLAS's workspaces, one per handle and
-    stream) is no part of the model's step: it is measured, as the memory allocated when the step began less the
-    model states held, and printed apart."""
-    shape, ck = gpt_shape(args.model), args.checkpoint_activations
-    lines = [f"The step's peak per rank at N={live_n} on one {gpu}, a micro-batch of "
+def measured_step_lines(args, psi: float, measured: list[dict], live_n: int, where: str = "cpu") -> list[str]:
+    """Each stage's last step on the CPU (``where="cpu"``: malloc's bytes, sampled after every operator) or on a GPU
+    (``where``: its name; torch.cuda's allocator): the step's peak beside the prediction, and the components that
+    can be measured apart -- model states (the live tensors), activations (a profiled single-device step, on the CPU),
+    ZeRO-3's gathered units (its observer).  What the process keeps between steps besides the model states -- Python's
+    and the libraries' heap on the CPU, cuBLAS's workspaces on a GPU -- is no part of the model's step: measured, as
+    the bytes allocated when the step began less the model states held, and printed apart ('rest')."""
+    shape, ck, cuda = gpt_shape(args.model), args.checkpoint_activations, where != "cpu"
+    prefix = "cuda" if cuda else "host"
+    act_measured = None if cuda else measured_activation_bytes(args.model, args.micro_batch, ck, args.precision)
+    lines = [f"The step's peak per rank at N={live_n}{f' on one {where}' if cuda else ''}, a micro-batch of "
              f"{args.micro_batch} x {shape.seq} tokens{', blocks checkpointed' if ck else ''}: predicted / measured "
-             f"by torch.cuda's allocator (bytes; the last of {STEPS} steps)",
-             f"{'stage':<14}{'model states':>30}{'the step adds':>30}{'peak':>30}{'off':>7}{'libraries':>14}"]
+             f"(bytes; the last of {STEPS} steps)",
+             f"{'stage':<14}{'model states':>28}{'activations':>26}{'gathered units':>24}{'buckets':>12}{'peak':>28}"
+             f"{'off':>7}{'rest':>13}"]
     for row in measured:
         stage = row["stage"]
-        predicted = predicted_step(args, stage, psi, live_n, foreach=True)  # the GPU's default
-        libraries = row["cuda_resident"] - row["cuda_held"]
-        seen = row["cuda_peak"] - libraries
-        adds = predicted["total"] - predicted["model_states"]
-        lines.append(f"{stage:<14}{pair(predicted['model_states'], row['cuda_held'], 13)}"
-                     f"{pair(adds, row['cuda_peak'] - row['cuda_resident'], 13)}"
-                     f"{pair(predicted['total'], seen, 13)}{seen / predicted['total'] - 1:>+7.1%}{libraries:>14,}")
-    lines += ["the step adds: the larger of backward's activations and ZeRO-3's gathered units and the step's fp32 "
-              "gradients and Adam's foreach intermediates (minizero.lab.step_memory) / the allocator's peak in the "
-              "step less what was allocated as it began. "
-              "peak: measured less 'libraries' -- allocated as the step began less the model states held: CUDA "
-              "libraries' own buffers (cuBLAS's workspaces), kept from the first step on."]
+        if not STAGES[stage].equivalent:  # its own buffers (stale copies, anchors) are not modelled
+            continue
+        predicted = predicted_step(args, stage, psi, live_n, foreach=cuda)  # torch's default: foreach on a GPU only
+        held, resident = row[f"{prefix}_held"], row[f"{prefix}_resident"]
+        seen = held + row[f"{prefix}_peak"] - resident
+        lines.append(f"{stage:<14}{pair(predicted['model_states'], held, 12)}"
+                     f"{pair(predicted['activations'], act_measured, 10)}"
+                     f"{pair(predicted['gathered_units'], row['gathered_peak'], 9)}{predicted['buckets']:>12,.0f}"
+                     f"{pair(predicted['total'], seen, 12)}{seen / predicted['total'] - 1:>+7.1%}{resident - held:>13,}")
+    lines += ["peak: model states and the most of four moments -- backward's start, backward (activations freed block "
+              "by block as gradients are born, ZeRO-2's and -3's packed buckets: 'buckets'), after it (DDP's flat copy of "
+              "the gradients), the step (fp32 gradients, the foreach optimizer's intermediates) -- minizero.lab."
+              "step_memory / " + ("torch.cuda's allocator" if cuda else "malloc's bytes (glibc's mallinfo2) sampled "
+                                  "after every operator") + ", less 'rest': allocated as the step began less the model "
+              "states held. activations: Korthikanti et al. 2022, eq. 1, for this dropout-free GPT" +
+              ("" if cuda else " / a profiled single-device step less its parameters, optimizer states, gradients and "
+                               "input (torch.profiler's memory categories)") +
+              "; gathered units: ZeRO-3's root unit and 1 + prefetch blocks / the gathered peak its observer saw."]
     return lines
 
 
 def predicted_step(args, stage: str, psi: float, world_size: int, foreach: bool) -> dict:
     """:func:`.step_memory.step_bytes` of ``--model``'s GPT as the command's flags describe it, for ``stage``."""
     return step_bytes(stage, psi, gpt_shape(args.model), world_size, args.micro_batch, args.precision, args.optimizer,
-                      args.checkpoint_activations, args.offload_optimizer and offloads(stage), foreach=foreach)
+                      args.checkpoint_activations, args.offload_optimizer and offloads(stage), foreach=foreach,
+                      bucket_mb=args.bucket_mb)
 
 
 def predicted_step_lines(args, psi: float) -> list[str]:
@@ -263,32 +260,38 @@ def predicted_step_lines(args, psi: float) -> list[str]:
     lines = [f"The step's peak per rank at N={args.world_size}: a GPT shaped as GPT-3's nearest ({shape.layers} layers, "
              f"hidden {shape.hidden}, {shape.heads} heads, vocabulary {shape.vocab:,}), {args.micro_batch} x "
              f"{shape.seq} tokens per micro-batch{', blocks checkpointed' if args.checkpoint_activations else ''}",
-             f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'at step':>12}{'peak':>12}"
-             + (f"{'host':>12}" if args.offload_optimizer else "") + (f"   on {gb(args.gpu)}" if args.gpu else "")]
+             f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'buckets':>10}{'after bw':>10}"
+             f"{'at step':>10}{'peak':>12}" + (f"{'host':>12}" if args.offload_optimizer else "")
+             + (f"   on {gb(args.gpu)}" if args.gpu else "")]
     for stage in args.stages or distributed():
         if not STAGES[stage].equivalent:
             continue
         plan = Plan(stage, args.world_size, args.micro_batch, args.checkpoint_activations,
                     args.offload_optimizer and offloads(stage))
-        here, fitting = fits(psi, shape, plan, args.gpu or float("inf"), args.precision, args.optimizer)
+        here, fitting = fits(psi, shape, plan, args.gpu or float("inf"), args.precision, args.optimizer,
+                             args.bucket_mb)
         at_step = here["step_gradients"] + here["optimizer_temporaries"]
         line = (f"{stage:<14}{gb(here['model_states']):>14}{gb(here['activations']):>14}"
-                f"{gb(here['gathered_units']) if here['gathered_units'] else '-':>12}"
-                f"{gb(at_step) if at_step else '-':>12}{gb(here['total']):>12}"
+                + "".join(f"{gb(v) if v else '-':>{w}}" for v, w in ((here["gathered_units"], 12), (here["buckets"], 10),
+                                                                     (here["after_backward"], 10), (at_step, 10)))
+                + f"{gb(here['total']):>12}"
                 + (f"{gb(here['host']) if here['host'] else '-':>12}" if args.offload_optimizer else ""))
         if args.gpu:
             line += ("   fits" if fitting == plan else f"   does not fit; smallest change: {fitting.change_from(plan)}"
                      if fitting else "   does not fit, nor with any one or two changes tried")
         lines.append(line)
-    lines.append("peak: model states + the larger of backward's activations and gathered units and what the step "
-                 "adds ('at step': mixed precision's fp32 gradients, and the foreach optimizer's intermediates -- "
-                 "Adam's sqrt(v), as large as the state it steps; freed activations make room for them). activations: "
-                 "Korthikanti et al. 2022, eq. 1 (16-bit: s*b*h*(34 + 5*a*s/h) per layer; checkpointed, 2sbh per layer "
-                 "and one layer replayed) plus the head's logits; not included: buckets in flight, the collectives' outputs, "
-                 "fragmentation, the CUDA context, and what CUDA's libraries keep (cuBLAS's workspaces; 94 MB beside "
-                 "DDP's model states on an H100, docs/gpu-results.md).")
+    lines.append("peak: model states + the most of four moments (minizero.lab.step_memory): backward's start (every "
+                 "activation, the loss's gradient), backward itself (activations freed block by block as gradients are "
+                 "born -- each counted without the gradients zero_grad() freed -- ZeRO-2's and -3's packed buckets, "
+                 f"{args.bucket_mb:g} MiB, at most one in flight: 'buckets'), after backward (DDP's flat copy of the "
+                 "gradients: 'after bw') and the step ('at step': mixed precision's fp32 gradients and the foreach "
+                 "optimizer's intermediates -- Adam's sqrt(v)). activations: Korthikanti et al. 2022, eq. 1 (16-bit: "
+                 "s*b*h*(34 + 5*a*s/h) per layer; checkpointed, 2sbh per layer and one layer replayed) plus the head's "
+                 "logits; not included: fragmentation, the CUDA context, and what CUDA's libraries keep (cuBLAS's "
+                 "workspaces; 94 MB beside DDP's model states on an H100, docs/gpu-results.md).")
     return lines
 
 
-def pair(predicted: float, measured: float, width: int = 11) -> str:
-    return f"{predicted:>{width + 2},.0f} /{measured:>{width},.0f}"
+def pair(predicted: float, measured: float | None, width: int = 11) -> str:
+    """``predicted / measured``; ``-`` where nothing measured it."""
+    return f"{predicted:>{width + 2},.0f} /" + (f"{'-':>{width}}" if measured is None else f"{measured:>{width},.0f}")

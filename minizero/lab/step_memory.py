@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 
 from ..precision import Precision
 from ..stages import STAGES, distributed
+from ..stages.facts import GradientMemory
+from .backward_memory import backward_peak
 from .optimizers import FOREACH_TEMPORARIES, STATE_TENSORS
 
 MASTER_BYTES = 4  # fp32: the masters under mixed precision, everything in plain fp32 training
@@ -66,6 +68,23 @@ def activation_bytes(shape: Shape, micro_batch: int, element_bytes: int, checkpo
     return {"blocks": blocks, "head": head, "peak": blocks + head, "per_block": per_block}
 
 
+def loss_gradient_bytes(shape: Shape, micro_batch: int) -> float:
+    """The loss's backward makes the log-softmax's gradient and then the logits' (fp32, s*b*V each) beside the
+    log-softmax: one vocabulary-sized tensor more than the end of forward held."""
+    return shape.seq * micro_batch * shape.vocab * LOSS_BYTES
+
+
+def backward_activation_bytes(shape: Shape, micro_batch: int, element_bytes: int, checkpointed: bool = False) -> float:
+    """The most activations a rank holds at any moment of backward: at its start (every block's, or their inputs,
+    the head's, and the loss's gradient), or in a block's backward (:func:`.backward_memory.backward_peak` with no
+    gradients: what the block has not freed, its replay when checkpointed, the gradient through its MLP, the head's
+    gradient waiting for the tied embedding's)."""
+    acts = activation_bytes(shape, micro_batch, element_bytes, checkpointed)
+    walk = backward_peak(GradientMemory(kept=True), shape.layers, shape.hidden, shape.seq, shape.vocab,
+                         acts["per_block"], acts["blocks"] / shape.layers, micro_batch, element_bytes, 1)
+    return max(acts["blocks"] + acts["head"] + loss_gradient_bytes(shape, micro_batch), walk["total"])
+
+
 def gathered_unit_bytes(stage: str, shape: Shape, element_bytes: int, prefetch: int = 1) -> float:
     """ZeRO-3's working set in the working precision: the root unit (the embeddings, tied to the head, and the final
     LayerNorm: gathered for the whole forward and again for the whole backward), the block computing and the
@@ -104,21 +123,39 @@ def step_temporary_bytes(stage: str, psi: float, world_size: int, optimizer: str
 
 def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batch: int, precision: str = "bf16",
                optimizer: str = "adam", checkpointed: bool = False, offloaded: bool = False,
-               foreach: bool = True) -> dict:
-    """One rank's peak on the device, by component: model states (the stage's formula), and on top of them the
-    larger of two moments -- backward (activations and ZeRO-3's gathered units) and the step (mixed precision's
-    fp32 gradients, and with ``foreach`` -- torch's default on a GPU -- the optimizer's intermediates; activations
-    are freed by then).  ``host``: what optimizer offload keeps in host memory."""
+               foreach: bool = True, bucket_mb: float = 25.0) -> dict:
+    """One rank's peak on the device, by component: the model states (the stage's formula), and on top of them the
+    most of four moments --
+      the start of backward: every block's activations (checkpointed: inputs), the head's, and the loss's gradient
+        (one more s*b*V fp32 tensor beside the log-softmax);
+      backward (:mod:`.backward_memory`): activations freed block by block as gradients are born, backward's working
+        memory, and ZeRO-2's and -3's packed buckets (``buckets``);
+      after backward: DDP's flat copy of every gradient for its all-reduce;
+      the step: mixed precision's fp32 gradients and, with ``foreach`` -- torch's default on a GPU -- the
+        optimizer's intermediates (activations are freed by then).
+    The first two count without the gradients ``zero_grad()`` freed (a stage whose gradients are born in backward),
+    with ZeRO-3's gathered units.  ``host``: what optimizer offload keeps in host memory."""
     cls, k = STAGES[stage], STATE_TENSORS[optimizer]
     working = Precision.of(precision).working_bytes(MASTER_BYTES)
     states = cls.state_bytes(psi, world_size, MASTER_BYTES, k, precision, offload_optimizer=offloaded)
-    activations = activation_bytes(shape, micro_batch, working, checkpointed)["peak"]
+    memory = cls.gradient_memory
+    shards = cls.shard_count(world_size) if cls.shards.gradients else 1
+    freed = 0.0 if memory.kept else psi / shards * working  # the gradients zero_grad() freed, born again
+    acts = activation_bytes(shape, micro_batch, working, checkpointed)
+    start = acts["blocks"] + acts["head"] + loss_gradient_bytes(shape, micro_batch)
+    walk = backward_peak(memory, shape.layers, shape.hidden, shape.seq, shape.vocab, acts["per_block"],
+                         acts["blocks"] / shape.layers, micro_batch, working, shards, bucket_mb)
     gathered = gathered_unit_bytes(stage, shape, working)
+    after = cls.after_backward_elements(psi, world_size) * working
     gradients = step_gradient_bytes(stage, psi, world_size, precision, offloaded)
     temporaries = step_temporary_bytes(stage, psi, world_size, optimizer, offloaded) if foreach else 0.0
-    return {"model_states": states, "activations": activations, "gathered_units": gathered,
-            "step_gradients": gradients, "optimizer_temporaries": temporaries,
-            "total": states + max(activations + gathered, gradients + temporaries),
+    backward = states - freed + gathered + max(start, walk["total"])
+    return {"model_states": states, "activations": backward_activation_bytes(shape, micro_batch, working, checkpointed),
+            "gathered_units": gathered,
+            "buckets": walk["buckets"] if walk["total"] > start else 0.0, "after_backward": after,
+            "step_gradients": gradients, "optimizer_temporaries": temporaries, "freed_gradients": freed,
+            "backward": backward - states,
+            "total": max(backward, states + after, states + gradients + temporaries),
             "host": cls.host_state_bytes(psi, world_size, MASTER_BYTES, k, precision, offload_optimizer=offloaded)}
 
 
@@ -191,12 +228,12 @@ def smallest_change(plan: Plan, fits_with) -> Plan | None:
 
 
 def fits(psi: float, shape: Shape, plan: Plan, gpu_bytes: float, precision: str = "bf16",
-         optimizer: str = "adam") -> tuple[dict, Plan | None]:
+         optimizer: str = "adam", bucket_mb: float = 25.0) -> tuple[dict, Plan | None]:
     """``(the peak by component, the smallest change that fits -- the plan itself if it fits, None if nothing
     tried fits)``."""
     def peak(p: Plan) -> dict:
         return step_bytes(p.stage, psi, shape, p.world_size, p.micro_batch, precision, optimizer, p.checkpointed,
-                          p.offloaded)
+                          p.offloaded, bucket_mb=bucket_mb)
 
     here = peak(plan)
     if here["total"] <= gpu_bytes:

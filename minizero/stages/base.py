@@ -50,7 +50,7 @@ from ..precision import MasterWeights, Precision
 from ..rebuilt import follow
 from . import facts, mixed, state
 from . import options as options_module
-from .facts import Shards
+from .facts import GradientMemory, Shards
 from .options import PRECISION
 from .wrap import check_wrappable, claim
 
@@ -65,6 +65,7 @@ class Stage(nn.Module):
 
     name = "reference"
     shards = Shards()  # nothing divided: every rank (here, the only one) holds everything
+    gradient_memory = GradientMemory()  # each .grad born in backward, freed by zero_grad()
     #: Takes the same step as single-device training.  False for the designs the lessons set beside DDP
     #: and ZeRO to show what breaks it (stale gradients, local steps): compare measures how far they go.
     equivalent = True
@@ -163,6 +164,7 @@ class Stage(nn.Module):
     option_names = classmethod(options_module.option_names)  # the keywords of the declared options
 
     sent_bytes_per_step = classmethod(facts.sent_bytes_per_step)
+    after_backward_elements = classmethod(facts.after_backward_elements)
     busiest_sent_bytes_per_step = classmethod(facts.busiest_sent_bytes_per_step)
     sent_bytes_by_link = classmethod(facts.sent_bytes_by_link)
     state_terms = classmethod(facts.state_terms)

@@ -107,6 +107,11 @@ class DDP(Stage):
         return all_reduce_bytes(psi * grad_bytes, world_size)  # once per step, however many micro-batches
 
     @classmethod
+    def after_backward_elements(cls, psi, world_size, **options) -> float:
+        """post_backward packs every gradient into one flat buffer: a second copy of them for the all-reduce."""
+        return psi
+
+    @classmethod
     def schedule(cls, s, **options) -> None:
         """One all-reduce after backward: nothing hides."""
         s.forward()

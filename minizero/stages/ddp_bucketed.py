@@ -44,12 +44,13 @@ from ..flat import keep_grad_in
 from ..precision import Precision
 from .base import unused_error
 from .ddp import DDP
-from .facts import Reduction
+from .facts import GradientMemory, Reduction
 from .options import BUCKET_MB, WIRE_AND_USE
 
 
 class BucketedDDP(DDP):
     name = "ddp-bucketed"
+    gradient_memory = GradientMemory(kept=True)  # each .grad a view into its bucket, all-reduced in place
     options = (BUCKET_MB, *WIRE_AND_USE)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
@@ -136,6 +137,11 @@ class BucketedDDP(DDP):
                 p.grad = view
 
     # ------------------------------------------------------------------ facts
+    @classmethod
+    def after_backward_elements(cls, psi, world_size, **options) -> float:
+        """Every bucket is all-reduced in place during backward: no flat copy after it (DDP's)."""
+        return 0.0
+
     @classmethod
     def schedule(cls, s, bucket_mb: float = 25.0, **options) -> None:
         """Each bucket's all-reduce leaves as its last gradient is ready; backward goes on meanwhile."""

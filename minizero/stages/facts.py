@@ -24,6 +24,22 @@ class Shards:
 
 
 @dataclass(frozen=True)
+class GradientMemory:
+    """Where a stage's gradients live during a step: what :mod:`minizero.lab.backward_memory` walks through
+    backward to predict the step's peak.
+
+    ``kept``: their storage outlives ``zero_grad()`` -- buckets each ``.grad`` views (``ddp-bucketed``, torch DDP's
+    ``gradient_as_bucket_view``), ZeRO-1's flat buffers -- so it is there when backward starts.  Otherwise
+    ``zero_grad()`` frees them and each is born as backward reaches its parameter.
+    ``buckets``: gradients packed bucket by bucket during backward, freed, and reduce-scattered to this rank's
+    1/N, at most :data:`~minizero.buckets.MAX_IN_FLIGHT` in flight -- ``"bucket_mb"`` (ZeRO-2) or ``"unit"``
+    (ZeRO-3: a unit's gradients are its bucket)."""
+
+    kept: bool = False
+    buckets: str | None = None
+
+
+@dataclass(frozen=True)
 class Reduction:
     """How a stage lays gradients out for reduction: the parameter names in each flat buffer, in the
     order they are reduced; ``padded``: each buffer is padded to a multiple of N and reduce-scattered;
@@ -62,6 +78,12 @@ def sent_bytes_by_link(cls, psi: int, world_size: int, grad_bytes: int, param_by
     ``(G-1)/G`` of the tensor inside and ``(M-1)/(M G)`` across: ``(M-1)/(N-1)`` of its bytes cross."""
     return split_by_link(cls.sent_bytes_per_step(psi, world_size, grad_bytes, param_bytes, **options), world_size, nodes,
                          hierarchical)
+
+
+def after_backward_elements(cls, psi: int, world_size: int, **options) -> float:
+    """Elements of the buffers the collective after backward holds beside the gradients, for a moment -- none for a
+    stage that reduces in place or during backward."""
+    return 0.0
 
 
 def split_by_link(total: float, world_size: int, nodes=None, hierarchical: bool = False) -> dict[str, float]:

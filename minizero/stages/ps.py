@@ -38,7 +38,7 @@ from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..grad_buffers import FullGradients
 from ..layout import build_groups
 from ..precision import Precision
-from .facts import Reduction, Shards
+from .facts import GradientMemory, Reduction, Shards
 from .options import WIRE_AND_USE, Option, positive_int
 from .zero import ZeRO
 from .zero1 import ZeRO1
@@ -49,6 +49,7 @@ SERVERS = Option("servers", 1, "ranks 0..S-1 serve a shard each (1: one server)"
 
 class ParameterServer(ZeRO):
     name = "ps"
+    gradient_memory = GradientMemory(kept=True)  # FullGradients, as ZeRO-1
     shards = Shards()  # divides nothing among the N data-parallel ranks: the S servers hold the optimizer
     contrast = True  # the design the ring all-reduce replaced
     averages_with = "push"  # a star, summed at the servers: the 16-bit wire fits it, a codec's messages do not
@@ -134,6 +135,12 @@ class ParameterServer(ZeRO):
     def sent_bytes_by_link(cls, *args, **options) -> None:
         """A star, not a ring: which link a push or pull crosses depends on where the servers sit (not stated)."""
         return None
+
+    @classmethod
+    def after_backward_elements(cls, psi, world_size, servers: int = 1, **options) -> float:
+        """A server's push (:meth:`~minizero.comm.star.StarExchanges.push`): its own contribution copied aside and one
+        receive buffer, its shard's size each (under NCCL one per sender: N - 1 of them)."""
+        return 2 * psi / servers
 
     @classmethod
     def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, servers: int = 1, **options) -> float:

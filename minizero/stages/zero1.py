@@ -35,7 +35,7 @@ from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..grad_buffers import FullGradients
 from ..layout import build_groups, plan_groups
 from ..precision import Precision
-from .facts import Reduction, Shards
+from .facts import GradientMemory, Reduction, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE
 from .zero import ZeRO
 
@@ -43,6 +43,7 @@ from .zero import ZeRO
 class ZeRO1(ZeRO):
     name = "zero1"
     shards = Shards(optimizer_states=True)
+    gradient_memory = GradientMemory(kept=True)  # FullGradients: one flat buffer per group, zeroed in place
     options = (*WIRE_AND_USE, OFFLOAD_OPTIMIZER)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,

@@ -37,7 +37,7 @@ from ..comm import Comm, ReduceOp
 from ..formulas import all_gather_bytes, reduce_scatter_bytes
 from ..layout import build_groups, plan_groups
 from ..precision import Precision
-from .facts import Reduction, Shards
+from .facts import GradientMemory, Reduction, Shards
 from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, WIRE_AND_USE
 from .zero import ZeRO
 
@@ -45,6 +45,7 @@ from .zero import ZeRO
 class ZeRO2(ZeRO):
     name = "zero2"
     shards = Shards(optimizer_states=True, gradients=True)
+    gradient_memory = GradientMemory(buckets="bucket_mb")
     options = (BUCKET_MB, *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,

@@ -49,7 +49,7 @@ from ..precision import Precision
 from ..secondary import SecondaryShards
 from ..units import Unit, plan_unit_groups, replicated_parameters, resolve_units
 from . import facts
-from .facts import Reduction, Shards
+from .facts import GradientMemory, Reduction, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int, weights_spec
 from .zero import ZeRO
 
@@ -63,6 +63,7 @@ REPLICATED = {"mlp": (None, ("layers.0",)), "gpt": (None, ("ln_f",), ("blocks.0.
 class ZeRO3(ZeRO):
     name = "zero3"
     shards = Shards(optimizer_states=True, gradients=True, parameters=True)
+    gradient_memory = GradientMemory(buckets="unit")
     options = (Option("units", None, "ZeRO-3's units: a list of submodules (default: each element of every "
                          "nn.ModuleList, as FSDP2 wraps each transformer block)", None),
                Option("reshard_after_forward", True, "free a unit's gathered parameters after its forward and "
