@@ -172,6 +172,7 @@ def main(args) -> tuple[int, str]:
             formula_at_live = at_live["bytes_per_rank"]
             row.update(measured_world_size=live_n, measured_bytes_per_rank=live["measured_bytes_per_rank"],
                        measured_host_bytes_per_rank=live["measured_host_bytes_per_rank"],
+                       gathered_peak=live["gathered_peak"],
                        host_formula_bytes_at_measured_world_size=at_live["host_bytes_per_rank"],
                        formula_bytes_at_measured_world_size=formula_at_live,
                        activation_bytes_estimate=gpt_activation_bytes(args.model, args.micro_batch, precision,
@@ -232,7 +233,7 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int, whe
         seen = held + row[f"{prefix}_peak"] - resident
         lines.append(f"{stage:<14}{pair(predicted['model_states'], held, 12)}"
                      f"{pair(predicted['activations'], act_measured, 10)}"
-                     f"{pair(predicted['gathered_units'], row['gathered_peak'], 9)}{predicted['buckets']:>12,.0f}"
+                     f"{pair(predicted['gathered_units'], row.get('gathered_peak'), 9)}{predicted['buckets']:>12,.0f}"
                      f"{pair(predicted['total'], seen, 12)}{seen / predicted['total'] - 1:>+7.1%}{resident - held:>13,}")
     lines += ["peak: model states and the most of four moments -- backward's start, backward (activations freed block "
               "by block as gradients are born, ZeRO-2's and -3's packed buckets: 'buckets'), after it (DDP's flat copy of "

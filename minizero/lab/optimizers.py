@@ -41,3 +41,8 @@ STATE_TENSORS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2}
 #: for-loop implementation (CPU tensors) makes its intermediates one parameter at a time.  torch.optim's docs:
 #: foreach uses "~ sizeof(params) more peak memory" (torch/optim/optimizer.py); measured by tests/test_step_memory.py.
 FOREACH_TEMPORARIES = {"sgd": 0, "momentum": 0, "nesterov": 0, "adam": 1, "adamw": 1}
+
+#: The same of the for-loop implementation (CPU tensors), each the size of *one* tensor it steps, alive at once:
+#: Adam's ``exp_avg_sq.sqrt()`` and its quotient by the bias correction (then added to in place); Nesterov's
+#: ``grad.add(buf, alpha=momentum)``; plain SGD and momentum in place.  Measured by tests/test_step_memory.py.
+LOOP_TEMPORARIES = {"sgd": 0, "momentum": 0, "nesterov": 1, "adam": 2, "adamw": 2}

@@ -23,7 +23,7 @@ from ..precision import Precision
 from ..stages import STAGES, distributed
 from ..stages.facts import GradientMemory
 from .backward_memory import backward_peak
-from .optimizers import FOREACH_TEMPORARIES, STATE_TENSORS
+from .optimizers import FOREACH_TEMPORARIES, LOOP_TEMPORARIES, STATE_TENSORS
 
 MASTER_BYTES = 4  # fp32: the masters under mixed precision, everything in plain fp32 training
 LOSS_BYTES = 4  # the logits the loss sees, and their log-softmax: fp32 under every precision
@@ -112,13 +112,19 @@ def step_gradient_bytes(stage: str, psi: float, world_size: int, precision: str,
     return stepped_params(stage, psi, world_size) * MASTER_BYTES
 
 
-def step_temporary_bytes(stage: str, psi: float, world_size: int, optimizer: str, offloaded: bool = False) -> float:
-    """The optimizer's own intermediates at the step on a GPU: torch's foreach implementation computes over whole
-    tensor lists, so each intermediate (:data:`~.optimizers.FOREACH_TEMPORARIES`) is as large as the fp32 state it
-    steps -- the owned shard's under ZeRO.  Offloaded, the step runs on the host."""
+def step_temporary_bytes(stage: str, psi: float, world_size: int, optimizer: str, offloaded: bool = False,
+                         foreach: bool = True, largest: float = 0.0) -> float:
+    """The optimizer's own intermediates at the step on the device.  torch's foreach implementation (its default on a
+    GPU) computes over whole tensor lists, so each intermediate (:data:`~.optimizers.FOREACH_TEMPORARIES`) is as large
+    as the fp32 state it steps -- the owned shard's under ZeRO.  The for-loop one (the CPU's) steps one tensor at a
+    time: :data:`~.optimizers.LOOP_TEMPORARIES` of the ``largest`` tensor it steps (elements: a parameter, or the
+    piece of one a ZeRO rank owns).  Offloaded, the step runs on the host."""
     if offloaded:
         return 0.0
-    return FOREACH_TEMPORARIES[optimizer] * stepped_params(stage, psi, world_size) * MASTER_BYTES
+    stepped = stepped_params(stage, psi, world_size)
+    if foreach:
+        return FOREACH_TEMPORARIES[optimizer] * stepped * MASTER_BYTES
+    return LOOP_TEMPORARIES[optimizer] * min(largest, stepped) * MASTER_BYTES
 
 
 def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batch: int, precision: str = "bf16",
@@ -148,7 +154,8 @@ def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batc
     gathered = gathered_unit_bytes(stage, shape, working)
     after = cls.after_backward_elements(psi, world_size) * working
     gradients = step_gradient_bytes(stage, psi, world_size, precision, offloaded)
-    temporaries = step_temporary_bytes(stage, psi, world_size, optimizer, offloaded) if foreach else 0.0
+    largest = max(4 * shape.hidden * shape.hidden, shape.vocab * shape.hidden)  # the MLP's matrices, the embedding
+    temporaries = step_temporary_bytes(stage, psi, world_size, optimizer, offloaded, foreach, largest)
     backward = states - freed + gathered + max(start, walk["total"])
     return {"model_states": states, "activations": backward_activation_bytes(shape, micro_batch, working, checkpointed),
             "gathered_units": gathered,
