@@ -41,7 +41,7 @@ OFFLOADING = [s for s in distributed() if "offload_optimizer" in STAGES[s].optio
 
 
 def memory_case(argv: list[str]) -> dict:
-    """One ``memory --json`` command on the GPU (its table is printed from the rows: ``cuda_step_lines``)."""
+    """One ``memory --json`` command on the GPU (its table is printed from the rows: ``measured_step_lines``)."""
     command = [sys.executable, "-m", "minizero", "memory", "--world-size", "4", "--precision", "bf16", "--device",
                "cuda", *argv, "--json"]
     started = time.monotonic()

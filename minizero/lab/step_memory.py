@@ -80,8 +80,8 @@ def backward_activation_bytes(shape: Shape, micro_batch: int, element_bytes: int
     gradients: what the block has not freed, its replay when checkpointed, the gradient through its MLP, the head's
     gradient waiting for the tied embedding's)."""
     acts = activation_bytes(shape, micro_batch, element_bytes, checkpointed)
-    walk = backward_peak(GradientMemory(kept=True), shape.layers, shape.hidden, shape.seq, shape.vocab,
-                         acts["per_block"], acts["blocks"] / shape.layers, micro_batch, element_bytes, 1)
+    walk = backward_peak(GradientMemory(kept=True), shape, acts["per_block"], acts["blocks"] / shape.layers, micro_batch,
+                         element_bytes, 1)
     return max(acts["blocks"] + acts["head"] + loss_gradient_bytes(shape, micro_batch), walk["total"])
 
 
@@ -149,8 +149,8 @@ def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batc
     freed = 0.0 if memory.kept else psi / shards * working  # the gradients zero_grad() freed, born again
     acts = activation_bytes(shape, micro_batch, working, checkpointed)
     start = acts["blocks"] + acts["head"] + loss_gradient_bytes(shape, micro_batch)
-    walk = backward_peak(memory, shape.layers, shape.hidden, shape.seq, shape.vocab, acts["per_block"],
-                         acts["blocks"] / shape.layers, micro_batch, working, shards, bucket_mb)
+    walk = backward_peak(memory, shape, acts["per_block"], acts["blocks"] / shape.layers, micro_batch, working, shards,
+                         bucket_mb)
     gathered = gathered_unit_bytes(stage, shape, working)
     after = cls.after_backward_elements(psi, world_size) * working
     gradients = step_gradient_bytes(stage, psi, world_size, precision, offloaded)
