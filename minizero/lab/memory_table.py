@@ -10,9 +10,10 @@ Model states are not all of a rank's memory: activations come on top and do not
 shrink with N under any ZeRO stage.  So a second table gives the step's peak per
 rank by component (:mod:`.step_memory`): for ``--params``, predicted, and with
 ``--gpu 80GB`` whether each stage fits and the smallest change that makes it fit;
-for ``--model``, each component predicted beside measured -- model states from the
-live tensors, activations from the allocator's own account of a profiled step,
-ZeRO-3's gathered units from its observer.
+for ``--model``, the peak predicted beside each rank's whole step as the allocator
+saw it (malloc's bytes on the CPU, torch.cuda's on a GPU), with the components that
+can be measured apart -- model states from the live tensors, activations from a
+profiled step, ZeRO-3's gathered units from its observer.
 """
 from __future__ import annotations
 
