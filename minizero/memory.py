@@ -170,7 +170,9 @@ class HostStepPeaks:
             self._peak = now
 
     def __enter__(self) -> "HostStepPeaks":
-        gc.collect()  # tensors the last step left in reference cycles would count as resident, and be freed mid-step
+        # Tensors the last step left in reference cycles would count as resident, and be freed mid-step.  (The run
+        # sets the objects that existed before it aside -- gc.freeze -- so this walks only what the run made.)
+        gc.collect()
         self._resident = self._peak = self._in_use()
         self._mode = _AfterEveryOp(self._sample)
         self._mode.__enter__()

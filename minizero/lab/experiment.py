@@ -126,6 +126,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             checkpoint.load(stage, exp.resume)
         peaks = CudaStepPeaks(exp.device) if cuda else HostStepPeaks() if exp.host_step_peaks \
             else contextlib.nullcontext()
+        if cuda or exp.host_step_peaks:  # the step peaks collect garbage before each step (the last one's cycles):
+            gc.freeze()  # set what exists aside, so each walks what this run makes, not a forked parent's heap
         for s in range(exp.first_step, exp.first_step + exp.steps):
             with peaks:  # what was allocated as the step began, and the most during it (the batch's too)
                 x, y = (t.to(exp.device) for t in task.make_batch(exp.global_batch(n), exp.seed, s, dtype, **exp.model))
@@ -161,6 +163,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
     finally:
         if comm:
             comm.close()
+        if cuda or exp.host_step_peaks:
+            gc.unfreeze()
     sent, links = ledger.snapshot(), ledger.links()
     check_bytes = sent.pop("check", 0)  # fingerprints: apart from the traffic the formulas describe
     return RankResult(params=params, losses=losses, global_count=step.global_count, step_s=times,
