@@ -12,7 +12,8 @@ shard of each bucket's averaged gradient -- the pieces' ``.grad``.
 2. a post-accumulate-grad hook marks each parameter ready; a complete bucket
    is packed, its full gradients freed, and its reduce-scatter started on the
    communication thread while backward goes on
-   (:class:`~minizero.buckets.BucketPipeline`, as in ``ddp-bucketed``);
+   (:class:`~minizero.buckets.BucketPipeline`, as in ``ddp-bucketed``) -- once
+   the one before has finished, so a slow wire cannot pile packed copies up;
 3. the optimizer steps the owned pieces, and the updated shards are
    all-gathered, as in ZeRO-1.
 
