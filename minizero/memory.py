@@ -156,7 +156,9 @@ class HostStepPeaks:
     operator of the rank's main thread (forward, backward and the optimizer step), so what the communication
     thread holds then -- buckets in flight, a collective's output -- is in it too.  A sampled peak: a buffer made
     and freed *inside* one operator, or between two samples on the other thread, is missed, so it can only be
-    below the true one (about 4 us a sample; a step of the lab's GPT runs some thousands of operators)."""
+    below the true one.  A sample costs about 4 us in a fresh process, but mallinfo2 walks every free chunk of the
+    heap: in a rank forked from a long-lived, fragmented process it costs milliseconds, so measure in spawned ranks
+    (:func:`minizero.lab.memory_table.measured_rows` does)."""
 
     def __init__(self):
         self._in_use = malloc_in_use()

@@ -192,3 +192,17 @@ def test_the_gpu_table_sets_what_cudas_libraries_keep_apart_from_the_step():
     off = (held + adds) / predicted["total"] - 1
     assert line.split()[-2] == f"{off:+.1%}" and line.split()[-1] == f"{libraries:,}", line
     assert f"{held + adds:,}" in line and f"{held:,}" in line, line
+
+
+def test_a_c_library_without_mallinfo2_is_refused_saying_where_to_measure(monkeypatch):
+    """The CPU's whole-step figure reads glibc's mallinfo2(); elsewhere (macOS, musl, glibc before 2.33) it is refused
+    before any rank starts, saying what to do -- not an AttributeError from ctypes."""
+    import minizero.memory as memory
+
+    class NoMallinfo2:
+        def __init__(self, *_):
+            pass
+
+    monkeypatch.setattr(memory.ctypes, "CDLL", NoMallinfo2)
+    with pytest.raises(RuntimeError, match="reads glibc's mallinfo2.*measure on Linux, or on a GPU"):
+        memory.HostStepPeaks()

@@ -66,7 +66,10 @@ def measured_rows(model: str, world_size: int, precision: str, optimizer: str, t
     ``<prefix>_peak`` during it, ``<prefix>_held`` its model states, ``<prefix>_steps`` every rank's every step."""
     options = {"precision": precision} if Precision.of(precision).mixed else {}
     prefix, rows = "cuda" if device == "cuda" else "host", []
-    with RankPool(world_size, timeout_s=timeout_s, start_method="spawn" if device == "cuda" else None) as pool:
+    # Fresh ranks (spawned, not forked): a rank forked from a long-lived process inherits its heap, and glibc's
+    # mallinfo2(), which HostStepPeaks reads after every operator, walks every free chunk of it -- a fragmented
+    # parent's made one memory command take minutes.  (CUDA needs spawned ranks anyway.)
+    with RankPool(world_size, timeout_s=timeout_s, start_method="spawn") as pool:
         for name in stages or distributed():
             taken = {**options, "bucket_mb": bucket_mb,
                      **({"offload_optimizer": True} if offload and offloads(name) else {})}
