@@ -11,8 +11,8 @@ embedding's share, so it is held through every block.
 
 The gradients, by what the stage states (:class:`~minizero.stages.facts.GradientMemory`):
   kept    -- in buffers that outlive ``zero_grad()``: nothing on top of the model states;
-  born    -- each ``.grad`` is made as backward reaches its parameter, and stays (``packed``: after backward, copied
-             whole into one flat buffer for one all-reduce);
+  born    -- each ``.grad`` is made as backward reaches its parameter, and stays (DDP then copies them all into one
+             flat buffer after backward: the stage's ``after_backward_elements``, another moment);
   buckets -- ZeRO-2 and -3: a bucket whose gradients are all born waits for the reduce-scatter before it
              (:data:`~minizero.buckets.MAX_IN_FLIGHT`), is packed into a new buffer -- its gradients and their copy
              both alive for that moment -- and its gradients freed; each reduce-scatter leaves this rank its 1/N.
@@ -83,7 +83,7 @@ def backward_peak(memory: GradientMemory, shape, per_block: float, kept_per_bloc
         if block is not None:  # blocks below this one keep theirs; this one what its backward has not freed yet
             activations = block * kept_per_block + (1 - freed) * per_block + flowing
         else:  # the final LayerNorm's gradient, before any block's backward; the embeddings', after every one's
-            activations = shape.layers * kept_per_block if block is None and i < 2 else 0.0
+            activations = shape.layers * kept_per_block if i < 2 else 0.0
         waiting = head if i < len(order) - 1 else 0.0
         born += n * working
         unpacked += n * working

@@ -136,9 +136,9 @@ def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batc
         (one more s*b*V fp32 tensor beside the log-softmax);
       backward (:mod:`.backward_memory`): activations freed block by block as gradients are born, backward's working
         memory, and ZeRO-2's and -3's packed buckets (``buckets``);
-      after backward: DDP's flat copy of every gradient for its all-reduce;
-      the step: mixed precision's fp32 gradients and, with ``foreach`` -- torch's default on a GPU -- the
-        optimizer's intermediates (activations are freed by then).
+      after backward: DDP's flat copy of every gradient for its all-reduce (a stage's ``after_backward_elements``);
+      the step: mixed precision's fp32 gradients and the optimizer's intermediates -- with ``foreach``, torch's
+        default on a GPU, as large as what it steps; else one tensor's worth (activations are freed by then).
     The first two count without the gradients ``zero_grad()`` freed (a stage whose gradients are born in backward),
     with ZeRO-3's gathered units.  ``host``: what optimizer offload keeps in host memory."""
     cls, k = STAGES[stage], STATE_TENSORS[optimizer]
