@@ -233,8 +233,7 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int, whe
         if not STAGES[stage].equivalent:  # its own buffers (stale copies, anchors) are not modelled
             continue
         predicted = predicted_step(args, stage, psi, live_n, foreach=cuda)  # torch's default: foreach on a GPU only
-        held, resident = row[f"{prefix}_held"], row[f"{prefix}_resident"]
-        seen = held + row[f"{prefix}_peak"] - resident
+        held, resident, seen = row[f"{prefix}_held"], row[f"{prefix}_resident"], step_peak(row, prefix)
         lines.append(f"{stage:<14}{pair(predicted['model_states'], held, 12)}"
                      f"{pair(predicted['activations'], act_measured, 10)}"
                      f"{pair(predicted['gathered_units'], row.get('gathered_peak'), 9)}{predicted['buckets']:>12,.0f}"
@@ -249,6 +248,12 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int, whe
                                "input (torch.profiler's memory categories)") +
               "; gathered units: ZeRO-3's root unit and 1 + prefetch blocks / the gathered peak its observer saw."]
     return lines
+
+
+def step_peak(row: dict, prefix: str = "host") -> int:
+    """A measured row's step peak, set beside the prediction: the model states held plus what the step added over the
+    bytes allocated as it began (the rest of the process's heap -- Python's, the libraries' -- is no part of it)."""
+    return row[f"{prefix}_held"] + row[f"{prefix}_peak"] - row[f"{prefix}_resident"]
 
 
 def predicted_step(args, stage: str, psi: float, world_size: int, foreach: bool) -> dict:
