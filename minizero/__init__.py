@@ -7,10 +7,10 @@ Read in this order: ``comm`` (collectives from send/recv, the byte ledger),
 against the reference, benchmarks).  The core never imports ``lab``.
 """
 from .comm import Ledger, ReduceOp, make_comm
-from .launch import Rank, RankError, RankPool, run
-from .sharded_optimizer import ShardedOptimizer
+from .parts.sharded_optimizer import ShardedOptimizer
+from .run.launch import Rank, RankError, RankPool, run
+from .run.train import Step, shard_step, train_step
 from .stages import STAGES, make_stage
-from .train import Step, shard_step, train_step
 
 __version__ = "0.1.0"
 __all__ = ["Ledger", "Rank", "RankError", "RankPool", "ReduceOp", "STAGES", "ShardedOptimizer", "Step", "make_comm", "make_stage",

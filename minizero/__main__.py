@@ -11,29 +11,29 @@ import os
 import sys
 
 from .comm import BACKENDS, PRESETS
-from .lab import preflight
-from .lab.bench import BENCHES
-from .lab.compress_study import add_parser as add_compress_study
-from .lab.equivalence import DTYPES
-from .lab.memory_table import MODELS as MEMORY_MODELS
-from .lab.memory_table import stage_list
-from .lab.optimizers import OPTIMIZERS
-from .lab.option_flags import add_flags
-from .lab.rank_verdict import rank_error_verdict
-from .lab.registry import LAB_STAGES
-from .lab.step_memory import gpu_bytes
-from .lab.tasks import TASKS
-from .lab.train_command import add_parser as add_train_command
-from .labs.cli import add_commands as add_lab_commands
-from .launch import RankError
-from .precision import PRECISIONS, REDUCE_DTYPES
+from .course.commands.bench import BENCHES
+from .course.commands.compress_study import add_parser as add_compress_study
+from .course.commands.memory_table import MODELS as MEMORY_MODELS
+from .course.commands.memory_table import stage_list
+from .course.commands.train_command import add_parser as add_train_command
+from .course.harness import preflight
+from .course.harness.equivalence import DTYPES
+from .course.harness.optimizers import OPTIMIZERS
+from .course.harness.option_flags import add_flags
+from .course.harness.rank_verdict import rank_error_verdict
+from .course.harness.registry import LAB_STAGES
+from .course.harness.step_memory import gpu_bytes
+from .course.harness.tasks import TASKS
+from .course.labs.cli import add_commands as add_lab_commands
+from .parts.precision import PRECISIONS, REDUCE_DTYPES
+from .run.launch import RankError
 from .stages import DEFAULT_STAGE, STAGES, distributed
 from .stages.options import WIRE_AND_USE, natural_int, positive_float, positive_int
 
 
 def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str, stages: dict) -> None:
     """What ``compare`` and ``soak`` share: the run to compare with single-device training, and a flag for
-    each option the ``stages`` declare (minizero.lab.option_flags; ``precision`` is built from its own flags)."""
+    each option the ``stages`` declare (minizero.course.harness.option_flags; ``precision`` is built from its own flags)."""
     p.add_argument("--world-size", type=positive_int, default=2)
     p.add_argument("--stages", default=DEFAULT_STAGE, help=f"comma-separated, from: {', '.join(distributed(stages))}")
     p.add_argument("--dtype", choices=list(DTYPES), default=dtype)
@@ -55,7 +55,7 @@ def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str, stages
     p.add_argument("--clip", type=positive_float, default=None, help="clip the global L2 gradient norm to this")
     p.add_argument("--checkpoint-activations", action="store_true",
                    help="keep each block's input only and replay its forward in backward (torch.utils.checkpoint, "
-                        "non-reentrant; minizero.activations); the reference never does")
+                        "non-reentrant; minizero.parts.activations); the reference never does")
     p.add_argument("--backend", choices=list(BACKENDS), default="ring")
     p.add_argument("--seed", type=preflight.seed, default=0)
     p.add_argument("--timeout", type=preflight.timeout_s, default=300.0,
@@ -95,9 +95,9 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     memory.add_argument("--seq", type=positive_int, default=2048, help="--params: tokens per sample (a --model's "
                                                                         "are its own)")
     memory.add_argument("--checkpoint-activations", action="store_true",
-                        help="each block keeps its input only and is replayed in backward (minizero.activations)")
+                        help="each block keeps its input only and is replayed in backward (minizero.parts.activations)")
     memory.add_argument("--offload-optimizer", action="store_true",
-                        help="the ZeRO stages keep their optimizer states in host memory (ZeRO-Offload, minizero.offload)")
+                        help="the ZeRO stages keep their optimizer states in host memory (ZeRO-Offload, minizero.parts.offload)")
     memory.add_argument("--gpu", type=gpu_bytes, default=None,
                         help="a GPU's memory, e.g. 80GB: does each stage fit, and if not, the smallest change that does")
     memory.add_argument("--bucket-mb", type=positive_float, default=25.0,
@@ -121,7 +121,7 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--network", default=None,
                        help="dial the network: 'alpha=2ms,bandwidth=50MB/s' or a preset (" + ", ".join(PRESETS) + "); "
                             "overlap, buckets, prefetch and compress measure on it (default for the last three: lesson)")
-    from .lab.models import GPT_SIZES  # bench all's options: refused by the other benches (minizero.lab.bench_all)
+    from .course.harness.models import GPT_SIZES  # bench all's options: refused by the other benches (minizero.lab.bench_all)
     bench.add_argument("--model", choices=list(GPT_SIZES), default=None, help="bench all: the GPT's size (small)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default=None, help="bench all: where the ranks compute (cpu)")
     bench.add_argument("--collectives", choices=list(BACKENDS), default=None,
@@ -166,23 +166,23 @@ def main(argv=None, stages: dict | None = None) -> int:
     args = parser(stages).parse_args(argv)
     try:
         if args.command == "compare":
-            from .lab.compare import main as run
+            from .course.commands.compare import main as run
         elif args.command == "soak":
-            from .lab.soak import main as run
+            from .course.commands.soak import main as run
         elif args.command == "memory":
-            from .lab.memory_table import main as run
+            from .course.commands.memory_table import main as run
         elif args.command == "lab":
-            from .labs.cli import lab_main as run
+            from .course.labs.cli import lab_main as run
         elif args.command == "check":
-            from .labs.cli import check_main as run
+            from .course.labs.cli import check_main as run
         elif args.command == "scale":
-            from .lab.scale import main as run
+            from .course.commands.scale import main as run
         elif args.command == "train":
-            from .lab.train_command import main as run
+            from .course.commands.train_command import main as run
         elif args.command == "compress-study":
-            from .lab.compress_study import main as run
+            from .course.commands.compress_study import main as run
         else:
-            from .lab.bench import main as run
+            from .course.commands.bench import main as run
         status, text = run(args)
     except ValueError as error:  # refused before anything ran (a CheckpointError is one): bad input, exit 2
         print(f"error: {error}", file=sys.stderr)

@@ -17,9 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-from minizero.lab.equivalence import max_diff  # noqa: E402
-from minizero.lab.experiment import Experiment, reference_of, run_experiment  # noqa: E402
-from minizero.launch import RankPool  # noqa: E402
+from minizero.course.harness.equivalence import max_diff  # noqa: E402
+from minizero.course.harness.experiment import Experiment, reference_of, run_experiment  # noqa: E402
+from minizero.run.launch import RankPool  # noqa: E402
 
 CASES = [("ddp-bucketed", {"compress": "powersgd:rank=2", "error_feedback": True, "bucket_mb": 0.05}),
          ("ddp", {"compress": "int8", "error_feedback": True}),

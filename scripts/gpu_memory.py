@@ -2,7 +2,7 @@
 
 1. ``memory --model large --device cuda --stages ddp,zero1,zero2,zero3``: each stage's last step on four ranks
    sharing GPU 0 (gloo between them), its peak by ``torch.cuda.max_memory_allocated`` beside the prediction of
-   :mod:`minizero.lab.step_memory` -- ``large`` is where activations outweigh what CUDA's libraries keep -- with
+   :mod:`minizero.course.harness.step_memory` -- ``large`` is where activations outweigh what CUDA's libraries keep -- with
    and without checkpointing;
 2. optimizer offload on CUDA: each ZeRO stage trained with its optimizer in pinned host memory against the same
    run without offload, how far apart (losses, parameters after every step, optimizer state: the offloaded step
@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
-from minizero.lab.experiment import Experiment, build, run_experiment  # noqa: E402
-from minizero.launch import RankPool  # noqa: E402
-from minizero.offload import HOST_KIND  # noqa: E402
+from minizero.course.harness.experiment import Experiment, build, run_experiment  # noqa: E402
+from minizero.parts.offload import HOST_KIND  # noqa: E402
+from minizero.run.launch import RankPool  # noqa: E402
 from minizero.stages import STAGES, distributed  # noqa: E402
 
 MEMORY_CASES = [["--model", "large", "--micro-batch", "8", "--stages", "ddp,zero1,zero2,zero3"],

@@ -6,7 +6,7 @@
 Each rank trains the benchmarks' GPT for a few steps with ``precision=bf16`` on
 ``cuda``, and reports ``torch.cuda.max_memory_allocated()`` (the allocator's
 peak: model states + activations + temporaries) beside the stage's model-state
-formula and the model-state bytes it held (:mod:`minizero.memory`).  Rank 0
+formula and the model-state bytes it held (:mod:`minizero.observe.memory`).  Rank 0
 prints one JSON list; the table in ``docs/gpu-results.md`` is made from it.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ import json
 import torch
 import torch.distributed as dist
 
-from minizero.lab.experiment import Experiment, run_experiment
-from minizero.lab.models import BENCH_GPT
-from minizero.lab.optimizers import STATE_TENSORS
+from minizero.course.harness.experiment import Experiment, run_experiment
+from minizero.course.harness.models import BENCH_GPT
+from minizero.course.harness.optimizers import STATE_TENSORS
+from minizero.run.torchrun import init_from_env
 from minizero.stages import STAGES, distributed
-from minizero.torchrun import init_from_env
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the commands run here, so `-m minizero` is this checkout
 sys.path.insert(0, str(ROOT))
-from minizero.lab.registry import stage_class  # noqa: E402  (after the path: the script runs from anywhere)
+from minizero.course.harness.registry import stage_class  # noqa: E402  (after the path: the script runs from anywhere)
 from minizero.stages import distributed  # noqa: E402
 
 PY = [sys.executable, "-m", "minizero"]

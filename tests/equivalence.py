@@ -5,11 +5,11 @@ import functools
 import os
 from dataclasses import replace
 
-from minizero.lab import drawn
-from minizero.lab.diagnosis import what_is_wrong
-from minizero.lab.drawn import BUCKET_MB, PRECISION_POLICIES, stage_options
-from minizero.lab.equivalence import bit_identical, judge, optimizer_state_violation
-from minizero.lab.experiment import Experiment, reference_of, run_experiment
+from minizero.course.harness import drawn
+from minizero.course.harness.diagnosis import what_is_wrong
+from minizero.course.harness.drawn import BUCKET_MB, PRECISION_POLICIES, stage_options
+from minizero.course.harness.equivalence import bit_identical, judge, optimizer_state_violation
+from minizero.course.harness.experiment import Experiment, reference_of, run_experiment
 
 #: ``make test-deep`` sets MINIZERO_DEEP: every property draws 20 times as many, fresh, examples.
 DEEP = bool(os.environ.get("MINIZERO_DEEP"))
@@ -27,7 +27,7 @@ _DRAWN: list[tuple] = []
 
 
 def experiments(*args, world_sizes=WORLD_SIZES, **kwargs):
-    """:func:`minizero.lab.drawn.experiments`, each draw noted for :func:`covering` (``map`` leaves the draws
+    """:func:`minizero.course.harness.drawn.experiments`, each draw noted for :func:`covering` (``map`` leaves the draws
     themselves, and so the derandomized examples, as they were)."""
     return drawn.experiments(*args, world_sizes=world_sizes, **kwargs).map(
         lambda pair: _DRAWN.append((pair, world_sizes)) or pair)
@@ -80,8 +80,8 @@ def covering_every_world_size(test):
 
 
 def assert_equivalent(results: list, reference, exp: Experiment, rtol: float | None = None) -> None:
-    """The one definition of equivalent (:func:`minizero.lab.equivalence.judge`), as an assertion -- which, when it
-    fails, says what the labs' checker would say (:func:`minizero.lab.diagnosis.what_is_wrong`): the parameter,
+    """The one definition of equivalent (:func:`minizero.course.harness.equivalence.judge`), as an assertion -- which, when it
+    fails, says what the labs' checker would say (:func:`minizero.course.harness.diagnosis.what_is_wrong`): the parameter,
     the rank, the step, the ratio and the direction."""
     verdict = judge(results, reference, exp.dtype, rtol, states=exp.record_states)
     if not verdict.ok:

@@ -14,8 +14,8 @@ all come from that declaration, with no line anywhere else.
 """
 from __future__ import annotations
 
-from minizero.flat import pack, unpack
-from minizero.formulas import all_gather_bytes
+from minizero.costs.formulas import all_gather_bytes
+from minizero.parts.flat import pack, unpack
 from minizero.stages import DDP
 from minizero.stages.options import FIND_UNUSED_PARAMETERS, Option, positive_int
 

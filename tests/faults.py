@@ -67,10 +67,10 @@ def freeze_while_waiting(now: dict) -> None:
 
 def train_with_fault(me, fault: str, place: str, steps: int = 3, backend: str = "ring") -> str:
     from minizero.comm import make_comm
-    from minizero.lab.optimizers import make_optimizer
-    from minizero.lab.tasks import TASKS
+    from minizero.course.harness.optimizers import make_optimizer
+    from minizero.course.harness.tasks import TASKS
+    from minizero.run.train import shard_step, train_step
     from minizero.stages import make_stage
-    from minizero.train import shard_step, train_step
 
     task = TASKS["gpt"]
     model = task.make_model(0, torch.float32, n_layer=2)
@@ -100,9 +100,9 @@ if __name__ == "__main__":  # under torchrun
     import torch._dynamo  # noqa: F401 -- the first Optimizer imports it lazily: seconds, on a busy machine
     import torch.distributed as dist
 
-    import minizero.lab.tasks  # noqa: F401 -- imported before the barrier, with the stages below
+    import minizero.course.harness.tasks
     import minizero.stages  # noqa: F401
-    from minizero.torchrun import init_from_env
+    from minizero.run.torchrun import init_from_env
 
     fault, place, timeout_s, *backend = sys.argv[1], sys.argv[2], float(sys.argv[3]), *sys.argv[4:]
     me = init_from_env(timeout_s=timeout_s)

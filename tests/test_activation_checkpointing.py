@@ -1,4 +1,4 @@
-"""Activation checkpointing (:mod:`minizero.activations`) composed with every stage: the ranks replay each block's
+"""Activation checkpointing (:mod:`minizero.parts.activations`) composed with every stage: the ranks replay each block's
 forward inside backward, the reference never does -- and training is the same, bit for bit where the suite's
 equivalence is.  ZeRO-3 gathers a replayed unit once (its bytes and gathered peak are those of the step without
 checkpointing, units nested inside a block included); the bucketed stages launch each bucket once."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from minizero.activations import checkpoint_blocks, checkpointed_blocks
-from minizero.lab.experiment import Experiment, run_experiment
-from minizero.lab.models import MLP, TinyGPT
+from minizero.course.harness.experiment import Experiment, run_experiment
+from minizero.course.harness.models import MLP, TinyGPT
+from minizero.parts.activations import checkpoint_blocks, checkpointed_blocks
 from minizero.stages import STAGES, distributed
 from tests.equivalence import examples, experiments, run_and_check
 

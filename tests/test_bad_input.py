@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from minizero.comm import make_comm
-from minizero.launch import RankError
+from minizero.run.launch import RankError
+from minizero.run.train import shard_step
 from minizero.stages import make_stage
-from minizero.train import shard_step
 
 
 def _wrap_mismatched(me, what):
@@ -195,6 +195,6 @@ def test_what_no_stage_can_work_with_is_refused_at_wrap_time(pools, what, stage,
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
 def test_a_pool_needs_a_positive_timeout(bad):
-    from minizero.launch import RankPool
+    from minizero.run.launch import RankPool
     with pytest.raises(ValueError, match="timeout_s must be > 0 seconds"):
         RankPool(2, timeout_s=bad)

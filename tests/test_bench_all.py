@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from minizero.__main__ import main
-from minizero.lab.bench_all import bench_all, format_table, plot, row
-from minizero.lab.experiment import Experiment, run_experiment
-from minizero.lab.models import GPT_SIZES
-from minizero.lab.rounds import verdict
+from minizero.course.commands.bench_all import bench_all, format_table, plot, row
+from minizero.course.harness.experiment import Experiment, run_experiment
+from minizero.course.harness.models import GPT_SIZES
+from minizero.course.harness.rounds import verdict
 from minizero.stages import STAGES, Shards, distributed
 
 N = 2
@@ -143,7 +143,7 @@ def test_a_counterpart_that_cannot_run_here_is_said_not_compared_and_nothing_is_
                                                                                         tmp_path):
     """On a GPU, bench all's gloo ranks cannot run FSDP2 (it dies with a segfault): the zero3 row must keep
     zero3's own measurement, leave torch's cells empty, say why -- and never run the counterpart."""
-    import minizero.lab.bench_all as bench_all_module
+    import minizero.course.commands.bench_all as bench_all_module
     ran = []
     real = bench_all_module._measure
     monkeypatch.setattr(bench_all_module, "_measure", lambda pool, exp, n: ran.append(exp.stage) or real(pool, exp, n))

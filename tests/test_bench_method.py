@@ -1,12 +1,12 @@
-"""The benches' measurement method (minizero.lab.rounds) and the machine's record (minizero.lab.machine),
+"""The benches' measurement method (minizero.course.harness.rounds) and the machine's record (minizero.course.harness.machine),
 checked on synthetic times and texts: known ratios give the right verdict, a straddling interval gives
 none, the seed makes it all repeatable, and a busy machine is flagged.  No timing is asserted."""
 from __future__ import annotations
 
 import pytest
 
-from minizero.lab import machine, rounds
-from minizero.lab.rounds import bootstrap, compare, measure_rounds, orders, verdict
+from minizero.course.harness import machine, rounds
+from minizero.course.harness.rounds import bootstrap, compare, measure_rounds, orders, verdict
 
 
 def _times(ratios: list[float], base: float = 10.0) -> tuple[list[float], list[float]]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from minizero.comm.network import Network
-from minizero.lab.break_even import break_even, compute_s, gpt_shapes, pays_on, table, wire_terms
-from minizero.lab.experiment import Experiment, run_experiment
-from minizero.lab.tasks import TASKS
+from minizero.course.commands.break_even import break_even, compute_s, gpt_shapes, pays_on, table, wire_terms
+from minizero.course.harness.experiment import Experiment, run_experiment
+from minizero.course.harness.tasks import TASKS
 
 NET = Network(1e-4, 1e8)
 

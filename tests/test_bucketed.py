@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from torch import nn
 
-from minizero.buckets import assign_buckets
 from minizero.comm import make_comm
-from minizero.lab.experiment import Experiment, run_experiment
-from minizero.lab.models import MLP, EdgeModel
-from minizero.launch import RankError
+from minizero.course.harness.experiment import Experiment, run_experiment
+from minizero.course.harness.models import MLP, EdgeModel
+from minizero.parts.buckets import assign_buckets
+from minizero.run.launch import RankError
+from minizero.run.train import shard_step, train_step
 from minizero.stages import BucketedDDP, make_stage
-from minizero.train import shard_step, train_step
 from tests.equivalence import covering, examples, experiments, run_and_check
 
 
@@ -226,7 +226,7 @@ class _LaunchRunsTheCollective(BucketedDDP):
 
 def _launch_returns_none(me):
     from minizero.comm import make_comm
-    from minizero.lab.models import MLP
+    from minizero.course.harness.models import MLP
     model = MLP((3, 4, 2), seed=0, dtype=torch.float64)
     stage = _LaunchRunsTheCollective(model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"))
     try:
@@ -267,7 +267,7 @@ def test_zero_stages_hold_at_most_their_bound_of_buckets_in_flight(bound):
     one (reduces held until every bucket is launched) they pile up."""
     import threading
 
-    from minizero.buckets import MAX_IN_FLIGHT, BucketPipeline
+    from minizero.parts.buckets import MAX_IN_FLIGHT, BucketPipeline
     assert MAX_IN_FLIGHT == 1  # ZeRO-2's and -3's, as FSDP2's
     params = [nn.Parameter(torch.zeros(1)) for _ in range(5)]
     comm, seen, gate = _OneThread(), {}, threading.Event()

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from minizero.__main__ import main
-from minizero.labs import check
+from minizero.course.labs import check
 
 DEADLINE_S = 5.0
 GUARD_S = 120.0  # a hang fails the test instead of stalling the suite: far beyond the deadline on any machine

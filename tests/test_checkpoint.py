@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from minizero import checkpoint
 from minizero.checkpoint import CheckpointError
 from minizero.checkpoint.directory import find as find_with_notes
-from minizero.lab.equivalence import judge
-from minizero.lab.experiment import Experiment, build, exact_reference_of, run_experiment
-from minizero.lab.tasks import TASKS
-from minizero.launch import RankError
-from minizero.precision import Precision
+from minizero.course.harness.equivalence import judge
+from minizero.course.harness.experiment import Experiment, build, exact_reference_of, run_experiment
+from minizero.course.harness.tasks import TASKS
+from minizero.parts.precision import Precision
+from minizero.run.launch import RankError
 from minizero.stages import STAGES as REGISTRY
 from minizero.stages import distributed
 from tests.equivalence import covering, examples, experiments

@@ -18,9 +18,9 @@ import minizero.checkpoint.files as files
 from minizero import checkpoint
 from minizero.checkpoint import CheckpointError
 from minizero.checkpoint.directory import find as find_with_notes
-from minizero.lab.experiment import Experiment, build, run_experiment
-from minizero.lab.tasks import TASKS
-from minizero.launch import RankError
+from minizero.course.harness.experiment import Experiment, build, run_experiment
+from minizero.course.harness.tasks import TASKS
+from minizero.run.launch import RankError
 from minizero.stages import Stage
 
 

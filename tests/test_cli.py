@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from minizero.__main__ import main
-from minizero.lab import equivalence
-from minizero.lab.result import RankResult
+from minizero.course.harness import equivalence
+from minizero.course.harness.result import RankResult
 
 
 @pytest.mark.parametrize("argv, message", [

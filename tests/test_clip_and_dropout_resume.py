@@ -3,7 +3,7 @@
 Clipping: the coefficient max_norm / (norm + eps) is capped at 1, so a gradient whose norm is below
 max_norm is left as it is.  A test that only ever clips cannot tell that from a clip that always scales;
 so each stage clips, at N = 3 (uneven shards), with the max_norms the property suite draws
-(``minizero.lab.drawn``: one below every norm, one far above), in the L2 and the inf norm, and must give
+(``minizero.course.harness.drawn``: one below every norm, one far above), in the L2 and the inf norm, and must give
 torch's ``clip_grad_norm_`` on one device -- the norm it returns and the step it leads to.
 
 Resume: a model with dropout, fed in an order drawn from torch's global generator (as a shuffling
@@ -24,11 +24,11 @@ from torch import nn
 
 from minizero import checkpoint
 from minizero.comm import make_comm
-from minizero.lab import drawn
-from minizero.lab.experiment import reference_of
-from minizero.lab.tasks import TASKS
+from minizero.course.harness import drawn
+from minizero.course.harness.experiment import reference_of
+from minizero.course.harness.tasks import TASKS
+from minizero.run.train import Step, shard_step, sum_loss, train_step
 from minizero.stages import STAGES, Stage, distributed, make_stage
-from minizero.train import Step, shard_step, sum_loss, train_step
 from tests.equivalence import examples, experiments, run_and_check
 from tests.test_checkpoint import assert_same_optimizer_state
 from tests.test_wrapped_optimizer_state import OPTIONS, SAMPLES, SIZES  # the same stages, options and model

@@ -16,7 +16,7 @@ from minizero.compress import parse
 from minizero.compress.quantized import Quantized
 from minizero.compress.sign import Sign
 from minizero.compress.topk import TopK
-from minizero.lab.models import MLP
+from minizero.course.harness.models import MLP
 from minizero.stages import make_stage
 from tests.equivalence import covering_every_world_size, examples, experiments, run_and_check
 
@@ -162,7 +162,7 @@ def test_codec_stage_matches_the_same_codec_reference_and_its_byte_formula(pools
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero2_with_int8_matches_its_reference(pools, world_size):
     """A fixed case beside the drawn ones: ZeRO-2's buckets through the all-to-all, error feedback, K = 2."""
-    from minizero.lab.experiment import Experiment
+    from minizero.course.harness.experiment import Experiment
     exp = Experiment(stage="zero2", task="gpt", steps=3, accum=2, dtype="float64", optimizer="adam",
                      options={"compress": "int8:block=64", "error_feedback": True, "bucket_mb": 0.01})
     run_and_check(pools, exp, world_size)

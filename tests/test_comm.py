@@ -176,7 +176,7 @@ def _bad_shard_on_rank(me):
 
 
 def test_reduce_scatter_rejects_unpadded_input(pools):
-    from minizero.launch import RankError
+    from minizero.run.launch import RankError
     with pytest.raises(RankError, match="pad the full tensor"):
         pools.run(2, _bad_shard_on_rank)
 

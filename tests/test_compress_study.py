@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from minizero.lab.compress_study import SETTINGS, parse_settings
+from minizero.course.commands.compress_study import SETTINGS, parse_settings
 
 
 def test_compressors_are_read_with_their_settings_and_the_baseline_first():

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from minizero.comm import make_comm
 from minizero.compress import split_division
-from minizero.lab.equivalence import bit_identical, max_diff
-from minizero.lab.experiment import Experiment, exact_reference_of, reference_of, run_experiment
-from minizero.lab.models import MLP
-from minizero.launch import RankError
+from minizero.course.harness.equivalence import bit_identical, max_diff
+from minizero.course.harness.experiment import Experiment, exact_reference_of, reference_of, run_experiment
+from minizero.course.harness.models import MLP
+from minizero.run.launch import RankError
 from minizero.stages import make_stage
 from tests.equivalence import WORLD_SIZES, covering, covering_every_world_size, examples, experiments, run_and_check
 

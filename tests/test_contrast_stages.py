@@ -13,12 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.lab.equivalence import DTYPES, judge
-from minizero.lab.experiment import Experiment, reference_of, run_experiment
-from minizero.lab.tasks import TASKS
+from minizero.course.harness.equivalence import DTYPES, judge
+from minizero.course.harness.experiment import Experiment, reference_of, run_experiment
+from minizero.course.harness.tasks import TASKS
+from minizero.run.train import shard_step, sum_loss
 from minizero.stages import STAGES
 from minizero.stages.ps_async import delay
-from minizero.train import shard_step, sum_loss
 from tests.equivalence import covering, examples, experiments, run_and_check
 
 
@@ -194,7 +194,7 @@ def test_local_sgd_replicas_agree_right_after_each_average_and_only_then(pools):
 
 def _anchor_after_loading(me):
     from minizero.comm import make_comm
-    from minizero.lab.models import MLP
+    from minizero.course.harness.models import MLP
     from minizero.stages import make_stage
     model = MLP((3, 2), dtype=torch.float64)
     stage = make_stage("local-sgd", model, torch.optim.Adam(model.parameters()), make_comm("ring"), outer_lr=0.7)
@@ -261,7 +261,7 @@ def test_stages_whose_ranks_differ_refuse_a_checkpoint(pools, tmp_path, stage):
 
 def _wrap_without_optimizer(me, stage):
     from minizero.comm import make_comm
-    from minizero.lab.models import MLP
+    from minizero.course.harness.models import MLP
     from minizero.stages import make_stage
     make_stage(stage, MLP((3, 2)), comm=make_comm("ring"))
 
@@ -282,7 +282,7 @@ def test_a_stage_that_steps_on_its_own_terms_must_be_given_the_optimizer(pools, 
 ])
 def test_train_refuses_what_a_stage_cannot_do_before_it_trains(tmp_path, argv, words):
     from minizero.__main__ import parser
-    from minizero.lab.train_command import make_run
+    from minizero.course.commands.train_command import make_run
     with pytest.raises(ValueError) as raised:
         make_run(parser().parse_args(["train", *argv]))
     assert words in str(raised.value)
@@ -292,7 +292,7 @@ def test_train_refuses_what_a_stage_cannot_do_before_it_trains(tmp_path, argv, w
 def test_the_scaling_model_puts_one_server_on_the_critical_path():
     """cost_model's push and pull: one server's time grows as N-1; every rank serving costs the ring's."""
     from minizero.comm import PRESETS
-    from minizero.cost_model import StepPlan, predict
+    from minizero.costs.cost_model import StepPlan, predict
     net = PRESETS["ethernet-100g"]
 
     def comm_s(stage, n, **options):

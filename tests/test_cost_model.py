@@ -6,9 +6,9 @@ import pytest
 
 from minizero.__main__ import main
 from minizero.comm import Network
-from minizero.cost_model import StepPlan, predict, ring_latency_s, ring_s, tree_latency_s
-from minizero.lab.experiment import Experiment
-from minizero.lab.scale import model_against_measured
+from minizero.costs.cost_model import StepPlan, predict, ring_latency_s, ring_s, tree_latency_s
+from minizero.course.commands.scale import model_against_measured
+from minizero.course.harness.experiment import Experiment
 from minizero.stages import STAGES
 
 NET = Network(1e-3, 1e8)  # 1 ms, 100 MB/s
@@ -65,8 +65,8 @@ def test_the_model_predicts_a_dialled_run(pools, n, stage, options):
 
 def test_collectives_on_a_cluster_by_hand():
     """2 nodes x 4, 1 ms / 1 GB/s inside, 10 ms / 100 MB/s between, S = 80 MB all-reduced."""
-    from minizero.cluster_cost import collective_s
     from minizero.comm import Nodes, parse_network
+    from minizero.costs.cluster_cost import collective_s
     net, nodes, s = parse_network("nodes=2x4,intra=1ms/1GB/s,inter=10ms/100MB/s"), Nodes(2, 4), 8e7
     flat, flat_alpha = collective_s("all_reduce", s, net, nodes)
     assert flat == pytest.approx(14 * (0.010 + 1e7 / 1e8)) and flat_alpha == pytest.approx(14 * 0.010)  # 2(N-1) slow hops

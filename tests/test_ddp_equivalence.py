@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.lab.equivalence import bit_identical
-from minizero.lab.experiment import Experiment, reference_of, run_experiment
+from minizero.course.harness.equivalence import bit_identical
+from minizero.course.harness.experiment import Experiment, reference_of, run_experiment
 from tests.equivalence import covering, examples, experiments, run_and_check
 
 

@@ -46,7 +46,7 @@ def test_every_row_names_a_test_that_asserts_its_message():
 def test_every_stage_option_flag_is_in_the_readme():
     """The README's option lists name every flag a stage declares (the CLI builds them from the declarations):
     a new option is documented, or this fails naming it."""
-    from minizero.lab import option_flags
+    from minizero.course.harness import option_flags
     from minizero.stages import STAGES
     readme = (ROOT / "README.md").read_text()
     flags = {option.flag for cls in STAGES.values() for option in cls.options

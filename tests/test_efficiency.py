@@ -8,11 +8,11 @@ import math
 import pytest
 
 from minizero.comm.network import parse_network
-from minizero.cost_model import predict
-from minizero.lab.efficiency import _base, bench_efficiency, bound, format_efficiency, stage_options
-from minizero.lab.scale import measured_plan
+from minizero.costs.cost_model import predict
+from minizero.course.commands.efficiency import _base, bench_efficiency, bound, format_efficiency, stage_options
+from minizero.course.commands.scale import measured_plan
+from minizero.observe.timeline import StepTimeline
 from minizero.stages import STAGES
-from minizero.timeline import StepTimeline
 
 TINY = {"d_model": 16, "n_layer": 2, "n_head": 2, "block_size": 8}
 

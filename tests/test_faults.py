@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.launch import RankError, RankPool
+from minizero.run.launch import RankError, RankPool
 from tests.faults import FAULTS, FAULTY_RANK, PLACES, train_with_fault
 
 TIMEOUT_S = 2.0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minizero.comm import CollectiveMismatch, Ledger, Tag, make_comm
-from minizero.launch import RankError
+from minizero.run.launch import RankError
 
 
 def _disagree(me, backend, case):
@@ -124,7 +124,7 @@ def test_a_comm_whose_collective_failed_part_way_refuses_the_next(pools):
 def _a_logging_forward_on_rank_0(me):
     """Rank 0 runs an extra forward with autograd on and never backpropagates it (logging a loss, say):
     nothing to synchronise, so nothing for the fingerprints to object to."""
-    from minizero.lab.models import MLP
+    from minizero.course.harness.models import MLP
     from minizero.stages import make_stage
     model = MLP((4, 4), seed=0)
     stage = make_stage("ddp-bucketed", model, torch.optim.SGD(model.parameters(), lr=0.1),

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from minizero.comm import make_comm
-from minizero.lab.experiment import run_experiment
+from minizero.course.harness.experiment import run_experiment
 from minizero.stages import make_stage
 from tests.equivalence import WORLD_SIZES, covering_every_world_size, examples, experiments, replace, run_and_check
 
@@ -122,7 +122,7 @@ def _zero3_replicating(me, replicate, steps: int, accum: int):
 
 @pytest.mark.parametrize("replicate", [REPLICATE, ["blocks.0"]])
 def test_replicated_modules_inside_zero3_train_like_one_device_and_all_reduce(pools, replicate):
-    from minizero.formulas import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+    from minizero.costs.formulas import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
     steps, accum = 3, 2
     want = _single_device_training(steps, accum)
     whole = {n: p.numel() for n, p in Blocks().named_parameters()
@@ -149,7 +149,7 @@ def test_replicated_modules_inside_zero3_train_like_one_device_and_all_reduce(po
 
 
 def _wrap_replicating(me, replicate):
-    from minizero.lab.models import TinyGPT
+    from minizero.course.harness.models import TinyGPT
     model = TinyGPT(vocab_size=11, d_model=8, n_layer=1, n_head=2, block_size=4).double()
     make_stage("zero3", model, None, make_comm("ring"), replicate=replicate)
 
@@ -159,7 +159,7 @@ def _wrap_replicating(me, replicate):
                "module's \\('head.weight', a tied weight\\): it cannot be both. Replicate 'token_embedding' too"),
     ([""], "rank \\d: replicate names the whole model: that is ddp, not zero3")])
 def test_a_replicated_module_that_cannot_be_is_refused_naming_why(pools, replicate, says):
-    from minizero.launch import RankError
+    from minizero.run.launch import RankError
     with pytest.raises(RankError, match=says):
         pools.run(2, _wrap_replicating, replicate)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.lab.training_run import Run, summary
+from minizero.course.commands.training_run import Run, summary
 from minizero.stages import distributed
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_run.py"

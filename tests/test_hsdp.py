@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 
-from minizero.lab.compare import compare
-from minizero.lab.experiment import Experiment
+from minizero.course.commands.compare import compare
+from minizero.course.harness.experiment import Experiment
 from tests.equivalence import covering, examples, experiments, run_and_check
 
 
@@ -125,8 +125,8 @@ def test_checkpoints_reshard_across_node_shapes(pools, tmp_path, saved, loaded, 
     """A sharded checkpoint written by HSDP's first replica (or a consolidated one) reads into another node
     shape, another N, another stage -- and training goes on as single-device training (float64, AdamW, two param
     groups, the GPT's tied weights), parameters and optimizer states to 1e-9."""
-    from minizero.lab.equivalence import judge
-    from minizero.lab.experiment import exact_reference_of
+    from minizero.course.harness.equivalence import judge
+    from minizero.course.harness.experiment import exact_reference_of
     from tests.test_checkpoint import SMALL_GPT, SPLITS, resumed
     (a, net_a, n), (b, net_b, m) = saved, loaded
     exp = Experiment(stage=a, steps=3, dtype="float64", optimizer="adamw", rank_sizes=SPLITS[n], model=SMALL_GPT,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.labs import LABS, LEVELS, check, given
+from minizero.course.labs import LABS, LEVELS, check, given
 
 SOLUTIONS = Path(__file__).parent / "lab_solutions"
 
@@ -40,12 +40,12 @@ def _without(path: Path, owner: str, member: str) -> str:
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_skeleton_holds_only_the_learners_methods_and_pointers_to_their_classes(lab, level):
     """What a skeleton's classes define besides the lab's methods is only ``unit_class = Unit``-style pointers from
-    the stage to the learner's other class -- and the base's own pointer (:mod:`minizero.labs.given`) leads to a
+    the stage to the learner's other class -- and the base's own pointer (:mod:`minizero.course.labs.given`) leads to a
     class whose lab methods raise: deleting it cannot bring back the package's answer.  (A given method restated
     in a skeleton would be the package's behaviour by another name: deleting it would change nothing a check can
     see, so there are none.)"""
     spec = LABS[lab]
-    module = importlib.import_module(f"minizero.labs.skeletons.{level}.{lab.replace('-', '_')}")
+    module = importlib.import_module(f"minizero.course.labs.skeletons.{level}.{lab.replace('-', '_')}")
     for owner, member in _members(spec.skeleton_at(level)):
         if f"{owner}.{member}" in spec.todo:
             continue

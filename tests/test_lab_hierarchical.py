@@ -11,9 +11,9 @@ import torch
 
 from minizero.comm import INTER, INTRA, Nodes, ReduceOp
 from minizero.comm.hierarchical import link_bytes_sent
-from minizero.labs import check, skeleton_path
-from minizero.labs import mistakes_hierarchical as known
-from minizero.labs.properties_hierarchical import OPS, contribution, links_problem, reduction, wrong_value
+from minizero.course.labs import check, skeleton_path
+from minizero.course.labs import mistakes_hierarchical as known
+from minizero.course.labs.properties_hierarchical import OPS, contribution, links_problem, reduction, wrong_value
 
 SOLUTIONS = Path(__file__).parent / "lab_solutions"
 RESULTS = "every all-reduce's result on every node shape: the flat ring's"
@@ -31,7 +31,7 @@ def quiet(_):
 
 
 def rounds_of(results: list[dict[str, torch.Tensor]], links=None) -> list[dict]:
-    """Every rank's round as :func:`~minizero.labs.properties_hierarchical.all_reduce_round` returns it."""
+    """Every rank's round as :func:`~minizero.course.labs.properties_hierarchical.all_reduce_round` returns it."""
     return [{op.name: {"got": r[op.name], "links": (links or [{}] * len(results))[q]} for op in OPS}
             for q, r in enumerate(results)]
 

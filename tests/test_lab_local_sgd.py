@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from minizero.lab.experiment import Experiment
-from minizero.labs import LABS, check
-from minizero.labs.mistakes_local_sgd import MISTAKES
-from minizero.labs.properties_local_sgd import departs
+from minizero.course.harness.experiment import Experiment
+from minizero.course.labs import LABS, check
+from minizero.course.labs.mistakes_local_sgd import MISTAKES
+from minizero.course.labs.properties_local_sgd import departs
 
 HERE = Path(__file__).parent
 H1 = "H = 1 with plain SGD is single-device training"
@@ -43,5 +43,5 @@ def test_the_package_s_departure_is_said_as_an_average_in_the_wrong_place(pools)
 
 
 def _run(me, exp):
-    from minizero.lab.experiment import run_experiment
+    from minizero.course.harness.experiment import run_experiment
     return run_experiment(me, exp)

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from minizero.labs import check
+from minizero.course.labs import check
 from tests import lab_mistakes as planted
 from tests.lab_mistakes import key_of, lab_of
 

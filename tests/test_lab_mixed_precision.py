@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from minizero.labs import LABS, check
-from minizero.labs.check import Checker
-from minizero.labs.failed import Failed
-from minizero.labs.loading import Impl
-from minizero.labs.mistakes_precision import MISTAKES, NeverUnscales, OwnOverflowVerdict
-from minizero.labs.properties_precision import mixed_training
+from minizero.course.labs import LABS, check
+from minizero.course.labs.check import Checker
+from minizero.course.labs.failed import Failed
+from minizero.course.labs.loading import Impl
+from minizero.course.labs.mistakes_precision import MISTAKES, NeverUnscales, OwnOverflowVerdict
+from minizero.course.labs.properties_precision import mixed_training
 
 HERE = Path(__file__).parent
 STEP = "the mixed-precision step on every rank"

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from minizero.checkpoint.flat import FlatShard, Reshard
-from minizero.labs import check
-from minizero.labs.catalogue import LABS
-from minizero.labs.check import Checker
-from minizero.labs.failed import Failed
-from minizero.labs.loading import Impl
-from minizero.labs.mistakes_reshard import RESHARD_MISTAKES, StepRestarted
-from minizero.labs.property_table import PROPERTIES
+from minizero.course.labs import check
+from minizero.course.labs.catalogue import LABS
+from minizero.course.labs.check import Checker
+from minizero.course.labs.failed import Failed
+from minizero.course.labs.loading import Impl
+from minizero.course.labs.mistakes_reshard import RESHARD_MISTAKES, StepRestarted
+from minizero.course.labs.property_table import PROPERTIES
 
 HERE = Path(__file__).parent
 RANGES = "every rank's new shard holds exactly its range"

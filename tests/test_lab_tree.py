@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from minizero.comm.tree import tree_bytes_sent, tree_children, tree_rounds
-from minizero.labs import check
-from minizero.labs.mistakes_tree import TREE_MISTAKES
-from minizero.labs.rounds import critical_path
+from minizero.course.labs import check
+from minizero.course.labs.mistakes_tree import TREE_MISTAKES
+from minizero.course.labs.rounds import critical_path
 
 HERE = Path(__file__).parent
 RESULTS = "every all-reduce's result (SUM, AVG, MAX)"

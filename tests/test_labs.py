@@ -16,9 +16,9 @@ import pytest
 
 from minizero.__main__ import main
 from minizero.comm import Comm
-from minizero.labs import LABS, LEVELS, check, skeleton_path, start
-from minizero.labs import mistakes as known
-from minizero.labs.property_table import PROPERTIES
+from minizero.course.labs import LABS, LEVELS, check, skeleton_path, start
+from minizero.course.labs import mistakes as known
+from minizero.course.labs.property_table import PROPERTIES
 
 SOLUTIONS = Path(__file__).parent / "lab_solutions"
 EVERY_LEVEL = [pytest.param(lab, level, id=f"{lab}-{level}") for lab in LABS for level in LEVELS]
@@ -57,17 +57,17 @@ def test_a_blank_skeleton_fails_naming_the_property_the_case_and_what_to_write(p
 @pytest.mark.parametrize("lab, level", EVERY_LEVEL)
 def test_a_skeleton_builds_on_a_base_without_the_answer(lab, level):
     """No renaming layer: each method the learner writes is the package's method of the same name, so the lab reads
-    as the stage does -- but the skeleton's base (``minizero.labs.given``) has it taken out: the package's class with
+    as the stage does -- but the skeleton's base (``minizero.course.labs.given``) has it taken out: the package's class with
     that method raising, naming itself.  A learner who deletes it gets that error, not the answer.  The skeleton's own
     method is blank too -- a docstring and the raise, nothing of the answer."""
     skeleton_of(lab, level)
-    skeleton = importlib.import_module(f"minizero.labs.skeletons.{level}.{module_name(lab)}")
+    skeleton = importlib.import_module(f"minizero.course.labs.skeletons.{level}.{module_name(lab)}")
     for todo in LABS[lab].todo:
         cls_name, method = todo.split(".")
         cls = getattr(skeleton, cls_name)
         given = cls.__mro__[1]
-        package = next(c for c in cls.__mro__ if not c.__module__.startswith("minizero.labs"))
-        assert given.__module__ == "minizero.labs.given", given
+        package = next(c for c in cls.__mro__ if not c.__module__.startswith("minizero.course.labs"))
+        assert given.__module__ == "minizero.course.labs.given", given
         assert method in vars(cls), f"{todo}: the {level} skeleton does not define it"
         assert any(method in vars(c) for c in package.__mro__ if c is not object), \
             f"{todo}: not a method of the package's {package.__name__}: the skeleton renames it"
@@ -198,8 +198,8 @@ def test_a_lab_is_checked_in_mixed_precision_too(pools):
 
 
 #: What a learner's file subclasses, by the class names the labs' methods are on: an empty subclass of each.
-PACKAGE_CLASSES = {"Ring": "minizero.comm:RingComm", "Wire": "minizero.compress:Wire", "Unit": "minizero.units:Unit",
-                   "MasterWeights": "minizero.precision:MasterWeights", "PowerSGDWire": "minizero.compress:PowerSGDWire"}
+PACKAGE_CLASSES = {"Ring": "minizero.comm:RingComm", "Wire": "minizero.compress:Wire", "Unit": "minizero.parts.units:Unit",
+                   "MasterWeights": "minizero.parts.precision:MasterWeights", "PowerSGDWire": "minizero.compress:PowerSGDWire"}
 #: The class attribute by which a stage builds a class of the learner's file: ZeRO-3 its units, a stage its masters,
 #: the PowerSGD lab's stage its wire.
 BUILT_FROM = {"Unit": "unit_class", "MasterWeights": "master_class", "PowerSGDWire": "wire_class"}
@@ -233,9 +233,9 @@ def test_a_stage_that_does_not_use_the_files_unit_fails_naming_its_methods(pools
     package's Unit would run, so the file's is never called."""
     solution = answer_key("zero3", "guided").read_text()
     path = tmp_path / "zero3_without_unit_class.py"
-    given = "from minizero.stages import ZeRO3 as GivenZeRO3\nfrom minizero.units import Unit as GivenUnit"
-    assert "from minizero.labs.skeletons.guided import zero3 as skeleton" in solution
-    path.write_text(solution.replace("from minizero.labs.skeletons.guided import zero3 as skeleton", given)
+    given = "from minizero.stages import ZeRO3 as GivenZeRO3\nfrom minizero.parts.units import Unit as GivenUnit"
+    assert "from minizero.course.labs.skeletons.guided import zero3 as skeleton" in solution
+    path.write_text(solution.replace("from minizero.course.labs.skeletons.guided import zero3 as skeleton", given)
                     .replace("class Unit(skeleton.Unit):", "class Unit(GivenUnit):")
                     .replace("class ZeRO3(skeleton.ZeRO3):\n    unit_class = Unit", "class ZeRO3(GivenZeRO3):\n    pass"))
     report = check("zero3", impl=str(path), examples=3, pools=pools, out=quiet)

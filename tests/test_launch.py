@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minizero.comm import make_comm
-from minizero.launch import RankError, RankPool, run
+from minizero.run.launch import RankError, RankPool, run
 
 
 def _raise_on_rank_1(me):
@@ -146,7 +146,7 @@ def test_function_defined_in_main_runs_with_fork(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
         import torch
-        from minizero.launch import run
+        from minizero.run.launch import run
         from minizero.comm import make_comm, ReduceOp
         def f(me):
             t = torch.tensor([float(me.rank)])

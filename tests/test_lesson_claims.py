@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from minizero.compress import split_division
-from minizero.formulas import all_gather_bytes, reduce_scatter_bytes
-from minizero.lab.equivalence import max_diff
-from minizero.lab.experiment import Experiment, reference_of, run_experiment
-from minizero.memory import held_bytes
+from minizero.costs.formulas import all_gather_bytes, reduce_scatter_bytes
+from minizero.course.harness.equivalence import max_diff
+from minizero.course.harness.experiment import Experiment, reference_of, run_experiment
+from minizero.observe.memory import held_bytes
+from minizero.run.train import Step, shard_step, sum_loss, train_step
 from minizero.stages import make_stage
-from minizero.train import Step, shard_step, sum_loss, train_step
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero2"])
@@ -55,8 +55,8 @@ def test_reducing_every_micro_batch_sends_k_reduce_scatters(pools):
 def _grads_between_micro_batches(me, every: bool) -> tuple[int, int]:
     """(gradient bytes held when the second micro-batch starts, Psi) on this rank, in the one training loop."""
     from minizero.comm import make_comm
-    from minizero.lab.optimizers import make_optimizer
-    from minizero.lab.tasks import TASKS
+    from minizero.course.harness.optimizers import make_optimizer
+    from minizero.course.harness.tasks import TASKS
     model = TASKS["gpt"].make_model(0, torch.float32)
     stage = make_stage("zero2", model, make_optimizer("adamw", model, 1e-3), make_comm("ring"))
     x, y = TASKS["gpt"].make_batch(4 * me.world_size, 0, 0, torch.float32)

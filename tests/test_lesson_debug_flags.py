@@ -10,7 +10,7 @@ import torch
 
 from minizero.comm.fingerprint import Call, Tag
 from minizero.comm.progress import ProgressBoard
-from minizero.lab.pictures import waits_for
+from minizero.course.figures import waits_for
 
 
 def _board(now: float) -> list[dict]:

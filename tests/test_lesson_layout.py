@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minizero.lab.optimizers import make_optimizer
-from minizero.lab.pictures import flat_layout, masters
-from minizero.lab.tasks import TASKS
+from minizero.course.figures import flat_layout, masters
+from minizero.course.harness.optimizers import make_optimizer
+from minizero.course.harness.tasks import TASKS
 from minizero.stages import STAGES
 
 

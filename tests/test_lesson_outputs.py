@@ -1,6 +1,6 @@
 """What a lesson prints is today's, and is nobody's machine.
 
-* Every block of source a lesson prints went through :func:`minizero.lab.show.show_source`; rendered again from
+* Every block of source a lesson prints went through :func:`minizero.course.harness.show.show_source`; rendered again from
   today's code it must read the same, line for line.  A lesson that calls ``inspect.getsource`` itself escapes the
   check, so that is refused too.
 * No committed output holds an absolute path: a learner reading the notebook on the web should not see the path of
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from minizero.lab.show import render_source, resolve
+from minizero.course.harness.show import render_source, resolve
 
 LESSONS = sorted((Path(__file__).resolve().parent.parent / "lessons").glob("*.ipynb"))
 HEADER = re.compile(r"^# source of (\S+)  \(([^,()]+)(?:, lines (.+) to (.+))?\)$")
@@ -66,7 +66,7 @@ def test_printed_source_is_todays(path):
         if cell["cell_type"] == "code":
             assert "getsource(" not in "".join(cell["source"]), (
                 f"{path.name} cell {number} prints source with inspect.getsource: print it with "
-                f"minizero.lab.show.show_source, which the suite holds to today's code")
+                f"minizero.course.harness.show.show_source, which the suite holds to today's code")
     for number, name, printed, today in printed_sources(path):
         assert printed == today, (
             f"{path.name} cell {number} prints {name} as it was, not as it is: re-execute the lesson "
@@ -86,8 +86,8 @@ def test_no_output_holds_an_absolute_path(path):
 
 def test_the_checks_can_fail(tmp_path):
     """A stale block and a path are found: the two checks above are not vacuous."""
-    from minizero.lab.show import HEADER as FORMAT
-    stale = FORMAT.format(name="minizero.lab.show.show_source", path="minizero/lab/show.py", cut="")
+    from minizero.course.harness.show import HEADER as FORMAT
+    stale = FORMAT.format(name="minizero.course.harness.show.show_source", path="minizero/course/harness/show.py", cut="")
     nb = {"cells": [{"cell_type": "code", "source": "", "outputs": [
         {"output_type": "stream", "name": "stdout", "text": stale + "\ndef show_source(obj):\n    pass\n"},
         {"output_type": "stream", "name": "stderr", "text": "warning in /home/someone/x.py line 3"}]}]}

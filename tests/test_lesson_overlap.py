@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from minizero.buckets import assign_buckets
-from minizero.lab.bench import BENCH_GPT
-from minizero.lab.tasks import TASKS
+from minizero.course.commands.bench import BENCH_GPT
+from minizero.course.harness.tasks import TASKS
+from minizero.parts.buckets import assign_buckets
 
 
 def test_the_first_bucket_completes_during_backward_and_the_embeddings_bucket_last():

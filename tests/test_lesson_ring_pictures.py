@@ -8,9 +8,9 @@ matplotlib.use("Agg")
 import torch  # noqa: E402
 
 from minizero.comm import ReduceOp, make_comm  # noqa: E402
-from minizero.lab.pictures.ddp_flow import draw_ddp_flow  # noqa: E402
-from minizero.lab.pictures.ring import draw_ring_schedule, holdings, read_tag, recording, tagged  # noqa: E402
-from minizero.launch import run  # noqa: E402
+from minizero.course.figures.ddp_flow import draw_ddp_flow  # noqa: E402
+from minizero.course.figures.ring import draw_ring_schedule, holdings, read_tag, recording, tagged  # noqa: E402
+from minizero.run.launch import run  # noqa: E402
 
 
 def test_a_tag_names_its_chunk_and_the_ranks_it_sums():

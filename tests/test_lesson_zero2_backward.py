@@ -1,8 +1,8 @@
 """Lesson 7's picture of ZeRO-2's backward says what the stage does: each bucket's full gradients are freed when
 its reduce-scatter is queued, no full gradient outlives the step, only the shards remain after backward -- and
 ddp-bucketed holds all its buckets throughout.  Bytes only: nothing here depends on how long anything took."""
-from minizero.lab.experiment import Experiment
-from minizero.lab.pictures.zero2_backward import record_backward, summary
+from minizero.course.figures.zero2_backward import record_backward, summary
+from minizero.course.harness.experiment import Experiment
 
 EXP = Experiment(stage="zero2", task="gpt", model={"n_layer": 2}, optimizer="adamw", steps=1, dtype="float32",
                  check=False, options={"bucket_mb": 0.02})

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import Phase, given, settings
 
 from minizero.comm.fingerprint import CollectiveMismatch
-from minizero.launch import RankError
+from minizero.run.launch import RankError
 from tests.equivalence import experiments, run_and_check
 from tests.mutation import STALL, Expected, Mutant, judge, patched, register, try_catch
 
@@ -49,7 +49,7 @@ def _record(name: str, verdict) -> None:
 
 def test_tensor_hook_bug_is_right_at_k1_and_caught_at_k2(pools):
     """The classic: syncing in a tensor hook. Passes at K=1, so a suite without accumulation misses it."""
-    from minizero.lab.experiment import Experiment
+    from minizero.course.harness.experiment import Experiment
     exp = Experiment(stage="ddp-tensor-hook", task="mlp", optimizer="sgd", steps=2, dtype="float64",
                      options={"bucket_mb": 1e-9}, stages=register.MUTANT_STAGES)
     run_and_check(pools, exp, 2)  # K = 1: correct
@@ -59,7 +59,7 @@ def test_tensor_hook_bug_is_right_at_k1_and_caught_at_k2(pools):
 
 
 def test_ignoring_no_sync_is_right_in_value_and_caught_in_bytes(pools):
-    from minizero.lab.experiment import Experiment
+    from minizero.course.harness.experiment import Experiment
     exp = Experiment(stage="ddp-ignores-no-sync", task="mlp", steps=2, accum=3, dtype="float64",
                      stages=register.MUTANT_STAGES)
     results = run_and_check(pools, exp, 3)  # the values are right...
@@ -69,7 +69,7 @@ def test_ignoring_no_sync_is_right_in_value_and_caught_in_bytes(pools):
 
 def test_all_reduce_then_all_gather_is_right_in_value_and_caught_in_bytes(pools):
     """The known slip in public ZeRO-1 code: correct parameters, 1.5x the bytes; the ledger test catches it."""
-    from minizero.lab.experiment import Experiment
+    from minizero.course.harness.experiment import Experiment
     from tests.test_zero import check_zero_bytes
     run_and_check(pools, Experiment(stage="zero1-allreduce-allgather", task="mlp", steps=2, accum=2,
                                     stages=register.MUTANT_STAGES), 3)
@@ -134,7 +134,7 @@ MISMATCH = Expected(CollectiveMismatch, "disagree", "the fingerprint check is th
     (_mutant(_raise(_raises_in_a_rank(TypeError("bad signature")))), False, "crashed, not caught: TypeError (rank 1"),
     (_mutant(_raise(_raises_in_a_rank(CollectiveMismatch("ranks disagree"))), expect=(MISMATCH,)), True,
      "expected CollectiveMismatch (rank 1"),
-    (_mutant(_raise(RankError("stalled: rank 0 has made no progress"))), False, "crashed, not caught: minizero.launch"),
+    (_mutant(_raise(RankError("stalled: rank 0 has made no progress"))), False, "crashed, not caught: minizero.run.launch"),
     (_mutant(_raise(RankError("stalled: rank 0 has made no progress")), expect=(STALL,)), True, "expected RankError"),
     (_mutant(_raise(RankError("rank 0 died with exit code -6")), expect=(STALL,)), False, "crashed, not caught"),
     (_mutant(_raise(ExceptionGroup("two", [AssertionError("wrong"), TypeError("crash")]))), False,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from minizero.comm import PRESETS, Ledger, Network, ReduceOp, make_comm, parse_network, ring_messages
-from minizero.cost_model import root_all_reduce_s
-from minizero.launch import RankPool
+from minizero.costs.cost_model import root_all_reduce_s
+from minizero.run.launch import RankPool
 
 WIRE = "alpha=15ms,bandwidth=4MB/s"  # a 40 KB chunk is 10 ms on the network: both terms count
 

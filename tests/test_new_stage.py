@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 
 from minizero.__main__ import main, parser
-from minizero.lab.compare import compare
-from minizero.lab.experiment import Experiment, build
-from minizero.lab.registry import LAB_STAGES
+from minizero.course.commands.compare import compare
+from minizero.course.harness.experiment import Experiment, build
+from minizero.course.harness.registry import LAB_STAGES
 from minizero.stages import STAGES, with_stages
 from minizero.stages.options import Drawing
 from tests.equivalence import covering, examples, experiments, run_and_check

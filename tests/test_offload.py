@@ -1,4 +1,4 @@
-"""Optimizer-state offload (:mod:`minizero.offload`, ZeRO-Offload) on every ZeRO stage: the masters and the optimizer's
+"""Optimizer-state offload (:mod:`minizero.parts.offload`, ZeRO-Offload) on every ZeRO stage: the masters and the optimizer's
 states of the owned shard in host memory, the step computed there.  It moves where the step happens, not what it
 computes: offloaded training is the same training to the bit -- and the stages it is the same as are proven
 equivalent to single-device training by the rest of the suite.  What it moves is measured: the device keeps what the
@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.lab.costs import memory_problem
-from minizero.lab.experiment import Experiment, run_experiment
-from minizero.lab.optimizers import STATE_TENSORS
+from minizero.course.harness.costs import memory_problem
+from minizero.course.harness.experiment import Experiment, run_experiment
+from minizero.course.harness.optimizers import STATE_TENSORS
 from minizero.stages import STAGES, distributed, make_stage
 from tests.equivalence import examples, experiments
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minizero.comm import make_comm
-from minizero.launch import RankError
+from minizero.run.launch import RankError
 from minizero.stages import make_stage
 from tests.test_robustness import Branchy  # a, b, c: c used or not, per call
 

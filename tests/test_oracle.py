@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minizero.lab.equivalence import max_diff
-from minizero.lab.experiment import Experiment, run_experiment
+from minizero.course.harness.equivalence import max_diff
+from minizero.course.harness.experiment import Experiment, run_experiment
 
 
 @pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed"])
@@ -66,8 +66,8 @@ def test_zero3_matches_fsdp2(pools, world_size, reshard, task):
 
 def _satisfies_the_protocol(me):
     from minizero.comm import make_comm
-    from minizero.lab.models import MLP
-    from minizero.lab.registry import LAB_STAGES, build_stage
+    from minizero.course.harness.models import MLP
+    from minizero.course.harness.registry import LAB_STAGES, build_stage
     from minizero.stages import DataParallel
     verdicts = {}
     for name in LAB_STAGES:

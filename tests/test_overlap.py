@@ -6,11 +6,11 @@ collective that overlaps backward shows as one whose span starts before the last
 that waited for its collectives shows as a last gradient no earlier than the transfers' sum."""
 import pytest
 
-from minizero.lab.costs import overlap_problem
-from minizero.lab.experiment import Experiment
-from minizero.lab.overlap import backward_launches
-from minizero.lab.timelines import timeline_on_rank
-from minizero.launch import RankPool
+from minizero.course.harness.costs import overlap_problem
+from minizero.course.harness.experiment import Experiment
+from minizero.course.harness.overlap import backward_launches
+from minizero.course.harness.timelines import timeline_on_rank
+from minizero.run.launch import RankPool
 from minizero.stages import BucketedDDP, ZeRO2, with_stages
 
 WIRE = "alpha=10ms,bandwidth=100MB/s"
@@ -112,7 +112,8 @@ def test_zero3_prefetch_gathers_the_next_unit_while_this_one_computes(pool):
 
 @pytest.mark.parametrize("stage, k", [("ddp-bucketed", 1), ("ddp-bucketed", 2), ("zero2", 2)])
 def test_overlap_as_a_structure_the_checker_judges_the_same_way(pool, stage, k):
-    """The labs' checker's definition (:mod:`minizero.lab.overlap`, :func:`minizero.lab.costs.overlap_problem`),
+    """The labs' checker's definition (:mod:`minizero.course.harness.overlap`,
+    :func:`minizero.course.harness.costs.overlap_problem`),
     held by the package's stages -- and failed by both serialising stages, each for its own reason."""
     def probe(stage_name):
         exp = Experiment(stage=stage_name, task="mlp", model={"sizes": (8, 16, 16, 4)}, steps=2, accum=k,

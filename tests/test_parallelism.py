@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from minizero.comm.network import PRESETS
-from minizero.lab import parallelism as par
-from minizero.lab.tasks import TASKS
+from minizero.course.harness import parallelism as par
+from minizero.course.harness.tasks import TASKS
 
 
 @pytest.mark.parametrize("t", [1, 2, 4])

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from minizero.compress import parse
 from minizero.compress.powersgd import PowerSGD, PowerState, lay_out, orthogonalize, power_step
-from minizero.lab.casts_reference import powersgd_average, ring_sum
-from minizero.lab.experiment import Experiment
+from minizero.course.harness.casts_reference import powersgd_average, ring_sum
+from minizero.course.harness.experiment import Experiment
 from tests.equivalence import covering_every_world_size, examples, experiments, run_and_check
 from tests.test_codecs import _refusal
 

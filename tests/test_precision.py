@@ -2,7 +2,7 @@
 together, and the ZeRO paper's memory.
 
 The tolerance.  Against the reference that applies the same casts
-(:mod:`minizero.lab.casts_reference`: each rank's 16-bit gradient, the stage's
+(:mod:`minizero.course.harness.casts_reference`: each rank's 16-bit gradient, the stage's
 buffers summed in the ring's order in the wire's dtype, the same masters and
 scaler), the stage does the same 16-bit arithmetic in the same order, so the
 parameters agree bit for bit in practice; fp32's tolerance (1e-5, normwise)
@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minizero.__main__ import main as cli
-from minizero.lab.experiment import Experiment, exact_reference_of, reference_of, run_experiment
-from minizero.lab.models import MLP
-from minizero.precision import PRECISIONS, Precision, check_supported
+from minizero.course.harness.experiment import Experiment, exact_reference_of, reference_of, run_experiment
+from minizero.course.harness.models import MLP
+from minizero.parts.precision import PRECISIONS, Precision, check_supported
 from minizero.stages import STAGES, make_stage
 from tests.equivalence import (
     WORLD_SIZES,
@@ -57,7 +57,7 @@ def test_mixed_precision_matches_the_same_recipe_reference(pools, stage, world_s
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_the_reference_is_mixed_precision_training_written_out(precision):
-    """The recipe every stage is compared with is shared code (minizero.precision), so it is anchored here
+    """The recipe every stage is compared with is shared code (minizero.parts.precision), so it is anchored here
     against mixed-precision training written out by hand, independently: fp32 masters stepped by AdamW, a
     16-bit copy computing, the loss scaled (from 2^24, so that fp16's first steps overflow) and halved on
     overflow, unscaled in fp32.  Bit for bit, masters and optimizer states."""
@@ -73,8 +73,8 @@ def test_the_reference_is_mixed_precision_training_written_out(precision):
 
 
 def _by_hand(exp: Experiment, dtype: torch.dtype):
-    from minizero.lab.tasks import TASKS
-    from minizero.train import sum_loss
+    from minizero.course.harness.tasks import TASKS
+    from minizero.run.train import sum_loss
     task = TASKS[exp.task]
     model = task.make_model(exp.seed, torch.float32, **exp.model)
     names = [n for n, _ in model.named_parameters()]
@@ -137,7 +137,7 @@ def test_an_overflow_on_one_rank_is_skipped_by_every_rank(pools, stage):
 
 
 def _initial(exp: Experiment) -> dict:
-    from minizero.lab.tasks import TASKS
+    from minizero.course.harness.tasks import TASKS
     model = TASKS[exp.task].make_model(exp.seed, torch.float32, **exp.model)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

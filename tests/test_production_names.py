@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from minizero.lab.production import ROWS, Ours, Row, Torch, left_out, table_markdown, wrong
+from minizero.course.harness.production import ROWS, Ours, Row, Torch, left_out, table_markdown, wrong
 from minizero.stages import ZeRO2, ZeRO3
 
 
@@ -46,7 +46,7 @@ def test_the_table_has_a_line_per_row():
 
 def test_what_minizero_leaves_out_is_read_from_the_table():
     names = left_out()
-    assert "DDP static_graph" in names and "DeepSpeed offload_optimizer" not in names  # (built: minizero.offload)
+    assert "DDP static_graph" in names and "DeepSpeed offload_optimizer" not in names  # (built: minizero.parts.offload)
     assert all(row.minizero.startswith("none") == (row.name in names) for row in ROWS)
     extra = Row("made up", "nothing", "none: not built")
     assert left_out((*ROWS, extra)) == [*names, "made up"]

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from minizero.compress import parse
 from minizero.compress.weights import round_like_the_gather
-from minizero.lab.equivalence import max_diff
-from minizero.lab.experiment import Experiment, exact_reference_of, run_experiment
-from minizero.lab.models import MLP
+from minizero.course.harness.equivalence import max_diff
+from minizero.course.harness.experiment import Experiment, exact_reference_of, run_experiment
+from minizero.course.harness.models import MLP
 from minizero.stages import ZeRO3
 from tests.equivalence import covering_every_world_size, examples, experiments, run_and_check
 
@@ -110,7 +110,7 @@ def test_a_gpt_with_int8_weights_matches_its_reference(pools, world_size):
 def _state_inside_no_sync(me):
     """A micro-batch inside no_sync() keeps the units gathered -- as codes: the state dict must not hand those out."""
     from minizero.comm import make_comm
-    from minizero.lab.tasks import TASKS
+    from minizero.course.harness.tasks import TASKS
     from minizero.stages import make_stage
     model = TASKS["gpt"].make_model(0, torch.float64)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}

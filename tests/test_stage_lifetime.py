@@ -12,7 +12,7 @@ import gc
 import pytest
 import torch
 
-from minizero.lab.experiment import Experiment, run_experiment
+from minizero.course.harness.experiment import Experiment, run_experiment
 
 
 def _live_tensors(me) -> int:

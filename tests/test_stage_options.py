@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minizero.__main__ import main, parser
-from minizero.lab import option_flags
-from minizero.lab.drawn import stage_options
+from minizero.course.harness import option_flags
+from minizero.course.harness.drawn import stage_options
 from minizero.stages import STAGES, distributed
 from minizero.stages.options import WIRE_AND_USE, Drawing, Option, choice, natural_int, positive_float, positive_int
 

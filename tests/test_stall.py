@@ -57,7 +57,7 @@ def test_the_torchrun_watchdog_judges_on_its_own_row_when_the_store_is_gone():
 
     from minizero.comm.fingerprint import Call, Tag
     from minizero.comm.progress import ProgressBoard
-    from minizero.torchrun import Watchdog
+    from minizero.run.torchrun import Watchdog
 
     board = ProgressBoard(0)
     watchdog = Watchdog(board, _StoreGone(), world_size=2, timeout_s=0.05)
@@ -145,9 +145,9 @@ def test_the_os_state_of_a_stopped_process_is_reported():
 
 
 def test_the_deadline_outside_collectives_counts_from_when_the_rank_took_the_task():
-    """The checker's deadline (minizero.stacks): submitted 10 s ago, idle since -- but a rank that was still
+    """The checker's deadline (minizero.run.stacks): submitted 10 s ago, idle since -- but a rank that was still
     joining its group took the task up only 2 s ago: not late yet."""
-    from minizero.stacks import outside_collectives
+    from minizero.run.stacks import outside_collectives
     idle = row(0, IDLE, 3, progress=NOW - 20)
     assert outside_collectives([idle], NOW, started=NOW - 10, idle_s=5, finished=set())[1] == [0]
     assert outside_collectives([idle | {"task": NOW - 2}], NOW, started=NOW - 10, idle_s=5, finished=set()) is None

@@ -1,4 +1,4 @@
-"""Will it fit? (:mod:`minizero.lab.step_memory`): the activations a step keeps, by Korthikanti et al. 2022's
+"""Will it fit? (:mod:`minizero.course.harness.step_memory`): the activations a step keeps, by Korthikanti et al. 2022's
 formula, with and without checkpointing; the peak per rank beside the allocator's own account of a step; the
 smallest change that makes a model fit a GPU."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minizero.lab.memory_table import MODELS, gpt_shape, measured_activation_bytes, measured_rows, step_peak
-from minizero.lab.optimizers import OPTIMIZERS
-from minizero.lab.step_memory import (
+from minizero.course.commands.memory_table import MODELS, gpt_shape, measured_activation_bytes, measured_rows, step_peak
+from minizero.course.harness.optimizers import OPTIMIZERS
+from minizero.course.harness.step_memory import (
     Plan,
     Shape,
     activation_bytes,
@@ -19,8 +19,8 @@ from minizero.lab.step_memory import (
     step_bytes,
     step_temporary_bytes,
 )
-from minizero.lab.tasks import TASKS
-from minizero.memory import profiled_step
+from minizero.course.harness.tasks import TASKS
+from minizero.observe.memory import profiled_step
 from minizero.stages import STAGES, distributed
 
 
@@ -178,7 +178,7 @@ def test_the_gpu_table_sets_what_cudas_libraries_keep_apart_from_the_step():
     comes off the measured peak before it is set beside the prediction."""
     from types import SimpleNamespace
 
-    from minizero.lab.memory_table import measured_step_lines
+    from minizero.course.commands.memory_table import measured_step_lines
 
     args = SimpleNamespace(model="gpt", precision="bf16", checkpoint_activations=False, micro_batch=8,
                            optimizer="adam", offload_optimizer=False, bucket_mb=25.0)
@@ -197,7 +197,7 @@ def test_the_gpu_table_sets_what_cudas_libraries_keep_apart_from_the_step():
 def test_a_c_library_without_mallinfo2_is_refused_saying_where_to_measure(monkeypatch):
     """The CPU's whole-step figure reads glibc's mallinfo2(); elsewhere (macOS, musl, glibc before 2.33) it is refused
     before any rank starts, saying what to do -- not an AttributeError from ctypes."""
-    import minizero.memory as memory
+    import minizero.observe.memory as memory
 
     class NoMallinfo2:
         def __init__(self, *_):

@@ -9,7 +9,7 @@ from torch import nn
 
 from minizero import ShardedOptimizer
 from minizero.comm import make_comm
-from minizero.launch import RankError
+from minizero.run.launch import RankError
 from minizero.stages import STAGES, make_stage
 from tests.test_robustness import Branchy, _data
 

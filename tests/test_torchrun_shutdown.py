@@ -26,7 +26,7 @@ RANK = textwrap.dedent("""
         print(f"at exit: watchdog threads alive {alive}, process group {dist.is_initialized()}", flush=True)
 
     atexit.register(last)
-    from minizero.torchrun import init_from_env
+    from minizero.run.torchrun import init_from_env
     init_from_env(backend="gloo", timeout_s=1e-6)  # the watchdog ticks every 2.5e-7 s: always in a store call
     print("work done", flush=True)
 """)

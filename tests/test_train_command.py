@@ -131,7 +131,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_before_any_rank_starts(
     user from train_command.check_resume, before a rank exists (RankPool refuses to start here)."""
     import shutil
 
-    from minizero import launch
+    from minizero.run import launch
     _, _, root = first_run
     damaged = tmp_path / "step-00000002"
     shutil.copytree(root / "ck" / "step-00000002", damaged)
@@ -148,7 +148,7 @@ def test_more_nccl_ranks_than_gpus_is_refused(monkeypatch):
     """On one node NCCL needs a GPU per rank (checked with torch.cuda pretending to see one GPU)."""
     from types import SimpleNamespace
 
-    from minizero.lab.train_command import check_hardware
+    from minizero.course.commands.train_command import check_hardware
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="--world-size 4 with NCCL needs one GPU per rank, and this machine has 1"):
@@ -161,9 +161,10 @@ def test_more_nccl_ranks_than_gpus_is_refused(monkeypatch):
 def test_a_checkpoint_of_another_optimizer_is_refused_before_any_rank_starts(capsys, tmp_path, monkeypatch):
     """train steps AdamW; a checkpoint an SGD run saved (through the API) is refused by its manifest, before a
     rank exists -- it used to load SGD's state into AdamW's ranks and fail there, or run on silently."""
-    from minizero import checkpoint, launch
-    from minizero.lab.models import GPT_SIZES
-    from minizero.lab.tasks import TASKS
+    from minizero import checkpoint
+    from minizero.course.harness.models import GPT_SIZES
+    from minizero.course.harness.tasks import TASKS
+    from minizero.run import launch
     from minizero.stages import Stage
     model = TASKS["gpt"].make_model(0, torch.float32, **GPT_SIZES[TINY[TINY.index("--model") + 1]])
     checkpoint.save(Stage(model, torch.optim.SGD(model.parameters(), lr=0.1)), tmp_path, 2)
@@ -178,7 +179,7 @@ def test_under_torchrun_every_rank_of_a_diverged_run_exits_1(monkeypatch):
     (torchrun itself replaced by what the command asks of it: a rank, its result, the gather.)"""
     from types import SimpleNamespace
 
-    from minizero.lab import train_command
+    from minizero.course.commands import train_command
     monkeypatch.setattr(train_command, "under_torchrun", lambda: True)
     monkeypatch.setattr(train_command, "check_environment", lambda backend: None)
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from minizero.lab import experiment
-from minizero.lab.optimizers import make_optimizer
-from minizero.lab.tasks import TASKS
-from minizero.train import sum_loss
+from minizero.course.harness import experiment
+from minizero.course.harness.optimizers import make_optimizer
+from minizero.course.harness.tasks import TASKS
+from minizero.run.train import sum_loss
 
 
 def test_the_reference_is_plain_torch_training():

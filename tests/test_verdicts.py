@@ -12,9 +12,9 @@ import subprocess
 import pytest
 import torch
 
-from minizero import launch
 from minizero.__main__ import main
-from minizero.lab import training_run
+from minizero.course.commands import training_run
+from minizero.run import launch
 from minizero.stages.local_sgd import LocalSGD
 
 TINY = ["--model", "tiny", "--batch-size", "12", "--log-every", "1"]
@@ -159,7 +159,7 @@ def test_fp16_that_diverges_at_its_minimum_loss_scale_is_a_no_row(capsys):
 def test_a_verdict_names_the_exception_that_ended_the_rank():
     """The last exception of a chain, after the last frame's source line and markers; a stall or a death, which
     carries no traceback, is the watchdog's own verdict."""
-    from minizero.lab.rank_verdict import raised, rank_error_verdict
+    from minizero.course.harness.rank_verdict import raised, rank_error_verdict
     chained = ('Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\n    ^^^\n'
                'KeyError: \'x\'\n\nDuring handling of the above exception, another exception occurred:\n\n'
                'Traceback (most recent call last):\n  File "b.py", line 2, in h\n    raise ValueError("one\\ntwo")\n'

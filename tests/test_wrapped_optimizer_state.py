@@ -1,4 +1,4 @@
-"""An optimizer that already has state keeps it when any stage wraps it (minizero.kept_state).
+"""An optimizer that already has state keeps it when any stage wraps it (minizero.parts.kept_state).
 
 Every rank takes the same two steps of single-device training unwrapped (AdamW's moments and step
 count, or SGD's momentum buffer, now exist), then wraps model and optimizer and trains two more steps
@@ -16,18 +16,18 @@ import pytest
 import torch
 
 from minizero.comm import make_comm
-from minizero.lab.optimizers import make_optimizer
-from minizero.lab.tasks import TASKS
-from minizero.precision import Precision
+from minizero.course.harness.optimizers import make_optimizer
+from minizero.course.harness.tasks import TASKS
+from minizero.parts.precision import Precision
+from minizero.run.train import shard_step, train_step
 from minizero.stages import STAGES, distributed, make_stage
-from minizero.train import shard_step, train_step
 from tests.test_checkpoint import assert_same_optimizer_state
 
 SIZES = (4, 7, 3)  # 59 elements: uneven shards at N = 2 and 3, parameters straddling ranks
 #: The tasks' models: the MLP above; a GPT whose embedding is tied to its head (one parameter, one state).
 MODELS = {"mlp": {"sizes": SIZES}, "gpt": {"d_model": 8, "n_layer": 1, "n_head": 2, "block_size": 4}}
 SAMPLES = 6  # per global batch: splits over 1, 2 and 3 ranks
-RTOL = 1e-9  # the suite's float64 tolerance (minizero.lab.equivalence)
+RTOL = 1e-9  # the suite's float64 tolerance (minizero.course.harness.equivalence)
 
 #: Options that make each stage take single-device training's step: a parameter server with a pure worker
 #: at N = 3, the asynchronous one with no staleness (ps, bit for bit), local SGD averaging every step.

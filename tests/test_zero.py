@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minizero.comm import make_comm
-from minizero.lab.costs import bytes_problem, memory_problem
-from minizero.lab.experiment import Experiment, reference_of, run_experiment
-from minizero.lab.models import MLP, EdgeModel
-from minizero.launch import RankError
+from minizero.course.harness.costs import bytes_problem, memory_problem
+from minizero.course.harness.experiment import Experiment, reference_of, run_experiment
+from minizero.course.harness.models import MLP, EdgeModel
+from minizero.run.launch import RankError
 from minizero.stages import STAGES, make_stage
 from tests.equivalence import assert_same_optimizer_state, covering, examples, experiments, run_and_check
 
@@ -71,7 +71,7 @@ def _consolidated_loads_into_plain_optimizer(me, stage):
     exp = Experiment(stage=stage, task="mlp", optimizer="adamw", steps=2, dtype="float64", param_groups=True)
     result = run_experiment(me, exp)
     model = MLP(**exp.model, dtype=torch.float64)
-    from minizero.lab.optimizers import make_optimizer
+    from minizero.course.harness.optimizers import make_optimizer
     plain = make_optimizer("adamw", model, exp.lr, param_groups=True)
     plain.load_state_dict(result.optimizer_state)
     return plain.state_dict()

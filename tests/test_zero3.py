@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from torch import nn
 
 from minizero.comm import make_comm
-from minizero.lab.costs import bytes_problem, memory_problem
-from minizero.lab.experiment import Experiment, build, run_experiment
-from minizero.lab.models import MLP, ReuseModel, TinyGPT
-from minizero.lab.tasks import TASKS
-from minizero.launch import RankError
+from minizero.course.harness.costs import bytes_problem, memory_problem
+from minizero.course.harness.experiment import Experiment, build, run_experiment
+from minizero.course.harness.models import MLP, ReuseModel, TinyGPT
+from minizero.course.harness.tasks import TASKS
+from minizero.parts.units import assign_parameters, default_units, resolve_units
+from minizero.run.launch import RankError
 from minizero.stages import STAGES, make_stage
-from minizero.units import assign_parameters, default_units, resolve_units
 from tests.equivalence import covering, examples, experiments, run_and_check
 
 
@@ -105,7 +105,7 @@ def test_gathered_peak_is_the_root_plus_the_units_prefetch_implies(pools, prefet
 def _what_autograd_keeps_of_the_gathered_parameters(me, checkpointed: bool):
     """After one forward: the bytes of every gathered full buffer that a tensor autograd saved still holds, and the
     bytes of the units gathered now.  (Every buffer a unit's parameters were pointed into is recorded.)"""
-    from minizero.layout import ShardedFlatGroup
+    from minizero.parts.layout import ShardedFlatGroup
 
     exp = Experiment(stage="zero3", task="gpt", dtype="float32", micro_batch=4, checkpoint_activations=checkpointed)
     stage, model, comm, _ = build(me, exp)
@@ -141,7 +141,7 @@ def test_a_resharded_unit_keeps_no_memory_through_what_autograd_saved(pools, che
 
 
 def _use_a_kept_gather_after_reshard(me):
-    from minizero.layout import FreedBuffer
+    from minizero.parts.layout import FreedBuffer
 
     exp = Experiment(stage="zero3", task="gpt", dtype="float32")
     stage, _, comm, _ = build(me, exp)
@@ -196,7 +196,7 @@ def _call_count_differs(me):
 
 def test_a_rank_that_runs_an_extra_forward_is_named_not_hung():
     """Rank 0 is done; rank 1 gathers a unit for a forward rank 0 never runs.  The launcher names rank 0."""
-    from minizero.launch import RankPool
+    from minizero.run.launch import RankPool
     with RankPool(2, timeout_s=5) as pool:
         with pytest.raises(RankError) as info:
             pool.run(_call_count_differs)

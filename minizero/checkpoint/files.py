@@ -5,7 +5,7 @@ checks that refuse a file or a manifest that is not what was written.
 
     step-00000020/
       manifest.json                 written last: every file's size and SHA-256, and its own SHA-256
-      rank-00000-of-00004.pt ...    sharded: what each rank owns (minizero.parts)
+      rank-00000-of-00004.pt ...    sharded: what each rank owns (minizero.parts.part)
       consolidated.pt               consolidated: {"model": ..., "optimizer": ...}, torch.load-able
 
 Every file is written under a temporary name, flushed to disk and renamed (``os.replace`` is atomic on POSIX),

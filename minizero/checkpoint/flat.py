@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import ReduceOp, Tag
-from ..layout import padded_size
-from ..sharded_optimizer import state_layout
+from ..parts.layout import padded_size
+from ..parts.sharded_optimizer import state_layout
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..parts import Part
+from ..parts.part import Part
 from .files import CheckpointError
 
 

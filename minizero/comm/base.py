@@ -197,7 +197,7 @@ class Comm(Views):
     def add_span_observer(self, observer: Callable) -> None:
         """``observer(call, start, end, thread_name)`` after every collective (``time.perf_counter``
         seconds), and ``observer(None, start, end, thread_name)`` for every wait that blocked on the
-        communication thread: what a timeline draws (:mod:`minizero.timeline`)."""
+        communication thread: what a timeline draws (:mod:`minizero.observe.timeline`)."""
         self._span_observers.append(observer)
         self._wait_observers.append(lambda start, end: observer(None, start, end, threading.current_thread().name))
 
@@ -285,7 +285,7 @@ class Comm(Views):
             raise ValueError(
                 f"{where}: the full tensor must hold world_size x shard elements, got {full.numel()} and "
                 f"{shard.numel()} with world_size {self.world_size}; pad the full tensor to a multiple of "
-                f"world_size (see minizero.layout)")
+                f"world_size (see minizero.parts.layout)")
 
     # ---------------------------------------------------------- async thread
     def _background(self) -> CommThread:

@@ -30,7 +30,7 @@ every message, on top of the real transfer:
   and the broadcast chain, the rank's place on their critical path.
 
 Presets are real links, with the source of their numbers.  They are for the
-scaling model (:mod:`minizero.cost_model`, ``python -m minizero scale``): on a laptop their delays are far
+scaling model (:mod:`minizero.costs.cost_model`, ``python -m minizero scale``): on a laptop their delays are far
 below what loopback already costs.  The measured runs use slow dials
 (``"lesson"``, or ``alpha=2ms,bandwidth=50MB/s``), where the network is most of
 what a step waits for; the loopback transfer underneath still costs CPU, and

@@ -5,7 +5,7 @@ Only the first is visible from inside a collective, and a timeout that fires
 there blames the messenger.  So every rank keeps one row on a board that
 someone *outside* the collective reads -- the local launcher's parent process
 (shared memory), or under torchrun each rank's watchdog thread (the rows are
-published to the rendezvous store, see :mod:`minizero.torchrun`):
+published to the rendezvous store, see :mod:`minizero.run.torchrun`):
 
 * which collective (its number, kind, size and the stage's tag) it is in, or
   that it is in none and since when;

@@ -25,7 +25,7 @@ goes to rank ``j`` as it is -- for messages that cannot be added on the way (an 
 The server adds the contributions in the ring's order -- shard ``j`` starts
 with rank ``j+1``'s and ends with its own -- so 16-bit sums round exactly as
 a reduce-scatter's do, and the same-casts reference
-(:mod:`minizero.lab.casts_reference`) serves both.
+(:mod:`minizero.course.harness.casts_reference`) serves both.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class StarExchanges:
             raise ValueError(
                 f"{where}: the full tensor must hold servers x shard elements ({servers} servers; a worker's "
                 f"shard is empty), got {full.numel()} and {shard.numel()}; pad it to a multiple of servers "
-                f"(see minizero.layout)")
+                f"(see minizero.parts.layout)")
 
     @collective("push")
     @on_device(point_to_point=True)

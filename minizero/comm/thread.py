@@ -25,7 +25,7 @@ class Work:
     """Handle of an asynchronous collective; ``wait()`` re-raises its error.
 
     ``waits``: observers told ``(start, end)`` of every wait that blocked -- the exposed
-    communication a timeline draws (:mod:`minizero.timeline`)."""
+    communication a timeline draws (:mod:`minizero.observe.timeline`)."""
 
     def __init__(self, future: Future, waits: list | None = None):
         self._future = future

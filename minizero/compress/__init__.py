@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
-from ..precision import REDUCE_DTYPES, Precision
+from ..parts.precision import REDUCE_DTYPES, Precision
 from .codec import Codec
 from .gathered import GatheredWire
 from .powersgd import PowerSGD, PowerSGDWire

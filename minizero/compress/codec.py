@@ -6,7 +6,7 @@ sign vectors do not add.  So each rank sends its message whole and every rank de
 the decoded gradients (:mod:`.gathered`) -- what torch's ``quantization_pertensor_hook`` does, and the price
 is an all-gather, whose bytes grow with N where the ring's do not.
 
-A codec is three pure functions of one tensor, so the reference (:mod:`minizero.lab.casts_reference`) can
+A codec is three pure functions of one tensor, so the reference (:mod:`minizero.course.harness.casts_reference`) can
 apply *the same* compression to the same per-rank gradients and the equivalence stays tight: the proof is of
 the distribution (which buffer, which residual, which order, which division); the codec's own promises --
 error bounds, unbiasedness, the k kept -- are tested on the codec alone (``tests/test_codecs.py``).

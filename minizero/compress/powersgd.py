@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..comm import Comm, ReduceOp
-from ..formulas import all_reduce_bytes
+from ..costs.formulas import all_reduce_bytes
 from .codec import parse_arguments
 from .kept import KeepsResiduals
 
@@ -167,7 +167,7 @@ def rest_of(flat: torch.Tensor, layout: Layout) -> torch.Tensor:
 def power_step(carried: list[torch.Tensor], layout: Layout, q: torch.Tensor, sum_over_ranks, n: int,
                epsilon: float, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 2-6 for one buffer: the approximated mean, and the new Q.  ``carried`` holds the buffers this
-    process has -- one rank's on a rank, every rank's in the reference (:mod:`minizero.lab.casts_reference`) --
+    process has -- one rank's on a rank, every rank's in the reference (:mod:`minizero.course.harness.casts_reference`) --
     and ``sum_over_ranks`` adds a list of per-rank tensors across ranks (the all-reduce, or its emulation), so
     the stage and its reference run these very lines."""
     out = torch.empty_like(carried[0])

@@ -23,7 +23,7 @@ reference that applies the same casts.
 
 An inf or NaN after the reduction raises, naming the gradients; it is never
 written into the weights -- unless fp16 mixed precision's dynamic loss scaling
-is on, which skips that step on every rank instead (:mod:`minizero.precision`).
+is on, which skips that step on every rank instead (:mod:`minizero.parts.precision`).
 With ``error_feedback`` the rounding error of the cast is kept per buffer and
 added back next time, so no gradient is lost for good.  Under mixed precision
 the same wire carries the 16-bit gradients, and ``reduce_dtype="fp32"`` is a

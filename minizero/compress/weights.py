@@ -7,7 +7,7 @@ forward and backward with the *decoded* weights, so all ranks compute with the s
 steps the exact shard each rank owns (the weights themselves are never rounded, only their copies in flight).
 
 So training is no longer single-device training on the exact weights: the gradient is taken at weights
-rounded shard by shard.  The reference (:mod:`minizero.lab.casts_reference`) computes each rank's gradient at
+rounded shard by shard.  The reference (:mod:`minizero.course.harness.casts_reference`) computes each rank's gradient at
 the same rounded weights, which :func:`round_like_the_gather` gives it, and the equivalence stays tight.
 Only the quantized codecs fit: a weight must arrive whole, not as its top-k or its sign.
 """

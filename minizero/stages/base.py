@@ -3,7 +3,7 @@
 A stage is an ``nn.Module`` that wraps a model -- and, if given one, its
 optimizer -- and is then driven exactly like the plain pair: ``stage(x)``,
 ``loss.backward()``, ``stage.step()``, ``stage.zero_grad()``, by the one
-training loop in :mod:`minizero.train`, or by a loop written for torch's DDP
+training loop in :mod:`minizero.run.train`, or by a loop written for torch's DDP
 with the optimizer built afterwards over ``stage.parameters()``.  The
 single-device reference is :class:`Stage` itself, so a learner can diff any two.
 
@@ -26,7 +26,7 @@ them; what they share (checks at wrap time, the broadcast, flat buffers,
 buckets, the sharded layout) is called by name.  The facts a stage states --
 what it shards, the bytes it sends, the model state it keeps, its options --
 are class attributes and class methods the measuring harness reads
-(:mod:`minizero.lab`), never switching on a stage's name.
+(:mod:`minizero.course`), never switching on a stage's name.
 
 Every collective carries a :class:`~minizero.comm.Tag`: what it is for, and
 where in training (optimizer steps taken, backward passes since, synchronising
@@ -45,9 +45,9 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp, Tag
-from ..kept_state import check_keepable
-from ..precision import MasterWeights, Precision
-from ..rebuilt import follow
+from ..parts.kept_state import check_keepable
+from ..parts.precision import MasterWeights, Precision
+from ..parts.rebuilt import follow
 from . import facts, mixed, state
 from . import options as options_module
 from .facts import GradientMemory, Shards
@@ -59,9 +59,9 @@ class Stage(nn.Module):
     """The plain model and optimizer, with no communication: the reference's behaviour, and the base of
     every stage.
 
-    ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`~minizero.precision.Precision`) is an
+    ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`~minizero.parts.precision.Precision`) is an
     option of every stage, the reference included: with 16 bits the model computes with a 16-bit working
-    copy, the optimizer steps fp32 masters (:mod:`minizero.precision`), and fp16 scales the loss."""
+    copy, the optimizer steps fp32 masters (:mod:`minizero.parts.precision`), and fp16 scales the loss."""
 
     name = "reference"
     shards = Shards()  # nothing divided: every rank (here, the only one) holds everything
@@ -130,7 +130,7 @@ class Stage(nn.Module):
     @property
     def masters_outside(self) -> bool:
         """Mixed precision with the optimizer built after wrapping: it steps the fp32 masters itself
-        (:class:`~minizero.precision.MasterWeights`' ``optimizer_outside``)."""
+        (:class:`~minizero.parts.precision.MasterWeights`' ``optimizer_outside``)."""
         return self.master is not None and self.master.optimizer_outside
 
     @property

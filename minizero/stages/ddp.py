@@ -33,9 +33,9 @@ from torch import nn
 
 from ..comm import Comm, ReduceOp
 from ..compress import make_wire
-from ..flat import group_by_dtype, pack, unpack
-from ..formulas import all_reduce_bytes
-from ..precision import Precision
+from ..costs.formulas import all_reduce_bytes
+from ..parts.flat import group_by_dtype, pack, unpack
+from ..parts.precision import Precision
 from .base import Stage, agree_on_use, unused_error
 from .facts import Reduction
 from .options import WIRE_AND_USE

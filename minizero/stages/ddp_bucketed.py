@@ -14,7 +14,7 @@ produces gradients layer by layer, last layer first.  So:
    all-reduce ``p.grad``, not ``p``.)
 3. when a bucket is complete, its all-reduce starts on the communication
    thread while backward goes on; buckets start in index order on every rank
-   (:class:`~minizero.buckets.BucketPipeline`);
+   (:class:`~minizero.parts.buckets.BucketPipeline`);
 4. when backward ends, wait for all buckets.  ``.grad`` is then averaged,
    as after torch DDP's backward.
 
@@ -38,10 +38,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..buckets import Bucket, BucketPipeline, assign_buckets
 from ..comm import Comm, ReduceOp
-from ..flat import keep_grad_in
-from ..precision import Precision
+from ..parts.buckets import Bucket, BucketPipeline, assign_buckets
+from ..parts.flat import keep_grad_in
+from ..parts.precision import Precision
 from .base import unused_error
 from .ddp import DDP
 from .facts import GradientMemory, Reduction

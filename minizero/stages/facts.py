@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..precision import Precision
+from ..parts.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,14 @@ class Shards:
 
 @dataclass(frozen=True)
 class GradientMemory:
-    """Where a stage's gradients live during a step: what :mod:`minizero.lab.backward_memory` walks through
+    """Where a stage's gradients live during a step: what :mod:`minizero.course.harness.backward_memory` walks through
     backward to predict the step's peak.
 
     ``kept``: their storage outlives ``zero_grad()`` -- buckets each ``.grad`` views (``ddp-bucketed``, torch DDP's
     ``gradient_as_bucket_view``), ZeRO-1's flat buffers -- so it is there when backward starts.  Otherwise
     ``zero_grad()`` frees them and each is born as backward reaches its parameter.
     ``buckets``: gradients packed bucket by bucket during backward, freed, and reduce-scattered to this rank's
-    1/N, at most :data:`~minizero.buckets.MAX_IN_FLIGHT` in flight -- ``"bucket_mb"`` (ZeRO-2) or ``"unit"``
+    1/N, at most :data:`~minizero.parts.buckets.MAX_IN_FLIGHT` in flight -- ``"bucket_mb"`` (ZeRO-2) or ``"unit"``
     (ZeRO-3: a unit's gradients are its bucket)."""
 
     kept: bool = False
@@ -109,7 +109,7 @@ def state_terms(cls, element_size: int, state_tensors: int, precision=None,
 
 def optimizer_bytes(element_size: int, state_tensors: int, precision=None, offloaded: bool = False) -> int:
     """K, the optimizer's bytes per parameter: its states, and the fp32 master under mixed precision -- or,
-    offloaded in fp32, the shard's own host copy, which the host steps (:mod:`minizero.offload`)."""
+    offloaded in fp32, the shard's own host copy, which the host steps (:mod:`minizero.parts.offload`)."""
     return (element_size if Precision.of(precision).mixed or offloaded else 0) + state_tensors * element_size
 
 
@@ -149,7 +149,7 @@ def state_formula(cls, element_size: int, state_tensors: int, precision=None, of
 
 
 def schedule(cls, s, **options) -> None:
-    """One step as the scaling model replays it (:class:`minizero.cost_model.Schedule`): what computes,
+    """One step as the scaling model replays it (:class:`minizero.costs.cost_model.Schedule`): what computes,
     what communicates, and what waits for what.  Single-device training only computes."""
     s.forward()
     s.backward()

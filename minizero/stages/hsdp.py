@@ -29,8 +29,8 @@ from ..comm import Comm, Nodes, ReduceOp
 from ..comm.nodes import assumed_nodes
 from ..compress import PowerSGD, Wire
 from ..compress import parse as parse_compress
-from ..formulas import all_reduce_bytes
-from ..precision import REDUCE_DTYPES
+from ..costs.formulas import all_reduce_bytes
+from ..parts.precision import REDUCE_DTYPES
 from .facts import Reduction
 from .zero3 import ZeRO3
 

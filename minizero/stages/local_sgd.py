@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp
-from ..flat import group_by_dtype, pack, unpack
-from ..formulas import all_reduce_bytes
+from ..costs.formulas import all_reduce_bytes
+from ..parts.flat import group_by_dtype, pack, unpack
 from .base import Stage
 from .options import Option, finite_float, positive_float, positive_int
 from .wrap import broadcast_module, check_same_model

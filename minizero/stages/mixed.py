@@ -3,16 +3,16 @@ parameter, the forward in 16 bits.
 
 These are methods of :class:`~minizero.stages.base.Stage` (``self`` is the stage), written here so the
 stage's file reads as its lifecycle; ZeRO keeps masters of its owned shard only (:mod:`minizero.stages.zero`).
-The recipe itself -- masters, loss scaler, overflow agreed across ranks -- is :mod:`minizero.precision`.
+The recipe itself -- masters, loss scaler, overflow agreed across ranks -- is :mod:`minizero.parts.precision`.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..kept_state import keep_state
-from ..precision import cast_parameters, check_half_model, check_supported
-from ..rebuilt import rebuild
+from ..parts.kept_state import keep_state
+from ..parts.precision import cast_parameters, check_half_model, check_supported
+from ..parts.rebuilt import rebuild
 
 
 def check_mixed_precision(self) -> None:
@@ -44,7 +44,7 @@ def keep_masters(self) -> None:
     self.master_optimizer = rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
                                     [[self.master.master_of(p) for p in group["params"] if p.requires_grad]
                                      for group in optimizer.param_groups])
-    # State the optimizer already holds moves to the masters' optimizer, whole (minizero.kept_state).
+    # State the optimizer already holds moves to the masters' optimizer, whole (minizero.parts.kept_state).
     keep_state(optimizer, self.master_optimizer,
                lambda p: [(0, p.numel(), self.master.master_of(p))] if p.requires_grad else [])
     self._route(optimizer)

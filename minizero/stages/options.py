@@ -141,7 +141,7 @@ ERROR_FEEDBACK = Option("error_feedback", False, "carry the compression error to
 FIND_UNUSED_PARAMETERS = Option(
     "find_unused_parameters", False, "agree every step on which parameters got a gradient anywhere (torch's name)",
     None, draw=lambda d: (True,) if d.task == "edge" else ())  # the edge model's `unused` never gets a gradient
-PRECISION = Option("precision", "fp32", "fp32, or bf16/fp16 compute with fp32 master weights (minizero.precision)",
+PRECISION = Option("precision", "fp32", "fp32, or bf16/fp16 compute with fp32 master weights (minizero.parts.precision)",
                    choice("fp32", "bf16", "fp16"))
 
 #: What a stage that averages gradients takes, in its constructor's order after bucket_mb.
@@ -150,7 +150,7 @@ WIRE_AND_USE = (COMPRESS, ERROR_FEEDBACK, FIND_UNUSED_PARAMETERS, PRECISION)
 #: The ZeRO stages' last option.  Not drawn by the whole suite, whose draws it would shift:
 #: tests/test_offload.py draws it in every example of every ZeRO stage.
 OFFLOAD_OPTIMIZER = Option("offload_optimizer", False, "keep this rank's fp32 masters and optimizer states in "
-                           "host memory and step there (ZeRO-Offload, minizero.offload)", None)
+                           "host memory and step there (ZeRO-Offload, minizero.parts.offload)", None)
 
 
 def option_names(stage: type) -> list[str]:

@@ -1,5 +1,5 @@
 """The one interface every data-parallel wrapper offers the training loop -- minizero's stages and
-the torch oracles (:mod:`minizero.lab.oracle`) alike, so nothing has to probe what a stage can do."""
+the torch oracles (:mod:`minizero.course.harness.oracle`) alike, so nothing has to probe what a stage can do."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager

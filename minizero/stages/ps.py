@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp
-from ..cost_model import pull_s, push_s
-from ..formulas import all_gather_bytes, reduce_scatter_bytes
-from ..grad_buffers import FullGradients
-from ..layout import build_groups
-from ..precision import Precision
+from ..costs.cost_model import pull_s, push_s
+from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
+from ..parts.grad_buffers import FullGradients
+from ..parts.layout import build_groups
+from ..parts.precision import Precision
 from .facts import GradientMemory, Reduction, Shards
 from .options import WIRE_AND_USE, Option, positive_int
 from .zero import ZeRO

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..layout import FlatGroup, build_groups
-from ..precision import Precision
+from ..parts.layout import FlatGroup, build_groups
+from ..parts.precision import Precision
 from .options import WIRE_AND_USE, Option, natural_int
 from .ps import SERVERS, ParameterServer
 

@@ -2,7 +2,7 @@
 
 Out: ``stage.full_state_dict()`` and ``stage.full_optimizer_state_dict()`` are what a plain model and
 optimizer on one device would hold (ZeRO gathers them); ``stage.owned_parts()`` is what this rank alone
-holds, as ranges of the parameters (:mod:`minizero.parts`), written with no communication.  In:
+holds, as ranges of the parameters (:mod:`minizero.parts.part`), written with no communication.  In:
 ``load_full_state_dict`` and ``load_full_optimizer_state_dict`` take whole state dicts -- from any stage at
 any world size -- and keep what this stage holds of them, which is all resharding needs (:mod:`minizero.checkpoint`).
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..parts import Part, flat_range
-from ..precision import in_users_order
-from ..rebuilt import follow, settings
+from ..parts.part import Part, flat_range
+from ..parts.precision import in_users_order
+from ..parts.rebuilt import follow, settings
 
 
 def check_checkpointable(cls, rank: int = 0) -> None:

@@ -2,7 +2,7 @@
 the user's optimizer stepping only this rank's shard.
 
 Each ZeRO stage derives from :class:`ZeRO` alone and reads top to bottom:
-wrap (check, broadcast), lay out its flat groups (:mod:`minizero.layout`),
+wrap (check, broadcast), lay out its flat groups (:mod:`minizero.parts.layout`),
 :meth:`ZeRO.shard` them, then its own hooks with its own collectives --
 reduce-scatter gradients (when, and in what buckets, is what tells the stages
 apart), step the owned shard, all-gather parameters.  What they share is here:
@@ -13,10 +13,10 @@ apart), step the owned shard, all-gather parameters.  What they share is here:
   offers.  ``stage.parameters()`` yields them, so an optimizer built *after*
   wrapping -- ``torch.optim.AdamW(stage.parameters(), lr=...)``, as torch's
   FSDP2 documentation writes it -- steps exactly the owned shard;
-* the **sharded optimizer** (:class:`~minizero.sharded_optimizer.ShardedOptimizer`)
+* the **sharded optimizer** (:class:`~minizero.parts.sharded_optimizer.ShardedOptimizer`)
   when the stage is given the user's optimizer at wrap time -- with any state it
   already holds (a consolidated checkpoint loaded into it), each rank keeping
-  its pieces' range of it (:mod:`minizero.kept_state`);
+  its pieces' range of it (:mod:`minizero.parts.kept_state`);
 * torch's ``.grad`` semantics on the pieces: a reduced gradient is *added* to
   an existing ``.grad`` (accumulation across backward passes, as in torch) or
   becomes it; a parameter without a gradient anywhere keeps ``.grad = None``
@@ -32,11 +32,11 @@ from torch import nn
 
 from ..comm import Comm, ReduceOp
 from ..compress import make_wire
-from ..layout import FlatGroup
-from ..offload import HOST_KIND, HostCopies, check_offloadable
-from ..parts import Part, flat_range
-from ..precision import Precision, cast_parameters
-from ..sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
+from ..parts.layout import FlatGroup
+from ..parts.offload import HOST_KIND, HostCopies, check_offloadable
+from ..parts.part import Part, flat_range
+from ..parts.precision import Precision, cast_parameters
+from ..parts.sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
 from .base import Stage, unused_error
 from .state import optimizer_tensors
 from .wrap import broadcast_module, check_same_model
@@ -53,7 +53,7 @@ class ZeRO(Stage):
             check_shardable(type(optimizer), comm.rank if comm else 0)
         check_offloadable(offload_optimizer, comm.rank if comm else 0)
         super().__init__(module, optimizer, comm, precision)
-        # ZeRO-Offload (minizero.offload): the owned shard's masters and optimizer states in host memory.
+        # ZeRO-Offload (minizero.parts.offload): the owned shard's masters and optimizer states in host memory.
         self.host_copies = HostCopies() if offload_optimizer else None
         # The ranks the parameters are sharded over, and those each shard is replicated over (None: sharded
         # over every rank).  ZeRO shards over all N; HSDP over a node, replicated across nodes.
@@ -275,7 +275,7 @@ class ZeRO(Stage):
 
     # ------------------------------------------------------------ accounting and state dicts
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        # Storage is what counts: a view counts its whole buffer once (minizero.memory).
+        # Storage is what counts: a view counts its whole buffer once (minizero.observe.memory).
         pieces = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
         where = HOST_KIND if self.host_copies else ""  # offloaded: in host memory, counted apart
         return {"params": [p for _, p in self.trainable()],

@@ -23,7 +23,7 @@ masters are optimizer state, sharded with the moments.
 
 After the reduce-scatter the owned shard *is* the pieces' ``.grad`` and the
 other shards are zeroed; how accumulation across steps without ``zero_grad()``
-keeps torch's semantics is :mod:`minizero.grad_buffers`'s.
+keeps torch's semantics is :mod:`minizero.parts.grad_buffers`'s.
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp
-from ..formulas import all_gather_bytes, reduce_scatter_bytes
-from ..grad_buffers import FullGradients
-from ..layout import build_groups, plan_groups
-from ..precision import Precision
+from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
+from ..parts.grad_buffers import FullGradients
+from ..parts.layout import build_groups, plan_groups
+from ..parts.precision import Precision
 from .facts import GradientMemory, Reduction, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE
 from .zero import ZeRO

@@ -12,7 +12,7 @@ shard of each bucket's averaged gradient -- the pieces' ``.grad``.
 2. a post-accumulate-grad hook marks each parameter ready; a complete bucket
    is packed, its full gradients freed, and its reduce-scatter started on the
    communication thread while backward goes on
-   (:class:`~minizero.buckets.BucketPipeline`, as in ``ddp-bucketed``) -- once
+   (:class:`~minizero.parts.buckets.BucketPipeline`, as in ``ddp-bucketed``) -- once
    the one before has finished, so a slow wire cannot pile packed copies up;
 3. the optimizer steps the owned pieces, and the updated shards are
    all-gathered, as in ZeRO-1.
@@ -33,11 +33,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..buckets import MAX_IN_FLIGHT, BucketPipeline, MiB, check_bucket_mb
 from ..comm import Comm, ReduceOp
-from ..formulas import all_gather_bytes, reduce_scatter_bytes
-from ..layout import build_groups, plan_groups
-from ..precision import Precision
+from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
+from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline, MiB, check_bucket_mb
+from ..parts.layout import build_groups, plan_groups
+from ..parts.precision import Precision
 from .facts import GradientMemory, Reduction, Shards
 from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, WIRE_AND_USE
 from .zero import ZeRO

@@ -2,13 +2,13 @@
 
 After ZeRO-2 every rank still holds all the parameters.  ZeRO-3 keeps only
 the owned shard of each and materialises a **unit**'s full parameters
-(:class:`~minizero.units.Unit`, FSDP2's param group) only while that unit
+(:class:`~minizero.parts.units.Unit`, FSDP2's param group) only while that unit
 computes:
 
 1. before a unit's forward: all-gather its parameters; after it: free them
    (``reshard_after_forward=True``, the default) -- in place, the buffer's
    storage resized to 0, because autograd saved views of it (a linear layer
-   keeps ``weight.t()``; :class:`~minizero.layout.ShardedFlatGroup`);
+   keeps ``weight.t()``; :class:`~minizero.parts.layout.ShardedFlatGroup`);
 2. before its backward (a hook on the unit's output fires just then):
    all-gather again into the same storage: the parameters and every view
    autograd saved see the gathered values;
@@ -38,16 +38,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..activations import replayed_by_backward
-from ..buckets import MAX_IN_FLIGHT, BucketPipeline
 from ..comm import Comm, ReduceOp, Work
 from ..comm.nodes import assumed_nodes
 from ..compress.weights import QuantizedWeights, parse_weights
-from ..formulas import all_gather_bytes, reduce_scatter_bytes
-from ..layout import FreedBuffer, ReplicatedGroup, ShardedFlatGroup, plan_groups
-from ..precision import Precision
-from ..secondary import SecondaryShards
-from ..units import Unit, plan_unit_groups, replicated_parameters, resolve_units
+from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
+from ..parts.activations import replayed_by_backward
+from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline
+from ..parts.layout import FreedBuffer, ReplicatedGroup, ShardedFlatGroup, plan_groups
+from ..parts.precision import Precision
+from ..parts.secondary import SecondaryShards
+from ..parts.units import Unit, plan_unit_groups, replicated_parameters, resolve_units
 from . import facts
 from .facts import GradientMemory, Reduction, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int, weights_spec
@@ -159,7 +159,7 @@ class ZeRO3(ZeRO):
 
     def unit_pre_forward(self, u: int) -> None:
         if replayed_by_backward():
-            # A unit inside a checkpointed block, its forward replayed by backward (minizero.activations): the
+            # A unit inside a checkpointed block, its forward replayed by backward (minizero.parts.activations): the
             # gather backward needs, once -- its pre-backward hook, later, finds it gathered -- and nothing else:
             # not recorded as a call, no forward prefetch, and (post-forward) no reshard, no new hooks.
             self._unit_moment(u, "backward's replay", self.units[u].pre_backward)

@@ -1,5 +1,5 @@
 """Planted mistakes: files a learner could write for each lab, each with one realistic slip that the package does
-not name among its known mistakes (:mod:`minizero.labs.mistakes`).  The checker must catch every one, failing the
+not name among its known mistakes (:mod:`minizero.course.labs.mistakes`).  The checker must catch every one, failing the
 property :data:`EXPECTED` names, with a verdict that says where: the parameter (for the ring lab, the collective and
 the element), the rank, the step, and which way it is wrong.
 

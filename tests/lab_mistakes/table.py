@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 import time
 
-from minizero.labs import check
-from minizero.launch import RankPools
+from minizero.course.labs import check
+from minizero.run.launch import RankPools
 
 from . import CHECKERS_DEFAULT, SHRINK_S, expected, key_of, lab_of, planted
 

@@ -15,7 +15,7 @@ broke the code so badly that nothing was checked, and a crash is not a catch.
 
 The rest of the package: :mod:`.catches` (the checks a mutant names), :mod:`.broken_comm`,
 :mod:`.broken_training` and :mod:`.broken_clip_and_state` (the broken copies), :mod:`.register` (the table of
-mutants, and the broken *stages* of :mod:`minizero.labs.mistakes`).
+mutants, and the broken *stages* of :mod:`minizero.course.labs.mistakes`).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from typing import Callable
 import pytest
 from hypothesis.errors import Flaky
 
-from minizero.lab.rank_verdict import raised
-from minizero.launch import RankError
+from minizero.course.harness.rank_verdict import raised
+from minizero.run.launch import RankError
 
 #: What a check raises when it says no: ``assert`` and pytest's ``Failed`` (``pytest.fail``, and
 #: ``pytest.raises`` when the error did not come).

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from minizero import launch as _launch
 from minizero.comm import ReduceOp, ring
 from minizero.comm import fingerprint as _fingerprint
 from minizero.comm.base import collective
+from minizero.run import launch as _launch
 from tests.mutation import original_of
 
 

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.train import Step, sum_loss
+from minizero.run.train import Step, sum_loss
 from tests.mutation import original_of
 
 
@@ -154,7 +154,7 @@ def steps_on_local_gradients(self):
 
 # ------------------------------------------------------------------------------- the loop, the comparison
 def loop(scale_of: Callable, sync_every: bool = False, clear: bool = True, clip_after: bool = False):
-    """``minizero.train.train_step`` with one thing changed (its signature kept: the experiment calls it so)."""
+    """``minizero.run.train.train_step`` with one thing changed (its signature kept: the experiment calls it so)."""
     def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip=None, sync_every_micro_batch: bool = False,
                    optimizer=None, zero_grad=None):
         if clear:

@@ -69,8 +69,8 @@ def tied_weight_owner_catch(pools) -> None:
     (the test holds the function it imported, before any mutant).  Owned by a unit, the tied weight is freed
     after that unit's forward and the other unit's use fails on an empty tensor -- a crash, so the catch is
     this assertion on who owns it."""
-    from minizero import units
-    from minizero.lab.models import TinyGPT
+    from minizero.course.harness.models import TinyGPT
+    from minizero.parts import units
     from tests.test_zero3 import GPT_UNITS
 
     gpt = TinyGPT()

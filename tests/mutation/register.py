@@ -6,15 +6,15 @@ value; others right in value but wrong in *cost* -- bytes sent, memory held, ove
 that measures the cost can catch them.  ``test_mutants.py`` applies each and requires its catch to fail by an
 assertion, or by the named error its entry expects (``expect=``): a crash is not a catch.
 
-Broken *stages* (whole classes) live in the package, :mod:`minizero.labs.mistakes`, where the labs' checker also
+Broken *stages* (whole classes) live in the package, :mod:`minizero.course.labs.mistakes`, where the labs' checker also
 uses them to name a learner's mistake; the very property that passes for the real stage must catch each.
 """
 from __future__ import annotations
 
-from minizero.labs.mistakes import HOOK_MUTANTS, MISTAKE_STAGES, ZERO_MUTANTS
-from minizero.labs.mistakes import MUTANTS as DDP_MUTANTS
-from minizero.launch import RankError
-from minizero.precision import Precision
+from minizero.course.labs.mistakes import HOOK_MUTANTS, MISTAKE_STAGES, ZERO_MUTANTS
+from minizero.course.labs.mistakes import MUTANTS as DDP_MUTANTS
+from minizero.parts.precision import Precision
+from minizero.run.launch import RankError
 from tests.mutation import STALL, Expected, Mutant, broken_clip_and_state, broken_comm, broken_training, patch, unpatch
 from tests.mutation.catches import (
     comm_catch,
@@ -63,10 +63,10 @@ MUTANTS: dict[str, Mutant] = {
     "board: progress only at entry": Mutant("minizero.comm.progress:ProgressBoard._set", broken_comm.progress_only_at_entry,
                                             test_catch(L, "test_a_slow_collective_that_keeps_moving_is_not_a_stall"),
                                             expect=(STALL,)),
-    "pool: the timeout bounds the run": Mutant("minizero.launch:RankPool.run", broken_comm.run_with_a_deadline,
+    "pool: the timeout bounds the run": Mutant("minizero.run.launch:RankPool.run", broken_comm.run_with_a_deadline,
                                                test_catch(L, "test_a_healthy_run_longer_than_the_timeout_completes"),
                                                expect=(DEADLINE,)),
-    "pool: swallows a rank's exception": Mutant("minizero.launch:RankPool.run", broken_comm.swallows_errors,
+    "pool: swallows a rank's exception": Mutant("minizero.run.launch:RankPool.run", broken_comm.swallows_errors,
                                                 test_catch(L, "test_exception_names_rank_and_carries_traceback")),
     # buckets
     "buckets: registration order": Mutant("minizero.stages.ddp_bucketed:assign_buckets", broken_training.buckets_in_registration_order,
@@ -75,7 +75,7 @@ MUTANTS: dict[str, Mutant] = {
     "buckets: cap in elements": Mutant("minizero.stages.ddp_bucketed:assign_buckets", broken_training.cap_in_elements,
                                        test_catch(B, "test_grads_are_views_into_buckets_and_buckets_start_during_backward"),
                                        cost=True),
-    "buckets: launched when any gradient is ready": Mutant("minizero.buckets:ReadyOrder.mark", broken_training.launch_when_any_ready,
+    "buckets: launched when any gradient is ready": Mutant("minizero.parts.buckets:ReadyOrder.mark", broken_training.launch_when_any_ready,
                                                            test_catch(B, "test_a_bucket_is_sent_only_when_all_its_gradients_are_final")),
     # compression
     "compress: divide by N before the cast": Mutant("minizero.compress.sixteen_bit:split_division", broken_training.divide_by_n_first,
@@ -104,14 +104,14 @@ MUTANTS: dict[str, Mutant] = {
                                                            "test_a_gpt_with_int8_weights_matches_its_reference", 2)),
     "qgZ: a shard's message to the wrong rank": Mutant("minizero.compress.gathered:split", broken_training.split_rotated,
                                                        test_catch("test_codecs", "test_zero2_with_int8_matches_its_reference", 3)),
-    "layout: pieces one element short": Mutant("minizero.layout:FlatGroup._cut_pieces", broken_training.pieces_one_short,
+    "layout: pieces one element short": Mutant("minizero.parts.layout:FlatGroup._cut_pieces", broken_training.pieces_one_short,
                                                property_catch("zero1")),
     "optimizer: zero gradient instead of None": Mutant("minizero.stages.zero:ZeRO.accumulate", broken_training.zero_grads_for_unused,
                                                        test_catch(SEM, "test_a_parameter_without_a_gradient_is_not_stepped", "zero2", "c unused",
                                                                   "stage.zero_grad()")),
-    "optimizer: state consolidated at the wrong offset": Mutant("minizero.sharded_optimizer:_gather_element_state",
+    "optimizer: state consolidated at the wrong offset": Mutant("minizero.parts.sharded_optimizer:_gather_element_state",
                                                                 broken_training.state_at_the_parameters_offset, property_catch("zero2")),
-    "optimizer: state given at wrap dropped": Mutant("minizero.sharded_optimizer:keep_state",
+    "optimizer: state given at wrap dropped": Mutant("minizero.parts.sharded_optimizer:keep_state",
                                                      broken_clip_and_state.drops_the_state,
                                                      test_catch(KEPT, "test_state_given_at_wrap_is_kept_and_training_goes_on",
                                                                 "zero2", "adamw", 3, "mlp")),
@@ -143,10 +143,10 @@ MUTANTS: dict[str, Mutant] = {
     "zero3: never reshards after forward": Mutant("minizero.stages.zero3:ZeRO3.unit_post_forward", broken_training.zero3_never_reshards,
                                                   test_catch(Z3, "test_bytes_are_one_and_a_half_ddps_with_resharding",
                                                              3, True), cost=True),
-    "zero3: keeps prefetches across the step": Mutant("minizero.units:Unit.drop_prefetch",
+    "zero3: keeps prefetches across the step": Mutant("minizero.parts.units:Unit.drop_prefetch",
                                                       broken_training.zero3_keeps_prefetches,
                                                       test_catch(Z3, "test_a_prefetch_left_from_the_last_forward_is_dropped_at_the_step")),
-    "zero3: tied weight in the first unit": Mutant("minizero.units:assign_parameters", broken_training.tied_weight_in_first_unit,
+    "zero3: tied weight in the first unit": Mutant("minizero.parts.units:assign_parameters", broken_training.tied_weight_in_first_unit,
                                                    tied_weight_owner_catch),
     "zero: no bitmap for unused parameters": Mutant("minizero.stages.base:Stage.used_anywhere", broken_training.agrees_on_nothing,
                                                     test_catch(SEM, "test_a_parameter_without_a_gradient_is_not_stepped",
@@ -155,25 +155,25 @@ MUTANTS: dict[str, Mutant] = {
                                                             broken_training.steps_on_local_gradients,
                                                             test_catch(SEM, "test_step_after_no_sync_only_is_refused", "ddp")),
     # the one training loop
-    "loop: scaled by 1 / global count": Mutant("minizero.lab.experiment:train_step",
+    "loop: scaled by 1 / global count": Mutant("minizero.course.harness.experiment:train_step",
                                                broken_training.loop(lambda stage, step: 1 / step.global_count), property_catch("ddp")),
-    "loop: no zero_grad between steps": Mutant("minizero.lab.experiment:train_step", broken_training.loop(broken_training.right_scale, clear=False),
+    "loop: no zero_grad between steps": Mutant("minizero.course.harness.experiment:train_step", broken_training.loop(broken_training.right_scale, clear=False),
                                                test_catch("test_train_loop", "test_the_reference_is_plain_torch_training")),
-    "loop: every micro-batch synchronises": Mutant("minizero.lab.experiment:train_step", broken_training.loop(broken_training.right_scale, sync_every=True),
+    "loop: every micro-batch synchronises": Mutant("minizero.course.harness.experiment:train_step", broken_training.loop(broken_training.right_scale, sync_every=True),
                                                    test_catch("test_ddp_equivalence",
                                                               "test_ddp_syncs_once_per_optimizer_step_under_accumulation"),
                                                    cost=True),
-    "loop: clips after the step": Mutant("minizero.lab.experiment:train_step", broken_training.loop(broken_training.right_scale, clip_after=True),
+    "loop: clips after the step": Mutant("minizero.course.harness.experiment:train_step", broken_training.loop(broken_training.right_scale, clip_after=True),
                                          test_catch("test_train_loop", "test_the_reference_is_plain_torch_training")),
-    "loop: rank slice off by one": Mutant("minizero.lab.experiment:shard_step", broken_training.shard_step_off_by_one,
+    "loop: rank slice off by one": Mutant("minizero.course.harness.experiment:shard_step", broken_training.shard_step_off_by_one,
                                           property_catch("ddp")),
     # the comparison itself
-    "compare: NaN counted as no difference": Mutant("minizero.lab.equivalence:parameter_errors", broken_training.nan_errors_pass_through,
+    "compare: NaN counted as no difference": Mutant("minizero.course.harness.equivalence:parameter_errors", broken_training.nan_errors_pass_through,
                                                     test_catch("test_cli",
                                                                "test_a_diverging_run_is_a_failure_never_a_zero_difference")),
-    "equivalence: NaN counted as no difference": Mutant("minizero.lab.equivalence:max_diff", broken_training.max_diff_ignores_nan,
+    "equivalence: NaN counted as no difference": Mutant("minizero.course.harness.equivalence:max_diff", broken_training.max_diff_ignores_nan,
                                                         test_catch("test_cli", "test_a_nan_difference_is_an_infinite_one")),
-    "compare: non-finite values not looked for": Mutant("minizero.lab.equivalence:first_nonfinite", broken_training.nothing_is_nonfinite,
+    "compare: non-finite values not looked for": Mutant("minizero.course.harness.equivalence:first_nonfinite", broken_training.nothing_is_nonfinite,
                                                         test_catch("test_cli",
                                                                    "test_a_diverging_run_is_a_failure_never_a_zero_difference")),
 }

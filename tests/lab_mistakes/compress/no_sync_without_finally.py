@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Wire(given.Wire):

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.flat import group_by_dtype, pack, unpack
-from minizero.labs import given
+from minizero.course.labs import given
+from minizero.parts.flat import group_by_dtype, pack, unpack
 
 
 class DDP(given.DDP):

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.flat import keep_grad_in
-from minizero.labs import given
+from minizero.course.labs import given
+from minizero.parts.flat import keep_grad_in
 
 
 class BucketedDDP(given.BucketedDDP):

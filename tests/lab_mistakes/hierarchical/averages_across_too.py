@@ -3,7 +3,7 @@ N as well."""
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.guided.hierarchical import Hierarchical as Skeleton
+from minizero.course.labs.skeletons.guided.hierarchical import Hierarchical as Skeleton
 
 
 class Hierarchical(Skeleton):

@@ -3,7 +3,7 @@ every step crosses between nodes at each node's last rank."""
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.guided.hierarchical import Hierarchical as Skeleton
+from minizero.course.labs.skeletons.guided.hierarchical import Hierarchical as Skeleton
 
 
 class Hierarchical(Skeleton):

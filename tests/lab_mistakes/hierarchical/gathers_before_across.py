@@ -3,7 +3,7 @@ after the others were handed out."""
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.guided.hierarchical import Hierarchical as Skeleton
+from minizero.course.labs.skeletons.guided.hierarchical import Hierarchical as Skeleton
 
 
 class Hierarchical(Skeleton):

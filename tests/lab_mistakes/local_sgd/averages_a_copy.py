@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.flat import group_by_dtype, pack
-from minizero.labs import given
+from minizero.course.labs import given
+from minizero.parts.flat import group_by_dtype, pack
 
 
 class LocalSGD(given.LocalSGD):

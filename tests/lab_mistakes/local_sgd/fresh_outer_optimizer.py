@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.flat import group_by_dtype, pack, unpack
-from minizero.labs import given
+from minizero.course.labs import given
+from minizero.parts.flat import group_by_dtype, pack, unpack
 
 
 class LocalSGD(given.LocalSGD):

@@ -5,8 +5,8 @@ import torch
 
 from minizero.comm import ReduceOp
 from minizero.compress.powersgd import back_project, matrix, orthogonalize, p_of, project, q_of, rest_of
-from minizero.labs.given import PowerSGDBucketedDDP as GivenBucketedDDP
-from minizero.labs.given import PowerSGDWire as GivenWire
+from minizero.course.labs.given import PowerSGDBucketedDDP as GivenBucketedDDP
+from minizero.course.labs.given import PowerSGDWire as GivenWire
 
 
 class PowerSGDWire(GivenWire):

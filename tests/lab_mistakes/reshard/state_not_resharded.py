@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from minizero.checkpoint.flat import FlatShard
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Reshard(given.Reshard):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Tree(given.Tree):

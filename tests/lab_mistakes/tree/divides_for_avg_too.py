@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Tree(given.Tree):

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Tree(given.Tree):

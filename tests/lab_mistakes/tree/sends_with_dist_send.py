@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Tree(given.Tree):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class ZeRO1(given.ZeRO1):

@@ -1,7 +1,7 @@
 """Keeps the first gathered buffers and reuses them in every later forward and backward: a stale copy after the step."""
 from __future__ import annotations
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Unit(given.Unit):

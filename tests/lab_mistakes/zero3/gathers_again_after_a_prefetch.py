@@ -1,7 +1,7 @@
 """``unshard`` always starts its own all-gather (``self._all_gather``), throwing a prefetch that is under way away."""
 from __future__ import annotations
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Unit(given.Unit):

@@ -1,7 +1,7 @@
 """``unshard`` uses the all-gather's result but never clears ``self._gathering``: the next step's forward reuses that old result."""
 from __future__ import annotations
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Unit(given.Unit):

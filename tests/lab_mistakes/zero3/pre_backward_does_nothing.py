@@ -1,7 +1,7 @@
 """``pre_backward`` leaves the parameters freed ("autograd saved what it needs"): backward meets empty parameters."""
 from __future__ import annotations
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Unit(given.Unit):

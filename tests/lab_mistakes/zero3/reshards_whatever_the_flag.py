@@ -1,7 +1,7 @@
 """``post_forward`` frees the parameters whatever ``reshard`` says: inside no_sync() and with reshard_after_forward=False too."""
 from __future__ import annotations
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Unit(given.Unit):

@@ -1,7 +1,7 @@
 """``unshard`` points the groups at the gathered buffers in reverse order ("backward runs last unit first")."""
 from __future__ import annotations
 
-from minizero.labs import given
+from minizero.course.labs import given
 
 
 class Unit(given.Unit):

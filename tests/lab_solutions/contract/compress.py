@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from minizero.labs.skeletons.contract import compress as contract
+from minizero.course.labs.skeletons.contract import compress as contract
 
 
 class Wire(contract.Wire):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.contract.ddp import DDP as Contract
+from minizero.course.labs.skeletons.contract.ddp import DDP as Contract
 
 
 class DDP(Contract):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.contract.ddp_bucketed import BucketedDDP as Contract
+from minizero.course.labs.skeletons.contract.ddp_bucketed import BucketedDDP as Contract
 
 
 class BucketedDDP(Contract):

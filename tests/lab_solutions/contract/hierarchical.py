@@ -4,7 +4,7 @@ two phases on one column, the mean divided between them -- on 1/N of the data, a
 from __future__ import annotations
 
 from minizero.comm import ReduceOp, chunk_bounds
-from minizero.labs.skeletons.contract.hierarchical import Hierarchical as Skeleton
+from minizero.course.labs.skeletons.contract.hierarchical import Hierarchical as Skeleton
 
 
 class Hierarchical(Skeleton):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.contract import local_sgd as contract
+from minizero.course.labs.skeletons.contract import local_sgd as contract
 
 
 class LocalSGD(contract.LocalSGD):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.contract import mixed_precision as contract
+from minizero.course.labs.skeletons.contract import mixed_precision as contract
 
 
 class MasterWeights(contract.MasterWeights):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.contract import powersgd as contract
+from minizero.course.labs.skeletons.contract import powersgd as contract
 
 
 def _orthonormal(columns: torch.Tensor, epsilon: float) -> None:

@@ -3,7 +3,7 @@ shards it overlaps, never building the whole group (``tests/test_lab_reshard.py`
 from __future__ import annotations
 
 from minizero.checkpoint.flat import FlatShard
-from minizero.labs.skeletons.contract.reshard import Reshard as Skeleton
+from minizero.course.labs.skeletons.contract.reshard import Reshard as Skeleton
 
 
 class Reshard(Skeleton):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from minizero.labs.skeletons.contract.ring import Ring as Contract
+from minizero.course.labs.skeletons.contract.ring import Ring as Contract
 
 
 class Ring(Contract):

@@ -2,7 +2,7 @@
 them (``tests/test_lab_tree.py`` checks it passes)."""
 from __future__ import annotations
 
-from minizero.labs.skeletons.contract.tree import Tree as Skeleton
+from minizero.course.labs.skeletons.contract.tree import Tree as Skeleton
 
 
 def lowbit(r: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.contract.zero1 import ZeRO1 as Contract
+from minizero.course.labs.skeletons.contract.zero1 import ZeRO1 as Contract
 
 
 class ZeRO1(Contract):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.contract.zero2 import ZeRO2 as Contract
+from minizero.course.labs.skeletons.contract.zero2 import ZeRO2 as Contract
 
 
 class ZeRO2(Contract):

@@ -1,7 +1,7 @@
 """Lab ``zero3`` written from the contract skeleton alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
-from minizero.labs.skeletons.contract import zero3 as contract
+from minizero.course.labs.skeletons.contract import zero3 as contract
 
 
 class Unit(contract.Unit):

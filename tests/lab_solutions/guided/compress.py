@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from minizero.labs.skeletons.guided import compress as skeleton
+from minizero.course.labs.skeletons.guided import compress as skeleton
 
 
 class Wire(skeleton.Wire):

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.flat import group_by_dtype, pack, unpack
-from minizero.labs.skeletons.guided.ddp import DDP as Skeleton
+from minizero.course.labs.skeletons.guided.ddp import DDP as Skeleton
+from minizero.parts.flat import group_by_dtype, pack, unpack
 
 
 class DDP(Skeleton):

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.flat import keep_grad_in
-from minizero.labs.skeletons.guided.ddp_bucketed import BucketedDDP as Skeleton
+from minizero.course.labs.skeletons.guided.ddp_bucketed import BucketedDDP as Skeleton
+from minizero.parts.flat import keep_grad_in
 
 
 class BucketedDDP(Skeleton):

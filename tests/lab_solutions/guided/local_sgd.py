@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.flat import group_by_dtype, pack, unpack
-from minizero.labs.skeletons.guided import local_sgd as skeleton
+from minizero.course.labs.skeletons.guided import local_sgd as skeleton
+from minizero.parts.flat import group_by_dtype, pack, unpack
 
 
 class LocalSGD(skeleton.LocalSGD):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.guided import mixed_precision as skeleton
+from minizero.course.labs.skeletons.guided import mixed_precision as skeleton
 
 
 class MasterWeights(skeleton.MasterWeights):

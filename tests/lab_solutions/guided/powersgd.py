@@ -6,7 +6,7 @@ import torch
 
 from minizero.comm import ReduceOp
 from minizero.compress.powersgd import back_project, matrix, orthogonalize, p_of, project, q_of, rest_of
-from minizero.labs.skeletons.guided import powersgd as skeleton
+from minizero.course.labs.skeletons.guided import powersgd as skeleton
 
 
 class PowerSGDWire(skeleton.PowerSGDWire):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minizero.checkpoint.flat import FlatShard
-from minizero.labs.skeletons.guided.reshard import Reshard as Skeleton
+from minizero.course.labs.skeletons.guided.reshard import Reshard as Skeleton
 
 
 class Reshard(Skeleton):

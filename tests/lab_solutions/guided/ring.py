@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from minizero.labs.skeletons.guided.ring import Ring as Skeleton
+from minizero.course.labs.skeletons.guided.ring import Ring as Skeleton
 
 
 class Ring(Skeleton):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from minizero.labs.skeletons.guided.tree import Tree as Skeleton
+from minizero.course.labs.skeletons.guided.tree import Tree as Skeleton
 
 
 class Tree(Skeleton):

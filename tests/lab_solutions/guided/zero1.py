@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.guided.zero1 import ZeRO1 as Skeleton
+from minizero.course.labs.skeletons.guided.zero1 import ZeRO1 as Skeleton
 
 
 class ZeRO1(Skeleton):

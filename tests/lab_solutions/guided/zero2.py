@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.labs.skeletons.guided.zero2 import ZeRO2 as Skeleton
+from minizero.course.labs.skeletons.guided.zero2 import ZeRO2 as Skeleton
 
 
 class ZeRO2(Skeleton):

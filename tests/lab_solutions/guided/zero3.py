@@ -1,7 +1,7 @@
 """Lab ``zero3`` filled in from the guided skeleton's docstrings alone (``tests/test_labs.py`` checks it passes)."""
 from __future__ import annotations
 
-from minizero.labs.skeletons.guided import zero3 as skeleton
+from minizero.course.labs.skeletons.guided import zero3 as skeleton
 
 
 class Unit(skeleton.Unit):

@@ -1,0 +1,257 @@
+"""The properties a lab is judged by -- the ones the package's own stages pass in ``tests/``.
+
+Each takes the :class:`~minizero.course.labs.check.Checker` and returns a one-line
+account of what it checked, or raises :class:`Failed` with the smallest case
+that fails (hypothesis shrinks drawn examples) and, in plain words, what went
+wrong there.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from ...comm import ring_bytes_sent
+from ...stages import DDP, Stage, ZeRO2
+from ..harness.costs import bytes_problem, memory_problem, overlap_problem
+from ..harness.diagnosis import what_is_wrong
+from ..harness.drawn import experiments
+from ..harness.experiment import Experiment, reference_of
+from ..harness.optimizers import STATE_TENSORS
+from .failed import Failed, describe
+from .ranks import Raised, collectives_round, no_sync_probe, overlap_probe
+from .ranks import yours_run as yours_run_on_rank
+
+
+# ------------------------------------------------------------------ training equals single-device training
+def against_the_reference(checker):
+    """``examine(drawn)``: the learner's run of one drawn experiment against its reference (exact single-device
+    training, or the one applying the same roundings): ``(what is wrong, results)``, or None."""
+    def examine(drawn):
+        exp, n = drawn
+        results = checker.run(n, exp)
+        why = what_is_wrong(results, reference_of(replace(exp, stages=checker.stages), n), exp, n)
+        return (why, results) if why else None
+    return examine
+
+
+def equivalence(checker, compress: bool = False) -> str:
+    # 16-bit sums are compared with a reference that emulates the ring's order: ring collectives then.
+    exact_sums = not compress and "precision" not in checker.options
+    # What the suite draws: the edge model (frozen, unused, zero-size and tied parameters) too, and the optimizer
+    # built after wrapping, zeroed and stepped by the loop (every .grad set to None behind the stage's back).
+    # ... and, where nothing casts, a model of two dtypes (a float32 layer feeding a float64 one): flat buffers must
+    # be one per dtype -- averaging only the first dtype's passed before the checker drew it.
+    strategy = experiments(checker.key, world_sizes=(1, 2, 3, 4), max_accum=3, compress=compress,
+                           backends=("ring", "native") if exact_sums else ("ring",), stages=checker.stages,
+                           wrap_first=checker.lab.name != "compress",
+                           tasks=("mlp", "mlp", "edge", "gpt", "mixed") if exact_sums else ("mlp", "mlp", "edge", "gpt"))
+    if compress:  # the lab's wire has no error feedback: the plain 16-bit mean
+        strategy = strategy.map(lambda d: (replace(d[0], options={**d[0].options, "error_feedback": False}), d[1]))
+    strategy = strategy.map(lambda d: (replace(d[0], options={**d[0].options, **checker.options}), d[1]))
+
+    examine = against_the_reference(checker)
+    checker.search(strategy, examine, describe)
+    # Then, whatever the draws: two param groups with the optimizer built before wrapping -- two flat groups in a
+    # ZeRO-3 unit, each of which must be used for its own parameters (25 draws do not reach that corner).  After the
+    # search, so that a mistake the draws find is told on the smallest case they shrink to, not on this one.
+    corner = Experiment(stage=checker.key, task="mlp", model={"sizes": (3, 4, 2)}, optimizer="adam", steps=2, accum=2,
+                        dtype="float64", param_groups=True, record_states=True, options=dict(checker.options))
+    found = None if compress else examine((corner, 2))
+    if found:
+        raise Failed(found[0], describe(corner, 2), checker.diagnose(corner, 2, found[1]))
+    return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, "
+            f"SGD/momentum/Adam, float64 and float32, the edge model{', a model of two dtypes' if exact_sums else ''}, "
+            f"the optimizer built before and after wrapping"
+            + (", fp16 and bf16 wires" if compress else ""))
+
+
+#: Where every cost property is measured: every world size the equivalence draws, one micro-batch and several --
+#: both at N = 3, whose shards are uneven.
+COST_CASES = ((1, 1), (2, 2), (3, 1), (3, 2), (4, 2))
+
+
+def taken_steps(options: dict) -> dict:
+    """``options`` with fp16's loss scale at 1: at torch's initial scale (2^16) the first steps overflow and are
+    skipped -- no optimizer state created, no updated shard all-gathered -- and a cost formula is for a step taken."""
+    if getattr(options.get("precision"), "scaled", False):
+        return {**options, "precision": replace(options["precision"], loss_scale=1.0)}
+    return options
+
+
+def sent_bytes(checker, options: dict | None = None) -> str:
+    """Bytes each rank sent in each step as the ledger counted them, against the stage's formula; the kinds of
+    collective against the answer key's -- at every world size 1-4, K = 1 and K = 2 (:mod:`minizero.course.harness.costs`,
+    as the suite judges the package's stages)."""
+    options = taken_steps({**checker.options, **(options or {})})
+    for n, k in COST_CASES:
+        exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=k, dtype="float32", optimizer="adamw",
+                         options=options)
+        results = checker.run_case(n, exp)
+        first = results[0]
+        formula = checker.lab.answer.sent_bytes_per_step(first.psi, n, first.grad_bytes, first.param_bytes, **options)
+        kinds = set(checker.package(n, replace(exp, stage=checker.lab.stage))[0].sent_by_kind)
+        problem = bytes_problem(results, formula, kinds)
+        if problem:
+            average = sum(x.sent_bytes for x in results) / (n * exp.steps)
+            raise Failed(problem, describe(exp, n), checker.diagnose_cost(exp, n, average, set(first.sent_by_kind)))
+    return (f"the ledger's bytes in every step, on every rank, equal the formula ({checker.lab.answer.__name__}) at "
+            f"N = 1-4, K = 1 and 2 ({', '.join(f'N={n} K={k}' for n, k in COST_CASES)})")
+
+
+def one_sync_per_step(checker) -> str:
+    for k in (1, 3):
+        exp = Experiment(stage=checker.key, task="mlp", steps=2, accum=k, dtype="float64")
+        results = checker.run_case(3, exp)
+        formula = checker.lab.answer.sent_bytes_per_step(results[0].psi, 3, 8, 8)
+        problem = bytes_problem(results, formula)
+        if problem:
+            average = sum(r.sent_bytes for r in results) / (3 * exp.steps)
+            raise Failed(f"{problem} -- one all-reduce of the gradients per optimizer step, whatever K",
+                         describe(exp, 3), checker.diagnose_cost(exp, 3, average))
+    return "K = 1 and K = 3 micro-batches each send one all-reduce per optimizer step"
+
+
+def no_sync_nests(checker) -> str:
+    """``no_sync()`` nested, and left by an exception: torch DDP's restores the flag it found, in a finally."""
+    exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (3, 4, 2)}, steps=1, dtype="float64")
+    for n in (2, 3):
+        seen = checker.on_ranks(n, no_sync_probe, checker.impl, replace(exp, stages=None))
+        case = f"world size {n}, an MLP (3, 4, 2): backward inside no_sync() nested in no_sync(), then an exception " \
+               f"raised inside no_sync()"
+        for problems in seen:
+            if isinstance(problems, Raised):
+                raise Failed(str(problems), case)
+            if problems:
+                raise Failed(problems[0], case)
+    return "nested blocks keep synchronisation off until the outer one ends; an exception inside one restores it"
+
+
+def memory(checker) -> str:
+    """Model state each rank holds after a step, against the stage's formula, at every world size 1-4, K = 1 and
+    2.  What is counted is what the stage's ``held_tensors()`` accounts for -- the machinery's buffers, parameters,
+    gradients and optimizer states; a tensor a learner keeps on an attribute of their own is not seen."""
+    options = taken_steps(checker.options)
+    words = checker.lab.answer.state_formula(4, 2, **checker.options)
+    for n, k in COST_CASES:  # the cases (and so the runs) of `sent_bytes`: the state held after their two steps
+        exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=k, dtype="float32", optimizer="adamw",
+                         options=options)
+        results = checker.run_case(n, exp)
+        formula = checker.lab.answer.state_bytes(results[0].psi, n, 4, STATE_TENSORS["adamw"], **checker.options)
+        problem = memory_problem(results, formula, words)
+        if problem:
+            raise Failed(problem, describe(exp, n))
+    return (f"model state per rank equals {words} (AdamW) at N = 1-4, K = 1 and 2 "
+            f"({', '.join(f'N={n} K={k}' for n, k in COST_CASES)})")
+
+
+def overlap(checker) -> str:
+    """Backward keeps computing while the first bucket's collective is in flight -- with one micro-batch and with
+    two (the first, inside ``no_sync()``, launching nothing), on two and on three ranks."""
+    for n, k in ((2, 1), (2, 2), (3, 2)):
+        exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (8, 16, 16, 4)}, steps=2, accum=k,
+                         dtype="float32", optimizer="sgd", options={**checker.options, "bucket_mb": 1e-9})
+        case = describe(exp, n) + " (one parameter per bucket)"
+        seen = checker.on_ranks(n, overlap_probe, checker.impl, exp)
+        raised = [r for r in seen if isinstance(r, Raised)]
+        problem = str(raised[0]) if raised else overlap_problem(seen, exp.steps)
+        if problem:
+            raise Failed(problem, case)
+    return "the first bucket's collective leaves while backward is still computing (N = 2 and 3, K = 1 and 2)"
+
+
+# ------------------------------------------------------------------ the ring
+def _collectives(checker, examine_case) -> None:
+    strategy = st.tuples(st.sampled_from([1, 2, 3, 4]), st.integers(0, 40), st.sampled_from(["float64", "float32"]),
+                         st.integers(0, 1000))
+
+    def examine(drawn):
+        n, numel, dtype, seed = drawn
+        rounds = checker.on_ranks(n, collectives_round, checker.impl, numel, dtype, seed)
+        raised = [r for r in rounds if isinstance(r, Raised)]
+        if raised:
+            return str(raised[0]), None
+        for rank, cases in enumerate(rounds):
+            for name, case in cases.items():
+                problem = examine_case(name, case, rank, n)
+                if problem:
+                    return problem, None
+        return None
+
+    checker.search(strategy, examine, lambda n, numel, dtype, seed:
+                   f"world size {n}, tensors of {numel} element(s), {dtype}, data seed {seed}")
+
+
+def collectives(checker) -> str:
+    def wrong(name, case, rank, n):
+        got, want = case["got"], case["expected"]
+        if got.shape != want.shape or not got.eq(want).all():
+            bad = (got != want).nonzero()
+            i = int(bad[0]) if len(bad) else 0
+            return (f"{name} on rank {rank}: element {i} is {got.reshape(-1)[i].item() if got.numel() else 'missing'}"
+                    f", should be {want.reshape(-1)[i].item()}")
+        return None
+
+    _collectives(checker, wrong)
+    return (f"{checker.examples} drawn examples: all-reduce (SUM, AVG, MAX), reduce-scatter and all-gather give "
+            f"exact results at world sizes 1-4, tensors of 0-40 elements (fewer than N included)")
+
+
+def ring_cost(checker) -> str:
+    def wrong(name, case, rank, n):
+        elem = case["got"].element_size()
+        want = ring_bytes_sent(case["kind"], case["numel"], elem, n, rank)
+        steps = (2 if case["kind"] == "all_reduce" else 1) * (n - 1)
+        if case["sent"] != want:
+            return (f"{name}: rank {rank} sent {case['sent']} bytes of {case['numel']} x {elem}-byte elements; "
+                    f"the ring sends {want} ((N-1)/N of the tensor per phase)")
+        if case["messages"] > steps or (case["numel"] >= n and case["messages"] != steps):
+            return (f"{name}: rank {rank} sent {case['messages']} messages; the ring takes {steps} steps of one "
+                    f"message each -- the latency term that grows with N")
+        return None
+
+    _collectives(checker, wrong)
+    return "each rank sends (N-1)/N of the tensor per phase, in N-1 messages per phase: 2(N-1) per all-reduce"
+
+
+def over_your_ring(checker) -> str:
+    for stage in (DDP.name, ZeRO2.name):
+        exp = Experiment(stage=stage, task="gpt", steps=2, accum=2, dtype="float64", backend=checker.key)
+        results = checker.run_case(3, exp)
+        why = what_is_wrong(results, reference_of(exp, 3), exp, 3)
+        if why:
+            raise Failed(why, describe(exp, 3))
+    return "ddp and zero2 over your ring equal single-device training (world size 3, K = 2)"
+
+
+def yours_run(checker) -> str:
+    """Before any property: the learner's own methods are what a step runs (not the package's, inherited)."""
+    if checker.impl.path is None:
+        return "the package's own class (the answer key)"
+    exp = Experiment(stage=checker.key, task="mlp", steps=1, accum=2, dtype="float64", optimizer="sgd",
+                     options={**checker.options, **({"compress": "fp16"} if checker.lab.compress else {})})
+    if checker.lab.kind is not Stage:  # the ring lab: the learner's ring under a stage of the package's
+        exp = replace(exp, stage=DDP.name, backend=checker.key)
+    problems = checker.on_ranks(2, yours_run_on_rank, checker.impl, replace(exp, stages=None))[0]
+    if problems:
+        raise Failed("; ".join(problems), final=True)
+    if problems is None:  # a step raised: the next property shows where, on the smallest case
+        return f"{', '.join(checker.lab.todo)}: written in your file (a step raised before all of them ran)"
+    return f"{', '.join(checker.lab.todo)}: yours, each called in a step"
+
+
+PROPERTIES = {
+    "yours": ("your methods are what runs", yours_run),
+    "equivalence": ("equivalence to single-device training", equivalence),
+    "compressed equivalence": ("equivalence to a reference applying the same casts",
+                               lambda c: equivalence(c, compress=True)),
+    "bytes": ("bytes sent per step against the formula", sent_bytes),
+    "compressed bytes": ("bytes on the 16-bit wire: half of fp32's", lambda c: sent_bytes(c, {"compress": "fp16"})),
+    "one all-reduce per step": ("one all-reduce per optimizer step, whatever K", one_sync_per_step),
+    "no_sync nests": ("no_sync() nested and left by an exception", no_sync_nests),
+    "memory": ("model state held per rank against the formula", memory),
+    "overlap": ("communication overlaps backward", overlap),
+    "collectives": ("every collective's result", collectives),
+    "ring bytes and messages": ("bytes and messages per rank: the ring's", ring_cost),
+    "training over your ring": ("stages trained over your ring equal single-device training", over_your_ring),
+}

@@ -1,0 +1,53 @@
+"""The PowerSGD lab's properties: the learner's step inside the package's wire, against the same-steps reference.
+
+Merged into :data:`minizero.course.labs.property_table.PROPERTIES`.  The reference
+(:func:`minizero.course.harness.casts_reference.powersgd_average`) runs the package's steps on every rank's buffer at
+once, with the all-reduces emulated in the ring's order; the learner's ``power_step`` runs on the ranks over
+the real ring.  Drawn as the suite draws: world sizes 1-4, K up to 3, uneven batches, the edge model, the
+GPT -- and the PowerSGD settings (rank 1-3, QR above 2; warm start on and off; error feedback on and off).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from ..harness.drawn import experiments
+from ..harness.experiment import Experiment
+from .failed import Failed, describe
+from .properties import against_the_reference
+
+SPECS = ("powersgd:rank=1", "powersgd:rank=2", "powersgd:rank=3,min_rate=1", "powersgd:rank=2,warm_start=0")
+
+
+def equivalence(checker) -> str:
+    strategy = experiments(checker.key, world_sizes=(1, 2, 3, 4), max_accum=3, compress=True, backends=("ring",),
+                           stages=checker.stages, tasks=("mlp", "edge", "gpt", "gpt")).flatmap(
+        lambda d: st.tuples(st.sampled_from(SPECS), st.booleans()).map(
+            lambda s: (replace(d[0], options={**d[0].options, "compress": s[0], "error_feedback": s[1]}), d[1])))
+
+    checker.search(strategy, against_the_reference(checker), describe)
+    return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, the edge "
+            f"model and the GPT, PowerSGD at rank 1-3 (QR above 2), warm start on and off, error feedback on and off")
+
+
+def sent_bytes(checker) -> str:
+    """What the ring carried per step, against three all-reduces of the rest, the Ps and the Qs."""
+    for n in (2, 3):
+        exp = Experiment(stage=checker.key, task="gpt", steps=2, dtype="float64",
+                         options={"compress": "powersgd:rank=2", "error_feedback": True})
+        results = checker.run_case(n, exp)
+        counted = sum(r.sent_by_kind.get("all_reduce", 0) for r in results) / n / exp.steps
+        want = results[0].wire_sent_bytes_per_step
+        if abs(counted - want) > 1e-9 * want:
+            raise Failed(f"the ranks sent {counted:,.0f} bytes per step each on average in all-reduces; PowerSGD's "
+                         f"three all-reduces (the uncompressed tensors, n r per matrix for P, m r for Q) carry "
+                         f"{want:,.0f} -- " + ("more: is a whole matrix all-reduced?" if counted > want else
+                                               "fewer: is a factor never all-reduced?"), describe(exp, n))
+    return "the ring carries exactly the rest, then n r and m r per matrix (N = 2 and 3)"
+
+
+PROPERTIES = {
+    "powersgd equivalence": ("equivalence to a reference taking the same PowerSGD steps", equivalence),
+    "powersgd bytes": ("bytes: the rest, then (n + m) r per matrix", sent_bytes),
+}

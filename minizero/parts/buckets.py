@@ -1,0 +1,184 @@
+"""Gradient buckets: flat buffers that gradients are written into directly.
+
+Parameters go into buckets in *reverse registration order* -- roughly the
+order backward produces their gradients -- so the first bucket fills first
+and its all-reduce can start while backward is still computing the rest.
+Each parameter's ``.grad`` is a view into its bucket: autograd accumulates
+into the bucket in place, and the bucket is sent without a copy.
+(torch DDP: ``bucket_cap_mb=25``, ``gradient_as_bucket_view=True``.)
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..comm.thread import drain
+
+MiB = 1 << 20
+#: ZeRO-2's and -3's bound on packed buckets whose reduce-scatter has not finished: FSDP2 waits for the previous
+#: reduce-scatter before it packs the next (``FSDPParamGroup.post_backward``), so one is in flight at a time.
+MAX_IN_FLIGHT = 1
+
+
+@dataclass
+class Bucket:
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # all gradients of the bucket, end to end
+    views: list[torch.Tensor] = field(default_factory=list)  # views[i] is params[i]'s gradient
+
+
+def check_bucket_mb(bucket_mb: float) -> None:
+    if not (isinstance(bucket_mb, (int, float)) and 0 < bucket_mb < math.inf):
+        raise ValueError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r} (torch DDP's default is 25)")
+
+
+def assign_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_mb: float) -> list[Bucket]:
+    """Pack parameters, last registered first, into buckets of at most ``bucket_mb`` MiB.
+
+    A bucket holds one dtype; a parameter larger than the cap gets a bucket
+    of its own.  Every rank builds the same buckets (same model, same cap).
+    """
+    check_bucket_mb(bucket_mb)
+    cap = bucket_mb * MiB
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    for name, p in reversed(named_params):
+        current = groups[-1] if groups else None
+        if (current is None or current[0][1].dtype != p.dtype
+                or sum(q.numel() * q.element_size() for _, q in current) + p.numel() * p.element_size() > cap):
+            groups.append([])
+        groups[-1].append((name, p))
+    buckets = []
+    for index, group in enumerate(groups):
+        params = [p for _, p in group]
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        bucket = Bucket(index, [n for n, _ in group], params, buffer)
+        offset = 0
+        for p in params:
+            bucket.views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        buckets.append(bucket)
+    return buckets
+
+
+class ReadyOrder:
+    """Which parameters of which bucket hold their final gradient; launches buckets in index order.
+
+    Every rank must start bucket collectives in the same order -- the ring pairs
+    rank r's bucket i with its neighbours' bucket i -- so a bucket that completes
+    early waits for the ones before it.
+    """
+
+    def __init__(self, buckets: list[list[nn.Parameter]], launch):
+        self._slot = {id(p): (b, i) for b, params in enumerate(buckets) for i, p in enumerate(params)}
+        self._sizes = [len(params) for params in buckets]
+        self._ready: list[set[int]] = [set() for _ in buckets]
+        self._launch = launch  # launch(bucket_index)
+        self._next = 0
+
+    def mark(self, param: nn.Parameter) -> None:
+        b, i = self._slot[id(param)]
+        self._ready[b].add(i)
+        while self._next < len(self._sizes) and len(self._ready[self._next]) == self._sizes[self._next]:
+            self._launch(self._next)
+            self._next += 1
+
+    def missing(self) -> list[tuple[int, int]]:
+        """(bucket, position) of every parameter not marked since the last reset."""
+        return [(b, i) for b, size in enumerate(self._sizes) for i in range(size) if i not in self._ready[b]]
+
+    def complete_all(self) -> None:
+        """Launch whatever has not been launched, in order (unused parameters: their slots hold zeros)."""
+        for b, i in self.missing():
+            self._ready[b].add(i)
+        while self._next < len(self._sizes):
+            self._launch(self._next)
+            self._next += 1
+
+    def reset(self) -> None:
+        for ready in self._ready:
+            ready.clear()
+        self._next = 0
+
+
+class BucketPipeline:
+    """Buckets' collectives overlapped with backward: used by ``ddp-bucketed``, ``zero2`` and ``zero3``.
+
+    1. :meth:`mark` each parameter as its gradient becomes final (from a post-accumulate-grad hook);
+    2. a bucket whose parameters are all marked -- and every bucket before it -- is *launched*:
+       ``start(index)`` runs here, on the main thread (pack, free), and returns the collective, which runs
+       on the communication thread while backward goes on;
+    3. at the end of backward, :meth:`launch_rest` launches what never completed (unused parameters) and
+       :meth:`wait_all` collects every bucket's result in index order.
+
+    A round is one backward's worth: inside ``with pipeline.round():``, whatever happens -- an error in a
+    hook, a check that refuses, a collective that fails -- nothing is left running and nothing marked.
+
+    ``max_in_flight``: for stages whose ``start`` packs a bucket into a new buffer (ZeRO-2 and -3), the most
+    buckets launched and not yet done.  Before starting another, the pipeline waits for the oldest -- FSDP2's
+    rule, one reduce-scatter in flight while the next bucket is packed -- so however slow the network, backward
+    holds at most ``max_in_flight`` packed buckets and the one being packed (whose gradients it frees once
+    copied): a bound :mod:`minizero.course.harness.step_memory` can predict.  ``None``: no bound (``ddp-bucketed``'s buckets
+    are reduced in place; waiting would save nothing).
+    """
+
+    def __init__(self, comm: Comm, buckets: list[list[nn.Parameter]], start: Callable[[int], Callable[[], object]],
+                 max_in_flight: int | None = None):
+        if max_in_flight is not None and not (isinstance(max_in_flight, int) and max_in_flight >= 1):
+            raise ValueError(f"max_in_flight must be a whole number >= 1 (or None: no bound), got {max_in_flight!r}")
+        self.comm = comm
+        self._start = start
+        self._order = ReadyOrder(buckets, self._launch)
+        self._works: dict[int, object] = {}
+        self.max_in_flight = max_in_flight
+
+    def in_flight(self) -> list[int]:
+        """The buckets launched this round whose collective has not finished."""
+        return [index for index, work in self._works.items() if not work.done()]
+
+    def _launch(self, index: int) -> None:
+        if self.max_in_flight is not None:
+            pending = self.in_flight()  # in launch order
+            for oldest in pending[:max(0, len(pending) - self.max_in_flight + 1)]:
+                self._works[oldest].wait()  # an error surfaces here, or in wait_all: the round drains the rest
+        collective = self._start(index)
+        if not callable(collective):  # else the communication thread's "'NoneType' object is not callable"
+            raise TypeError(f"rank {self.comm.rank}: launching bucket {index} returned {collective!r}, not a function: "
+                            f"{getattr(self._start, '__qualname__', 'the launch')} must return the collective for "
+                            f"the communication thread to run (a function of no arguments), not run it")
+        self._works[index] = self.comm.submit(collective)
+
+    def mark(self, param: nn.Parameter) -> None:
+        self._order.mark(param)
+
+    def missing(self) -> list[tuple[int, int]]:
+        """(bucket, position) of every parameter not marked this round."""
+        return self._order.missing()
+
+    def launch_rest(self) -> None:
+        self._order.complete_all()
+
+    def wait_all(self) -> list[tuple[int, object]]:
+        """Every launched bucket's result, ``(index, result)`` in index order."""
+        return [(index, self._works.pop(index).result()) for index in sorted(self._works)]
+
+    def abandon(self) -> None:
+        """After a backward that raised part-way: wait for what it launched, forget what it marked."""
+        with self.round():
+            pass
+
+    @contextmanager
+    def round(self):
+        try:
+            yield self
+        finally:  # after an error too: nothing left running, nothing left marked
+            drain(list(self._works.values()))
+            self._works.clear()
+            self._order.reset()
