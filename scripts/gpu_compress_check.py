@@ -25,7 +25,7 @@ CASES = [("ddp-bucketed", {"compress": "powersgd:rank=2", "error_feedback": True
          ("ddp", {"compress": "int8", "error_feedback": True}),
          ("ddp-bucketed", {"compress": "topk:0.05", "error_feedback": True, "bucket_mb": 0.05}),
          ("zero2", {"compress": "int4", "bucket_mb": 0.05}),
-         ("zero3", {"compress": "int8", "quantized_weights": "int8", "error_feedback": True})]
+         ("zeropp", {"compress": "int8", "quantized_weights": "int8", "error_feedback": True})]
 
 
 def main() -> int:

@@ -85,7 +85,7 @@ def test_collectives_on_a_cluster_by_hand():
                                                   0.1, 0.2, (0.0,) + (1e8,) * 8)) for name in ("zero3", "hsdp"))
     assert hsdp.comm_s < 0.65 * zero3.comm_s
     # hpZ's backward gathers ride the node's wire: one of ZeRO-3's three flat rings leaves the slow link
-    hpz = predict(STAGES["zero3"], StepPlan(64, parse_network("nodes=8x8,intra=nvlink,inter=ethernet-100g"),
+    hpz = predict(STAGES["zeropp"], StepPlan(64, parse_network("nodes=8x8,intra=nvlink,inter=ethernet-100g"),
                                             0.1, 0.2, (0.0,) + (1e8,) * 8, options={"hpz": True}))
     assert hpz.comm_s < 0.75 * zero3.comm_s
 

@@ -62,8 +62,8 @@ def _with_hpz(drawn):
 
 
 @settings(max_examples=examples(10))
-@given(drawn=experiments("zero3", nodes=True, world_sizes=(2, 4)).map(_with_hpz))
-def test_zero3_with_hpz_matches_reference(pools, drawn):
+@given(drawn=experiments("zeropp", nodes=True, world_sizes=(2, 4)).map(_with_hpz))
+def test_zeropp_with_hpz_matches_reference(pools, drawn):
     """hpZ in every draw, on drawn nodes (one rank per node included: then it changes nothing)."""
     exp, world_size = drawn
     run_and_check(pools, exp, world_size)
@@ -71,11 +71,12 @@ def test_zero3_with_hpz_matches_reference(pools, drawn):
 
 @pytest.mark.parametrize("shape", ["2x2", "1x3", "4x1"])
 def test_hpz_keeps_the_backward_gather_inside_the_node(shape):
-    """ZeRO++'s hpZ on zero3: the same training; the backward gather's bytes move from the slow link to the fast
+    """ZeRO++'s hpZ (zeropp): the same training; the backward gather's bytes move from the slow link to the fast
     one (2 x 2: inter-node bytes 2/3 of ZeRO-3's), for a working set larger by the node-local slices."""
     m, g = map(int, shape.split("x"))
     exp = Experiment(task="gpt", steps=2, network=f"nodes={shape}")
-    plain, hpz = (compare(m * g, ["zero3"], exp, timeout_s=120, **options)[0] for options in ({}, {"hpz": True}))
+    plain, hpz = (compare(m * g, [stage], exp, timeout_s=120, **options)[0]
+                  for stage, options in (("zero3", {}), ("zeropp", {"hpz": True})))
     for row in (plain, hpz):
         assert row.within_tolerance and row.bytes_match and row.links_match, row
     if m > 1:
@@ -150,7 +151,7 @@ def _native_without_nodes(me, stage, options):
         return str(error)
 
 
-@pytest.mark.parametrize("stage, options, who", [("hsdp", {}, "hsdp"), ("zero3", {"hpz": True}, "hpz")])
+@pytest.mark.parametrize("stage, options, who", [("hsdp", {}, "hsdp"), ("zeropp", {"hpz": True}, "hpz")])
 def test_the_native_backend_without_nodes_is_refused_saying_what_to_pass(pools, stage, options, who):
     """torch's collectives on a view need its process group, made when the Comm is built: one built without nodes
     cannot grow them later (new_group is collective), so the stage says which network to give instead."""

@@ -1,4 +1,4 @@
-"""ZeRO-3's quantized weights (``quantized_weights="int8"``, ZeRO++'s qwZ): the parameters all-gathered as codes,
+"""ZeRO++'s quantized weights (stage ``zeropp``, ``quantized_weights="int8"``: qwZ): the parameters all-gathered as codes,
 every rank computing at the decoded weights, the optimizer stepping the exact shards.  Proven against a reference
 that computes every rank's gradient at the same decoded weights, with the gathers' bytes equal to the codec's
 formula; a state dict still holds the exact weights."""
@@ -16,14 +16,14 @@ from minizero.compress.weights import round_like_the_gather
 from minizero.course.harness.equivalence import max_diff
 from minizero.course.harness.experiment import Experiment, exact_reference_of, run_experiment
 from minizero.course.harness.models import MLP
-from minizero.stages import ZeRO3
+from minizero.stages import ZeRO3, ZeROPlusPlus
 from tests.equivalence import covering_every_world_size, examples, experiments, run_and_check
 
 WEIGHTS = ["int8", "int4", "int8:block=16", "int4:block=8,stochastic=1"]
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4))
-@pytest.mark.parametrize("stage", ["zero3"])
+@pytest.mark.parametrize("stage", ["zeropp"])
 @covering_every_world_size
 @settings(max_examples=examples(4))
 @given(data=st.data())
@@ -46,7 +46,7 @@ def test_quantized_weights_match_the_same_rounding_reference_and_their_byte_form
 
 
 def _run(pools, n, **options):
-    exp = Experiment(stage="zero3", task="gpt", steps=2, dtype="float32", optimizer="adamw", options=options)
+    exp = Experiment(stage="zeropp", task="gpt", steps=2, dtype="float32", optimizer="adamw", options=options)
     return exp, pools.run(n, run_experiment, exp)
 
 
@@ -76,7 +76,7 @@ def test_a_state_dict_holds_the_exact_weights_not_their_codes(pools):
 def test_the_stage_formula_counts_the_codes():
     psi, n = 1_000_000, 4
     plain = ZeRO3.sent_bytes_per_step(psi, n, 4, 4)
-    coded = ZeRO3.sent_bytes_per_step(psi, n, 4, 4, quantized_weights="int8")
+    coded = ZeROPlusPlus.sent_bytes_per_step(psi, n, 4, 4, quantized_weights="int8")
     gathers = plain - ZeRO3.sent_bytes_per_step(psi, n, 4, 0)
     assert coded == pytest.approx(plain - gathers + gathers * (1 + 4 / 256) / 4, rel=1e-3)
 
@@ -95,14 +95,14 @@ def test_mixed_precision_refuses_quantized_weights():
 def _refused(**options) -> str:
     model = MLP(seed=0, dtype=torch.float32)
     with pytest.raises(ValueError) as refused:
-        ZeRO3(model, torch.optim.SGD(model.parameters(), lr=0.1), None, **options)
+        ZeROPlusPlus(model, torch.optim.SGD(model.parameters(), lr=0.1), None, **options)
     return str(refused.value)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_gpt_with_int8_weights_matches_its_reference(pools, world_size):
     """A fixed case beside the drawn ones: the GPT's blocks as units, prefetch 1, K = 2, Adam."""
-    exp = Experiment(stage="zero3", task="gpt", steps=3, accum=2, dtype="float64", optimizer="adam",
+    exp = Experiment(stage="zeropp", task="gpt", steps=3, accum=2, dtype="float64", optimizer="adam",
                      options={"quantized_weights": "int8:block=64"})
     run_and_check(pools, exp, world_size)
 
@@ -115,7 +115,7 @@ def _state_inside_no_sync(me):
     model = TASKS["gpt"].make_model(0, torch.float64)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     comm = make_comm("ring")
-    stage = make_stage("zero3", model, torch.optim.SGD(model.parameters(), lr=0.1), comm, quantized_weights="int4",
+    stage = make_stage("zeropp", model, torch.optim.SGD(model.parameters(), lr=0.1), comm, quantized_weights="int4",
                        reshard_after_forward=False)
     x, y = TASKS["gpt"].make_batch(2, 0, 0, torch.float64)
     with stage.no_sync():

@@ -79,7 +79,7 @@ def test_a_switch_is_a_flag_and_one_on_by_default_can_be_turned_off():
 def test_an_option_no_chosen_stage_takes_is_refused_naming_the_stages_that_do(capsys):
     assert main(["compare", "--stages", "ddp,zero1", "--no-reshard-after-forward"]) == 2
     assert ("error: --reshard-after-forward has no effect on --stages ddp,zero1: none of them takes it (it is an "
-            "option of zero3, hsdp)") in capsys.readouterr().err
+            "option of zero3, zeropp, hsdp)") in capsys.readouterr().err
     assert main(["train", "--stage", "zero1", "--bucket-mb", "5"]) == 2
     assert "error: --stage zero1 takes no --bucket-mb (its options: compress, error_feedback" in capsys.readouterr().err
 

@@ -25,6 +25,7 @@ from .zero import ZeRO
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3
+from .zeropp import ZeROPlusPlus
 
 
 def registry(*stages: type[Stage]) -> dict[str, type[Stage]]:
@@ -34,7 +35,7 @@ def registry(*stages: type[Stage]) -> dict[str, type[Stage]]:
     return {stage.name: stage for stage in stages}
 
 
-STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, HSDP, ParameterServer,
+STAGES: dict[str, type[Stage]] = registry(Stage, DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, ZeROPlusPlus, HSDP, ParameterServer,
                                              AsyncParameterServer, LocalSGD)
 REFERENCE = Stage.name  # single-device training: what every stage is compared with
 DEFAULT_STAGE = DDP.name  # what a command runs when no stage is named
@@ -77,6 +78,6 @@ def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | 
 
 
 __all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "AsyncParameterServer", "BucketedDDP", "DDP", "DataParallel", "HSDP",
-           "LocalSGD", "Option", "ParameterServer", "Reduction", "Shards", "Stage", "ZeRO", "ZeRO1", "ZeRO2",
-           "ZeRO3", "broadcast_module", "check_same_model", "check_stage_names", "distributed", "make_stage", "option_names",
-           "registry", "with_stages"]
+           "LocalSGD", "Option", "ParameterServer", "Reduction", "Shards", "Stage", "ZeRO", "ZeRO1", "ZeRO2", "ZeRO3",
+           "ZeROPlusPlus", "broadcast_module", "check_same_model", "check_stage_names", "distributed", "make_stage",
+           "option_names", "registry", "with_stages"]

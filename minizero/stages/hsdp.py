@@ -16,7 +16,7 @@ the same: the reduce-scatter averages the node's ``G`` gradients, the all-reduce
 the mean of all ``N`` (exactly, for any split of N <= 4 into nodes: one of the two divisions is by 1 or 2).
 
 Everything else is ZeRO-3's (:mod:`.zero3`): units, prefetch, resharding after forward, replicated modules,
-quantized weights, checkpoints -- with its collectives on the node's ranks (:meth:`ZeRO.mesh`).  Checks that
+checkpoints -- with its collectives on the node's ranks (:meth:`ZeRO.mesh`).  Checks that
 every rank must agree on (the model at wrap time, which parameters have a gradient anywhere, the loss) stay
 on all N ranks.  A checkpoint is written by the first replica of each shard and reads into any stage at
 any N and node shape.
@@ -38,20 +38,17 @@ from .zero3 import ZeRO3
 class HSDP(ZeRO3):
     name = "hsdp"
     needs_nodes = True  # its mesh is where the ranks sit (network="nodes=MxG,..."; else assumed_nodes)
-    options = tuple(o for o in ZeRO3.options if o.name != "hpz")  # (its backward gathers are in the node already)
     averages_with = "all_reduce"  # a compressed wire rides the all-reduce across nodes: the slow hop only
 
     def __init__(self, module, optimizer=None, comm: Comm | None = None, units=None, reshard_after_forward: bool = True,
-                 prefetch: int = 1, replicate=None, quantized_weights: str | None = None, compress: str | None = None,
-                 error_feedback: bool = False, find_unused_parameters: bool = False, precision="fp32",
-                 offload_optimizer: bool = False):
+                 prefetch: int = 1, replicate=None, compress: str | None = None, error_feedback: bool = False,
+                 find_unused_parameters: bool = False, precision="fp32", offload_optimizer: bool = False):
         if isinstance(parse_compress(compress), PowerSGD):
             raise ValueError(f"compress={compress!r} on hsdp is not built: its compressed all-reduce is of gradient "
                              f"shards, and a shard of a matrix has no low-rank factors of its own; use a codec "
                              f"(int8, int4, topk, sign) or compress='fp16' or 'bf16'")
         super().__init__(module, optimizer, comm, units=units, reshard_after_forward=reshard_after_forward,
-                         prefetch=prefetch, replicate=replicate, quantized_weights=quantized_weights,
-                         compress=compress, error_feedback=error_feedback,
+                         prefetch=prefetch, replicate=replicate, compress=compress, error_feedback=error_feedback,
                          find_unused_parameters=find_unused_parameters, precision=precision,
                          offload_optimizer=offload_optimizer)
         # Inside the node the gradients travel exact -- or, under a precision policy's wider reduce_dtype, summed in

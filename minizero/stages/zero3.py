@@ -1,4 +1,5 @@
-"""Stage ``zero3``: parameters sharded too (ZeRO paper, section 5.3, P_os+g+p; FSDP).
+"""Stage ``zero3``: parameters sharded too (ZeRO paper, section 5.3, P_os+g+p; FSDP).  ZeRO++'s additions
+to it (quantized weight gathers, hpZ) are stage ``zeropp`` (:mod:`.zeropp`).
 
 After ZeRO-2 every rank still holds all the parameters.  ZeRO-3 keeps only
 the owned shard of each and materialises a **unit**'s full parameters
@@ -39,18 +40,15 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp, Work
-from ..comm.nodes import assumed_nodes
-from ..compress.weights import QuantizedWeights, parse_weights
 from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.activations import replayed_by_backward
 from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline
 from ..parts.layout import FreedBuffer, ReplicatedGroup, ShardedFlatGroup, plan_groups
 from ..parts.precision import Precision
-from ..parts.secondary import SecondaryShards
 from ..parts.units import Unit, plan_unit_groups, replicated_parameters, resolve_units
 from . import facts
 from .facts import GradientMemory, Reduction, Shards
-from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int, weights_spec
+from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int
 from .zero import ZeRO
 
 INSPECTION = "state_dict"  # why a unit is gathered outside training: exactly, whatever the training gathers send
@@ -72,34 +70,19 @@ class ZeRO3(ZeRO):
                Option("prefetch", 1, "units whose all-gather starts ahead of use", natural_int, draw=lambda d: (0, 1, 2)),
                Option("replicate", None, "submodules (or their names) kept whole on every rank and all-reduced, not "
                       "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: REPLICATED.get(d.task, ())),
-               Option("quantized_weights", None, "all-gather the parameters as int8 or int4 codes (ZeRO++'s qwZ; "
-                      "compute then sees the decoded weights)", weights_spec),
-               # (not drawn by the whole suite, whose draws it would shift: tests/test_hsdp.py draws it in every example)
-               Option("hpz", False, "keep a node-local slice of each unit gathered for forward, so the backward "
-                      "all-gather stays inside the node (ZeRO++'s hpZ; on the network's nodes)", None),
                *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None,
-                 quantized_weights: str | None = None, hpz: bool = False, compress: str | None = None,
-                 error_feedback: bool = False, find_unused_parameters: bool = False, precision: str | Precision = "fp32",
-                 offload_optimizer: bool = False):
+                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
+                 precision: str | Precision = "fp32", offload_optimizer: bool = False):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
-        codec = parse_weights(quantized_weights)  # refused before anything is built
-        if codec is not None and hpz:
-            raise ValueError(f"hpz with quantized_weights={quantized_weights!r} is not built: the node-local slices "
-                             f"would be of the decoded weights; use one or the other")
-        if codec is not None and Precision.of(precision).mixed:
-            raise ValueError(f"quantized_weights={quantized_weights!r} under mixed precision is not built: the working "
-                             f"copy is already 16-bit; use precision='fp32'")
         super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision,
                          offload_optimizer)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.weight_wire = QuantizedWeights(self.shard_comm, codec) if codec is not None else None
         self._observers: list = []
-        self.secondary = SecondaryShards(comm, self._observe) if hpz else None  # ZeRO++'s hpZ, or None
         # One sharded group per unit, param group and dtype; the last unit first (backward's order).  Then
         # the replicated parameters, whole on every rank, one group per param group and dtype.
         unit_modules, whole = resolve_units(module, units), replicated_parameters(module, replicate, self.rank)
@@ -146,14 +129,7 @@ class ZeRO3(ZeRO):
 
         def all_gather() -> list[torch.Tensor]:
             for group, full in zip(unit.groups, fulls, strict=True):
-                if why == "backward" and self.secondary is not None and self.secondary.holds(group):
-                    self.secondary.all_gather(full, group, tag)  # hpZ: from the node's slices, inside the node
-                elif self.weight_wire is None or why == INSPECTION:  # a state dict holds the weights, not codes
-                    self.shard_comm.all_gather(full, group.shard, tag=tag)
-                else:  # qwZ: codes travel, every rank computes with the decoded shards
-                    self.weight_wire.all_gather(full, group.shard, tag)
-                if why == "forward" and self.secondary is not None:
-                    self.secondary.keep(group, full, unit.index)
+                self.shard_comm.all_gather(full, group.shard, tag=tag)
             return fulls
         return self.comm.submit(all_gather)
 
@@ -288,8 +264,6 @@ class ZeRO3(ZeRO):
         with self.stepping():
             for unit in self.units:
                 unit.drop_prefetch()
-            if self.secondary is not None:  # slices of the weights the step is about to change
-                self.comm.submit(self.secondary.drop).wait()
             self.optimizer.step_owned()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -301,8 +275,7 @@ class ZeRO3(ZeRO):
     # ------------------------------------------------------------ accounting and state dicts
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()
-        held["params"] = [g.shard for g in self.groups] + [g.data for g in self.groups if g.gathered] + \
-            (self.secondary.held() if self.secondary is not None else [])
+        held["params"] = [g.shard for g in self.groups] + [g.data for g in self.groups if g.gathered]
         return held
 
     def full_state_dict(self) -> dict:
@@ -311,9 +284,6 @@ class ZeRO3(ZeRO):
         observers, self._observers = self._observers, []  # an inspection, not a training step's working set
         try:
             for unit in self.units:
-                if self.weight_wire is not None:  # gathered for training as codes: gathered again, exactly
-                    unit.drop_prefetch()
-                    unit.reshard()
                 unit.unshard(INSPECTION)
             state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
             for unit in self.units:
@@ -324,48 +294,33 @@ class ZeRO3(ZeRO):
 
     # ------------------------------------------------------------------ facts
     @classmethod
-    def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, reshard_after_forward: bool = True,
-                            quantized_weights: str | None = None, hpz: bool = False, nodes=None, **options) -> float:
-        """All-gather before forward and (if resharded after it) again before backward; reduce-scatter.  With
-        ``quantized_weights`` the parameters travel as the codec's messages (whole shards: the blocks of a shard
-        of Psi/N elements); with ``hpz`` the backward gather is among the node's ``G`` ranks."""
-        return sum(cls.sent_bytes_by_link(psi, world_size, grad_bytes, param_bytes, nodes, False, reshard_after_forward,
-                                          quantized_weights, hpz, **options).values())
+    def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, nodes=None, **options) -> float:
+        return sum(cls.sent_bytes_by_link(psi, world_size, grad_bytes, param_bytes, nodes, **options).values())
 
     @classmethod
     def sent_bytes_by_link(cls, psi, world_size, grad_bytes, param_bytes, nodes=None, hierarchical: bool = False,
-                           reshard_after_forward: bool = True, quantized_weights: str | None = None, hpz: bool = False,
-                           **options) -> dict[str, float]:
-        """The world's collectives split as rings split (:func:`minizero.stages.facts.sent_bytes_by_link`); hpZ's
-        backward gather all inside the node."""
-        codec = parse_weights(quantized_weights)
-        gathered = psi * param_bytes if codec is None or not param_bytes else \
-            world_size * codec.message_bytes(-(-int(psi) // world_size), torch.float32)
-        secondary = hpz and reshard_after_forward
-        world = reduce_scatter_bytes(psi * grad_bytes, world_size) + \
-            (1 if secondary or not reshard_after_forward else 2) * all_gather_bytes(gathered, world_size)
-        split = facts.split_by_link(world, world_size, nodes, hierarchical)
-        if secondary:
-            split["intra"] += all_gather_bytes(psi * param_bytes, (nodes or assumed_nodes(world_size)).per_node)
-        return split
+                           reshard_after_forward: bool = True, **options) -> dict[str, float]:
+        """All-gather before forward and (if resharded after it) again before backward; reduce-scatter -- split
+        as rings split (:func:`minizero.stages.facts.sent_bytes_by_link`)."""
+        gathers = 2 if reshard_after_forward else 1
+        world = reduce_scatter_bytes(psi * grad_bytes, world_size) + gathers * all_gather_bytes(psi * param_bytes,
+                                                                                                world_size)
+        return facts.split_by_link(world, world_size, nodes, hierarchical)
 
     @classmethod
-    def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, hpz: bool = False,
-                 **options) -> None:
+    def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:
         """Units in call order, as :meth:`unit_pre_forward` and :meth:`unit_pre_backward` run them: a unit waits
         for its all-gather, then starts the next ``prefetch`` ones, then computes.  The root (unit 0) is
         gathered first; its compute is half before the blocks (embeddings) and half after (the head), and
         in backward the reverse; its backward hook fires first and prefetches nothing; each unit's
         reduce-scatter leaves when its backward is done, the root's last.  (With find_unused_parameters
-        every reduce-scatter waits for the end of backward: not modelled.)  With ``hpz`` the backward gathers are
-        among the node's ranks."""
+        every reduce-scatter waits for the end of backward: not modelled.)"""
         blocks, plan = s.plan.blocks, s.plan
         per_param_f, per_param_b = plan.forward_s / plan.psi, plan.backward_s / plan.psi
 
         def gather(u: int, when: str) -> None:
             if not s.launched((when, u)):
-                span = "node" if hpz and when == "backward" else cls.shard_span
-                s.launch((when, u), "all_gather", blocks[u], plan.param_bytes, span=span)
+                s.launch((when, u), "all_gather", blocks[u], plan.param_bytes, span=cls.gather_span(when, **options))
 
         def run(order: list[int], when: str, compute, after=None) -> None:
             for i, u in enumerate(order):
@@ -391,6 +346,11 @@ class ZeRO3(ZeRO):
         s.optimizer_step()
 
     shard_span = "world"  # the ranks the scaling model gathers and reduce-scatters among (HSDP: a node's)
+
+    @classmethod
+    def gather_span(cls, when: str, **options) -> str:
+        """The ranks a unit's ``when`` (forward or backward) all-gather runs among, in the scaling model."""
+        return cls.shard_span
 
     @classmethod
     def schedule_reduction(cls, s, key, numel: float) -> None:
