@@ -94,3 +94,16 @@ def broadcast_module(module: nn.Module, comm: Comm, src: int = 0) -> None:
             for _, tensor in named:
                 tensor.data.copy_(flat[offset:offset + tensor.numel()].view(tensor.shape))
                 offset += tensor.numel()
+
+
+def check_optimizer_owns_only_model_parameters(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int) -> None:
+    """A parameter the optimizer holds but the model does not gets no gradient and no name: refuse it here."""
+    in_model = {id(p) for p in module.parameters()}
+    foreign = [(gi, tuple(p.shape)) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]
+               if id(p) not in in_model]
+    if foreign:
+        raise ValueError(
+            f"rank {rank}: the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model "
+            f"(param group, shape: {foreign[:3]}); ZeRO shards the model's parameters. Build the optimizer "
+            f"over model.parameters() -- after any change to the model -- or after wrapping, over "
+            f"stage.parameters().")

@@ -33,13 +33,12 @@ from torch import nn
 from ..comm import Comm, ReduceOp
 from ..compress import make_wire
 from ..parts.layout import FlatGroup
-from ..parts.offload import HOST_KIND, HostCopies, check_offloadable
-from ..parts.part import Part, flat_range
+from ..parts.offload import HostCopies, check_offloadable
 from ..parts.precision import Precision, cast_parameters
 from ..parts.sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
+from . import zero_state
 from .base import Stage, unused_error
-from .state import optimizer_tensors
-from .wrap import broadcast_module, check_same_model
+from .wrap import broadcast_module, check_optimizer_owns_only_model_parameters, check_same_model
 
 
 class ZeRO(Stage):
@@ -117,17 +116,6 @@ class ZeRO(Stage):
                                          masters[0].dtype if masters else None, optimizer_outside=self.user_optimizer is None,
                                          **copies)
         self._settle_wire()
-
-    def _master_values(self) -> dict[int, torch.Tensor]:
-        """Every parameter's whole fp32 master: each group's master shards all-gathered."""
-        values = {}
-        for g, group in enumerate(self.groups):
-            full = group.master if group.replicated else group.master.new_empty(group.shard_size * group.world_size)
-            if not group.replicated:
-                self.gather(full, group.master, tag=self.tag(f"group {g} masters"))
-            for segment, value in zip(group.segments, group.unpack_full(full), strict=True):
-                values[id(segment.param)] = value
-        return values
 
     # ------------------------------------------------------------ the pieces
     def pieces(self):
@@ -248,114 +236,15 @@ class ZeRO(Stage):
         return clip_sharded_grad_norm_(counted + (replicas if first else []), max_norm, norm_type, self.shard_comm,
                                        dtype, device, self.tag("clip norm"), [] if first else replicas)
 
-    def full_gradients(self) -> dict[str, torch.Tensor | None]:
-        """Every parameter's averaged gradient in its full shape -- FSDP2's ``param.grad.full_tensor()`` --
-        from every rank's pieces; None where no rank holds one.  A collective: every rank calls it, and gets
-        all of them (the pieces' dtype; under mixed precision with the optimizer built after wrapping, the
-        fp32 masters' gradients, which that optimizer steps)."""
-        outside = self.masters_outside
-        gradients = {}
-        for g, group in enumerate(self.groups):
-            dtype = group.optimizer_dtype if outside else group.dtype
-            mine = torch.zeros(group.shard.numel(), dtype=dtype, device=group.shard.device)  # a worker's: empty
-            held = torch.zeros(len(group.segments), device=group.shard.device)
-            position = {id(s): i for i, s in enumerate(group.segments)}
-            for piece in group.pieces:
-                grad = (self.master.master_of(piece.param) if outside else piece.param).grad
-                if grad is not None:
-                    mine[piece.offset:piece.offset + piece.stop - piece.start] = grad
-                    held[position[id(piece.segment)]] = 1.0
-            full = mine if group.replicated else mine.new_empty(group.shard_size * group.world_size)
-            if not group.replicated:
-                self.gather(full, mine, tag=self.tag(f"group {g} full gradients"))
-            self.comm.all_reduce(held, ReduceOp.MAX, tag=self.tag(f"group {g} which have a gradient"))
-            for segment, value, anywhere in zip(group.segments, group.unpack_full(full), held.tolist(), strict=True):
-                gradients[segment.name] = value if anywhere else None
-        return gradients
-
-    # ------------------------------------------------------------ accounting and state dicts
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        # Storage is what counts: a view counts its whole buffer once (minizero.observe.memory).
-        pieces = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
-        where = HOST_KIND if self.host_copies else ""  # offloaded: in host memory, counted apart
-        return {"params": [p for _, p in self.trainable()],
-                "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None],
-                where + "master": [group.master for group in self.groups if group.master is not None],
-                where + "optimizer": optimizer_tensors(self.optimizer.local if self.optimizer is not None else None),
-                "error_feedback": self.wire.held() if self.wire else []}
-
-    def full_optimizer_state_dict(self) -> dict:
-        """The state_dict a plain torch optimizer over the unwrapped model would have; every rank
-        gets it, so it loads into ``type(optimizer)(model.parameters(), ...)``."""
-        return self._require_optimizer("full_optimizer_state_dict").full_state_dict()
-
-    def shard_optimizer_state_dict(self) -> dict:
-        """This rank's local optimizer's state_dict, over its pieces (ZeroRedundancyOptimizer's local state);
-        a checkpoint stores :meth:`owned_parts`, which any stage at any N can read."""
-        return self._require_optimizer("shard_optimizer_state_dict").state_dict()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The shards stepped outside the stage are shared at the next forward; a state dict read before it reads
-        them without sharing them.  A state dict observes: sharing here -- as it once did -- hid a stage that never
-        shared (the experiments read one after every step)."""
-        state = super().full_state_dict()
-        if not self.stepped_outside() or self.master is not None:  # (the masters are read whole already)
-            return state
-        values = {}
-        for g, group in enumerate(self.groups):
-            full = group.data.new_empty(group.shard_size * group.world_size)
-            self.gather(full, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters, read"))
-            values.update({id(s.param): v for s, v in zip(group.segments, group.unpack_full(full), strict=True)})
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            state[name] = values.get(id(p), state[name])
-        return state
-
-    # ------------------------------------------------------------ checkpoints
-    def sharded_names(self) -> list[str]:
-        return [s.name for group in self.groups for s in group.segments]
-
-    def _full_shape(self, tensor: torch.Tensor) -> tuple[list[int], str]:
-        """A grouped parameter's shape is its segment's (ZeRO-3's parameter is an empty placeholder), its
-        dtype what the optimizer steps (the fp32 master under mixed precision)."""
-        for group in self.groups:
-            for s in group.segments:
-                if s.param is tensor:
-                    return list(s.shape), str(group.optimizer_dtype)
-        return super()._full_shape(tensor)
-
-    def owned_parts(self) -> list[Part]:
-        """This rank's pieces, each a range of one parameter: its value (fp32 master under mixed precision)
-        and the sharded optimizer's state for it -- what a sharded checkpoint stores, with no communication."""
-        optimizer = self._require_optimizer("owned_parts")
-        if self.replica_comm is not None and self.replica_comm.rank != 0:
-            return []  # HSDP: the first replica of each shard writes it; the others hold the same values
-        return [Part(piece.segment.name, piece.start, piece.stop, optimizer.stepped(piece).detach().clone(),
-                     flat_range(optimizer.local.state.get(optimizer.stepped(piece)), 0, piece.stop - piece.start))
-                for group in self.groups if not group.replicated or self.rank == 0  # a replica: rank 0 writes it
-                for piece in group.pieces]
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Each group takes its flat values (fp32 masters under mixed precision; the buffer their cast);
-        ZeRO-1/2 keep them whole, ZeRO-3 only its shard.  Buffers and frozen parameters load as they are."""
-        grouped = set(self.sharded_names())
-        self._load_module_tensors(state, skip=grouped)
-        for group in self.groups:
-            group.load_full(group.flatten([state[s.name] for s in group.segments], group.optimizer_dtype))
-        if not self.shards.parameters:  # loading is not a step: nothing to all-gather before the next forward
-            self.remember_shared()
-
-    def load_full_optimizer_state_dict(self, saved: dict) -> None:
-        self._require_optimizer("load_full_optimizer_state_dict").load_full_state_dict(saved)
-
-
-def check_optimizer_owns_only_model_parameters(optimizer: torch.optim.Optimizer, module: nn.Module, rank: int) -> None:
-    """A parameter the optimizer holds but the model does not gets no gradient and no name: refuse it here."""
-    in_model = {id(p) for p in module.parameters()}
-    foreign = [(gi, tuple(p.shape)) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]
-               if id(p) not in in_model]
-    if foreign:
-        raise ValueError(
-            f"rank {rank}: the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model "
-            f"(param group, shape: {foreign[:3]}); ZeRO shards the model's parameters. Build the optimizer "
-            f"over model.parameters() -- after any change to the model -- or after wrapping, over "
-            f"stage.parameters().")
+    # ------------------------------------------------------------ state dicts and accounting (minizero.stages.zero_state)
+    held_tensors = zero_state.held_tensors
+    full_gradients = zero_state.full_gradients
+    full_state_dict = zero_state.full_state_dict
+    full_optimizer_state_dict = zero_state.full_optimizer_state_dict
+    shard_optimizer_state_dict = zero_state.shard_optimizer_state_dict
+    sharded_names = zero_state.sharded_names
+    owned_parts = zero_state.owned_parts
+    load_full_state_dict = zero_state.load_full_state_dict
+    load_full_optimizer_state_dict = zero_state.load_full_optimizer_state_dict
+    _master_values = zero_state.master_values
+    _full_shape = zero_state.full_shape

@@ -1,0 +1,127 @@
+"""ZeRO's state, out and in, and what it holds: the accounting and state dicts of :class:`~minizero.stages.zero.ZeRO`.
+
+Methods of the ZeRO family (``self`` is the stage: its flat ``groups`` and their ``pieces``, its sharded
+``optimizer``, ``master`` under mixed precision), written here so that :mod:`minizero.stages.zero` reads as what
+a ZeRO step runs -- as :mod:`minizero.stages.state` holds the single-device stage's.  None of it runs in a
+training step: a state dict, a checkpoint's parts, the memory a stage holds, a full gradient for inspection.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import ReduceOp
+from ..parts.offload import HOST_KIND
+from ..parts.part import Part, flat_range
+from . import state as state_module
+from .state import optimizer_tensors
+
+
+def master_values(self) -> dict[int, torch.Tensor]:
+    """Every parameter's whole fp32 master: each group's master shards all-gathered."""
+    values = {}
+    for g, group in enumerate(self.groups):
+        full = group.master if group.replicated else group.master.new_empty(group.shard_size * group.world_size)
+        if not group.replicated:
+            self.gather(full, group.master, tag=self.tag(f"group {g} masters"))
+        for segment, value in zip(group.segments, group.unpack_full(full), strict=True):
+            values[id(segment.param)] = value
+    return values
+
+
+def full_gradients(self) -> dict[str, torch.Tensor | None]:
+    """Every parameter's averaged gradient in its full shape -- FSDP2's ``param.grad.full_tensor()`` --
+    from every rank's pieces; None where no rank holds one.  A collective: every rank calls it, and gets
+    all of them (the pieces' dtype; under mixed precision with the optimizer built after wrapping, the
+    fp32 masters' gradients, which that optimizer steps)."""
+    outside = self.masters_outside
+    gradients = {}
+    for g, group in enumerate(self.groups):
+        dtype = group.optimizer_dtype if outside else group.dtype
+        mine = torch.zeros(group.shard.numel(), dtype=dtype, device=group.shard.device)  # a worker's: empty
+        held = torch.zeros(len(group.segments), device=group.shard.device)
+        position = {id(s): i for i, s in enumerate(group.segments)}
+        for piece in group.pieces:
+            grad = (self.master.master_of(piece.param) if outside else piece.param).grad
+            if grad is not None:
+                mine[piece.offset:piece.offset + piece.stop - piece.start] = grad
+                held[position[id(piece.segment)]] = 1.0
+        full = mine if group.replicated else mine.new_empty(group.shard_size * group.world_size)
+        if not group.replicated:
+            self.gather(full, mine, tag=self.tag(f"group {g} full gradients"))
+        self.comm.all_reduce(held, ReduceOp.MAX, tag=self.tag(f"group {g} which have a gradient"))
+        for segment, value, anywhere in zip(group.segments, group.unpack_full(full), held.tolist(), strict=True):
+            gradients[segment.name] = value if anywhere else None
+    return gradients
+
+
+def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+    # Storage is what counts: a view counts its whole buffer once (minizero.observe.memory).
+    pieces = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
+    where = HOST_KIND if self.host_copies else ""  # offloaded: in host memory, counted apart
+    return {"params": [p for _, p in self.trainable()],
+            "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None],
+            where + "master": [group.master for group in self.groups if group.master is not None],
+            where + "optimizer": optimizer_tensors(self.optimizer.local if self.optimizer is not None else None),
+            "error_feedback": self.wire.held() if self.wire else []}
+
+def full_optimizer_state_dict(self) -> dict:
+    """The state_dict a plain torch optimizer over the unwrapped model would have; every rank
+    gets it, so it loads into ``type(optimizer)(model.parameters(), ...)``."""
+    return self._require_optimizer("full_optimizer_state_dict").full_state_dict()
+
+def shard_optimizer_state_dict(self) -> dict:
+    """This rank's local optimizer's state_dict, over its pieces (ZeroRedundancyOptimizer's local state);
+    a checkpoint stores :meth:`owned_parts`, which any stage at any N can read."""
+    return self._require_optimizer("shard_optimizer_state_dict").state_dict()
+
+def full_state_dict(self) -> dict[str, torch.Tensor]:
+    """The shards stepped outside the stage are shared at the next forward; a state dict read before it reads
+    them without sharing them.  A state dict observes: sharing here -- as it once did -- hid a stage that never
+    shared (the experiments read one after every step)."""
+    state = state_module.full_state_dict(self)
+    if not self.stepped_outside() or self.master is not None:  # (the masters are read whole already)
+        return state
+    values = {}
+    for g, group in enumerate(self.groups):
+        full = group.data.new_empty(group.shard_size * group.world_size)
+        self.gather(full, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters, read"))
+        values.update({id(s.param): v for s, v in zip(group.segments, group.unpack_full(full), strict=True)})
+    for name, p in self.module.named_parameters(remove_duplicate=False):
+        state[name] = values.get(id(p), state[name])
+    return state
+
+def sharded_names(self) -> list[str]:
+    return [s.name for group in self.groups for s in group.segments]
+
+def full_shape(self, tensor: torch.Tensor) -> tuple[list[int], str]:
+    """A grouped parameter's shape is its segment's (ZeRO-3's parameter is an empty placeholder), its
+    dtype what the optimizer steps (the fp32 master under mixed precision)."""
+    for group in self.groups:
+        for s in group.segments:
+            if s.param is tensor:
+                return list(s.shape), str(group.optimizer_dtype)
+    return state_module.full_shape(self, tensor)
+
+def owned_parts(self) -> list[Part]:
+    """This rank's pieces, each a range of one parameter: its value (fp32 master under mixed precision)
+    and the sharded optimizer's state for it -- what a sharded checkpoint stores, with no communication."""
+    optimizer = self._require_optimizer("owned_parts")
+    if self.replica_comm is not None and self.replica_comm.rank != 0:
+        return []  # HSDP: the first replica of each shard writes it; the others hold the same values
+    return [Part(piece.segment.name, piece.start, piece.stop, optimizer.stepped(piece).detach().clone(),
+                 flat_range(optimizer.local.state.get(optimizer.stepped(piece)), 0, piece.stop - piece.start))
+            for group in self.groups if not group.replicated or self.rank == 0  # a replica: rank 0 writes it
+            for piece in group.pieces]
+
+def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    """Each group takes its flat values (fp32 masters under mixed precision; the buffer their cast);
+    ZeRO-1/2 keep them whole, ZeRO-3 only its shard.  Buffers and frozen parameters load as they are."""
+    grouped = set(self.sharded_names())
+    self._load_module_tensors(state, skip=grouped)
+    for group in self.groups:
+        group.load_full(group.flatten([state[s.name] for s in group.segments], group.optimizer_dtype))
+    if not self.shards.parameters:  # loading is not a step: nothing to all-gather before the next forward
+        self.remember_shared()
+
+def load_full_optimizer_state_dict(self, saved: dict) -> None:
+    self._require_optimizer("load_full_optimizer_state_dict").load_full_state_dict(saved)
