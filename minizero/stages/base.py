@@ -1,67 +1,44 @@
 """What every stage is: the wrapper, its lifecycle, the facts it states.
 
-A stage is an ``nn.Module`` that wraps a model -- and, if given one, its
-optimizer -- and is then driven exactly like the plain pair: ``stage(x)``,
-``loss.backward()``, ``stage.step()``, ``stage.zero_grad()``, by the one
-training loop in :mod:`minizero.run.train`, or by a loop written for torch's DDP
-with the optimizer built afterwards over ``stage.parameters()``.  The
-single-device reference is :class:`Stage` itself, so a learner can diff any two.
+A stage is an ``nn.Module`` wrapping a model (and, if given one, its optimizer), driven like the plain pair --
+``stage(x)``, ``loss.backward()``, ``stage.step()``, ``stage.zero_grad()`` -- by the one training loop
+(:mod:`minizero.run.train`) or a loop written for torch's DDP.  The single-device reference is :class:`Stage`
+itself, so a learner can diff any two.  The lifecycle, named as FSDP2 names it:
 
-The lifecycle, named as FSDP2 names it, for the moment each hook runs:
-
-* :meth:`Stage.pre_forward` -- before the wrapped model computes (ZeRO-1/2 open an
-  accumulation window there; ZeRO-3 gathers units from its own module hooks);
-* :meth:`Stage.post_accumulate_grad` -- one parameter's ``.grad`` holds its final
-  value for this backward (torch's ``register_post_accumulate_grad_hook``);
-* :meth:`Stage.post_backward` -- the whole backward has finished, every ``.grad``
-  final: where a stage averages its gradients.  The output's gradient is the
-  first thing backward computes; from its hook we queue a callback that
-  autograd runs after the *whole* pass -- how torch's DDP reducer finalises,
-  and FSDP2's root post-backward.  Inside ``no_sync()`` nothing is queued:
-  gradients accumulate locally and the first backward after it reduces the sums;
+* :meth:`Stage.pre_forward` -- before the wrapped model computes (ZeRO-1 opens its accumulation window there);
+* :meth:`Stage.post_accumulate_grad` -- one parameter's ``.grad`` holds its final value for this backward;
+* :meth:`Stage.post_backward` -- the whole backward has finished: where a stage averages its gradients.  The
+  output's gradient hook queues a callback that autograd runs after the *whole* pass, as torch's DDP reducer
+  finalises.  Inside ``no_sync()`` nothing is queued;
 * :meth:`Stage.step` and :meth:`Stage.zero_grad` -- the optimizer's.
 
-Each stage writes its own hooks, in its own file, with its collectives in
-them; what they share (checks at wrap time, the broadcast, flat buffers,
-buckets, the sharded layout) is called by name.  The facts a stage states --
-what it shards, the bytes it sends, the model state it keeps, its options --
-are class attributes and class methods the measuring harness reads
-(:mod:`minizero.course`), never switching on a stage's name.
-
-Every collective carries a :class:`~minizero.comm.Tag`: what it is for, and
-where in training (optimizer steps taken, backward passes since, synchronising
-or not), so with fingerprint checking on, ranks that disagree (``no_sync()`` on
-some ranks only) are stopped before they pair the wrong tensors.  Optimizer
-semantics are torch's: a parameter is stepped only if it has a gradient
-somewhere -- every rank gives every parameter one, or, with
-``find_unused_parameters``, the ranks agree on a bitmap (:meth:`Stage.used_anywhere`).
+Each stage writes its own hooks, with its collectives, in its own file; its facts (what it shards, the bytes it
+sends, the state it keeps, its options) are class attributes the course reads.  Every collective carries a
+:class:`~minizero.comm.Tag`, so with fingerprint checking on, ranks that disagree stop before they pair tensors.
 """
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from ..comm import Comm, ReduceOp, Tag
+from ..comm import Comm, Tag
 from ..parts.kept_state import check_keepable
 from ..parts.precision import MasterWeights, Precision
 from ..parts.rebuilt import follow
-from . import facts, mixed, state
+from . import clip, facts, mixed, state
 from . import options as options_module
 from .facts import GradientMemory, Shards
 from .options import PRECISION
-from .wrap import check_wrappable, claim
+from .unused import agree_on_use
+from .wrap import check_wrappable, claim, refuse_direct_calls, route, route_model
 
 
 class Stage(nn.Module):
-    """The plain model and optimizer, with no communication: the reference's behaviour, and the base of
-    every stage.
-
-    ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`~minizero.parts.precision.Precision`) is an
-    option of every stage, the reference included: with 16 bits the model computes with a 16-bit working
-    copy, the optimizer steps fp32 masters (:mod:`minizero.parts.precision`), and fp16 scales the loss."""
+    """The plain model and optimizer, with no communication: the reference, and the base of every stage.
+    ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"``, a :class:`~minizero.parts.precision.Precision`) is an option
+    of every stage: in 16 bits the model computes with a 16-bit copy and the optimizer steps fp32 masters."""
 
     name = "reference"
     shards = Shards()  # nothing divided: every rank (here, the only one) holds everything
@@ -113,56 +90,33 @@ class Stage(nn.Module):
             return
         claim(module, self)
         check_wrappable(module, self.rank)
-        module.register_forward_pre_hook(self._refuse_direct_call)
-        self._route_model(module)
+        refuse_direct_calls(module, self)
+        route_model(module, self)
         if optimizer is not None:
-            self._route(optimizer)
+            route(optimizer, self)
 
     # ------------------------------------------------------------------ mixed precision (minizero.stages.mixed)
     _check_mixed_precision = mixed.check_mixed_precision
     keep_masters = mixed.keep_masters
-    #: What keeps the fp32 masters and steps through them: the package's, or a lab's own (as ZeRO-3 names its
-    #: ``unit_class``), built by keep_masters and by ZeRO for its owned shard.
-    master_class = MasterWeights
+    master_class = MasterWeights  # what keeps the fp32 masters: the package's, or a lab's own (as ZeRO-3's unit_class)
     _settle_wire = mixed.settle_wire
     _cast_call = mixed.cast_call  # the forward in 16 bits
 
     @property
     def masters_outside(self) -> bool:
-        """Mixed precision with the optimizer built after wrapping: it steps the fp32 masters itself
-        (:class:`~minizero.parts.precision.MasterWeights`' ``optimizer_outside``)."""
+        """Mixed precision with the optimizer built after wrapping: it steps the fp32 masters itself."""
         return self.master is not None and self.master.optimizer_outside
 
-    @property
-    def loss_scale(self) -> float:
-        """The loss scale of the next backward (1 without dynamic loss scaling)."""
-        return self.master.loss_scale if self.master else 1.0
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because some rank's gradients overflowed (fp16)."""
-        return self.master.skipped_steps if self.master else 0
+    loss_scale = property(mixed.loss_scale)
+    skipped_steps = property(mixed.skipped_steps)
+    named_parameters = mixed.named_parameters
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale: what to call ``backward()`` on (DeepSpeed's ``engine.backward``
-        does this inside; torch's ``GradScaler.scale`` is the same call)."""
+        """``loss`` times the loss scale: what to call ``backward()`` on (torch's ``GradScaler.scale``)."""
         return self.master.scale_loss(loss) if self.master else loss
-
-    def _route(self, optimizer: torch.optim.Optimizer) -> None:
-        """Whichever the user calls -- the stage's step()/zero_grad() or their optimizer's -- the stage's runs:
-        the optimizer's own would step on unsynchronised (under ZeRO, unsharded; under mixed precision,
-        16-bit) gradients."""
-        optimizer.step, optimizer.zero_grad = self.step, self.zero_grad
-
-    def _route_model(self, module: nn.Module) -> None:
-        """``model.zero_grad()`` -- the call a loop written for FSDP2 or DDP makes -- clears what the stage steps:
-        under ZeRO the pieces' gradients, which the model's own zero_grad() would never reach (the steps
-        would add up silently)."""
-        module.zero_grad = self.zero_grad
 
     # ------------------------------------------------------------------ facts (minizero.stages.facts)
     option_names = classmethod(options_module.option_names)  # the keywords of the declared options
-
     sent_bytes_per_step = classmethod(facts.sent_bytes_per_step)
     after_backward_elements = classmethod(facts.after_backward_elements)
     busiest_sent_bytes_per_step = classmethod(facts.busiest_sent_bytes_per_step)
@@ -202,39 +156,12 @@ class Stage(nn.Module):
         """The whole backward has finished, and it synchronises: nothing to average on one device."""
 
     def call_module(self, *args, **kwargs):
-        """The wrapped model's forward, as the stage's own (see :meth:`_refuse_direct_call`)."""
+        """The wrapped model's forward, as the stage's own (:func:`~minizero.stages.wrap.refuse_direct_calls`)."""
         self._forwarding = True
         try:
             return self._cast_call(*args, **kwargs) if self.precision.mixed else self.module(*args, **kwargs)
         finally:
             self._forwarding = False
-
-    def _refuse_direct_call(self, module, args) -> None:
-        """``model(x)`` instead of ``stage(x)`` would compute gradients no one synchronises: the
-        replicas would drift apart silently.  (Under ``torch.no_grad()`` -- evaluation -- it is fine.)"""
-        if torch.is_grad_enabled() and not self._forwarding:
-            raise RuntimeError(
-                f"rank {self.rank}: the wrapped model was called directly with autograd on. Call the stage -- "
-                f"stage(x), not model(x) -- so that its backward synchronises gradients; for evaluation, "
-                f"wrap the call in torch.no_grad().")
-
-    def _when_accumulated(self, param: nn.Parameter) -> None:
-        """Call ``post_accumulate_grad(param)`` each time ``param.grad`` is complete, holding this stage weakly.
-
-        torch keeps a parameter's post-accumulate-grad hooks in C++, out of the garbage collector's sight: a hook
-        bound to the stage would close the cycle stage -> model -> parameter -> hook -> stage, which nothing frees,
-        so every stage a process built would stay alive with its buffers (measured: about 300 MB more per ZeRO-1 run
-        of the medium GPT in one pool of ranks, until ``bench all --model large`` was killed for memory)."""
-        stage = weakref.ref(self)
-
-        def hook(p: nn.Parameter) -> None:
-            alive = stage()
-            if alive is None:
-                raise RuntimeError(f"{p.shape} parameter: its stage was garbage-collected while its model still "
-                                   f"trains -- keep the stage (the wrapped model) alive while you use it")
-            alive.post_accumulate_grad(p)
-
-        param.register_post_accumulate_grad_hook(hook)
 
     def _hook_backward(self, output, syncing: bool) -> None:
         def on_backward(grad):
@@ -345,33 +272,15 @@ class Stage(nn.Module):
                 f"to make_stage(name, model, optimizer, comm).")
         return self.optimizer
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """The model's parameters -- or, under mixed precision with the optimizer built after wrapping, their
-        fp32 masters: what that optimizer must step (FSDP2's ``MixedPrecisionPolicy``: fp32 parameters, the
-        16-bit copy made for compute)."""
-        if not self.masters_outside:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
-            return
-        for name, p in self.trainable():
-            yield prefix + name, self.master.master_of(p)
-
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """Named trainable parameters, tied ones once, in registration order."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the gradients this rank holds -- all of them,
-        already averaged, for the reference and DDP.  Sharded stages override it."""
-        # Zero-size gradients add nothing to any norm, and torch refuses their inf-norm.  Under mixed
-        # precision the clipped gradients are the masters' (unscaled, fp32), as after GradScaler.unscale_.
-        params = self.master.unscaled_masters() if self.master else [p for _, p in self.trainable()]
-        return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None and p.grad.numel() > 0],
-                                              max_norm, norm_type)
+    clip_grad_norm_ = clip.clip_grad_norm_
 
     def add_observer(self, observer) -> None:
         """Instrumentation outside the algorithm: ``observer(event, nbytes, source)`` hears of memory a stage
         takes and gives back while it computes (ZeRO-3's gathered parameters, by unit).  Most stages have none."""
-
 
     # ------------------------------------------------------------------ state dicts (minizero.stages.state)
     check_checkpointable = classmethod(state.check_checkpointable)
@@ -388,19 +297,3 @@ class Stage(nn.Module):
     _with_masters = state.with_masters
     _full_shape = state.full_shape
     _load_module_tensors = state.load_module_tensors
-
-
-def agree_on_use(comm: Comm, used: list[bool], tag: Tag) -> list[bool]:
-    """Which parameters got a gradient on *any* rank: a bitmap all-reduced (MAX), as torch DDP does with
-    ``find_unused_parameters``.  A parameter used on some ranks only is averaged with zeros from the
-    others -- the gradient single-device training computes; one used nowhere is not stepped."""
-    bitmap = torch.tensor([1.0 if u else 0.0 for u in used])
-    comm.all_reduce(bitmap, ReduceOp.MAX, tag=tag)
-    return [bool(u) for u in bitmap.tolist()]  # on the host by nature: which parameters to step is a host decision
-
-
-def unused_error(rank: int, names: list[str], why: str) -> RuntimeError:
-    return RuntimeError(
-        f"rank {rank}: parameter(s) {names} got no gradient in this backward; {why}. If parameters may go unused "
-        f"(on some ranks or in some steps), wrap with find_unused_parameters=True: ranks then agree every step on "
-        f"which parameters got a gradient anywhere. If they are never trained, freeze them with requires_grad_(False).")

@@ -36,9 +36,10 @@ from ..compress import make_wire
 from ..costs.formulas import all_reduce_bytes
 from ..parts.flat import group_by_dtype, pack, unpack
 from ..parts.precision import Precision
-from .base import Stage, agree_on_use, unused_error
+from .base import Stage
 from .facts import Reduction
 from .options import WIRE_AND_USE
+from .unused import agree_on_use, unused_error
 from .wrap import broadcast_module, check_same_model
 
 

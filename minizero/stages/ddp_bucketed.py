@@ -42,10 +42,11 @@ from ..comm import Comm, ReduceOp
 from ..parts.buckets import Bucket, BucketPipeline, assign_buckets
 from ..parts.flat import keep_grad_in
 from ..parts.precision import Precision
-from .base import unused_error
 from .ddp import DDP
 from .facts import GradientMemory, Reduction
 from .options import BUCKET_MB, WIRE_AND_USE
+from .unused import unused_error
+from .wrap import when_accumulated
 
 
 class BucketedDDP(DDP):
@@ -62,7 +63,7 @@ class BucketedDDP(DDP):
         self.pipeline = BucketPipeline(comm, [b.params for b in self.buckets], self._all_reduce)
         self._point_grads_into_buckets()
         for _, p in self.trainable():
-            self._when_accumulated(p)
+            when_accumulated(p, self)
 
     # -------------------------------------------------------------- backward
     def post_accumulate_grad(self, param: nn.Parameter) -> None:

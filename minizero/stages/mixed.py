@@ -13,6 +13,7 @@ from torch import nn
 from ..parts.kept_state import keep_state
 from ..parts.precision import cast_parameters, check_half_model, check_supported
 from ..parts.rebuilt import rebuild
+from .wrap import route
 
 
 def check_mixed_precision(self) -> None:
@@ -47,7 +48,7 @@ def keep_masters(self) -> None:
     # State the optimizer already holds moves to the masters' optimizer, whole (minizero.parts.kept_state).
     keep_state(optimizer, self.master_optimizer,
                lambda p: [(0, p.numel(), self.master.master_of(p))] if p.requires_grad else [])
-    self._route(optimizer)
+    route(optimizer, self)
 
 def settle_wire(self) -> None:
     """Compression's error feedback keeps a step's residuals only if every rank took the step (the MAX
@@ -75,3 +76,24 @@ def _cast_floating(tree, dtype: torch.dtype):
     if isinstance(tree, dict):
         return {k: _cast_floating(v, dtype) for k, v in tree.items()}
     return tree
+
+
+def loss_scale(self) -> float:
+    """The loss scale of the next backward (1 without dynamic loss scaling)."""
+    return self.master.loss_scale if self.master else 1.0
+
+
+def skipped_steps(self) -> int:
+    """Optimizer steps skipped because some rank's gradients overflowed (fp16)."""
+    return self.master.skipped_steps if self.master else 0
+
+
+def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+    """The model's parameters -- or, under mixed precision with the optimizer built after wrapping, their
+    fp32 masters: what that optimizer must step (FSDP2's ``MixedPrecisionPolicy``: fp32 parameters, the
+    16-bit copy made for compute)."""
+    if not self.masters_outside:
+        yield from nn.Module.named_parameters(self, prefix, recurse, remove_duplicate)
+        return
+    for name, p in self.trainable():
+        yield prefix + name, self.master.master_of(p)

@@ -40,6 +40,7 @@ from ..parts.layout import build_groups
 from ..parts.precision import Precision
 from .facts import GradientMemory, Reduction, Shards
 from .options import WIRE_AND_USE, Option, positive_int
+from .wrap import when_accumulated
 from .zero import ZeRO
 from .zero1 import ZeRO1
 
@@ -74,7 +75,7 @@ class ParameterServer(ZeRO):
         self.zero_grad()
         for group in self.groups:
             for s in group.segments:
-                self._when_accumulated(s.param)
+                when_accumulated(s.param, self)
 
     def layout(self) -> list:
         """The flat groups, sharded over the S servers: a rank from S on owns no shard (a pure worker)."""

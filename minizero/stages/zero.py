@@ -25,8 +25,6 @@ apart), step the owned shard, all-gather parameters.  What they share is here:
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -35,9 +33,10 @@ from ..compress import make_wire
 from ..parts.layout import FlatGroup
 from ..parts.offload import HostCopies, check_offloadable
 from ..parts.precision import Precision, cast_parameters
-from ..parts.sharded_optimizer import ShardedOptimizer, check_shardable, clip_sharded_grad_norm_
-from . import zero_state
-from .base import Stage, unused_error
+from ..parts.sharded_optimizer import ShardedOptimizer, check_shardable
+from . import clip, zero_state
+from .base import Stage
+from .unused import unused_error
 from .wrap import broadcast_module, check_optimizer_owns_only_model_parameters, check_same_model
 
 
@@ -221,20 +220,7 @@ class ZeRO(Stage):
             elif piece.param.grad is not None:
                 piece.param.grad.zero_()
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Global-norm clipping over the pieces: each rank holds disjoint pieces of the averaged gradient."""
-        # Mixed precision: the masters' unscaled fp32 gradients, as after GradScaler.unscale_.
-        clipped = self.master.unscaled_masters() if self.master else [piece.param for piece in self.pieces()]
-        replicated = [group.replicated for group in self.groups for _ in group.pieces]
-        counted = [p.grad for p, r in zip(clipped, replicated, strict=True) if p.grad is not None and not r]
-        replicas = [p.grad for p, r in zip(clipped, replicated, strict=True) if p.grad is not None and r]
-        # The norm's dtype and device: the same on every rank, including one that owns no piece.
-        dtype = functools.reduce(torch.promote_types, [g.optimizer_dtype for g in self.groups], torch.float32)
-        device = self.groups[0].shard.device if self.groups else torch.device("cpu")
-        # Summed over the ranks that shard (each holds disjoint pieces; a replica of a shard holds the same ones).
-        first = self.shard_comm.rank == 0
-        return clip_sharded_grad_norm_(counted + (replicas if first else []), max_norm, norm_type, self.shard_comm,
-                                       dtype, device, self.tag("clip norm"), [] if first else replicas)
+    clip_grad_norm_ = clip.clip_pieces_grad_norm_
 
     # ------------------------------------------------------------ state dicts and accounting (minizero.stages.zero_state)
     held_tensors = zero_state.held_tensors

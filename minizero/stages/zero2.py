@@ -40,6 +40,7 @@ from ..parts.layout import build_groups, plan_groups
 from ..parts.precision import Precision
 from .facts import GradientMemory, Reduction, Shards
 from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, WIRE_AND_USE
+from .wrap import when_accumulated
 from .zero import ZeRO
 
 
@@ -64,7 +65,7 @@ class ZeRO2(ZeRO):
         self.zero_grad()
         for group in self.groups:
             for s in group.segments:
-                self._when_accumulated(s.param)
+                when_accumulated(s.param, self)
 
     # ------------------------------------------------------------ backward
     def pre_forward(self) -> None:
