@@ -40,7 +40,6 @@ from ..parts.layout import build_groups
 from ..parts.precision import Precision
 from .facts import GradientMemory, Reduction, Shards
 from .options import WIRE_AND_USE, Option, positive_int
-from .wrap import when_accumulated
 from .zero import ZeRO
 from .zero1 import ZeRO1
 
@@ -73,22 +72,20 @@ class ParameterServer(ZeRO):
         self.shard(self.layout())
         self.full_grads = FullGradients(self.groups)  # ZeRO-1's: full gradients, each .grad a view
         self.zero_grad()
-        for group in self.groups:
-            for s in group.segments:
-                when_accumulated(s.param, self)
+        self.hook_grouped_parameters()
 
     def layout(self) -> list:
         """The flat groups, sharded over the S servers: a rank from S on owns no shard (a pure worker)."""
         return build_groups(self.param_groups(), self.rank, self.servers, self.names())
 
     # ------------------------------------------------------------ backward: ZeRO-1's, with a push
-    def pre_forward(self) -> None:
-        if torch.is_grad_enabled() and not self.full_grads.window_open:
-            self.full_grads.open_window()
-
     def post_accumulate_grad(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
         self.full_grads.keep(param)
+
+    def pre_forward(self) -> None:
+        if torch.is_grad_enabled() and not self.full_grads.window_open:  # (workers never step outside: no share)
+            self.full_grads.open_window()
 
     def post_backward(self) -> None:
         """Push: server j gets the mean of shard j of every rank's gradients (over the wire, if compressed)."""
@@ -114,15 +111,6 @@ class ParameterServer(ZeRO):
     def gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:
         """Pull: every rank's ``full`` from the servers' shards."""
         self.comm.pull(full, shard, self.servers, tag=tag)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self.full_grads.zero()
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        held = super().held_tensors()
-        held["grads"] += self.full_grads.buffers
-        return held
 
     # ------------------------------------------------------------------ facts
     @classmethod

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..comm import Comm, ReduceOp
 from ..compress import make_wire
+from ..parts.grad_buffers import FullGradients
 from ..parts.layout import FlatGroup
 from ..parts.offload import HostCopies, check_offloadable
 from ..parts.precision import Precision, cast_parameters
@@ -37,7 +38,7 @@ from ..parts.sharded_optimizer import ShardedOptimizer, check_shardable
 from . import clip, zero_state
 from .base import Stage
 from .unused import unused_error
-from .wrap import broadcast_module, check_optimizer_owns_only_model_parameters, check_same_model
+from .wrap import broadcast_module, check_optimizer_owns_only_model_parameters, check_same_model, when_accumulated
 
 
 class ZeRO(Stage):
@@ -70,6 +71,7 @@ class ZeRO(Stage):
         self._unshared: set[int] = set()  # parameters with a gradient since the last all-gather (stepped, not shared)
         self._nothing: dict[str, nn.Parameter] = {}  # the empty pieces of parameters this rank owns none of
         self._synchronised_at_share = 0  # self.synchronised when the full parameters were last made current
+        self.full_grads: FullGradients | None = None  # ZeRO-1's (and ps's) full gradient buffers; None for ZeRO-2/3
 
     def mesh(self, comm: Comm) -> tuple[Comm, Comm | None]:
         """``(shard over, replicate over)``: every rank shards, nothing is replicated (a 1-D mesh)."""
@@ -115,6 +117,12 @@ class ZeRO(Stage):
                                          masters[0].dtype if masters else None, optimizer_outside=self.user_optimizer is None,
                                          **copies)
         self._settle_wire()
+
+    def hook_grouped_parameters(self) -> None:
+        """``post_accumulate_grad(param)`` each time a grouped parameter's ``.grad`` is complete."""
+        for group in self.groups:
+            for s in group.segments:
+                when_accumulated(s.param, self)
 
     # ------------------------------------------------------------ the pieces
     def pieces(self):
@@ -219,6 +227,8 @@ class ZeRO(Stage):
                 piece.param.grad = None
             elif piece.param.grad is not None:
                 piece.param.grad.zero_()
+        if self.full_grads is not None:  # ZeRO-1's buffers zeroed, every .grad a view into them again
+            self.full_grads.zero()
 
     clip_grad_norm_ = clip.clip_pieces_grad_norm_
 

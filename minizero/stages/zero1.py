@@ -37,7 +37,6 @@ from ..parts.layout import build_groups, plan_groups
 from ..parts.precision import Precision
 from .facts import GradientMemory, Reduction, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE
-from .wrap import when_accumulated
 from .zero import ZeRO
 
 
@@ -55,9 +54,7 @@ class ZeRO1(ZeRO):
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names()))
         self.full_grads = FullGradients(self.groups)  # one flat buffer per group; each .grad a view into it
         self.zero_grad()
-        for group in self.groups:
-            for s in group.segments:
-                when_accumulated(s.param, self)
+        self.hook_grouped_parameters()
 
     # ------------------------------------------------------------ backward
     def pre_forward(self) -> None:
@@ -93,16 +90,6 @@ class ZeRO1(ZeRO):
         for g, group in self.stepped_groups():
             self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
         self.remember_shared()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The pieces' gradients, and the full gradient buffers zeroed, every ``.grad`` a view into them again."""
-        super().zero_grad(set_to_none)
-        self.full_grads.zero()
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        held = super().held_tensors()
-        held["grads"] += self.full_grads.buffers
-        return held
 
     # ------------------------------------------------------------------ facts
     @classmethod

@@ -40,7 +40,6 @@ from ..parts.layout import build_groups, plan_groups
 from ..parts.precision import Precision
 from .facts import GradientMemory, Reduction, Shards
 from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, WIRE_AND_USE
-from .wrap import when_accumulated
 from .zero import ZeRO
 
 
@@ -63,9 +62,7 @@ class ZeRO2(ZeRO):
         self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
                                        self._reduce_scatter, max_in_flight=MAX_IN_FLIGHT)
         self.zero_grad()
-        for group in self.groups:
-            for s in group.segments:
-                when_accumulated(s.param, self)
+        self.hook_grouped_parameters()
 
     # ------------------------------------------------------------ backward
     def pre_forward(self) -> None:

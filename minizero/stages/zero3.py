@@ -49,7 +49,6 @@ from ..parts.units import Unit, plan_unit_groups, replicated_parameters, resolve
 from . import facts
 from .facts import GradientMemory, Reduction, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int
-from .wrap import when_accumulated
 from .zero import ZeRO
 
 INSPECTION = "state_dict"  # why a unit is gathered outside training: exactly, whatever the training gathers send
@@ -110,9 +109,7 @@ class ZeRO3(ZeRO):
         for u, unit_module in enumerate([module] + unit_modules):
             unit_module.register_forward_pre_hook(lambda m, args, u=u: self.unit_pre_forward(u))
             unit_module.register_forward_hook(lambda m, args, out, u=u: self.unit_post_forward(u, out))
-        for group in self.groups:
-            for s in group.segments:
-                when_accumulated(s.param, self)
+        self.hook_grouped_parameters()
 
     def add_observer(self, observer) -> None:
         self._observers.append(observer)

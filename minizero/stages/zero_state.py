@@ -59,7 +59,8 @@ def held_tensors(self) -> dict[str, list[torch.Tensor]]:
     pieces = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
     where = HOST_KIND if self.host_copies else ""  # offloaded: in host memory, counted apart
     return {"params": [p for _, p in self.trainable()],
-            "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None],
+            "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None]
+            + (self.full_grads.buffers if self.full_grads is not None else []),
             where + "master": [group.master for group in self.groups if group.master is not None],
             where + "optimizer": optimizer_tensors(self.optimizer.local if self.optimizer is not None else None),
             "error_feedback": self.wire.held() if self.wire else []}
