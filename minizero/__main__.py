@@ -121,7 +121,7 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--network", default=None,
                        help="dial the network: 'alpha=2ms,bandwidth=50MB/s' or a preset (" + ", ".join(PRESETS) + "); "
                             "overlap, buckets, prefetch and compress measure on it (default for the last three: lesson)")
-    from .course.harness.models import GPT_SIZES  # bench all's options: refused by the other benches (minizero.lab.bench_all)
+    from .course.harness.models import GPT_SIZES  # bench all's options, refused by the other benches (bench_all)
     bench.add_argument("--model", choices=list(GPT_SIZES), default=None, help="bench all: the GPT's size (small)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default=None, help="bench all: where the ranks compute (cpu)")
     bench.add_argument("--collectives", choices=list(BACKENDS), default=None,

@@ -12,10 +12,10 @@ from torch import nn
 from minizero.comm import make_comm
 from minizero.course.harness.experiment import Experiment, run_experiment
 from minizero.course.harness.models import MLP, EdgeModel
-from minizero.parts.buckets import assign_buckets
 from minizero.run.launch import RankError
 from minizero.run.train import shard_step, train_step
 from minizero.stages import BucketedDDP, make_stage
+from minizero.stages.ddp_bucketed import assign_buckets
 from tests.equivalence import covering, examples, experiments, run_and_check
 
 

@@ -199,7 +199,7 @@ def test_a_lab_is_checked_in_mixed_precision_too(pools):
 
 #: What a learner's file subclasses, by the class names the labs' methods are on: an empty subclass of each.
 PACKAGE_CLASSES = {"Ring": "minizero.comm:RingComm", "Wire": "minizero.compress:Wire", "Unit": "minizero.parts.units:Unit",
-                   "MasterWeights": "minizero.parts.precision:MasterWeights", "PowerSGDWire": "minizero.compress:PowerSGDWire"}
+                   "MasterWeights": "minizero.parts.masters:MasterWeights", "PowerSGDWire": "minizero.compress:PowerSGDWire"}
 #: The class attribute by which a stage builds a class of the learner's file: ZeRO-3 its units, a stage its masters,
 #: the PowerSGD lab's stage its wire.
 BUILT_FROM = {"Unit": "unit_class", "MasterWeights": "master_class", "PowerSGDWire": "wire_class"}

@@ -12,7 +12,7 @@ import torch
 
 from minizero.course.commands.bench import BENCH_GPT
 from minizero.course.harness.tasks import TASKS
-from minizero.parts.buckets import assign_buckets
+from minizero.stages.ddp_bucketed import assign_buckets
 
 
 def test_the_first_bucket_completes_during_backward_and_the_embeddings_bucket_last():

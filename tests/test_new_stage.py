@@ -14,10 +14,10 @@ from hypothesis import given, settings
 
 from minizero.__main__ import main, parser
 from minizero.course.commands.compare import compare
+from minizero.course.harness.drawn import drawing_for
 from minizero.course.harness.experiment import Experiment, build
 from minizero.course.harness.registry import LAB_STAGES
 from minizero.stages import STAGES, with_stages
-from minizero.stages.options import Drawing
 from tests.equivalence import covering, examples, experiments, run_and_check
 from tests.extra_stage import GATHERS, AllGatherDDP, SplitAllGatherDDP, WrongFormula
 
@@ -103,7 +103,7 @@ def drawing_every_declared_value(test):
     def property_then_values(*args, **kwargs):
         _DRAWN_GATHERS.clear()
         test(*args, **kwargs)
-        offered = set(GATHERS.draw(Drawing(world_size=4, task="mlp")))
+        offered = set(GATHERS.draw(drawing_for(4, "mlp")))
         assert _DRAWN_GATHERS == offered, f"the drawn examples had {sorted(_DRAWN_GATHERS)} gathers, not {offered}"
     return property_then_values
 

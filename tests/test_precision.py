@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from minizero.__main__ import main as cli
 from minizero.course.harness.experiment import Experiment, exact_reference_of, reference_of, run_experiment
 from minizero.course.harness.models import MLP
-from minizero.parts.precision import PRECISIONS, Precision, check_supported
+from minizero.parts.masters import check_supported
+from minizero.parts.precision import PRECISIONS, Precision
 from minizero.stages import STAGES, make_stage
 from tests.equivalence import (
     WORLD_SIZES,

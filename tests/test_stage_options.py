@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from minizero.__main__ import main, parser
 from minizero.course.harness import option_flags
-from minizero.course.harness.drawn import stage_options
+from minizero.course.harness.drawn import drawing_for, stage_options
 from minizero.stages import STAGES, distributed
-from minizero.stages.options import WIRE_AND_USE, Drawing, Option, choice, natural_int, positive_float, positive_int
+from minizero.stages.options import WIRE_AND_USE, Option, choice, natural_int, positive_float, positive_int
 
 #: What each command leaves to flags of its own: compare, soak and train build ``precision`` from theirs; scale
 #: reads bytes per element from --precision, and the wire's options are no part of its cost model.
@@ -122,7 +122,7 @@ class _Drawn:
     name = "drawn"
     options = (Option("first", 1, "", positive_int, draw=lambda d: range(1, d.world_size + 1)),
                Option("never", 1, "", positive_int),  # no draw: left at its default
-               Option("edge_only", False, "", None, draw=lambda d: (True,) if d.task == "edge" else ()),
+               Option("edge_only", False, "", None, draw=lambda d: (True,) if d.unused_parameters else ()),
                Option("last", "b", "", choice("a", "b"), draw=lambda d: ("a", "b")))
 
 
@@ -146,7 +146,7 @@ DRAWN_BEFORE = {"ps": {"servers"}, "ps-async": {"servers"}, "ddp-bucketed": {"bu
 def test_the_package_stages_draws_are_their_declarations(data, stage, task):
     """Each option a stage declares a draw for, and nothing else -- what was drawn before among them."""
     drawn = data.draw(stage_options(stage, task, world_size=3))
-    offered = {o.name: o.draw(Drawing(3, task)) for o in STAGES[stage].options if o.draw is not None}
+    offered = {o.name: o.draw(drawing_for(3, task)) for o in STAGES[stage].options if o.draw is not None}
     edge = {"find_unused_parameters"} if task == "edge" and stage != "local-sgd" else set()
     assert set(drawn) == {name for name, values in offered.items() if len(values)}, (stage, task, drawn)
     assert DRAWN_BEFORE[stage] | edge <= set(drawn), (stage, task, drawn)

@@ -11,7 +11,7 @@ from minizero.course.harness.costs import bytes_problem, memory_problem
 from minizero.course.harness.experiment import Experiment, build, run_experiment
 from minizero.course.harness.models import MLP, ReuseModel, TinyGPT
 from minizero.course.harness.tasks import TASKS
-from minizero.parts.units import assign_parameters, default_units, resolve_units
+from minizero.parts.unit_plan import assign_parameters, default_units, resolve_units
 from minizero.run.launch import RankError
 from minizero.stages import STAGES, make_stage
 from tests.equivalence import covering, examples, experiments, run_and_check
@@ -105,7 +105,7 @@ def test_gathered_peak_is_the_root_plus_the_units_prefetch_implies(pools, prefet
 def _what_autograd_keeps_of_the_gathered_parameters(me, checkpointed: bool):
     """After one forward: the bytes of every gathered full buffer that a tensor autograd saved still holds, and the
     bytes of the units gathered now.  (Every buffer a unit's parameters were pointed into is recorded.)"""
-    from minizero.parts.layout import ShardedFlatGroup
+    from minizero.parts.unit_groups import ShardedFlatGroup
 
     exp = Experiment(stage="zero3", task="gpt", dtype="float32", micro_batch=4, checkpoint_activations=checkpointed)
     stage, model, comm, _ = build(me, exp)
@@ -141,7 +141,7 @@ def test_a_resharded_unit_keeps_no_memory_through_what_autograd_saved(pools, che
 
 
 def _use_a_kept_gather_after_reshard(me):
-    from minizero.parts.layout import FreedBuffer
+    from minizero.parts.unit_groups import FreedBuffer
 
     exp = Experiment(stage="zero3", task="gpt", dtype="float32")
     stage, _, comm, _ = build(me, exp)

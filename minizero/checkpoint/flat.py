@@ -20,7 +20,7 @@ import torch
 
 from ..comm import ReduceOp, Tag
 from ..parts.layout import padded_size
-from ..parts.sharded_optimizer import state_layout
+from ..parts.optimizer_state import state_layout
 
 
 @dataclass

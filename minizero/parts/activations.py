@@ -13,7 +13,7 @@ once (the bucketed stages launch each bucket once).  The replay is the block's *
 hooks on the block itself (ZeRO-3's unit hooks, when the block is a unit -- the default) do not fire again; the
 unit is gathered for backward before the replay starts, because its pre-backward hook sits on the block's output,
 which backward reaches first.  Hooks on modules *inside* a checkpointed block do fire again during the replay
-(ZeRO-3 then treats the replay as part of backward: :meth:`minizero.stages.ZeRO3.unit_pre_forward`).
+(ZeRO-3 then treats the replay as part of backward: :func:`minizero.parts.units.replayed_by_backward`).
 
 The random state is saved and restored around the replay (``preserve_rng_state``): dropout draws the same mask.
 """
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .units import default_units
+from .unit_plan import default_units
 
 
 def checkpoint_blocks(model: nn.Module, blocks=None) -> list[str]:
@@ -57,12 +57,6 @@ def is_checkpointed(module: nn.Module) -> bool:
 def checkpointed_blocks(model: nn.Module) -> list[str]:
     """The names of the model's checkpointed blocks."""
     return [name for name, m in model.named_modules() if is_checkpointed(m)]
-
-
-def replayed_by_backward() -> bool:
-    """Is this forward a replay -- run by autograd's engine, inside a backward?  (``torch.utils.checkpoint`` tells
-    its own replays apart the same way: the engine's graph task is set only while it runs one.)"""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _checkpointed(forward, *args, **kwargs):

@@ -1,20 +1,18 @@
-"""Gradient buckets: flat buffers that gradients are written into directly.
+"""Buckets launched as they become ready: a bucket's collective starts the moment its last gradient is final.
 
-Parameters go into buckets in *reverse registration order* -- roughly the
-order backward produces their gradients -- so the first bucket fills first
-and its all-reduce can start while backward is still computing the rest.
-Each parameter's ``.grad`` is a view into its bucket: autograd accumulates
-into the bucket in place, and the bucket is sent without a copy.
-(torch DDP: ``bucket_cap_mb=25``, ``gradient_as_bucket_view=True``.)
+Gradients are produced by backward in roughly reverse registration order, so a stage packs them into buckets in
+that order (ddp-bucketed: flat buffers its ``.grad`` s are views into; ZeRO-2 and -3: its flat groups); the first
+bucket fills first and its collective can run while backward still computes the rest.  :class:`ReadyOrder` tracks
+which parameters of which bucket are final and launches buckets in index order -- every rank the same order, or the
+collectives would pair different buckets; :class:`BucketPipeline` runs each launched bucket's collective on the
+communication thread and waits for them all after backward.  (torch DDP: ``bucket_cap_mb=25``.)
 """
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 from torch import nn
 
 from ..comm import Comm
@@ -26,46 +24,9 @@ MiB = 1 << 20
 MAX_IN_FLIGHT = 1
 
 
-@dataclass
-class Bucket:
-    index: int
-    names: list[str]
-    params: list[nn.Parameter]
-    buffer: torch.Tensor  # all gradients of the bucket, end to end
-    views: list[torch.Tensor] = field(default_factory=list)  # views[i] is params[i]'s gradient
-
-
 def check_bucket_mb(bucket_mb: float) -> None:
     if not (isinstance(bucket_mb, (int, float)) and 0 < bucket_mb < math.inf):
         raise ValueError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r} (torch DDP's default is 25)")
-
-
-def assign_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_mb: float) -> list[Bucket]:
-    """Pack parameters, last registered first, into buckets of at most ``bucket_mb`` MiB.
-
-    A bucket holds one dtype; a parameter larger than the cap gets a bucket
-    of its own.  Every rank builds the same buckets (same model, same cap).
-    """
-    check_bucket_mb(bucket_mb)
-    cap = bucket_mb * MiB
-    groups: list[list[tuple[str, nn.Parameter]]] = []
-    for name, p in reversed(named_params):
-        current = groups[-1] if groups else None
-        if (current is None or current[0][1].dtype != p.dtype
-                or sum(q.numel() * q.element_size() for _, q in current) + p.numel() * p.element_size() > cap):
-            groups.append([])
-        groups[-1].append((name, p))
-    buckets = []
-    for index, group in enumerate(groups):
-        params = [p for _, p in group]
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        bucket = Bucket(index, [n for n, _ in group], params, buffer)
-        offset = 0
-        for p in params:
-            bucket.views.append(buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        buckets.append(bucket)
-    return buckets
 
 
 class ReadyOrder:

@@ -1,23 +1,14 @@
 """The flat, sharded layout of ZeRO: one idea, used by ZeRO-1, -2 and -3.
 
-A :class:`FlatGroup` lays parameters of one dtype and one optimizer param
-group end to end in one buffer, padded with zeros to a multiple of N.  Rank
-``r`` *owns* the contiguous **shard** ``[r*S, (r+1)*S)``, ``S = padded / N`` (the
-ZeRO paper's "partition"); a parameter's **segment** -- its ``[start, stop)`` in
-the buffer -- may straddle two ranks (as in DeepSpeed), which is fine because
-an element-wise optimizer's update of a range does not depend on the rest.
+A :class:`FlatGroup` lays parameters of one dtype and one optimizer param group end to end in one buffer, padded
+with zeros to a multiple of N.  Rank ``r`` *owns* the contiguous **shard** ``[r*S, (r+1)*S)``, ``S = padded / N``
+(the ZeRO paper's "partition"); a parameter's **segment** -- its ``[start, stop)`` in the buffer -- may straddle two
+ranks (as in DeepSpeed), which is fine because an element-wise optimizer's update of a range does not depend on the
+rest.  The parameters become views into the buffer, so an all-gather into it updates the model in place.
 
-The parameters themselves become views into the buffer (``p.data`` points
-into it), so an all-gather into the buffer updates the model in place, and
-the optimizer's in-place step on the owned shard writes into the same memory.
-
-The optimizer does not see the owned shard as one tensor: it sees one
-**piece** per parameter -- the range of that parameter this rank owns, a
-1-D view into the shard.  So a parameter without a gradient is skipped by the
-optimizer exactly as ``torch.optim`` skips a ``None`` gradient (no weight
-decay, no momentum, no step count), and Adam's per-parameter ``step`` is the
-parameter's own -- as in FSDP2, whose optimizer sees per-parameter shards.
-Padding belongs to no piece: it is never stepped and stays zero.
+The optimizer sees one **piece** per parameter -- the range of it this rank owns, a 1-D view into the shard -- so a
+parameter without a gradient is skipped exactly as ``torch.optim`` skips a ``None`` gradient, and Adam's
+per-parameter ``step`` is the parameter's own, as in FSDP2.  Padding belongs to no piece: it stays zero.
 """
 from __future__ import annotations
 
@@ -207,105 +198,3 @@ def build_groups(param_groups: list[dict], rank: int, world_size: int, names: di
     return [(group_class or FlatGroup)([(names.get(id(p), f"param {i}"), p) for i, p in enumerate(members)], rank,
                                        world_size, index)
             for index, members in plan]
-
-
-class ReplicatedGroup(FlatGroup):
-    """Parameters every rank holds whole inside a sharded model -- FSDP2's modules left outside
-    ``fully_shard``: laid out as a group of one rank, so this rank "owns" all of it (its pieces are the
-    whole parameters, which the sharded optimizer steps on every rank alike), and its gradients are
-    all-reduced instead of reduce-scattered."""
-
-    replicated = True
-
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group_index: int = 0):
-        super().__init__(named_params, 0, 1, group_index)
-
-
-class FreedBuffer(RuntimeError):
-    """A gathered buffer handed to :meth:`ShardedFlatGroup.use` after its unit resharded: its storage is freed."""
-
-
-class ShardedFlatGroup(FlatGroup):
-    """ZeRO-3's group: only the owned shard persists.
-
-    The full buffer holds memory only between :meth:`full_buffer` (the gather
-    writes into it) and :meth:`reshard`; in between, the parameters point at
-    empty placeholders, so a forward through an ungathered unit fails loudly
-    instead of computing with stale weights.
-
-    The pitfall: autograd does not save only *parameters* for backward.  A
-    linear layer on a batch of sequences saves ``weight.t()`` -- a view of the
-    full buffer, which pointing the parameters elsewhere does not free: every
-    unit's full parameters would stay allocated from its forward to its
-    backward, the whole model at once.  So resharding frees the buffer's
-    storage *in place* (``untyped_storage().resize_(0)``) and the next gather
-    refills the same storage: every view autograd saved sees the gathered
-    values again by backward.  FSDP frees its unsharded parameters the same way.
-    """
-
-    def __init__(self, named_params, rank: int, world_size: int, group_index: int = 0):
-        super().__init__(named_params, rank, world_size, group_index)
-        self.data = None
-        self._full = None  # the full buffer, kept for its storage: allocated while gathered, resized to 0 between
-        self.reshard()
-
-    def keep_master(self, working_dtype: torch.dtype, place=None) -> torch.Tensor:
-        """The owned shard (its own storage) becomes the fp32 master; a 16-bit copy of it is what is kept
-        and all-gathered.  Offloaded (``place``), the master is a host copy and the shard stays the device's."""
-        self.master = self.shard if place is None else place(self.shard)
-        self.shard = self.shard.to(working_dtype)
-        self.pieces = self._cut_pieces()
-        self.reshard()
-        self._full = None  # gathered in the working dtype from now on
-        return self.master
-
-    def _keep(self, owned: torch.Tensor) -> torch.Tensor:
-        return owned.detach().clone()  # its own storage: the only copy kept
-
-    @property
-    def gathered(self) -> bool:
-        return self.data is not None
-
-    @torch.no_grad()
-    def load_full(self, full: torch.Tensor) -> None:
-        """Only the owned shard persists: it (and the master) keep their range; nothing else is held."""
-        if self.master is not None:
-            self.master.copy_(self.shard_of(full))
-        self.shard.copy_(self.shard_of(full))
-
-    def full_buffer(self) -> torch.Tensor:
-        """The full buffer, its storage allocated, for a gather to write into (main thread, before the gather
-        starts): the same storage every time, so that what autograd saved of it is refilled too.  A group still
-        gathered (a unit gathered again while one of its groups was freed) gets a buffer of its own: its live one
-        may be computing, and may be freed while the gather writes."""
-        numel = self.shard_size * self.world_size
-        if self.gathered:
-            return self.shard.new_empty(numel)
-        if self._full is None:
-            self._full = self.shard.new_empty(numel)
-        storage = self._full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(numel * self._full.element_size())
-        return self._full
-
-    def use(self, full: torch.Tensor) -> None:
-        """Point the parameters into a gathered buffer (main thread).  A buffer freed since its gather is refused:
-        it holds no values at all now, not even the stale ones a kept gather result once held."""
-        if full.untyped_storage().nbytes() < full.numel() * full.element_size():
-            raise FreedBuffer(
-                f"rank {self.rank}'s {self.segments[0].name} (flat group {self.group_index}): use() was handed a "
-                f"buffer freed when its unit last resharded -- a gather's result used again, whose values, kept, would "
-                f"be the old gather's, never moved by the optimizer steps since. Start a new all-gather for every "
-                f"forward and backward (Unit.unshard: start_gather, then the result, once) and let it go after use()")
-        self.data = full
-        for s in self.segments:
-            s.param.data = full[s.start:s.stop].view(s.shape)
-
-    def reshard(self) -> None:
-        """Free the full buffer's memory in place (see the class): the parameters keep their shapes' names but
-        no memory, and no view of the buffer keeps any."""
-        self.data = None
-        if self._full is not None:
-            self._full.untyped_storage().resize_(0)
-        for s in self.segments:
-            s.param.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)

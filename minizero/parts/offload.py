@@ -20,7 +20,7 @@ they run in line, one after the other: the point is where memory goes.
 
 :class:`HostCopies` is the crossing: every copy between the device and the host
 goes through it, and it counts the bytes in each direction, as the
-communication layer counts what it sends.  :class:`~minizero.parts.precision.MasterWeights`
+communication layer counts what it sends.  :class:`~minizero.parts.masters.MasterWeights`
 uses it to read gradients and write back parameters; in fp32 the masters are
 plain fp32 copies of the shard, on the host (DeepSpeed offloads fp32 training
 the same way).  On a machine without a GPU host and device are the same memory:

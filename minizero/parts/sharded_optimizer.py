@@ -1,41 +1,27 @@
 """ZeRO's optimizer: the user's, rebuilt over the pieces of the parameters this rank owns.
 
-Each :class:`~minizero.parts.layout.FlatGroup` hands out one *piece* per parameter
-its shard overlaps (a 1-D view into the owned shard).  :class:`ShardedOptimizer`
-builds the user's optimizer class, with the user's per-group hyper-parameters,
-over those pieces, so any element-wise ``torch.optim`` optimizer works
-unchanged -- and, piece by piece, it skips a parameter without a gradient
-exactly as it would on one device.  Its ``param_groups`` are the user's (over
-the whole parameters), so a learning-rate scheduler works as usual: every
-change is carried over to the pieces before each step.
+Each :class:`~minizero.parts.layout.FlatGroup` hands out one *piece* per parameter its shard overlaps (a 1-D view
+into the owned shard).  :class:`ShardedOptimizer` builds the user's optimizer class, with the user's per-group
+hyper-parameters, over those pieces, so any element-wise ``torch.optim`` optimizer works unchanged and skips a
+parameter without a gradient exactly as on one device.  Its ``param_groups`` are the user's (over the whole
+parameters), so a learning-rate scheduler works as usual: every change is carried over before each step.
 
-Two ways to use it:
-
-* alone, with torch's ``ZeroRedundancyOptimizer`` calling convention --
-  ``ShardedOptimizer(model.parameters(), torch.optim.AdamW, comm=comm, lr=1e-3)``
-  -- after gradients were averaged (under ``ddp``, say): :meth:`step` takes this
-  rank's shard of each averaged gradient, steps it, and all-gathers the updated
-  parameters (all-reduce + all-gather: 3Psi per step, torch's bytes);
-* inside the ZeRO stages, which reduce-scatter gradients straight into the
-  pieces' ``.grad`` (2Psi): they call :meth:`step_owned`, then share the result
-  as their stage requires.
-
-Consolidation (:meth:`full_state_dict`) is the reverse of sharding: every rank's
-pieces of each state tensor are laid back into the flat layout, all-gathered,
-and cut into per-parameter tensors -- the state_dict a plain optimizer over
-the unwrapped model would have.
+Two ways to use it: alone, with torch's ``ZeroRedundancyOptimizer`` calling convention
+(``ShardedOptimizer(model.parameters(), torch.optim.AdamW, comm=comm, lr=1e-3)`` after gradients were averaged:
+:meth:`step` takes this rank's shard, steps it, all-gathers -- 3Psi per step, torch's bytes); or inside the ZeRO
+stages, which reduce-scatter gradients straight into the pieces (2Psi) and call :meth:`step_owned`.  Consolidation
+is :mod:`minizero.parts.optimizer_state`.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..comm import Comm, ReduceOp, Tag
+from ..comm import Comm, Tag
 from .kept_state import keep_state
 from .layout import FlatGroup, build_groups
+from .masters import MasterWeights
+from .optimizer_state import full_state_dict
 from .part import flat_range
-from .precision import MasterWeights
 from .rebuilt import follow, rebuild
 
 #: Optimizers whose update is element-wise, so a 1-D piece is as good as the parameter.
@@ -144,119 +130,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if entry:
                     target = self.stepped(piece)
                     self.local.state[target] = flat_range(entry, piece.start, piece.stop, like=target)
-
-
-def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float, comm: Comm,
-                            dtype: torch.dtype, device: torch.device, tag: Tag | None = None,
-                            replicas: list[torch.Tensor] = ()) -> torch.Tensor:
-    """Global-norm clipping when each rank holds disjoint pieces of the averaged gradient: one more
-    collective (:func:`sharded_grad_norm`), then every rank scales its pieces by min(1, max_norm / norm) --
-    ``torch.nn.utils.clip_grad_norm_``'s result without anyone holding all of it.  ``replicas``: gradients
-    every rank holds alike (ZeRO-3's replicated modules), scaled too but counted once -- by the caller,
-    who puts rank 0's in ``grads``."""
-    grads = [g for g in grads if g.numel()]
-    total = sharded_grad_norm(grads, norm_type, comm, dtype, device, tag)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # below max_norm nothing grows
-    for g in grads + [g for g in replicas if g.numel()]:
-        g.mul_(coefficient.to(g.device))  # (offloaded gradients are on the host, the norm on the device)
-    return total[0]
-
-
-def sharded_grad_norm(grads: list[torch.Tensor], norm_type: float, comm: Comm, dtype: torch.dtype,
-                      device: torch.device, tag: Tag | None = None) -> torch.Tensor:
-    """The global norm (shape ``[1]``) of gradients split disjointly over the ranks: SUM of |g|^p, or MAX for
-    the inf-norm.  ``dtype``, ``device``: the norm's, the same on every rank."""
-    grads = [g for g in grads if g.numel()]
-    zero = torch.zeros(1, dtype=dtype, device=device)
-    if math.isinf(norm_type):
-        total = torch.stack([g.abs().max().to(device, dtype) for g in grads]).max().reshape(1) if grads else zero
-        comm.all_reduce(total, ReduceOp.MAX, tag=tag)
-        return total
-    total = sum((g.abs().pow(norm_type).sum().to(device, dtype) for g in grads), zero).reshape(1)
-    comm.all_reduce(total, ReduceOp.SUM, tag=tag)
-    return total.pow(1.0 / norm_type)
-
-
-def state_layout(optimizer: torch.optim.Optimizer, group_index: int, dtype: torch.dtype) -> dict:
-    """What state this optimizer keeps per parameter with group ``group_index``'s settings:
-    ``{key: ("element", dtype) | ("scalar", dtype) | ("constant", value)}``, found by stepping
-    a one-element probe -- every rank gets the same answer, whichever pieces it owns."""
-    probe = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
-    probe.grad = torch.ones(1, dtype=dtype)
-    stepped = rebuild(type(optimizer), optimizer.defaults, [optimizer.param_groups[group_index]], [[probe]])
-    stepped.step()
-    layout = {}
-    for key, value in stepped.state.get(probe, {}).items():
-        if torch.is_tensor(value):
-            layout[key] = ("element" if value.dim() == 1 else "scalar", value.dtype)
-        else:
-            layout[key] = ("constant", value)
-    return layout
-
-
-def full_state_dict(sharded: torch.optim.Optimizer, user_param_groups: list[dict], groups: list[FlatGroup],
-                    comm, stepped=lambda piece: piece.param) -> dict:
-    """The state_dict of a plain torch optimizer over the unwrapped model; every rank gets it."""
-    order = [p for group in user_param_groups for p in group["params"]]
-    index = {id(p): i for i, p in enumerate(order)}
-    state: dict[int, dict] = {}
-    for g, group in enumerate(groups):
-        layout = state_layout(sharded, group.group_index, group.optimizer_dtype)
-        if not layout:  # plain SGD keeps no state at all
-            continue
-        scalars = [k for k, (kind, _) in layout.items() if kind == "scalar"]
-        has_state, scalar_values = _gather_scalars(sharded, group, scalars, comm, Tag(f"group {g} optimizer scalars"),
-                                                    stepped)
-        per_param = {key: group.unpack_full(_gather_element_state(sharded, group, key, dtype, comm,
-                                                                  Tag(f"group {g} optimizer {key}"), stepped))
-                     for key, (kind, dtype) in layout.items() if kind == "element"}
-        for i, segment in enumerate(group.segments):
-            if not has_state[i]:
-                continue
-            entry = {}
-            for key, (kind, detail) in layout.items():
-                entry[key] = (per_param[key][i] if kind == "element" else
-                              torch.tensor(scalar_values[i][scalars.index(key)], dtype=detail) if kind == "scalar"
-                              else detail)
-            state[index[id(segment.param)]] = entry
-    param_groups = [{**{k: v for k, v in group.items() if k != "params"},
-                     "params": [index[id(p)] for p in group["params"]]} for group in user_param_groups]
-    return {"state": state, "param_groups": param_groups}
-
-
-def _gather_scalars(sharded, group: FlatGroup, scalars: list[str], comm, tag: Tag, stepped):
-    """Per segment: does any rank hold state for it, and its scalar states (Adam's step) from that rank."""
-    width = 1 + len(scalars)
-    table = torch.full((len(group.segments), width), math.nan, dtype=torch.float64)
-    position = {id(s): i for i, s in enumerate(group.segments)}
-    for piece in group.pieces:
-        piece_state = sharded.state.get(stepped(piece))
-        if piece_state:
-            row = position[id(piece.segment)]
-            table[row, 0] = 1.0
-            for j, key in enumerate(scalars):
-                table[row, 1 + j] = float(piece_state[key])
-    everyone = torch.empty(comm.world_size * table.numel(), dtype=torch.float64)
-    comm.all_gather(everyone, table.reshape(-1), tag=tag)
-    everyone = everyone.view(comm.world_size, len(group.segments), width)
-    has_state, values = [], []
-    for i in range(len(group.segments)):
-        owners = [r for r in range(comm.world_size) if everyone[r, i, 0] == 1.0]
-        has_state.append(bool(owners))
-        values.append(everyone[owners[0], i, 1:].tolist() if owners else [])
-    return has_state, values
-
-
-def _gather_element_state(sharded, group: FlatGroup, key: str, dtype: torch.dtype, comm, tag: Tag,
-                          stepped) -> torch.Tensor:
-    """One state tensor (Adam's exp_avg, say) of the whole group, flat: each rank's pieces in place."""
-    mine = torch.zeros(group.shard_size, dtype=dtype, device=group.shard.device)
-    for piece in group.pieces:
-        piece_state = sharded.state.get(stepped(piece))
-        if piece_state and key in piece_state:
-            mine[piece.offset:piece.offset + piece.stop - piece.start] = piece_state[key]
-    # Every rank sends a shard, even one that owns none (a parameter server's worker): its zeros land past
-    # the group's end, in slots no segment reads.
-    full = mine.new_empty(group.shard_size * comm.world_size)
-    comm.all_gather(full, mine, tag=tag)
-    return full[:group.shard_size * group.world_size]

@@ -25,14 +25,16 @@ from torch import nn
 
 from ..comm import Comm, Tag
 from ..parts.kept_state import check_keepable
-from ..parts.precision import MasterWeights, Precision
+from ..parts.masters import MasterWeights
+from ..parts.precision import Precision
 from ..parts.rebuilt import follow
 from . import clip, facts, mixed, state
 from . import options as options_module
 from .facts import GradientMemory, Shards
+from .hooks import refuse_direct_calls
 from .options import PRECISION
 from .unused import agree_on_use
-from .wrap import check_wrappable, claim, refuse_direct_calls, route, route_model
+from .wrap import check_wrappable, claim, route, route_model
 
 
 class Stage(nn.Module):
@@ -156,7 +158,7 @@ class Stage(nn.Module):
         """The whole backward has finished, and it synchronises: nothing to average on one device."""
 
     def call_module(self, *args, **kwargs):
-        """The wrapped model's forward, as the stage's own (:func:`~minizero.stages.wrap.refuse_direct_calls`)."""
+        """The wrapped model's forward, as the stage's own (:func:`~minizero.stages.hooks.refuse_direct_calls`)."""
         self._forwarding = True
         try:
             return self._cast_call(*args, **kwargs) if self.precision.mixed else self.module(*args, **kwargs)
@@ -192,7 +194,7 @@ class Stage(nn.Module):
         if self.pipeline is not None:
             self.pipeline.abandon()
 
-    def tag(self, what: str) -> Tag:
+    def tag(self, what: str) -> Tag:  # what a collective is for, and where in training: fingerprinted
         return Tag(what, self.steps_taken, self.backwards, int(self._syncing))
 
     def used_anywhere(self, params: list[nn.Parameter]) -> set[int]:
@@ -223,8 +225,7 @@ class Stage(nn.Module):
 
     @contextmanager
     def stepping(self):
-        """Around every stage's step: refuse to step on gradients that never left this rank; then count the
-        step (the tags of the collectives that follow say which step they belong to)."""
+        """Around every stage's step: refuse to step on gradients that never left this rank; then count the step."""
         if self._local_grads and self.comm is not None:  # stays set: a second step() is refused too
             raise RuntimeError(
                 f"rank {self.rank}: step() after backward passes inside no_sync() only: those gradients were "
@@ -255,9 +256,8 @@ class Stage(nn.Module):
             nn.Module.zero_grad(self.module, set_to_none=set_to_none)  # the model's own (its zero_grad is ours)
 
     def forget_gradients(self, set_to_none: bool) -> None:
-        """What every zero_grad() does first: no local-only gradients any more, and, as in torch, a gradient set
-        to None is not stepped (``set_to_none=False`` zeroes what exists, still stepped); mixed precision's
-        unscaled gradients go too."""
+        """What every zero_grad() does first: no local-only gradients; as in torch, a gradient set to None is not
+        stepped (``set_to_none=False`` zeroes it, still stepped); mixed precision's unscaled gradients go too."""
         self._local_grads = False
         if set_to_none:
             self._has_grad.clear()

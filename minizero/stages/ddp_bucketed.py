@@ -35,18 +35,60 @@ the rank that did not come.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp
-from ..parts.buckets import Bucket, BucketPipeline, assign_buckets
+from ..parts.buckets import BucketPipeline, MiB, check_bucket_mb
 from ..parts.flat import keep_grad_in
 from ..parts.precision import Precision
 from .ddp import DDP
 from .facts import GradientMemory, Reduction
+from .hooks import when_accumulated
 from .options import BUCKET_MB, WIRE_AND_USE
 from .unused import unused_error
-from .wrap import when_accumulated
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients are views into one flat ``buffer``, all-reduced as one message (torch DDP's
+    ``gradient_as_bucket_view=True``: autograd accumulates into the bucket in place, sent without a copy)."""
+
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # all gradients of the bucket, end to end
+    views: list[torch.Tensor] = field(default_factory=list)  # views[i] is params[i]'s gradient
+
+
+def assign_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_mb: float) -> list[Bucket]:
+    """Pack parameters, last registered first, into buckets of at most ``bucket_mb`` MiB.
+
+    A bucket holds one dtype; a parameter larger than the cap gets a bucket
+    of its own.  Every rank builds the same buckets (same model, same cap).
+    """
+    check_bucket_mb(bucket_mb)
+    cap = bucket_mb * MiB
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    for name, p in reversed(named_params):
+        current = groups[-1] if groups else None
+        if (current is None or current[0][1].dtype != p.dtype
+                or sum(q.numel() * q.element_size() for _, q in current) + p.numel() * p.element_size() > cap):
+            groups.append([])
+        groups[-1].append((name, p))
+    buckets = []
+    for index, group in enumerate(groups):
+        params = [p for _, p in group]
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        bucket = Bucket(index, [n for n, _ in group], params, buffer)
+        offset = 0
+        for p in params:
+            bucket.views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        buckets.append(bucket)
+    return buckets
 
 
 class BucketedDDP(DDP):

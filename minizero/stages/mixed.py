@@ -1,9 +1,9 @@
-"""Mixed precision, as every stage takes it: the checks, the fp32 masters of a stage that keeps every
-parameter, the forward in 16 bits.
+"""Mixed precision, as every stage takes it: the checks, the fp32 masters (of every parameter for the reference and
+DDP, of the owned shard only for ZeRO: :func:`keep_sharded_masters`), the forward in 16 bits.
 
-These are methods of :class:`~minizero.stages.base.Stage` (``self`` is the stage), written here so the
-stage's file reads as its lifecycle; ZeRO keeps masters of its owned shard only (:mod:`minizero.stages.zero`).
-The recipe itself -- masters, loss scaler, overflow agreed across ranks -- is :mod:`minizero.parts.precision`.
+These are methods of the stages (``self`` is the stage), written here so each stage's file reads as its lifecycle.
+The recipe itself -- the policy, the masters, the loss scaler, overflow agreed across ranks -- is
+:mod:`minizero.parts.precision` and :mod:`minizero.parts.masters`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..parts.kept_state import keep_state
-from ..parts.precision import cast_parameters, check_half_model, check_supported
+from ..parts.masters import cast_parameters, check_half_model, check_supported
 from ..parts.rebuilt import rebuild
 from .wrap import route
 
@@ -97,3 +97,23 @@ def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplic
         return
     for name, p in self.trainable():
         yield prefix + name, self.master.master_of(p)
+
+
+def keep_sharded_masters(self) -> None:
+    """Mixed precision, ZeRO's way: fp32 masters of the *owned shard* only (12 bytes per parameter for
+    Adam, divided by N); the flat buffers -- parameters and what is all-gathered -- become 16-bit.
+    Offloaded, the masters are kept in host memory -- in fp32 training too, as plain copies of the shard --
+    and the optimizer, built over them, keeps its states there and steps there."""
+    dtype = self.precision.working_dtype  # None in fp32: each group keeps its own
+    place = {"place": self.host_copies.place} if self.host_copies else {}
+    masters = [group.keep_master(dtype or group.dtype, **place) for group in self.groups]
+    if dtype is not None:
+        self._frozen = cast_parameters(self.module, dtype, skip={id(s.param) for g in self.groups for s in g.segments})
+    working = [piece.param for group in self.groups for piece in group.pieces]
+    pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
+              for group, master in zip(self.groups, masters, strict=True) for piece in group.pieces]
+    copies = {"copies": self.host_copies} if self.host_copies else {}  # (a lab's own class need not take it)
+    self.master = self.master_class(working, pieces, self.precision, self.comm, self.tag,
+                                     masters[0].dtype if masters else None, optimizer_outside=self.user_optimizer is None,
+                                     **copies)
+    self._settle_wire()

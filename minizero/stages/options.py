@@ -22,11 +22,13 @@ from typing import Callable, Sequence
 
 @dataclass(frozen=True)
 class Drawing:
-    """What a drawn value may depend on: the experiment's world size and task (``"edge"`` is the model with
-    frozen, unused and zero-size parameters)."""
+    """What a drawn value may depend on: the experiment's world size, and what its model offers -- the submodules
+    that may be kept whole (``replicable``: each choice a tuple of names, or None for none) and whether a parameter
+    never gets a gradient (``unused_parameters``).  The course fills it from its task's model."""
 
     world_size: int
-    task: str
+    replicable: tuple = (None,)
+    unused_parameters: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ COMPRESS = Option("compress", None, "the gradients' wire: fp16, bf16, int8, int4
 ERROR_FEEDBACK = Option("error_feedback", False, "carry the compression error to the next step", None)
 FIND_UNUSED_PARAMETERS = Option(
     "find_unused_parameters", False, "agree every step on which parameters got a gradient anywhere (torch's name)",
-    None, draw=lambda d: (True,) if d.task == "edge" else ())  # the edge model's `unused` never gets a gradient
+    None, draw=lambda d: (True,) if d.unused_parameters else ())  # else every parameter must get a gradient
 PRECISION = Option("precision", "fp32", "fp32, or bf16/fp16 compute with fp32 master weights (minizero.parts.precision)",
                    choice("fp32", "bf16", "fp16"))
 

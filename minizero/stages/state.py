@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..parts.masters import in_users_order
 from ..parts.part import Part, flat_range
-from ..parts.precision import in_users_order
 from ..parts.rebuilt import follow, settings
 
 

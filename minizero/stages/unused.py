@@ -26,3 +26,13 @@ def unused_error(rank: int, names: list[str], why: str) -> RuntimeError:
         f"rank {rank}: parameter(s) {names} got no gradient in this backward; {why}. If parameters may go unused "
         f"(on some ranks or in some steps), wrap with find_unused_parameters=True: ranks then agree every step on "
         f"which parameters got a gradient anywhere. If they are never trained, freeze them with requires_grad_(False).")
+
+
+def used_after_backward(self) -> set[int]:
+    """After a backward whose gradients stay full until the end (ZeRO-1, the parameter server): every
+    parameter has one here -- or, with ``find_unused_parameters``, the ranks agree on which have one anywhere."""
+    try:
+        self.refuse_unused_here(self.groups)
+        return self.used_anywhere([s.param for g in self.groups for s in g.segments])
+    finally:
+        self._used.clear()

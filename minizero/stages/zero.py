@@ -1,44 +1,34 @@
-"""What ZeRO-1, -2 and -3 share (ZeRO paper, section 5): parameters laid out flat and sharded, and
-the user's optimizer stepping only this rank's shard.
+"""What ZeRO-1, -2 and -3 share (ZeRO paper, section 5): parameters laid out flat and sharded, and the user's
+optimizer stepping only this rank's shard.
 
-Each ZeRO stage derives from :class:`ZeRO` alone and reads top to bottom:
-wrap (check, broadcast), lay out its flat groups (:mod:`minizero.parts.layout`),
-:meth:`ZeRO.shard` them, then its own hooks with its own collectives --
-reduce-scatter gradients (when, and in what buckets, is what tells the stages
-apart), step the owned shard, all-gather parameters.  What they share is here:
+Each ZeRO stage derives from :class:`ZeRO` alone and reads top to bottom: wrap (check, broadcast), lay out its flat
+groups (:mod:`minizero.parts.layout`), :meth:`ZeRO.shard` them, then its own hooks with its own collectives --
+reduce-scatter gradients (when, and in what buckets, tells the stages apart), step the owned shard, all-gather.
+What they share is here:
 
-* the **pieces**: every parameter is visible as this rank's piece of it, a
-  1-D view into the owned shard (possibly empty), whose ``.grad`` is the
-  matching piece of the averaged gradient -- what FSDP's ``use_orig_params``
-  offers.  ``stage.parameters()`` yields them, so an optimizer built *after*
-  wrapping -- ``torch.optim.AdamW(stage.parameters(), lr=...)``, as torch's
-  FSDP2 documentation writes it -- steps exactly the owned shard;
-* the **sharded optimizer** (:class:`~minizero.parts.sharded_optimizer.ShardedOptimizer`)
-  when the stage is given the user's optimizer at wrap time -- with any state it
-  already holds (a consolidated checkpoint loaded into it), each rank keeping
-  its pieces' range of it (:mod:`minizero.parts.kept_state`);
-* torch's ``.grad`` semantics on the pieces: a reduced gradient is *added* to
-  an existing ``.grad`` (accumulation across backward passes, as in torch) or
-  becomes it; a parameter without a gradient anywhere keeps ``.grad = None``
-  and is not stepped;
-* global-norm clipping over the pieces, and full and sharded state dicts.
+* the **pieces**: every parameter is visible as this rank's piece of it, a 1-D view into the owned shard (possibly
+  empty), whose ``.grad`` is the matching piece of the averaged gradient -- FSDP's ``use_orig_params``;
+* the **sharded optimizer** (:class:`~minizero.parts.sharded_optimizer.ShardedOptimizer`) when the stage is given
+  the user's optimizer at wrap time; an optimizer built after wrapping over ``stage.parameters()`` steps the pieces;
+* torch's ``.grad`` semantics on the pieces: a reduced gradient is *added* to an existing ``.grad`` or becomes it;
+  a parameter without a gradient anywhere keeps ``.grad = None`` and is not stepped.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..comm import Comm, ReduceOp
+from ..comm import Comm
 from ..compress import make_wire
 from ..parts.grad_buffers import FullGradients
 from ..parts.layout import FlatGroup
 from ..parts.offload import HostCopies, check_offloadable
-from ..parts.precision import Precision, cast_parameters
+from ..parts.precision import Precision
 from ..parts.sharded_optimizer import ShardedOptimizer, check_shardable
-from . import clip, zero_state
+from . import clip, hooks, mixed, sharing, unused, zero_state
 from .base import Stage
 from .unused import unused_error
-from .wrap import broadcast_module, check_optimizer_owns_only_model_parameters, check_same_model, when_accumulated
+from .wrap import broadcast_module, check_optimizer_owns_only_model_parameters, check_same_model
 
 
 class ZeRO(Stage):
@@ -92,57 +82,20 @@ class ZeRO(Stage):
         (routed: whichever ``step`` the user calls, the stage's runs -- it shares the result too)."""
         self.groups = groups
         if self.precision.mixed or self.host_copies:
-            self._keep_sharded_masters()
+            mixed.keep_sharded_masters(self)
         if not self.shards.parameters:  # full parameters kept: the all-gather after a step keeps them current
             self.remember_shared()
         if self.user_optimizer is not None:
             self.optimizer = ShardedOptimizer.from_optimizer(self.user_optimizer, groups, self.shard_comm, self.master)
             self.optimizer.step, self.optimizer.zero_grad = self.step, self.zero_grad
 
-    def _keep_sharded_masters(self) -> None:
-        """Mixed precision, ZeRO's way: fp32 masters of the *owned shard* only (12 bytes per parameter for
-        Adam, divided by N); the flat buffers -- parameters and what is all-gathered -- become 16-bit.
-        Offloaded, the masters are kept in host memory -- in fp32 training too, as plain copies of the shard --
-        and the optimizer, built over them, keeps its states there and steps there."""
-        dtype = self.precision.working_dtype  # None in fp32: each group keeps its own
-        place = {"place": self.host_copies.place} if self.host_copies else {}
-        masters = [group.keep_master(dtype or group.dtype, **place) for group in self.groups]
-        if dtype is not None:
-            self._frozen = cast_parameters(self.module, dtype, skip={id(s.param) for g in self.groups for s in g.segments})
-        working = [piece.param for group in self.groups for piece in group.pieces]
-        pieces = [nn.Parameter(master[piece.offset:piece.offset + piece.stop - piece.start])
-                  for group, master in zip(self.groups, masters, strict=True) for piece in group.pieces]
-        copies = {"copies": self.host_copies} if self.host_copies else {}  # (a lab's own class need not take it)
-        self.master = self.master_class(working, pieces, self.precision, self.comm, self.tag,
-                                         masters[0].dtype if masters else None, optimizer_outside=self.user_optimizer is None,
-                                         **copies)
-        self._settle_wire()
-
-    def hook_grouped_parameters(self) -> None:
-        """``post_accumulate_grad(param)`` each time a grouped parameter's ``.grad`` is complete."""
-        for group in self.groups:
-            for s in group.segments:
-                when_accumulated(s.param, self)
+    hook_grouped_parameters = hooks.hook_grouped_parameters
 
     # ------------------------------------------------------------ the pieces
+    named_parameters = zero_state.named_parameters  # the pieces, under the parameters' names
+
     def pieces(self):
         return [piece for group in self.groups for piece in group.pieces]
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's piece of every parameter, under the parameter's name (FSDP's ``use_orig_params``) --
-        under mixed precision, the piece's fp32 master (FSDP2's sharded fp32 parameter).  A parameter this rank
-        owns none of is an empty tensor, as a DTensor's local shard is: an optimizer built over the pieces is
-        never empty, however small the model and many the ranks."""
-        outside = self.masters_outside
-        owned = {id(piece.segment): piece for piece in self.pieces()}
-        for group in self.groups:
-            for segment in group.segments:
-                piece = owned.get(id(segment))
-                if piece is None:
-                    yield prefix + segment.name, self._nothing.setdefault(segment.name, nn.Parameter(
-                        group.shard.new_empty(0, dtype=group.optimizer_dtype)))
-                else:
-                    yield prefix + segment.name, self.master.master_of(piece.param) if outside else piece.param
 
     def accumulate(self, group: FlatGroup, averaged: torch.Tensor, used: set[int]) -> None:
         """Give each piece of ``group`` its range of the averaged shard, as autograd gives ``.grad``: added to
@@ -160,59 +113,18 @@ class ZeRO(Stage):
             if missing:
                 raise unused_error(self.rank, missing, "ZeRO steps the parameters that have one on every rank")
 
-    def used_after_backward(self) -> set[int]:
-        """After a backward whose gradients stay full until the end (ZeRO-1, the parameter server): every
-        parameter has one here -- or, with ``find_unused_parameters``, the ranks agree on which have one anywhere."""
-        try:
-            self.refuse_unused_here(self.groups)
-            return self.used_anywhere([s.param for g in self.groups for s in g.segments])
-        finally:
-            self._used.clear()
+    used_after_backward = unused.used_after_backward
 
-    # ------------------------------------------------------------ after the step
-    def stepped_groups(self):
-        """``(index, group)`` of the flat groups the last step changed: those with a gradient anywhere since the
-        last all-gather -- the ones whose updated shards must be shared (a group no rank had a gradient for did not
-        move).  Since the last all-gather, not since the last ``zero_grad()``: with the optimizer outside the stage,
-        a loop's ``model.zero_grad()`` comes between its ``optimizer.step()`` and the next forward, which shares."""
-        stepped = self._has_grad | self._unshared
-        return [(g, group) for g, group in enumerate(self.groups)
-                if any(id(s.param) in stepped for s in group.segments)]
+    # ------------------------------------------------------------ after the step (minizero.stages.sharing)
+    stepped_groups = sharing.stepped_groups
+    remember_shared = sharing.remember_shared
+    stepped_outside = sharing.stepped_outside
+    _version_of = staticmethod(sharing.version_of)
 
     def forget_gradients(self, set_to_none: bool) -> None:
         """As every stage's, but what had a gradient stays to be shared until the next all-gather."""
         self._unshared |= self._has_grad
         super().forget_gradients(set_to_none)
-
-    def remember_shared(self) -> None:
-        """The full parameters are current now (all-gathered, or loaded): note each group's version."""
-        self._shared_versions = [self._version_of(group) for group in self.groups]
-        self._synchronised_at_share = self.synchronised
-        self._unshared.clear()
-
-    def stepped_outside(self) -> bool:
-        """Did anything write the owned shards since the last all-gather -- an optimizer built over
-        ``stage.parameters()``, which the stage does not drive?  The parameters' version counter says:
-        every in-place update of a piece bumps it (evaluation forwards and backward do not).  ZeRO-1 and
-        ZeRO-2 all-gather then, at the next forward; ZeRO-3 keeps no full parameters to bring up to date.
-
-        The ranks must agree: a rank whose pieces the step left alone (none had a gradient, or it owns none)
-        sees no change where the others do, and would leave them waiting in the all-gather.  So, with the
-        optimizer outside, the first forward after new gradients asks every rank (a MAX of one flag)."""
-        if not self._shared_versions:
-            return False
-        changed = any(self._version_of(group) != version
-                      for group, version in zip(self.groups, self._shared_versions, strict=True))
-        if self.user_optimizer is not None or self.synchronised == self._synchronised_at_share:
-            return changed  # the stage steps its optimizer itself (and shares at once), or no gradient came
-        flag = torch.tensor([float(changed)])
-        self.comm.all_reduce(flag, ReduceOp.MAX, tag=self.tag("stepped since the last all-gather?"))
-        return bool(flag.item())
-
-    @staticmethod
-    def _version_of(group) -> int:
-        """What an in-place step of the owned shard bumps: the full buffer's version (the shard views it)."""
-        return group.data._version
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:
         """Every rank's ``full`` from the owners' shards, outside the training step (a consolidated state
@@ -229,6 +141,9 @@ class ZeRO(Stage):
                 piece.param.grad.zero_()
         if self.full_grads is not None:  # ZeRO-1's buffers zeroed, every .grad a view into them again
             self.full_grads.zero()
+        else:  # ZeRO-2's and -3's full gradients, left by no_sync() micro-batches
+            for s in (s for group in self.groups for s in group.segments):
+                s.param.grad = None
 
     clip_grad_norm_ = clip.clip_pieces_grad_norm_
 

@@ -1,32 +1,25 @@
 """Stage ``zero2``: gradients sharded too (ZeRO paper, section 5.2, P_os+g).
 
-ZeRO-1 still holds every gradient in full, only to keep 1/N of the average.
-ZeRO-2 reduce-scatters gradients *during backward*, bucket by bucket, as they
-become ready, and frees the full gradients at once: each rank keeps only its
-shard of each bucket's averaged gradient -- the pieces' ``.grad``.
+ZeRO-1 still holds every gradient in full, only to keep 1/N of the average.  ZeRO-2 reduce-scatters gradients
+*during backward*, bucket by bucket, as they become ready, and frees the full gradients at once: each rank keeps only
+its shard of each bucket's averaged gradient -- the pieces' ``.grad``.
 
-1. buckets are flat groups of their own (``bucket_mb``, padded to a multiple
-   of N, filled in reverse registration order), so each one's reduce-scatter
-   is an ordinary reduce-scatter, and the rank's shards of all buckets together
-   are its 1/N of the gradients;
-2. a post-accumulate-grad hook marks each parameter ready; a complete bucket
-   is packed, its full gradients freed, and its reduce-scatter started on the
-   communication thread while backward goes on
-   (:class:`~minizero.parts.buckets.BucketPipeline`, as in ``ddp-bucketed``) -- once
-   the one before has finished, so a slow wire cannot pile packed copies up;
-3. the optimizer steps the owned pieces, and the updated shards are
-   all-gathered, as in ZeRO-1.
+1. buckets are flat groups of their own (``bucket_mb``, padded to a multiple of N, filled in reverse registration
+   order), so each one's reduce-scatter is an ordinary reduce-scatter, and the rank's shards of all buckets
+   together are its 1/N of the gradients;
+2. a post-accumulate-grad hook marks each parameter ready; a complete bucket is packed, its full gradients freed,
+   and its reduce-scatter started on the communication thread while backward goes on
+   (:class:`~minizero.parts.buckets.BucketPipeline`, as in ``ddp-bucketed``) -- once the one before has finished,
+   so a slow wire cannot pile packed copies up;
+3. the optimizer steps the owned pieces, and the updated shards are all-gathered, as in ZeRO-1.
 
-Bytes: the same reduce-scatter + all-gather, 2(N-1)/N * Psi * b per step.
-Memory (fp32 Adam): 4Psi + (4 + 8)Psi/N; mixed precision: 2Psi + (2 + 12)Psi/N.
+Bytes: the same reduce-scatter + all-gather, 2(N-1)/N * Psi * b per step.  Memory (fp32 Adam): 4Psi + (4 + 8)Psi/N;
+mixed precision: 2Psi + (2 + 12)Psi/N.
 
-Gradient accumulation: the K-1 micro-batches inside ``no_sync()``
-accumulate full gradients locally and the last one reduce-scatters the sums.
-That keeps the bytes at DDP's (once per step); its price is that *during*
-accumulation a rank holds full gradients, as DDP does.  The alternative --
-reduce-scatter every micro-batch into the shard, holding only 1/N throughout --
-costs K reduce-scatters per step: memory against bytes (DeepSpeed does the
-latter).
+Gradient accumulation: the K-1 micro-batches inside ``no_sync()`` accumulate full gradients locally and the last one
+reduce-scatters the sums.  That keeps the bytes at DDP's (once per step); its price is that *during* accumulation a
+rank holds full gradients, as DDP does.  The alternative -- reduce-scatter every micro-batch into the shard, holding
+only 1/N throughout -- costs K reduce-scatters per step: memory against bytes (DeepSpeed does the latter).
 """
 from __future__ import annotations
 
@@ -110,13 +103,6 @@ class ZeRO2(ZeRO):
         for g, group in self.stepped_groups():
             self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
         self.remember_shared()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the pieces' gradients -- the ones this stage steps with -- and any full gradient left."""
-        super().zero_grad(set_to_none)
-        for group in self.groups:
-            for s in group.segments:
-                s.param.grad = None
 
     # ------------------------------------------------------------------ facts
     @classmethod

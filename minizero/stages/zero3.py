@@ -1,38 +1,28 @@
-"""Stage ``zero3``: parameters sharded too (ZeRO paper, section 5.3, P_os+g+p; FSDP).  ZeRO++'s additions
-to it (quantized weight gathers, hpZ) are stage ``zeropp`` (:mod:`.zeropp`).
+"""Stage ``zero3``: parameters sharded too (ZeRO paper, section 5.3, P_os+g+p; FSDP).  ZeRO++'s additions to it
+(quantized weight gathers, hpZ) are stage ``zeropp`` (:mod:`.zeropp`).
 
-After ZeRO-2 every rank still holds all the parameters.  ZeRO-3 keeps only
-the owned shard of each and materialises a **unit**'s full parameters
-(:class:`~minizero.parts.units.Unit`, FSDP2's param group) only while that unit
-computes:
+After ZeRO-2 every rank still holds all the parameters.  ZeRO-3 keeps only the owned shard of each and materialises
+a **unit**'s full parameters (:class:`~minizero.parts.units.Unit`, FSDP2's param group) only while that unit computes:
 
-1. before a unit's forward: all-gather its parameters; after it: free them
-   (``reshard_after_forward=True``, the default) -- in place, the buffer's
-   storage resized to 0, because autograd saved views of it (a linear layer
-   keeps ``weight.t()``; :class:`~minizero.parts.layout.ShardedFlatGroup`);
-2. before its backward (a hook on the unit's output fires just then):
-   all-gather again into the same storage: the parameters and every view
-   autograd saved see the gathered values;
-3. when a flat group's gradients are all ready: pack them, free the full
-   gradients and parameters, reduce-scatter into the pieces' ``.grad`` --
-   ZeRO-2's bucket pipeline, one bucket per unit, param group and dtype;
+1. before a unit's forward: all-gather its parameters; after it: free them (``reshard_after_forward=True``, the
+   default) -- in place, the buffer's storage resized to 0, because autograd saved views of it (a linear layer keeps
+   ``weight.t()``; :class:`~minizero.parts.unit_groups.ShardedFlatGroup`);
+2. before its backward (a hook on the unit's output fires just then): all-gather again into the same storage: the
+   parameters and every view autograd saved see the gathered values;
+3. when a flat group's gradients are all ready: pack them, free the full gradients and parameters, reduce-scatter
+   into the pieces' ``.grad`` -- ZeRO-2's bucket pipeline, one bucket per unit, param group and dtype;
 4. the optimizer steps the pieces; nothing is gathered until the next forward.
 
-Bytes per step: all-gather twice + reduce-scatter = 3(N-1)/N * Psi * b, 1.5x
-DDP -- ZeRO-3 buys memory with communication; without resharding after
-forward, 2(N-1)/N again, but the whole model stays gathered from forward to
-backward.  Under gradient accumulation the micro-batches inside ``no_sync()``
-keep parameters and gradients unsharded and the last one reduces: still 3Psi
-per step, for the memory of unsharded state during accumulation -- the
-trade-off ZeRO-2 makes (FSDP2 exposes the same choice).  Memory: (4 + 4 + 8)Psi/N
+Bytes per step: all-gather twice + reduce-scatter = 3(N-1)/N * Psi * b, 1.5x DDP -- ZeRO-3 buys memory with
+communication; without resharding after forward, 2(N-1)/N again, but the whole model stays gathered from forward to
+backward.  Under gradient accumulation the micro-batches inside ``no_sync()`` keep parameters and gradients
+unsharded and the last one reduces: still 3Psi per step (FSDP2 exposes the same choice).  Memory: (4 + 4 + 8)Psi/N
 for fp32 Adam, (2 + 2 + 12)Psi/N in mixed precision, plus the gathered working set: the root, the unit computing and
-``prefetch`` units whose all-gather already runs on the communication thread,
-overlapping the computation.
+``prefetch`` units whose all-gather already runs on the communication thread, overlapping the computation.
 
-Every all-gather is tagged with its unit ("unit 2 (blocks.1) forward
-all-gather"): with fingerprint checking on, ranks that disagree -- a module
-called a different number of times on different ranks -- stop with an error
-naming the units, instead of pairing one unit's bytes with another's.
+Every all-gather is tagged with its unit ("unit 2 (blocks.1) forward all-gather"): with fingerprint checking on,
+ranks that disagree -- a module called a different number of times on different ranks -- stop with an error naming
+the units, instead of pairing one unit's bytes with another's.
 """
 from __future__ import annotations
 
@@ -41,21 +31,15 @@ from torch import nn
 
 from ..comm import Comm, ReduceOp, Work
 from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
-from ..parts.activations import replayed_by_backward
 from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline
-from ..parts.layout import FreedBuffer, ReplicatedGroup, ShardedFlatGroup, plan_groups
 from ..parts.precision import Precision
-from ..parts.units import Unit, plan_unit_groups, replicated_parameters, resolve_units
-from . import facts
-from .facts import GradientMemory, Reduction, Shards
+from ..parts.unit_groups import FreedBuffer, ShardedFlatGroup
+from ..parts.unit_plan import ReplicatedGroup, plan_units
+from ..parts.units import Unit, replayed_by_backward
+from . import facts, zero3_facts, zero_state
+from .facts import GradientMemory, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int
 from .zero import ZeRO
-
-INSPECTION = "state_dict"  # why a unit is gathered outside training: exactly, whatever the training gathers send
-
-#: What the property suite draws for ``replicate``, per task's model: nothing, or a module of it.
-REPLICATED = {"mlp": (None, ("layers.0",)), "gpt": (None, ("ln_f",), ("blocks.0.ln1", "ln_f")),
-              "edge": (None, ("mid", "tied"), ("out",))}  # mid and tied share a weight: both, or neither
 
 
 class ZeRO3(ZeRO):
@@ -69,7 +53,7 @@ class ZeRO3(ZeRO):
                       draw=lambda d: (True, False)),
                Option("prefetch", 1, "units whose all-gather starts ahead of use", natural_int, draw=lambda d: (0, 1, 2)),
                Option("replicate", None, "submodules (or their names) kept whole on every rank and all-reduced, not "
-                      "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: REPLICATED.get(d.task, ())),
+                      "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: d.replicable),
                *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
 
@@ -83,14 +67,10 @@ class ZeRO3(ZeRO):
                          offload_optimizer)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._observers: list = []
-        # One sharded group per unit, param group and dtype; the last unit first (backward's order).  Then
-        # the replicated parameters, whole on every rank, one group per param group and dtype.
-        unit_modules, whole = resolve_units(module, units), replicated_parameters(module, replicate, self.rank)
-        plan = plan_unit_groups(module, unit_modules, [[p for p in g["params"] if id(p) not in whole]
-                                                       for g in self.param_groups()])
+        unit_modules, plan, whole = plan_units(module, units, replicate, [g["params"] for g in self.param_groups()],
+                                               self.rank)
         named = self.names()
-        replicated = [ReplicatedGroup([(named[id(p)], p) for p in params], gi) for gi, params in
-                      plan_groups([[p for p in g["params"] if id(p) in whole] for g in self.param_groups()])]
+        replicated = [ReplicatedGroup([(named[id(p)], p) for p in params], gi) for gi, params in whole]
         ranks = self.shard_comm
         self.shard([ShardedFlatGroup(named, ranks.rank, ranks.world_size, gi) for _, gi, named in plan] + replicated)
         names = {id(m): n for n, m in module.named_modules()}
@@ -264,31 +244,9 @@ class ZeRO3(ZeRO):
                 unit.drop_prefetch()
             self.optimizer.step_owned()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        for group in self.groups:  # full gradients left by no_sync() micro-batches
-            for s in group.segments:
-                s.param.grad = None
-
     # ------------------------------------------------------------ accounting and state dicts
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        held = super().held_tensors()
-        held["params"] = [g.shard for g in self.groups] + [g.data for g in self.groups if g.gathered]
-        return held
-
-    def full_state_dict(self) -> dict:
-        """The unwrapped model's state_dict (every rank gets it; save it on rank 0).
-        Loads into the plain model with ``load_state_dict``."""
-        observers, self._observers = self._observers, []  # an inspection, not a training step's working set
-        try:
-            for unit in self.units:
-                unit.unshard(INSPECTION)
-            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-            for unit in self.units:
-                unit.reshard()
-        finally:
-            self._observers = observers
-        return self._with_masters(state, self._master_values() if self.master else {})
+    held_tensors = zero_state.held_tensors_gathered  # the shards, and the full buffers of gathered units
+    full_state_dict = zero_state.full_state_dict_of_units  # each unit gathered in turn, exactly
 
     # ------------------------------------------------------------------ facts
     @classmethod
@@ -305,44 +263,6 @@ class ZeRO3(ZeRO):
                                                                                                 world_size)
         return facts.split_by_link(world, world_size, nodes, hierarchical)
 
-    @classmethod
-    def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:
-        """Units in call order, as :meth:`unit_pre_forward` and :meth:`unit_pre_backward` run them: a unit waits
-        for its all-gather, then starts the next ``prefetch`` ones, then computes.  The root (unit 0) is
-        gathered first; its compute is half before the blocks (embeddings) and half after (the head), and
-        in backward the reverse; its backward hook fires first and prefetches nothing; each unit's
-        reduce-scatter leaves when its backward is done, the root's last.  (With find_unused_parameters
-        every reduce-scatter waits for the end of backward: not modelled.)"""
-        blocks, plan = s.plan.blocks, s.plan
-        per_param_f, per_param_b = plan.forward_s / plan.psi, plan.backward_s / plan.psi
-
-        def gather(u: int, when: str) -> None:
-            if not s.launched((when, u)):
-                s.launch((when, u), "all_gather", blocks[u], plan.param_bytes, span=cls.gather_span(when, **options))
-
-        def run(order: list[int], when: str, compute, after=None) -> None:
-            for i, u in enumerate(order):
-                gather(u, when)
-                s.wait((when, u))
-                for k in range(1, min(prefetch, len(order)) + 1):
-                    if i + k < len(order) and (u != 0 or when == "forward"):  # the root's hook prefetches only forward
-                        gather(order[i + k], when)
-                compute(u)
-                if after:
-                    after(u)
-
-        half_root = blocks[0] * per_param_f / 2  # the embeddings before the blocks, the head after them
-        run(list(range(len(blocks))), "forward", lambda u: s.compute(blocks[u] * per_param_f if u else half_root))
-        s.compute(half_root)
-        order = [0] + list(range(len(blocks) - 1, 0, -1))
-        when = "backward" if reshard_after_forward else "forward"
-        run(order, when, lambda u: s.compute(blocks[u] * per_param_b * (u > 0) + (u == 0) * blocks[0] * per_param_b / 2),
-            lambda u: u and cls.schedule_reduction(s, ("rs", u), blocks[u]))
-        s.compute(blocks[0] * per_param_b / 2)  # the embeddings' backward, last
-        cls.schedule_reduction(s, ("rs", 0), blocks[0])
-        s.wait_all()
-        s.optimizer_step()
-
     shard_span = "world"  # the ranks the scaling model gathers and reduce-scatters among (HSDP: a node's)
 
     @classmethod
@@ -355,13 +275,5 @@ class ZeRO3(ZeRO):
         """A unit's gradients, averaged in the scaling model: one reduce-scatter."""
         s.launch(key, "reduce_scatter", numel, s.plan.grad_bytes)
 
-    @classmethod
-    def reduction(cls, model, optimizer, world_size, units=None, replicate=None, **options) -> Reduction:
-        whole = replicated_parameters(model, replicate)
-        groups = [g["params"] for g in optimizer.param_groups]
-        plan = plan_unit_groups(model, resolve_units(model, units), [[p for p in g if id(p) not in whole] for g in groups])
-        names = {id(p): n for n, p in model.named_parameters()}
-        replicated = [[names[id(p)] for p in params] for _, params in plan_groups([[p for p in g if id(p) in whole]
-                                                                                  for g in groups])]
-        return Reduction([[n for n, _ in named] for _, _, named in plan] + replicated, padded=True,
-                         whole=frozenset(range(len(plan), len(plan) + len(replicated))))
+    schedule = classmethod(zero3_facts.schedule)
+    reduction = classmethod(zero3_facts.reduction)

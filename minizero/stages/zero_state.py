@@ -3,17 +3,21 @@
 Methods of the ZeRO family (``self`` is the stage: its flat ``groups`` and their ``pieces``, its sharded
 ``optimizer``, ``master`` under mixed precision), written here so that :mod:`minizero.stages.zero` reads as what
 a ZeRO step runs -- as :mod:`minizero.stages.state` holds the single-device stage's.  None of it runs in a
-training step: a state dict, a checkpoint's parts, the memory a stage holds, a full gradient for inspection.
+training step: a state dict, a checkpoint's parts, the memory a stage holds, a full gradient for inspection, the
+pieces as ``stage.parameters()`` for an optimizer built after wrapping.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..comm import ReduceOp
 from ..parts.offload import HOST_KIND
 from ..parts.part import Part, flat_range
 from . import state as state_module
 from .state import optimizer_tensors
+
+INSPECTION = "state_dict"  # why a ZeRO-3 unit is gathered outside training: exactly, whatever the training gathers send
 
 
 def master_values(self) -> dict[int, torch.Tensor]:
@@ -126,3 +130,43 @@ def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
 
 def load_full_optimizer_state_dict(self, saved: dict) -> None:
     self._require_optimizer("load_full_optimizer_state_dict").load_full_state_dict(saved)
+
+
+def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+    """This rank's piece of every parameter, under the parameter's name (FSDP's ``use_orig_params``) --
+    under mixed precision, the piece's fp32 master (FSDP2's sharded fp32 parameter).  A parameter this rank
+    owns none of is an empty tensor, as a DTensor's local shard is: an optimizer built over the pieces is
+    never empty, however small the model and many the ranks."""
+    outside = self.masters_outside
+    owned = {id(piece.segment): piece for piece in self.pieces()}
+    for group in self.groups:
+        for segment in group.segments:
+            piece = owned.get(id(segment))
+            if piece is None:
+                yield prefix + segment.name, self._nothing.setdefault(segment.name, nn.Parameter(
+                    group.shard.new_empty(0, dtype=group.optimizer_dtype)))
+            else:
+                yield prefix + segment.name, self.master.master_of(piece.param) if outside else piece.param
+
+
+def held_tensors_gathered(self) -> dict[str, list[torch.Tensor]]:
+    """ZeRO-3's: the parameters held are the owned shards, and the full buffers of units gathered right now."""
+    held = held_tensors(self)
+    held["params"] = [g.shard for g in self.groups] + [g.data for g in self.groups if g.gathered]
+    return held
+
+
+def full_state_dict_of_units(self) -> dict:
+    """ZeRO-3's: the unwrapped model's state_dict, each unit gathered in turn (every rank gets it; save it on rank 0).
+    Loads into the plain model with ``load_state_dict``."""
+    observers, self._observers = self._observers, []  # an inspection, not a training step's working set
+    try:
+        for unit in self.units:
+            unit.unshard(INSPECTION)
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        for unit in self.units:
+            unit.reshard()
+    finally:
+        self._observers = observers
+    return self._with_masters(state, self._master_values() if self.master else {})
+

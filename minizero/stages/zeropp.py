@@ -29,7 +29,8 @@ from ..parts.secondary import SecondaryShards
 from ..parts.units import Unit
 from . import facts
 from .options import Option, weights_spec
-from .zero3 import INSPECTION, ZeRO3
+from .zero3 import ZeRO3
+from .zero_state import INSPECTION
 
 
 class ZeROPlusPlus(ZeRO3):

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from minizero.parts.sharded_optimizer import sharded_grad_norm
+from minizero.stages.clip import sharded_grad_norm
 
 
 def sharded_clip_uncapped(grads, max_norm, norm_type, comm, dtype, device, tag=None, replicas=()):

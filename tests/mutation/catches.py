@@ -70,7 +70,7 @@ def tied_weight_owner_catch(pools) -> None:
     after that unit's forward and the other unit's use fails on an empty tensor -- a crash, so the catch is
     this assertion on who owns it."""
     from minizero.course.harness.models import TinyGPT
-    from minizero.parts import units
+    from minizero.parts import unit_plan as units
     from tests.test_zero3 import GPT_UNITS
 
     gpt = TinyGPT()

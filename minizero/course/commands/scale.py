@@ -12,7 +12,7 @@ import torch
 from ...comm.network import Network, TwoLevel, parse_network
 from ...costs.cost_model import MAX_COLLECTIVES, RING_STEPS, StepPlan, predict
 from ...parts.precision import Precision
-from ...parts.units import resolve_units
+from ...parts.unit_plan import resolve_units
 from ...run.launch import RankPool
 from ...stages import STAGES, distributed
 from ..harness.experiment import Experiment, precision_of, wire_bytes

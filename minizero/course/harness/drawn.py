@@ -28,6 +28,19 @@ def _one_of(values):
     return st.just(values[0]) if len(values) == 1 else st.sampled_from(values)
 
 
+#: What each task's model offers the draws: the submodules ZeRO-3 may keep whole (``replicate``: nothing, or a module
+#: of it; the edge model's mid and tied share a weight: both, or neither), and whether a parameter never gets a
+#: gradient (the edge model's ``unused``: then ``find_unused_parameters`` is drawn on).
+REPLICABLE = {"mlp": (None, ("layers.0",)), "gpt": (None, ("ln_f",), ("blocks.0.ln1", "ln_f")),
+              "edge": (None, ("mid", "tied"), ("out",))}
+UNUSED_PARAMETERS = {"edge"}
+
+
+def drawing_for(world_size: int, task: str) -> Drawing:
+    """What a stage's option draws may depend on, for ``task``'s model at ``world_size``."""
+    return Drawing(world_size, REPLICABLE.get(task, ()), task in UNUSED_PARAMETERS)
+
+
 @st.composite
 def stage_options(draw, stage: str, task: str, compress: bool = False, stages: dict | None = None,
                   precision: bool = False, world_size: int = 1) -> dict:
@@ -36,7 +49,7 @@ def stage_options(draw, stage: str, task: str, compress: bool = False, stages: d
     ``find_unused_parameters`` on the edge model whose ``unused`` never gets a gradient, ...), so a stage with
     a new option has it drawn with no line here; an empty draw leaves the option at its default.  Then the
     suite's modes, which no declaration draws on its own: mixed precision and the compressed wire."""
-    options, drawing = {}, Drawing(world_size, task)
+    options, drawing = {}, drawing_for(world_size, task)
     for option in getattr(stage_class(stage, stages), "options", ()):  # torch's oracles declare none
         values = option.draw(drawing) if option.draw is not None else ()
         if len(values):

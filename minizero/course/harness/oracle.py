@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ...compress import PowerSGD, parse
 from ...parts.precision import Precision
 from ...parts.rebuilt import rebuild
-from ...parts.units import resolve_units
+from ...parts.unit_plan import resolve_units
 
 
 class TorchStage:

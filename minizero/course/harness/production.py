@@ -179,7 +179,7 @@ ROWS: tuple[Row, ...] = (
     Row("DDP bucket rebuild",
         "unless find_unused_parameters=True and static_graph=False, or bucket_cap_mb_list sets each bucket's cap, "
         "the first iteration has one bucket of everything; then buckets are rebuilt in the order gradients "
-        "became ready", "none: buckets stay in reverse registration order (minizero.parts.buckets.assign_buckets)",
+        "became ready", "none: buckets stay in reverse registration order (minizero.stages.ddp_bucketed.assign_buckets)",
         (Torch("torch._C._distributed_c10d.Reducer._rebuild_buckets"),
          Torch("torch.nn.parallel.distributed._BucketCapacityConfig.compute_bucket_size_limits", "static_graph"),
          Torch(_DDP, "bucket_cap_mb_list", None))),

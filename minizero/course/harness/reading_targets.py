@@ -17,10 +17,12 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from ...stages import ZeRO2, ZeRO3
+
 LIBRARY = Path(__file__).resolve().parents[2]  # minizero/
 MAX_FILE_LINES = 300
 MIN_RUN = 6
-STEP_LINES = {"zero2": 1300, "zero3": 1600}
+STEP_LINES = {ZeRO2.name: 1300, ZeRO3.name: 1600}
 #: Read once for every stage, so not counted against one stage's step (the old hand-typed table left them out too).
 READ_ONCE = ("comm/", "run/train.py")
 

@@ -105,7 +105,7 @@ def stepped_params(stage: str, psi: float, world_size: int) -> float:
 
 def step_gradient_bytes(stage: str, psi: float, world_size: int, precision: str, offloaded: bool = False) -> float:
     """Mixed precision's temporary fp32 gradients at the step: each gradient the optimizer steps, widened to fp32
-    beside its master (:class:`~minizero.parts.precision.MasterWeights`) -- the owned shard's under ZeRO, every
+    beside its master (:class:`~minizero.parts.masters.MasterWeights`) -- the owned shard's under ZeRO, every
     parameter's otherwise -- and freed after the step.  Offloaded, they are made on the host."""
     if not Precision.of(precision).mixed or offloaded:
         return 0.0

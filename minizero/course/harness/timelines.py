@@ -6,7 +6,7 @@ reads hidden fractions, overlaps and waits from them, or plots them."""
 from __future__ import annotations
 
 from ...observe.timeline import StepTimeline, Timeline, minus, union
-from ...parts.units import resolve_units
+from ...parts.unit_plan import resolve_units
 from ...run.launch import Rank
 from ...run.train import shard_step, train_step
 from .equivalence import DTYPES

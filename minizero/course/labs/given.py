@@ -16,7 +16,7 @@ import types
 from ...comm import RingComm
 from ...comm.hierarchical import HierarchicalComm
 from ...compress import Wire as PackageWire
-from ...parts.precision import MasterWeights as PackageMasterWeights
+from ...parts.masters import MasterWeights as PackageMasterWeights
 from ...parts.units import Unit as PackageUnit
 from ...stages import DDP as PackageDDP
 from ...stages import BucketedDDP as PackageBucketedDDP

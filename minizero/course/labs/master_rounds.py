@@ -6,7 +6,7 @@ next forward); here two steps of the class alone say which rank did what.  Each
 rank holds a few 16-bit working tensors and their fp32 masters -- its shard --
 with 16-bit gradients already multiplied by the loss scale, as backward leaves
 them; one element of one rank's gradient may be inf or NaN.  The package's
-:class:`~minizero.parts.precision.MasterWeights` is run beside it with no
+:class:`~minizero.parts.masters.MasterWeights` is run beside it with no
 communication, told the true verdict (an overflow on *any* rank), so what the
 learner's class should give is known on every rank without trusting its
 collective.  Everything is compared exactly: an unscale by a power of two in
@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ...comm import make_comm
-from ...parts.precision import MasterWeights, Precision
+from ...parts.masters import MasterWeights
+from ...parts.precision import Precision
 from .loading import Impl
 from .ranks import Raised
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ...parts.precision import MasterWeights
+from ...parts.masters import MasterWeights
 from ...stages import ZeRO2, registry
 from .mistakes import LAB_MISTAKES
 

@@ -11,7 +11,7 @@ before its backward, and ``post_backward(group)`` once one of its groups' gradie
 reduce-scatter; it may start a unit's all-gather ahead of use (a prefetch).  Any part of minizero is yours to use.
 
 The state the contract speaks of:
-  * ``self.groups`` (``minizero.parts.layout.ShardedFlatGroup``), the unit's flat groups: only the owned ``shard``
+  * ``self.groups`` (``minizero.parts.unit_groups.ShardedFlatGroup``), the unit's flat groups: only the owned ``shard``
     persists; the group is ``gathered`` while its parameters view a full flat buffer (every rank's shard end to
     end; ``use(full)`` points them into one), and between uses they are empty placeholders -- a forward through
     an ungathered unit fails loudly;
