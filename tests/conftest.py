@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from minizero.run.launch import RankPools
+from minizero.run.pools import RankPools
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -156,7 +156,8 @@ def test_native_waits_where_the_ring_chain_would(pool3):
 
 # ------------------------------------------------------------------ a cluster: two wires, and the node's shared link
 def _send_across_at(links_path: str, rank: int, start: float, queue) -> None:
-    from minizero.comm.network import NodeLinks, Port, parse_network
+    from minizero.comm.network import parse_network
+    from minizero.comm.port import NodeLinks, Port
     cluster = parse_network("nodes=2x2,intra=0s/1GB/s,inter=0s/1MB/s")
     port = Port(cluster, rank=rank, links=NodeLinks(links_path, 2))
     while time.perf_counter() < start:

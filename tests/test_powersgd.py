@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minizero.compress import parse
-from minizero.compress.powersgd import PowerSGD, PowerState, lay_out, orthogonalize, power_step
+from minizero.compress.powersgd import PowerSGD, PowerState, orthogonalize, power_step
+from minizero.compress.powersgd_layout import lay_out
 from minizero.course.harness.casts_reference import powersgd_average, ring_sum
 from minizero.course.harness.experiment import Experiment
 from tests.equivalence import covering_every_world_size, examples, experiments, run_and_check

@@ -11,8 +11,8 @@ optimizer state_dicts gathered (``full_state_dict``), one file a plain PyTorch u
 Loading either kind assembles the whole state_dicts a single device would hold and hands them to
 :meth:`Stage.load_full_state_dict` and ``load_full_optimizer_state_dict``: each stage keeps what it holds.
 That is the whole of resharding -- ZeRO-3 on 4 ranks to ``ddp`` on 3 is the same call as resuming in place
--- at the cost of every rank reading the whole state once (DCP reads only what a rank owns; see the
-README for why minizero writes its own format).  The manifest carries what a resumed run must continue
+-- at the cost of every rank reading the whole state once (DCP reads only what a rank owns; see
+docs/training-runs.md for why minizero writes its own format).  The manifest carries what a resumed run must continue
 from exactly: the step, the precision and loss-scaler state, each rank's RNG, the data position.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..comm import Tag
+from .checks import check_fits, check_optimizer, settings_followed, unverified
 from .directory import LATEST, clean, point_latest, publish, staging_dir, step_dir
 from .directory import find as find_with_notes
 from .files import CONSOLIDATED, CheckpointError, load_file, rank_file, read_manifest, save_tensors, write_manifest
@@ -153,9 +154,9 @@ def load(stage, path: str | Path) -> dict:
     _require_optimizer(stage)
     directory, notes = find_with_notes(path)
     manifest = read_manifest(directory)
-    notes += _unverified(manifest)
-    _check_fits(manifest, directory, stage.full_state_shapes(), stage.precision.name)
-    _check_optimizer(manifest, directory, _optimizer_class(stage))
+    notes += unverified(manifest)
+    check_fits(manifest, directory, stage.full_state_shapes(), stage.precision.name)
+    check_optimizer(manifest, directory, _optimizer_class(stage))
     payloads = [load_file(directory / name) for name in manifest["files"]]  # each verified by its SHA-256...
     for (name, (_, sha256)), payload in zip(manifest["files"].items(), payloads, strict=True):
         if sha256 is None and payload.get("save_id") != manifest["save_id"]:  # ...except format 1's: its save id
@@ -167,7 +168,7 @@ def load(stage, path: str | Path) -> dict:
     else:
         model, optimizer = assemble(stage, manifest, payloads, directory)
     in_this_order = indexed(optimizer, optimizer_names(stage), directory)
-    notes += _settings_followed(stage, optimizer)
+    notes += settings_followed(stage, optimizer)
     stage.load_full_state_dict(model)
     stage.load_full_optimizer_state_dict(in_this_order)
     if manifest["loss_scaler"] and stage.master and stage.master.scaler:
@@ -198,53 +199,10 @@ def inspect(path: str | Path, shapes: dict | None = None, precision: str | None 
     directory, notes = find_with_notes(path)
     manifest = read_manifest(directory)
     if shapes is not None:
-        _check_fits(manifest, directory, shapes, precision or manifest["precision"])
+        check_fits(manifest, directory, shapes, precision or manifest["precision"])
     if optimizer is not None:
-        _check_optimizer(manifest, directory, optimizer)
-    return {**manifest, "directory": str(directory), "notes": notes + _unverified(manifest)}
-
-
-def _unverified(manifest: dict) -> list[str]:
-    return [manifest["unverified"]] if "unverified" in manifest else []
-
-
-def _check_optimizer(manifest: dict, directory: Path, mine: type) -> None:
-    """Another optimizer class would load state it does not understand: AdamW's moments into SGD ran on with
-    the checkpoint's lr and no momentum, silently, under ZeRO, and failed with KeyError under ddp."""
-    theirs = manifest["optimizer"].get("class")
-    if theirs is not None and theirs != mine.__name__:  # (format version 1 did not record it)
-        raise CheckpointError(f"{directory}: saved with optimizer {theirs}, this run's is {mine.__name__}; build "
-                              f"the optimizer the saved run used ({theirs}), or take only the model, from a "
-                              f"consolidated checkpoint's 'model'")
-
-
-def _settings_followed(stage, saved: dict) -> list[str]:
-    """What the checkpoint's hyper-parameters replace in this run's optimizer, as torch's
-    ``Optimizer.load_state_dict`` does (a scheduler's learning rate is state): followed, and said."""
-    notes = []
-    for i, (group, theirs) in enumerate(zip(stage.optimizer.param_groups, saved["param_groups"], strict=True)):
-        for key, value in theirs.items():
-            if key != "params" and key in group and group[key] != value:
-                notes.append(f"optimizer group {i}: {key} {value!r} from the checkpoint replaces this run's "
-                             f"{group[key]!r} (as torch's load_state_dict does)")
-    return notes
-
-
-def _check_fits(manifest: dict, directory: Path, mine: dict, precision: str) -> None:
-    if manifest["precision"] != precision:
-        raise CheckpointError(f"{directory}: saved with precision {manifest['precision']}, this run uses "
-                              f"{precision}; resume with --precision {manifest['precision']} (a run "
-                              f"cannot change precision while resuming)")
-    for name in [*mine, *(n for n in manifest["state"] if n not in mine)]:
-        theirs, ours = manifest["state"].get(name), mine.get(name)
-        if theirs is None or ours is None or tuple(theirs[0]) != tuple(ours[0]) or theirs[1] != ours[1]:
-            raise CheckpointError(
-                f"{directory}: a checkpoint of another model: '{name}' is {_describe(theirs)} in the checkpoint "
-                f"and {_describe(ours)} in this model; resume with the --model it was saved with")
-
-
-def _describe(entry) -> str:
-    return "absent" if entry is None else f"{entry[1].replace('torch.', '')} {list(entry[0])}"
+        check_optimizer(manifest, directory, optimizer)
+    return {**manifest, "directory": str(directory), "notes": notes + unverified(manifest)}
 
 
 # ---------------------------------------------------------------------- small things

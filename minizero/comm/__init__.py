@@ -1,13 +1,15 @@
 """Communication: collectives from send/recv (``ring``) or torch's (``native``)."""
 import torch.distributed as dist
 
-from .base import Comm, ReduceOp, chunk_bounds
+from .base import Comm
+from .collective import ReduceOp, chunk_bounds
 from .fingerprint import KINDS, CollectiveMismatch, Tag
 from .hierarchical import HierarchicalComm
 from .ledger import Ledger
 from .native import NativeComm, ring_bytes_sent, ring_messages
-from .network import PRESETS, Network, Port, TwoLevel, parse_network
+from .network import PRESETS, Network, TwoLevel, parse_network
 from .nodes import INTER, INTRA, LINKS, Nodes, parse_nodes
+from .port import Port
 from .ring import RingComm
 from .thread import Work
 

@@ -24,9 +24,6 @@ What every collective goes through lives here, once, so the algorithms stay clea
 """
 from __future__ import annotations
 
-import enum
-import functools
-import inspect
 import threading
 import time
 import weakref
@@ -36,117 +33,13 @@ import torch
 import torch.distributed as dist
 
 from . import progress
-from .fingerprint import DTYPES, Call, CollectiveMismatch, Tag, exchange
-from .network import Network, Port, TwoLevel
+from .collective import SUPPORTED_DTYPES, ReduceOp, _tensors
+from .fingerprint import Call, CollectiveMismatch, Tag, exchange
+from .network import Network, TwoLevel
 from .nodes import Nodes
+from .port import Port
 from .thread import CommThread, Work
 from .views import Views
-
-
-class ReduceOp(enum.Enum):
-    SUM = "sum"
-    AVG = "avg"  # SUM, then divide by the world size
-    MAX = "max"  # e.g. the inf-norm of a sharded gradient
-
-    def combine(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """How two partial results meet on the way round the ring."""
-        return torch.maximum(a, b, out=out) if self is ReduceOp.MAX else torch.add(a, b, out=out)
-
-
-SUPPORTED_DTYPES = DTYPES  # see fingerprint.DTYPES
-
-
-def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
-    """Split ``numel`` elements into ``world_size`` contiguous chunks.
-
-    The padding rule of the ring all-reduce: **there is none**.  Chunks follow
-    ``torch.tensor_split``: the first ``numel % world_size`` chunks hold one
-    element more, so with fewer elements than ranks some chunks are empty and
-    those ring steps send nothing.  Reduce-scatter and all-gather, whose output
-    is a per-rank shard, instead require equal shards -- the caller pads (see
-    the flat layout), exactly like ``torch.distributed.reduce_scatter_tensor``.
-    """
-    base, extra = divmod(numel, world_size)
-    bounds, start = [], 0
-    for r in range(world_size):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
-def collective(kind: str):
-    """Mark a ``Comm`` method as a collective of ``kind``.
-
-    Adds ``async_op=`` (returns a :class:`Work`) and ``tag=`` (a :class:`Tag`:
-    what the collective is for), and runs it through :meth:`Comm._run`:
-    fingerprint check, progress board, bytes booked under ``kind``.  A
-    collective built from others (all-reduce = reduce-scatter + all-gather) is
-    checked and booked once, as the outermost kind.
-
-    An average (``op=ReduceOp.AVG``) also takes ``wire=``: a compressed wire
-    (:mod:`minizero.compress`) that encodes the tensor before the collective --
-    what travels, and is summed, is the encoding -- and decodes the sum into
-    the tensor after it; ``key`` names the buffer, whose rounding error the
-    wire may carry to the next step, and ``layout`` lists the tensors a flat
-    buffer holds (``(name, shape)``, in order) for a wire that compresses each
-    matrix on its own (PowerSGD).  Without a wire the tensor travels as it is.
-    """
-
-    def decorate(method):
-        signature = inspect.signature(method)
-
-        @functools.wraps(method)
-        def wrapper(self: "Comm", *args, async_op: bool = False, tag: Tag | None = None, wire=None, key=None,
-                    layout=None, **kwargs):
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            if wire is not None:
-                if async_op:
-                    raise ValueError(f"rank {self.rank}: a {kind} over a wire runs where it is called; submit the "
-                                     f"call (comm.submit) to overlap it")
-                return _over_wire(self, wrapper, kind, bound.arguments, wire, key, tag, layout)
-            if async_op or self._root._thread is not None and not self._on_comm_thread():
-                work = self._background().submit(self._run, kind, method, bound.arguments, tag)
-                if async_op:
-                    return work
-                work.wait()
-                return None
-            return self._run(kind, method, bound.arguments, tag)
-
-        return wrapper
-
-    return decorate
-
-
-def _over_wire(comm: "Comm", run, kind: str, arguments: dict, wire, key, tag: Tag | None, layout) -> None:
-    """An average over a wire: encode, sum the encodings, decode the sum (the division by N is the wire's:
-    it splits it around the sum, :mod:`minizero.compress`)."""
-    arguments = {k: v for k, v in arguments.items() if k != "self"}
-    if arguments.get("op") is not ReduceOp.AVG:
-        raise ValueError(f"rank {comm.rank}: a {kind} over a wire averages: pass op=ReduceOp.AVG")
-    if getattr(wire, "runs_own_collectives", False):  # a codec's or PowerSGD's: not one sum of encodings
-        where = f"rank {comm.rank}: {kind} for {(tag or Tag()).describe()}"
-        if not all(t.is_contiguous() for t in _tensors(arguments)):  # (its own collectives see only its copies)
-            raise ValueError(f"{where}: the tensor must be contiguous (call .contiguous() first)")
-        if "output" in arguments:
-            comm._check_shards(arguments["output"], arguments["input"], kind, where, arguments)
-        return wire.reduce(kind, arguments, key, tag, layout)
-    where = (tag or Tag()).describe()
-    if "tensor" in arguments:  # all-reduce: in place
-        encoded = wire.encode(arguments["tensor"], key)
-        run(comm, **{**arguments, "tensor": encoded, "op": ReduceOp.SUM}, tag=tag)
-        wire.decode(encoded, arguments["tensor"], key, where)
-    else:  # reduce-scatter (or a push): this rank's shard of the mean
-        encoded = wire.encode(arguments["input"], key)
-        shard = encoded.new_empty(arguments["output"].numel())
-        run(comm, **{**arguments, "output": shard, "input": encoded, "op": ReduceOp.SUM}, tag=tag)
-        wire.decode(shard, arguments["output"], key, where)
-
-
-def _tensors(arguments: dict) -> list[torch.Tensor]:
-    """The tensors of one collective call, by the names every collective uses."""
-    return [arguments[k] for k in ("tensor", "input", "output") if k in arguments]
 
 
 class Comm(Views):
@@ -273,9 +166,14 @@ class Comm(Views):
         if op is not None and not (tensors[0].is_floating_point() or op is not ReduceOp.AVG and tensors[0].dtype != torch.bool):
             raise TypeError(f"{where}: {op.name} of {tensors[0].dtype} is not defined; reduce a floating-point tensor")
         if "output" in arguments:
-            self._check_shards(arguments["output"], arguments["input"], kind, where, arguments)
+            self.shape_checks.get(kind, Comm._check_shards)(self, arguments["output"], arguments["input"], kind, where,
+                                                           arguments)
         return Call(self._calls, kind, max(t.numel() for t in tensors), tensors[0].dtype,
                     op.value if op is not None else f"from rank {arguments['src']}" if "src" in arguments else "", tag)
+
+    #: A collective whose shapes are not a full tensor and its 1/N shard says how to check them, by kind (the
+    #: parameter server's push and pull: S shards; the all-to-all: N chunks each way).
+    shape_checks: dict[str, Callable] = {}
 
     def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str, arguments: dict) -> None:
         full, shard = (input, output) if kind == "reduce_scatter" else (output, input)
@@ -286,6 +184,15 @@ class Comm(Views):
                 f"{where}: the full tensor must hold world_size x shard elements, got {full.numel()} and "
                 f"{shard.numel()} with world_size {self.world_size}; pad the full tensor to a multiple of "
                 f"world_size (see minizero.parts.layout)")
+
+    def check_copied(self, kind: str, arguments: dict, tag: Tag | None) -> None:
+        """The caller's tensors of an average whose wire runs its own collectives on copies (a codec's, PowerSGD's),
+        checked as the plain collective would check them."""
+        where = f"rank {self.rank}: {kind} for {(tag or Tag()).describe()}"
+        if not all(t.is_contiguous() for t in _tensors(arguments)):
+            raise ValueError(f"{where}: the tensor must be contiguous (call .contiguous() first)")
+        if "output" in arguments:
+            self._check_shards(arguments["output"], arguments["input"], kind, where, arguments)
 
     # ---------------------------------------------------------- async thread
     def _background(self) -> CommThread:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import ReduceOp, chunk_bounds
+from .collective import ReduceOp, chunk_bounds
 from .ring import RingComm
 
 

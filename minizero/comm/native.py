@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Comm, ReduceOp, chunk_bounds, collective
+from .base import Comm
+from .collective import ReduceOp, chunk_bounds, collective
 from .placement import on_device
 from .progress import ANYONE
 from .ring import broadcast_message

@@ -34,38 +34,41 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import ReduceOp, collective
+from .collective import ReduceOp, collective
 from .placement import on_device
 from .progress import ANYONE
+
+
+def _all_to_all_shapes(comm, output: torch.Tensor, input: torch.Tensor, kind: str, where: str, arguments: dict) -> None:
+    """An all-to-all's shapes: one dtype and one size each way, N equal chunks."""
+    if output.dtype != input.dtype or output.numel() != input.numel() or input.numel() % comm.world_size:
+        raise ValueError(f"{where}: input and output must be one dtype and one size, a multiple of world_size "
+                         f"{comm.world_size} (N equal chunks); got {input.dtype} x {input.numel()} and "
+                         f"{output.dtype} x {output.numel()}")
+
+
+def _star_shapes(comm, output: torch.Tensor, input: torch.Tensor, kind: str, where: str, arguments: dict) -> None:
+    """A push's or pull's shapes: ``S`` shards, and a worker (rank >= S) owns none."""
+    servers = arguments["servers"]
+    full, shard = (input, output) if kind == "push" else (output, input)
+    if output.dtype != input.dtype:
+        raise TypeError(f"{where}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+    if not (isinstance(servers, int) and 1 <= servers <= comm.world_size):
+        raise ValueError(f"{where}: servers must be a whole number from 1 to world_size "
+                         f"{comm.world_size}, got {servers!r}")
+    shard_size = full.numel() // servers if comm.rank < servers else 0
+    if full.numel() % servers or shard.numel() != shard_size:
+        raise ValueError(
+            f"{where}: the full tensor must hold servers x shard elements ({servers} servers; a worker's "
+            f"shard is empty), got {full.numel()} and {shard.numel()}; pad it to a multiple of servers "
+            f"(see minizero.parts.layout)")
 
 
 class StarExchanges:
     """Push, pull and all-to-all, for every :class:`~minizero.comm.base.Comm` (both backends: direct messages
     are point-to-point by definition, so ``native`` runs the same messages as ``ring``)."""
 
-    def _check_shards(self, output: torch.Tensor, input: torch.Tensor, kind: str, where: str, arguments: dict) -> None:
-        """A push's or pull's shapes: ``S`` shards, and a worker (rank >= S) owns none."""
-        if kind == "all_to_all":
-            if output.dtype != input.dtype or output.numel() != input.numel() or input.numel() % self.world_size:
-                raise ValueError(f"{where}: input and output must be one dtype and one size, a multiple of world_size "
-                                 f"{self.world_size} (N equal chunks); got {input.dtype} x {input.numel()} and "
-                                 f"{output.dtype} x {output.numel()}")
-            return None
-        if kind not in ("push", "pull"):
-            return super()._check_shards(output, input, kind, where, arguments)
-        servers = arguments["servers"]
-        full, shard = (input, output) if kind == "push" else (output, input)
-        if output.dtype != input.dtype:
-            raise TypeError(f"{where}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        if not (isinstance(servers, int) and 1 <= servers <= self.world_size):
-            raise ValueError(f"{where}: servers must be a whole number from 1 to world_size "
-                             f"{self.world_size}, got {servers!r}")
-        shard_size = full.numel() // servers if self.rank < servers else 0
-        if full.numel() % servers or shard.numel() != shard_size:
-            raise ValueError(
-                f"{where}: the full tensor must hold servers x shard elements ({servers} servers; a worker's "
-                f"shard is empty), got {full.numel()} and {shard.numel()}; pad it to a multiple of servers "
-                f"(see minizero.parts.layout)")
+    shape_checks = {"push": _star_shapes, "pull": _star_shapes, "all_to_all": _all_to_all_shapes}
 
     @collective("push")
     @on_device(point_to_point=True)

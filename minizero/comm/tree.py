@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from .base import ReduceOp, collective
+from .collective import ReduceOp, collective
 from .placement import on_device
 from .ring import RingComm
 

@@ -18,8 +18,9 @@ import weakref
 
 import torch.distributed as dist
 
-from .network import NodeLinks, TwoLevel
+from .network import TwoLevel
 from .nodes import Nodes, assumed_nodes
+from .port import NodeLinks
 
 
 class Views:

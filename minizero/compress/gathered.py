@@ -42,7 +42,6 @@ def mean_in_rank_order(decoded: list[torch.Tensor]) -> torch.Tensor:
 
 class GatheredWire(KeepsResiduals):
     """A codec's wire, with optional error feedback; a stage passes it as ``wire=`` to its all-reduce."""
-    runs_own_collectives = True
 
     def __init__(self, comm: Comm, codec: Codec, error_feedback: bool = False):
         self.comm, self.codec, self.error_feedback = comm, codec, error_feedback
@@ -54,13 +53,14 @@ class GatheredWire(KeepsResiduals):
         """What travels, as a checkpoint records it (a resumed run must use the same codec)."""
         return self.codec.spec()
 
-    def reduce(self, kind: str, arguments: dict, key, tag, layout=None) -> None:
+    def average(self, comm, collective, kind: str, arguments: dict, key, tag, layout=None) -> None:
         """An all-reduce: every rank's whole message to every rank (all-gather).  A reduce-scatter (ZeRO's):
         each rank's buffer cut into its N shards, each shard encoded on its own and sent to its owner
         (all-to-all, ZeRO++'s qgZ), so a rank decodes N messages of its shard only."""
         if kind not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"rank {self.comm.rank}: compress={self.codec.spec()!r} averages with an all-gather or "
                              f"an all-to-all; a {kind} is neither")
+        comm.check_copied(kind, arguments, tag)  # its own collectives see only its copies
         n, rank = self.comm.world_size, self.comm.rank
         scatter = kind == "reduce_scatter"
         source, target = (arguments["input"], arguments["output"]) if scatter else (arguments["tensor"],) * 2

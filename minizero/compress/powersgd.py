@@ -1,10 +1,10 @@
 """PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019): each gradient matrix sent as a rank-r product.
 
 A gradient matrix M (n x m; a convolution's or any tensor's trailing dimensions flattened, as torch does) is
-approximated by P Q^T with P n x r and Q m x r: (n + m) r numbers instead of n m.  Unlike int8 codes or
-top-k lists, **P and Q add up** -- the mean of the ranks' M_w Q is (mean M) Q -- so PowerSGD rides on two
-ordinary all-reduces, and its bytes do not grow with N.  One step on rank w, for one buffer (the paper's
-Algorithm 1 and 2, and torch's ``powerSGD_hook``, which this follows operation for operation):
+approximated by P Q^T with P n x r and Q m x r: (n + m) r numbers instead of n m.  Unlike int8 codes or top-k lists,
+**P and Q add up** -- the mean of the ranks' M_w Q is (mean M) Q -- so PowerSGD rides on two ordinary all-reduces,
+and its bytes do not grow with N.  One step on rank w, for one buffer (the paper's Algorithms 1 and 2, and torch's
+``powerSGD_hook``):
 
 1. ``carried = g_w + e_w`` (error feedback: what earlier steps did not deliver);
 2. the buffer is cut into its tensors; a tensor is compressed only if ``(n + m) r * min_rate < n m`` (vectors,
@@ -16,15 +16,14 @@ Algorithm 1 and 2, and torch's ``powerSGD_hook``, which this follows operation f
    rank's own (the paper's choice and torch's): averaged over ranks the residuals are exactly what the mean
    missed, so ``sum(applied) + mean(e) = sum(mean g)`` over any number of steps.
 
-Q starts random (the same numbers on every rank: a seed drawn from one generator per wire, in the order the
-buffers are reduced) and, with ``warm_start``, each step starts from the last step's Q: one power iteration
-per step, continued across steps, which is why rank 1 or 2 is enough (the paper's Section 3).  The first
-``start`` steps are averaged uncompressed (torch: ``start_powerSGD_iter``, default 1000 there; 0 here, so a
-short run is compressed from its first step).
+Q starts random (the same numbers on every rank: a seed drawn from one generator per wire, in the order the buffers
+are reduced) and, with ``warm_start``, each step starts from the last step's Q: one power iteration per step,
+continued across steps, which is why rank 1 or 2 is enough (the paper's Section 3).  The first ``start`` steps are
+averaged uncompressed (torch: ``start_powerSGD_iter``, 1000 there; 0 here, so a short run is compressed at once).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,6 +32,7 @@ from ..comm import Comm, ReduceOp
 from ..costs.formulas import all_reduce_bytes
 from .codec import parse_arguments
 from .kept import KeepsResiduals
+from .powersgd_layout import Layout, lay_out, matrix, p_of, q_of
 
 
 @dataclass(frozen=True)
@@ -60,66 +60,6 @@ class PowerSGD:
     def spec(self) -> str:
         return (f"powersgd:rank={self.rank},start={self.start},min_rate={self.min_rate:g},"
                 f"warm_start={int(self.warm_start)},epsilon={self.epsilon:g},seed={self.seed}")
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """One compressed tensor of a buffer: where it lies, its matrix shape, and where its P and Q lie."""
-    name: str
-    offset: int
-    n: int
-    m: int
-    r: int
-    p_offset: int
-    q_offset: int
-
-
-@dataclass
-class Layout:
-    """A buffer cut into its tensors: the compressed matrices (grouped by shape, in first-seen order, as torch's
-    hook orders them -- so its random Q and ours are the same numbers) and the rest, sent as it is."""
-    matrices: list[Matrix] = field(default_factory=list)
-    rest: list[tuple[int, int]] = field(default_factory=list)  # (offset, numel) of each uncompressed tensor
-    p_size: int = 0
-    q_size: int = 0
-
-    def sent_bytes(self, world_size: int, element: int) -> float:
-        """The formula: three all-reduces per step -- the rest, P (n r per matrix), Q (m r per matrix) --
-        each 2(N-1)/N of its bytes per rank; so (n + m) r per matrix where plain DDP sends n m."""
-        rest = sum(numel for _, numel in self.rest)
-        return sum(all_reduce_bytes(k * element, world_size) for k in (rest, self.p_size, self.q_size))
-
-
-def lay_out(tensors: list[tuple[str, torch.Size]], settings: PowerSGD) -> Layout:
-    """Which tensors of a flat buffer (``name, shape`` in buffer order) are compressed, and where P and Q go."""
-    layout, by_shape, offset = Layout(), {}, 0
-    for name, shape in tensors:
-        numel = int(np.prod(shape)) if len(shape) else 1
-        n, m = (shape[0], numel // shape[0]) if len(shape) and numel else (numel, 1)
-        r = min(n, m, settings.rank)
-        if len(shape) and numel and (n + m) * r * settings.min_rate < n * m:
-            by_shape.setdefault((n, m), []).append((name, offset, n, m, r))
-        else:
-            layout.rest.append((offset, numel))
-        offset += numel
-    for group in by_shape.values():
-        for name, at, n, m, r in group:
-            layout.matrices.append(Matrix(name, at, n, m, r, layout.p_size, layout.q_size))
-            layout.p_size += n * r
-            layout.q_size += m * r
-    return layout
-
-
-def matrix(flat: torch.Tensor, mx: Matrix) -> torch.Tensor:
-    return flat[mx.offset:mx.offset + mx.n * mx.m].view(mx.n, mx.m)
-
-
-def p_of(p: torch.Tensor, mx: Matrix) -> torch.Tensor:
-    return p[mx.p_offset:mx.p_offset + mx.n * mx.r].view(mx.n, mx.r)
-
-
-def q_of(q: torch.Tensor, mx: Matrix) -> torch.Tensor:
-    return q[mx.q_offset:mx.q_offset + mx.m * mx.r].view(mx.m, mx.r)
 
 
 def orthogonalize(columns: torch.Tensor, epsilon: float, what: str) -> None:
@@ -237,7 +177,6 @@ class PowerState:
 
 class PowerSGDWire(KeepsResiduals):
     """PowerSGD as a stage's wire (``compress="powersgd:rank=2"``): it runs its own all-reduces."""
-    runs_own_collectives = True
 
     def __init__(self, comm: Comm, settings: PowerSGD, error_feedback: bool = False):
         self.comm, self.settings, self.error_feedback = comm, settings, error_feedback
@@ -273,11 +212,12 @@ class PowerSGDWire(KeepsResiduals):
         return power_step([carried], plan, q, lambda ts: self._sum(ts, tag), self.comm.world_size,
                           self.settings.epsilon, f"rank {self.comm.rank}")
 
-    def reduce(self, kind: str, arguments: dict, key, tag, layout) -> None:
+    def average(self, comm, collective, kind: str, arguments: dict, key, tag, layout) -> None:
         where = f"rank {self.comm.rank}"
         if kind != "all_reduce":
             raise ValueError(f"{where}: compress=powersgd adds P and Q with all-reduces; a {kind} would need each "
                              f"shard's own low-rank factors")
+        comm.check_copied(kind, arguments, tag)  # its own collectives see only its copies
         if layout is None:
             raise ValueError(f"{where}: compress=powersgd needs the tensors the buffer holds (layout=[(name, shape), "
                              f"...]) to cut it into matrices")

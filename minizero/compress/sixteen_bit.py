@@ -3,9 +3,9 @@
 Compression is a *wire format*, an option of every stage, written once here:
 a stage averages over it by passing it to the collective --
 ``comm.all_reduce(flat, ReduceOp.AVG, tag=..., wire=self.wire, key=index)``,
-the same for ``reduce_scatter`` -- and the communication layer runs the
-collective on :meth:`Wire.encode`'s output and hands the sum to
-:meth:`Wire.decode`.  The bytes on the wire halve (the ledger shows it) and the
+the same for ``reduce_scatter`` -- and the wire runs the collective on
+:meth:`Wire.encode`'s output and hands the sum to :meth:`Wire.decode`
+(:mod:`.summed`).  The bytes on the wire halve (the ledger shows it) and the
 result lands back in the gradient's own precision.
 
 Where to divide by N.  The sum of N fp16 gradients can overflow (fp16 tops
@@ -36,7 +36,7 @@ import math
 import torch
 
 from ..comm import Comm
-from .kept import KeepsResiduals
+from .summed import SummedWire
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -47,7 +47,7 @@ def split_division(world_size: int) -> tuple[int, float]:
     return pre, world_size / pre
 
 
-class Wire(KeepsResiduals):
+class Wire(SummedWire):
     """Averages flat gradient buffers over a wire of another dtype -- narrower (compression) or wider
     (fp32 reduction of 16-bit gradients) -- in place."""
 

@@ -107,6 +107,7 @@ class ZeRO2(ZeRO):
     # ------------------------------------------------------------------ facts
     @classmethod
     def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, **options) -> float:
+        """ZeRO-1's bytes: the buckets' reduce-scatters and all-gathers add up to one of each over Psi."""
         return reduce_scatter_bytes(psi * grad_bytes, world_size) + all_gather_bytes(psi * param_bytes, world_size)
 
     @classmethod

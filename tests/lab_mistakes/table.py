@@ -11,7 +11,7 @@ import sys
 import time
 
 from minizero.course.labs import check
-from minizero.run.launch import RankPools
+from minizero.run.pools import RankPools
 
 from . import CHECKERS_DEFAULT, SHRINK_S, expected, key_of, lab_of, planted
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from minizero.comm import ReduceOp, ring
 from minizero.comm import fingerprint as _fingerprint
-from minizero.comm.base import collective
+from minizero.comm.collective import collective
 from minizero.run import launch as _launch
 from tests.mutation import original_of
 

@@ -27,7 +27,8 @@ import torch
 
 from ...comm.network import Network
 from ...compress import Codec, PowerSGD, parse
-from ...compress.powersgd import PowerState, lay_out, power_step
+from ...compress.powersgd import PowerState, power_step
+from ...compress.powersgd_layout import lay_out
 
 SAMPLE = 1 << 20  # compute is timed on at most this many elements and scaled linearly to Psi
 

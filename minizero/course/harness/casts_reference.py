@@ -24,7 +24,8 @@ from ...comm import TwoLevel, chunk_bounds, parse_network
 from ...compress import Codec, check_compress, split_division
 from ...compress import parse as parse_compress
 from ...compress.gathered import mean_in_rank_order, split, stream
-from ...compress.powersgd import PowerSGD, PowerState, lay_out, power_step
+from ...compress.powersgd import PowerSGD, PowerState, power_step
+from ...compress.powersgd_layout import lay_out
 from ...compress.weights import parse_weights, round_like_the_gather
 from ...parts.flat import pack, unpack
 from ...parts.layout import padded_size

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 from hypothesis import HealthCheck, Phase, given, reporting, settings
 
 from ...parts.precision import Precision
-from ...run.launch import RankError, RankPools
+from ...run.launch import RankError
+from ...run.pools import RankPools
 from ..harness.equivalence import judge
 from ..harness.experiment import reference_of
 from .catalogue import LABS, Lab, check_lab_name

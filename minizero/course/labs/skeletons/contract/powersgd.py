@@ -11,7 +11,7 @@ and keeps the residual and the Q you return.  The stage is the package's ddp-buc
 wire from its ``wire_class``: keep that your ``PowerSGDWire``.
 
 The state the contract speaks of:
-  * ``plan`` (``minizero.compress.powersgd.Layout``): ``plan.rest``, the (offset, numel) of each tensor sent
+  * ``plan`` (``minizero.compress.powersgd_layout.Layout``): ``plan.rest``, the (offset, numel) of each tensor sent
     uncompressed; ``plan.matrices``, each compressed tensor as a ``Matrix`` -- its ``offset`` in the buffer, its
     shape ``n`` x ``m`` (row-major, as ``buffer[offset:offset + n*m].view(n, m)``), its rank ``r``, and where its
     P (n x r) and Q (m x r) lie in the flat P and Q buffers (``p_offset``, ``q_offset``; ``plan.p_size``,

@@ -1,0 +1,74 @@
+"""PowerSGD's view of a flat gradient buffer: which of its tensors are compressed as matrices, and where each one's P
+and Q lie in the two flat buffers that are all-reduced (:mod:`.powersgd`).
+
+A tensor is a matrix of its first dimension by the rest (as torch's hook flattens it); it is compressed only if
+``(n + m) r * min_rate < n m``.  Matrices are grouped by shape, in first-seen order, as torch's hook orders them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..costs.formulas import all_reduce_bytes
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One compressed tensor of a buffer: where it lies, its matrix shape, and where its P and Q lie."""
+    name: str
+    offset: int
+    n: int
+    m: int
+    r: int
+    p_offset: int
+    q_offset: int
+
+
+@dataclass
+class Layout:
+    """A buffer cut into its tensors: the compressed matrices (grouped by shape, in first-seen order, as torch's
+    hook orders them -- so its random Q and ours are the same numbers) and the rest, sent as it is."""
+    matrices: list[Matrix] = field(default_factory=list)
+    rest: list[tuple[int, int]] = field(default_factory=list)  # (offset, numel) of each uncompressed tensor
+    p_size: int = 0
+    q_size: int = 0
+
+    def sent_bytes(self, world_size: int, element: int) -> float:
+        """The formula: three all-reduces per step -- the rest, P (n r per matrix), Q (m r per matrix) --
+        each 2(N-1)/N of its bytes per rank; so (n + m) r per matrix where plain DDP sends n m."""
+        rest = sum(numel for _, numel in self.rest)
+        return sum(all_reduce_bytes(k * element, world_size) for k in (rest, self.p_size, self.q_size))
+
+
+def lay_out(tensors: list[tuple[str, torch.Size]], settings) -> Layout:
+    """Which tensors of a flat buffer (``name, shape`` in buffer order) are compressed, and where P and Q go."""
+    layout, by_shape, offset = Layout(), {}, 0
+    for name, shape in tensors:
+        numel = int(np.prod(shape)) if len(shape) else 1
+        n, m = (shape[0], numel // shape[0]) if len(shape) and numel else (numel, 1)
+        r = min(n, m, settings.rank)
+        if len(shape) and numel and (n + m) * r * settings.min_rate < n * m:
+            by_shape.setdefault((n, m), []).append((name, offset, n, m, r))
+        else:
+            layout.rest.append((offset, numel))
+        offset += numel
+    for group in by_shape.values():
+        for name, at, n, m, r in group:
+            layout.matrices.append(Matrix(name, at, n, m, r, layout.p_size, layout.q_size))
+            layout.p_size += n * r
+            layout.q_size += m * r
+    return layout
+
+
+def matrix(flat: torch.Tensor, mx: Matrix) -> torch.Tensor:
+    return flat[mx.offset:mx.offset + mx.n * mx.m].view(mx.n, mx.m)
+
+
+def p_of(p: torch.Tensor, mx: Matrix) -> torch.Tensor:
+    return p[mx.p_offset:mx.p_offset + mx.n * mx.r].view(mx.n, mx.r)
+
+
+def q_of(q: torch.Tensor, mx: Matrix) -> torch.Tensor:
+    return q[mx.q_offset:mx.q_offset + mx.m * mx.r].view(mx.m, mx.r)
