@@ -94,3 +94,33 @@ def test_the_readme_is_short():
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines < README_MOST_LINES, (f"README.md has {lines} lines, {README_MOST_LINES} or more: move the reference "
                                        "into a page under docs/ and link it")
+
+
+def glossary_places() -> list[str]:
+    """Every code span of the glossary's "where" column."""
+    places = []
+    for line in (ROOT / "docs" / "glossary.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] not in ("word", "---"):
+            places += re.findall(r"`([^`]+)`", cells[2])
+    return places
+
+
+def test_the_glossary_names_what_exists():
+    """Each dotted name in the glossary's "where" column imports, each path exists: the words stay the code's."""
+    from minizero.course.harness.show import resolve
+
+    places = glossary_places()
+    assert len([p for p in places if p.startswith("minizero")]) >= 15, places
+    missing = []
+    for place in places:
+        if "/" in place:
+            if not (ROOT / place).exists():
+                missing.append(place)
+        elif place.startswith("minizero."):
+            try:
+                resolve(place)
+            except (ImportError, AttributeError):
+                missing.append(place)
+    assert not missing, f"docs/glossary.md names what the code does not have: {missing}"
+
