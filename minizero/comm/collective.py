@@ -14,7 +14,7 @@ import inspect
 import torch
 
 from .fingerprint import DTYPES, Tag
-from .wire import Wire
+from .wire import WireProtocol
 
 
 class ReduceOp(enum.Enum):
@@ -52,19 +52,18 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 def collective(kind: str):
     """Mark a ``Comm`` method as a collective of ``kind``.
 
-    Adds ``async_op=`` (returns a :class:`Work`) and ``tag=`` (a :class:`Tag`:
+    Adds ``async_op=`` (returns a :class:`~minizero.comm.thread.Work`) and ``tag=`` (a :class:`Tag`:
     what the collective is for), and runs it through :meth:`Comm._run`:
     fingerprint check, progress board, bytes booked under ``kind``.  A
     collective built from others (all-reduce = reduce-scatter + all-gather) is
     checked and booked once, as the outermost kind.
 
-    An average (``op=ReduceOp.AVG``) also takes ``wire=``: a compressed wire
-    (:mod:`minizero.compress`) that encodes the tensor before the collective --
-    what travels, and is summed, is the encoding -- and decodes the sum into
-    the tensor after it; ``key`` names the buffer, whose rounding error the
-    wire may carry to the next step, and ``layout`` lists the tensors a flat
-    buffer holds (``(name, shape)``, in order) for a wire that compresses each
-    matrix on its own (PowerSGD).  Without a wire the tensor travels as it is.
+    An average (``op=ReduceOp.AVG``) also takes ``wire=``: a wire (:mod:`minizero.compress`), which the call is
+    handed whole (``wire.average``, :mod:`.wire`) -- the 16-bit wire encodes, lets the collective sum the encodings
+    and decodes the sum; a codec gathers its messages; PowerSGD all-reduces its factors.  ``key`` names the buffer,
+    whose rounding error the wire may carry to the next step, and ``layout`` lists the tensors a flat buffer holds
+    (``(name, shape)``, in order) for a wire that compresses each matrix on its own.  Without a wire the tensor
+    travels as it is.
     """
 
     def decorate(method):
@@ -93,7 +92,7 @@ def collective(kind: str):
     return decorate
 
 
-def _over_wire(comm, run, kind: str, arguments: dict, wire: Wire, key, tag: Tag | None, layout) -> None:
+def _over_wire(comm, run, kind: str, arguments: dict, wire: WireProtocol, key, tag: Tag | None, layout) -> None:
     """An average over a wire: the wire's own business, whatever it is (:mod:`.wire`)."""
     arguments = {k: v for k, v in arguments.items() if k != "self"}
     if arguments.get("op") is not ReduceOp.AVG:

@@ -90,7 +90,7 @@ PRESETS: dict[str, Network] = {n.name: n for n in [
 @dataclass(frozen=True)
 class TwoLevel:
     """A cluster: ``nodes`` of ranks, messages inside a node on ``intra``, between nodes on ``inter`` --
-    through the node's one link, which its ranks share (:class:`NodeLinks`).  A wire left out (None)
+    through the node's one link, which its ranks share (:class:`~minizero.comm.port.NodeLinks`).  A wire left out (None)
     costs nothing: ``nodes=2x2`` alone places the ranks, so the ledger can count bytes per link class,
     without slowing any message."""
 

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 import torch
 
 
-class Wire(Protocol):
+class WireProtocol(Protocol):
     """A gradient wire: how an average travels."""
 
     def average(self, comm, collective: Callable[..., None], kind: str, arguments: dict, key, tag,

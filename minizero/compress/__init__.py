@@ -1,8 +1,8 @@
 """Gradient compression: the wire a stage averages its gradients over (``compress=``).
 
-Two kinds of wire:
+Three kinds of wire, each averaging through one method, ``average`` (:class:`minizero.comm.wire.WireProtocol`):
 
-* the **16-bit wire** (``fp16``, ``bf16``; :mod:`.sixteen_bit`): the gradients are cast, summed *on the way*
+* the **16-bit wire** (``fp16``, ``bf16``; :mod:`.sixteen_bit`, :mod:`.summed`): the gradients are cast, summed *on the way*
   inside the ring all-reduce or reduce-scatter, and cast back -- half the bytes, on every stage;
 * the **gathered wires** (:mod:`.gathered`) of codecs whose messages do not add up: ``int8`` / ``int4``
   (:mod:`.quantized`), ``topk:FRACTION`` (:mod:`.topk`), ``sign`` (:mod:`.sign`) -- each rank's message

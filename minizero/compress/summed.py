@@ -17,7 +17,7 @@ from .kept import KeepsResiduals
 
 class SummedWire(KeepsResiduals):
     """The average through ``encode`` and ``decode``: the one method the communication layer calls
-    (:class:`minizero.comm.wire.Wire`)."""
+    (:class:`minizero.comm.wire.WireProtocol`)."""
 
     def encode(self, flat: torch.Tensor, key=None) -> torch.Tensor:
         raise NotImplementedError

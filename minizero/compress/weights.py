@@ -1,4 +1,4 @@
-"""Quantized weights on ZeRO-3's all-gather (ZeRO++'s qwZ): the parameters travel as int8 (or int4) codes.
+"""Quantized weights on ZeRO-3's all-gather (ZeRO++'s qwZ, stage ``zeropp``): the parameters travel as int8 codes.
 
 ZeRO-3 all-gathers every unit's parameters twice a step -- two thirds of its bytes.  qwZ (Wang et al. 2023,
 Section 3.1) sends each rank's shard as block-quantized codes instead: ``(N-1)·|m|`` bytes per rank per gather,

@@ -101,7 +101,7 @@ class FlatGroup:
                 pieces.append(Piece(s, a - s.start, b - s.start, nn.Parameter(self.shard[a - lo:b - lo]), a - lo))
         return pieces
 
-    #: Held whole by every rank, averaged by an all-reduce (:class:`ReplicatedGroup`), not sharded.
+    #: Held whole by every rank, averaged by an all-reduce (:class:`~minizero.parts.unit_plan.ReplicatedGroup`), not sharded.
     replicated = False
 
     @property

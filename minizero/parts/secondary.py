@@ -7,7 +7,7 @@ unit's forward gather completes, this rank's ``1/G`` slice of the full weights (
 node's ``G`` slices together are the whole unit, so the backward gather is an all-gather *inside the node*.
 The price is memory -- up to ``Psi/G`` elements more per rank between forward and backward, where ZeRO-3 keeps
 ``Psi/N`` -- and the prize a third of the step's inter-node bytes (the forward gather and the reduce-scatter
-still cross).  The values are the forward's own (exactly: copies, or with quantized weights the decoded ones),
+still cross).  The values are the forward's own (exact copies; hpZ with quantized weights is not built),
 so the backward computes with what the forward computed with, as in ZeRO-3.
 
 A secondary slice is used once: consumed by the backward gather, or dropped at the optimizer step -- after it

@@ -22,10 +22,11 @@ def when_accumulated(param: nn.Parameter, stage) -> None:
     alive = weakref.ref(stage)
 
     def hook(p: nn.Parameter) -> None:
-        if alive() is None:
+        owner = alive()
+        if owner is None:
             raise RuntimeError(f"{p.shape} parameter: its stage was garbage-collected while its model still "
                                f"trains -- keep the stage (the wrapped model) alive while you use it")
-        alive().post_accumulate_grad(p)
+        owner.post_accumulate_grad(p)
 
     param.register_post_accumulate_grad_hook(hook)
 

@@ -132,7 +132,7 @@ class ZeRO(Stage):
         self.shard_comm.all_gather(full, shard, tag=tag)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The pieces' gradients -- what the sharded optimizer steps -- cleared (or zeroed)."""
+        """The pieces' gradients cleared (or zeroed); ZeRO-1's full buffers zeroed, ZeRO-2/3's leftover ones cleared."""
         self.forget_gradients(set_to_none)
         for piece in self.pieces():
             if set_to_none:

@@ -16,7 +16,8 @@ a **unit**'s full parameters (:class:`~minizero.parts.units.Unit`, FSDP2's param
 Bytes per step: all-gather twice + reduce-scatter = 3(N-1)/N * Psi * b, 1.5x DDP -- ZeRO-3 buys memory with
 communication; without resharding after forward, 2(N-1)/N again, but the whole model stays gathered from forward to
 backward.  Under gradient accumulation the micro-batches inside ``no_sync()`` keep parameters and gradients
-unsharded and the last one reduces: still 3Psi per step (FSDP2 exposes the same choice).  Memory: (4 + 4 + 8)Psi/N
+unsharded and the last one reduces: still 3Psi per step, for the memory of unsharded state during accumulation --
+the trade-off ZeRO-2 makes (FSDP2 exposes the same choice).  Memory: (4 + 4 + 8)Psi/N
 for fp32 Adam, (2 + 2 + 12)Psi/N in mixed precision, plus the gathered working set: the root, the unit computing and
 ``prefetch`` units whose all-gather already runs on the communication thread, overlapping the computation.
 

@@ -81,10 +81,14 @@ class ZeROPlusPlus(ZeRO3):
         return self.comm.submit(all_gather)
 
     def step(self) -> None:
-        """ZeRO-3's step, after the node's slices go: they hold the weights the step is about to change."""
-        if self.secondary is not None:
-            self.comm.submit(self.secondary.drop).wait()
-        super().step()
+        """ZeRO-3's step; the node's slices go first (inside the step: a refused step keeps them), as they hold the
+        weights the step is about to change."""
+        with self.stepping():
+            for unit in self.units:
+                unit.drop_prefetch()
+            if self.secondary is not None:
+                self.comm.submit(self.secondary.drop).wait()
+            self.optimizer.step_owned()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().held_tensors()
@@ -92,11 +96,16 @@ class ZeROPlusPlus(ZeRO3):
         return held
 
     def full_state_dict(self) -> dict:
-        """ZeRO-3's, with units gathered for training as codes gathered again, exactly."""
+        """ZeRO-3's, with units gathered for training as codes gathered again, exactly (an inspection: the gathered
+        working set's observers hear none of it)."""
         if self.weight_wire is not None:
-            for unit in self.units:
-                unit.drop_prefetch()
-                unit.reshard()
+            observers, self._observers = self._observers, []
+            try:
+                for unit in self.units:
+                    unit.drop_prefetch()
+                    unit.reshard()
+            finally:
+                self._observers = observers
         return super().full_state_dict()
 
     # ------------------------------------------------------------------ facts

@@ -8,7 +8,7 @@ small N and reports the bytes it really held (:mod:`minizero.observe.memory`).
 
 Model states are not all of a rank's memory: activations come on top and do not
 shrink with N under any ZeRO stage.  So a second table gives the step's peak per
-rank by component (:mod:`.step_memory`): for ``--params``, predicted, and with
+rank by component (:mod:`minizero.course.harness.step_memory`): for ``--params``, predicted, and with
 ``--gpu 80GB`` whether each stage fits and the smallest change that makes it fit;
 for ``--model``, the peak predicted beside each rank's whole step as the allocator
 saw it (malloc's bytes on the CPU, torch.cuda's on a GPU), with the components that
@@ -109,7 +109,7 @@ def gpt_config(model: str) -> dict:
 
 
 def gpt_shape(model: str) -> Shape:
-    """The lab GPT's shape for :mod:`.step_memory`: no dropout, the sonnets' vocabulary."""
+    """The lab GPT's shape for :mod:`minizero.course.harness.step_memory`: no dropout, the sonnets' vocabulary."""
     config = gpt_config(model)
     return Shape(config["n_layer"], config["d_model"], config["n_head"], config["block_size"], len(vocabulary()),
                  dropout=False)
@@ -117,8 +117,8 @@ def gpt_shape(model: str) -> Shape:
 
 def gpt_activation_bytes(model: str, micro_batch: int, precision: str, checkpointed: bool = False) -> float:
     """The most activations one GPT micro-batch holds at any moment of backward, per rank
-    (:func:`.step_memory.backward_activation_bytes`: Korthikanti et al. 2022, eq. 1, for this dropout-free GPT, and
-    what backward adds to it).  Any ZeRO stage leaves it as it is."""
+    (:func:`minizero.course.harness.step_memory.backward_activation_bytes`: Korthikanti et al. 2022, eq. 1, for
+    this dropout-free GPT, and what backward adds to it).  Any ZeRO stage leaves it as it is."""
     working = Precision.of(precision).working_bytes(MASTER_BYTES)
     return backward_activation_bytes(gpt_shape(model), micro_batch, working, checkpointed)
 
@@ -257,7 +257,8 @@ def step_peak(row: dict, prefix: str = "host") -> int:
 
 
 def predicted_step(args, stage: str, psi: float, world_size: int, foreach: bool) -> dict:
-    """:func:`.step_memory.step_bytes` of ``--model``'s GPT as the command's flags describe it, for ``stage``."""
+    """:func:`minizero.course.harness.step_memory.step_bytes` of ``--model``'s GPT as the command's flags describe
+    it, for ``stage``."""
     return step_bytes(stage, psi, gpt_shape(args.model), world_size, args.micro_batch, args.precision, args.optimizer,
                       args.checkpoint_activations, args.offload_optimizer and offloads(stage), foreach=foreach,
                       bucket_mb=args.bucket_mb)

@@ -144,7 +144,7 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                                       **exp.options)
     residuals: dict = {}
     settling: dict = {}  # under loss scaling, residuals are kept only if the step is taken (Wire.settle)
-    weights = parse_weights(exp.options.get("quantized_weights"))  # ZeRO-3's qwZ: compute at the decoded weights
+    weights = parse_weights(exp.options.get("quantized_weights"))  # ZeRO++'s qwZ (zeropp): compute at the decoded weights
     record = RankResult(params=[], losses=[])
     def average(flats: list[torch.Tensor], ranks: list[int], padded: bool, shards, wire, codec) -> torch.Tensor:
         """The mean of ``flats`` (the buffers of ``ranks``) as the stage's collective leaves it, on ``wire`` or

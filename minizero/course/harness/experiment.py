@@ -152,7 +152,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
         wire = getattr(stage, "wire", None)  # a codec's bytes depend on each buffer: the wire adds up its formula
         wire_formula = {kind: b / exp.steps for kind, b in wire.formula_by_kind.items()} \
             if hasattr(wire, "formula_by_kind") else None
-        weights = getattr(stage, "weight_wire", None)  # ZeRO-3's quantized weights (qwZ): the gathers' formula
+        weights = getattr(stage, "weight_wire", None)  # ZeRO++'s quantized weights (qwZ, zeropp): the gathers' formula
         weight_formula = weights.formula_by_kind["all_gather"] / exp.steps if weights is not None else None
         cuda_peak = max(peaks.run_peak, torch.cuda.max_memory_allocated()) if cuda else 0
         if comm:
