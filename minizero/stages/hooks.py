@@ -1,8 +1,6 @@
-"""The hooks a stage leaves on the model at wrap time -- they run in every step, so they are kept short and apart.
-
-Two: a parameter's post-accumulate-grad hook, which calls the stage's :meth:`~minizero.stages.base.Stage.post_accumulate_grad`
-(held weakly, so the stage can be freed), and a forward pre-hook on the model that refuses a call which does not
-come through the stage.
+"""The hooks a stage leaves on the model at wrap time, run in every step: a parameter's post-accumulate-grad hook
+calling the stage's ``post_accumulate_grad`` (held weakly, so the stage can be freed), and a forward pre-hook on
+the model refusing a call that does not come through the stage.
 """
 from __future__ import annotations
 
