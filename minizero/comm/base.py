@@ -160,14 +160,10 @@ class Comm(Views):
         for t in tensors:
             if t.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"{where}: dtype {t.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-            if not t.is_contiguous():
-                raise ValueError(f"{where}: the tensor must be contiguous (call .contiguous() first)")
         op = arguments.get("op")
         if op is not None and not (tensors[0].is_floating_point() or op is not ReduceOp.AVG and tensors[0].dtype != torch.bool):
             raise TypeError(f"{where}: {op.name} of {tensors[0].dtype} is not defined; reduce a floating-point tensor")
-        if "output" in arguments:
-            self.shape_checks.get(kind, Comm._check_shards)(self, arguments["output"], arguments["input"], kind, where,
-                                                           arguments)
+        self._check_layout(kind, arguments, where)
         return Call(self._calls, kind, max(t.numel() for t in tensors), tensors[0].dtype,
                     op.value if op is not None else f"from rank {arguments['src']}" if "src" in arguments else "", tag)
 
@@ -185,14 +181,18 @@ class Comm(Views):
                 f"{shard.numel()} with world_size {self.world_size}; pad the full tensor to a multiple of "
                 f"world_size (see minizero.parts.layout)")
 
-    def check_copied(self, kind: str, arguments: dict, tag: Tag | None) -> None:
-        """The caller's tensors of an average whose wire runs its own collectives on copies (a codec's, PowerSGD's),
-        checked as the plain collective would check them."""
-        where = f"rank {self.rank}: {kind} for {(tag or Tag()).describe()}"
+    def _check_layout(self, kind: str, arguments: dict, where: str) -> None:
+        """Contiguous tensors, and shapes the collective of ``kind`` accepts (a shard of 1/N, or its own rule)."""
         if not all(t.is_contiguous() for t in _tensors(arguments)):
             raise ValueError(f"{where}: the tensor must be contiguous (call .contiguous() first)")
         if "output" in arguments:
-            self._check_shards(arguments["output"], arguments["input"], kind, where, arguments)
+            self.shape_checks.get(kind, Comm._check_shards)(self, arguments["output"], arguments["input"], kind, where,
+                                                           arguments)
+
+    def check_copied(self, kind: str, arguments: dict, tag: Tag | None) -> None:
+        """The caller's tensors of an average whose wire runs its own collectives on copies (a codec's, PowerSGD's),
+        checked as the plain collective checks them."""
+        self._check_layout(kind, arguments, f"rank {self.rank}: {kind} for {(tag or Tag()).describe()}")
 
     # ---------------------------------------------------------- async thread
     def _background(self) -> CommThread:
