@@ -211,6 +211,6 @@ def under_torchrun(tmp_path_factory) -> Launched:
     (cwd / "in_turn.py").write_text(_IN_TURN)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "in_turn.py",
            *("\x1f".join([name, *command]) for name, command in TORCHRUN_COMMANDS.items())]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd,
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=480, cwd=cwd,  # ~60 s alone; load 30+ took >180
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     return Launched(out.returncode, out.stdout, out.stderr, cwd)

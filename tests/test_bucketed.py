@@ -220,8 +220,8 @@ class _LaunchRunsTheCollective(BucketedDDP):
     """A bucket's launch that runs the all-reduce and returns its result -- None -- instead of a function."""
     name = "launch-runs-it"
 
-    def _all_reduce(self, index: int):
-        super()._all_reduce(index)()
+    def deferred_all_reduce(self, index: int):
+        super().deferred_all_reduce(index)()
 
 
 def _launch_returns_none(me):

@@ -99,7 +99,7 @@ def test_under_torchrun_a_failed_rank_ends_every_rank(fault, place):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(script), fault, place, str(TIMEOUT_S), *(["native"] if fault == "stop" else [])]
     start = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parent.parent)})
     elapsed = time.monotonic() - start
     text = out.stdout + out.stderr
@@ -117,7 +117,9 @@ def test_under_torchrun_a_failed_rank_ends_every_rank(fault, place):
         assert time.time() - froze_at < TIMEOUT_S + 25, text  # the timeout, the watchdog's tick, torchrun's exit
     else:
         assert "injected fault" in text and "rank      : 1" in text, text
-    assert elapsed < 60, elapsed
+    # Bounded, not fast: alone it ends in ~20 s; a busy 2-core machine (load 30+) took 64 s, and a hang would
+    # run into the subprocess's own limit.
+    assert elapsed < 150, elapsed
 
 
 def _abort_on_rank_1(me):

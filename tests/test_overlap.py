@@ -22,8 +22,8 @@ class BlockingBuckets(BucketedDDP):
     """Each bucket's all-reduce runs inside the gradient hook: backward waits for every one."""
     name = "blocking-buckets"
 
-    def _all_reduce(self, index: int):
-        done = super()._all_reduce(index)()
+    def deferred_all_reduce(self, index: int):
+        done = super().deferred_all_reduce(index)()
         return lambda: done
 
 

@@ -16,6 +16,8 @@ after ``name:``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..comm import Comm
@@ -75,12 +77,32 @@ def check_compress(compress: str | None) -> torch.dtype | None:
     return parsed if isinstance(parsed, torch.dtype) else None
 
 
-def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, named_params=(),
-              precision: Precision | None = None, averages_with: str = "all_reduce"
-              ) -> "Wire | GatheredWire | PowerSGDWire | None":
+@dataclass(frozen=True)
+class WirePolicy:
+    """How a stage's gradients travel: one object, as FSDP2 groups its options into policies (its
+    ``MixedPrecisionPolicy``; :class:`~minizero.parts.precision.Precision` is ours).  ``compress``: the wire's
+    spec (``"fp16"``, ``"int8:block=64"``, ``"powersgd:rank=2"``; None: each gradient travels in its own dtype).
+    ``error_feedback``: carry what compression did not send into the next step (Seide et al., 2014).  The command
+    line's ``--compress`` and ``--error-feedback`` are its two fields (:mod:`minizero.stages.options`)."""
+
+    compress: str | None = None
+    error_feedback: bool = False
+
+    @classmethod
+    def of(cls, wire: "str | WirePolicy | None", rank: int = 0) -> "WirePolicy":
+        """``"fp16"`` (a spec alone) or a :class:`WirePolicy`."""
+        if isinstance(wire, WirePolicy):
+            return wire
+        if wire is None or isinstance(wire, str):
+            return cls(wire)
+        raise TypeError(f"rank {rank}: wire must be a WirePolicy or a compress spec such as 'fp16', got {wire!r}")
+
+
+def make_wire(comm: Comm, policy: WirePolicy, named_params=(), precision: Precision | None = None,
+              averages_with: str = "all_reduce") -> "Wire | GatheredWire | PowerSGDWire | None":
     """The wire gradients are averaged over, or None: they travel in their own dtype.
 
-    ``compress`` ("fp16", "bf16") narrows fp32 gradients -- or, under mixed precision, re-rounds 16-bit ones
+    ``policy.compress`` ("fp16", "bf16") narrows fp32 gradients -- or, under mixed precision, re-rounds 16-bit ones
     with the split division and optional error feedback (:mod:`.sixteen_bit`).  Under mixed precision
     ``reduce_dtype="fp32"`` is a wire too, a *wider* one: 16-bit gradients summed in fp32, the mean rounded once.
     Both name the dtype of the reduction, so they are not given together.  With dynamic loss scaling an
@@ -88,7 +110,7 @@ def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, na
     A codec (``int8``, ``topk:0.01``, ...) rides on an all-reduce or a reduce-scatter (``averages_with``, the
     stage's), PowerSGD on an all-reduce only; both need full-precision gradients.  ``named_params``: what will
     travel on it, checked here."""
-    precision = precision or Precision()
+    precision, compress, error_feedback = precision or Precision(), policy.compress, policy.error_feedback
     parsed = parse(compress)
     if isinstance(parsed, (Codec, PowerSGD)):
         fits = ("all_reduce",) if isinstance(parsed, PowerSGD) else ("all_reduce", "reduce_scatter")
@@ -126,5 +148,5 @@ def make_wire(comm: Comm, compress: str | None, error_feedback: bool = False, na
     return wire
 
 
-__all__ = ["CODECS", "Codec", "GatheredWire", "PowerSGD", "PowerSGDWire", "Wire", "check_compress", "make_wire", "parse",
-           "split_division", "split_specs", "WIRE_DTYPES"]
+__all__ = ["CODECS", "Codec", "GatheredWire", "PowerSGD", "PowerSGDWire", "Wire", "WirePolicy", "check_compress", "make_wire",
+           "parse", "split_division", "split_specs", "WIRE_DTYPES"]

@@ -29,6 +29,8 @@ suite proves.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 #: Where offloaded state lives: host memory (DeepSpeed's ``offload_optimizer.device = "cpu"``).
@@ -67,9 +69,21 @@ class HostCopies:
         return {"to_host": self.to_host, "to_device": self.to_device}
 
 
-def check_offloadable(offload_optimizer, rank: int) -> None:
-    """``offload_optimizer`` is a switch: a device name or a policy object here is refused, not taken as on."""
-    if not isinstance(offload_optimizer, bool):
-        raise TypeError(f"rank {rank}: offload_optimizer must be True or False (keep this rank's optimizer "
-                        f"states in host memory and step there), got {offload_optimizer!r}; host memory is "
-                        f"the only place offered (DeepSpeed's offload_optimizer.device='cpu').")
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """What a ZeRO stage keeps off the device: one object, as FSDP2's ``fully_shard(offload_policy=...)``.
+    ``optimizer``: this rank's fp32 masters and optimizer states in host memory, stepped there (ZeRO-Offload;
+    DeepSpeed's ``offload_optimizer``).  Parameters and gradients stay on the device -- FSDP2's
+    ``CPUOffloadPolicy`` moves those too, which is not built.  The command line's ``--offload-optimizer``."""
+
+    optimizer: bool = False
+
+    @classmethod
+    def of(cls, offload: "bool | OffloadPolicy", rank: int = 0) -> "OffloadPolicy":
+        """``True``/``False`` or an :class:`OffloadPolicy`; a device name is refused, not taken as on."""
+        policy = offload if isinstance(offload, OffloadPolicy) else cls(offload)
+        if not isinstance(policy.optimizer, bool):
+            raise TypeError(f"rank {rank}: offload_optimizer must be True or False (keep this rank's optimizer "
+                            f"states in host memory and step there), got {policy.optimizer!r}; host memory is "
+                            f"the only place offered (DeepSpeed's offload_optimizer.device='cpu').")
+        return policy

@@ -16,7 +16,7 @@ from .ddp_bucketed import BucketedDDP
 from .facts import Reduction, Shards
 from .hsdp import HSDP
 from .local_sgd import LocalSGD
-from .options import Option, check_declared, option_names
+from .options import Option, check_declared, constructor_keywords, option_names
 from .protocol import DataParallel
 from .ps import ParameterServer
 from .ps_async import AsyncParameterServer
@@ -67,14 +67,17 @@ def check_stage_names(names: list[str], distributed_only: bool = False, stages: 
 
 def make_stage(name: str, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                comm: Comm | None = None, stages: dict | None = None, **options) -> Stage:
-    """Wrap ``module`` (and ``optimizer``, if given: else build yours over ``stage.parameters()``)."""
+    """Wrap ``module`` (and ``optimizer``, if given: else build yours over ``stage.parameters()``).  ``options``
+    by their declared names (the command line's: ``compress="fp16"``, ``offload_optimizer=True``), or a policy
+    whole (``wire=WirePolicy("fp16")``)."""
     stages = STAGES if stages is None else stages
     check_stage_names([name], stages=stages)
     cls = stages[name]
-    unknown = sorted(set(options) - set(option_names(cls)))
+    unknown = sorted(set(options) - set(option_names(cls)) - {o.into[0] for o in cls.options if o.into})
     if unknown:
         raise TypeError(f"stage {name!r} takes no option(s) {unknown}; its options: {', '.join(option_names(cls))}")
-    return Stage(module, optimizer, **options) if cls is Stage else cls(module, optimizer, comm, **options)
+    keywords = constructor_keywords(cls, options)  # compress="fp16" -> wire=WirePolicy("fp16"): the policies
+    return Stage(module, optimizer, **keywords) if cls is Stage else cls(module, optimizer, comm, **keywords)
 
 
 __all__ = ["DEFAULT_STAGE", "REFERENCE", "STAGES", "AsyncParameterServer", "BucketedDDP", "DDP", "DataParallel", "HSDP",

@@ -22,7 +22,7 @@ ranks first all-reduce a bitmap of who used what (as torch DDP does), so a
 parameter used on some ranks only is averaged with zeros and one used nowhere
 is not stepped, exactly as on a single device.
 
-``compress="fp16"`` (or ``"bf16"``) sends the gradients over a 16-bit wire
+``wire="fp16"`` (``WirePolicy(compress="fp16")``, or ``"bf16"``) sends the gradients over a 16-bit wire
 instead (:mod:`minizero.compress`): half the bytes, the same mean up to rounding
 -- the wire is an argument of the all-reduce, the average stays one line.
 """
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp
-from ..compress import make_wire
+from ..compress import WirePolicy, make_wire
 from ..costs.formulas import all_reduce_bytes
 from ..parts.flat import group_by_dtype, pack, unpack
 from ..parts.precision import Precision
@@ -48,11 +48,12 @@ class DDP(Stage):
     options = WIRE_AND_USE
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
-                 precision: str | Precision = "fp32"):
+                 *, wire: WirePolicy | str = WirePolicy(), find_unused_parameters: bool = False,
+                 precision: Precision | str = "fp32"):
+        wire = WirePolicy.of(wire, comm.rank if comm else 0)  # before anything changes: a refusal leaves all
         super().__init__(module, optimizer, comm, precision)
         self.find_unused_parameters = find_unused_parameters
-        self.wire = make_wire(comm, compress, error_feedback, self.trainable(), self.precision)
+        self.wire = make_wire(comm, wire, self.trainable(), self.precision)
         self._names = {id(p): name for name, p in self.trainable()}  # for layout(), every step: looked up once
         check_same_model(module, comm)
         broadcast_module(module, comm)

@@ -43,7 +43,6 @@ from torch import nn
 from ..comm import Comm, ReduceOp
 from ..parts.buckets import BucketPipeline, MiB, check_bucket_mb
 from ..parts.flat import keep_grad_in
-from ..parts.precision import Precision
 from .ddp import DDP
 from .facts import GradientMemory, Reduction
 from .hooks import when_accumulated
@@ -97,12 +96,11 @@ class BucketedDDP(DDP):
     options = (BUCKET_MB, *WIRE_AND_USE)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 bucket_mb: float = 25.0, compress: str | None = None, error_feedback: bool = False,
-                 find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
+                 bucket_mb: float = 25.0, **common):
+        super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision: as DDP
         self.buckets: list[Bucket] = assign_buckets(self.trainable(), bucket_mb)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self.pipeline = BucketPipeline(comm, [b.params for b in self.buckets], self._all_reduce)
+        self.pipeline = BucketPipeline(comm, [b.params for b in self.buckets], self.deferred_all_reduce)
         self._point_grads_into_buckets()
         for _, p in self.trainable():
             when_accumulated(p, self)
@@ -116,7 +114,7 @@ class BucketedDDP(DDP):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         """Bucket ``index`` is complete: its all-reduce, to run on the communication thread."""
         bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
         return lambda: self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index,

@@ -27,7 +27,7 @@ import torch
 
 from ..comm import Comm, Nodes, ReduceOp
 from ..comm.nodes import assumed_nodes
-from ..compress import PowerSGD, Wire
+from ..compress import PowerSGD, Wire, WirePolicy
 from ..compress import parse as parse_compress
 from ..costs.formulas import all_reduce_bytes
 from ..parts.precision import REDUCE_DTYPES
@@ -41,16 +41,14 @@ class HSDP(ZeRO3):
     averages_with = "all_reduce"  # a compressed wire rides the all-reduce across nodes: the slow hop only
 
     def __init__(self, module, optimizer=None, comm: Comm | None = None, units=None, reshard_after_forward: bool = True,
-                 prefetch: int = 1, replicate=None, compress: str | None = None, error_feedback: bool = False,
-                 find_unused_parameters: bool = False, precision="fp32", offload_optimizer: bool = False):
+                 prefetch: int = 1, replicate=None, **common):
+        compress = WirePolicy.of(common.get("wire"), comm.rank if comm else 0).compress
         if isinstance(parse_compress(compress), PowerSGD):
             raise ValueError(f"compress={compress!r} on hsdp is not built: its compressed all-reduce is of gradient "
                              f"shards, and a shard of a matrix has no low-rank factors of its own; use a codec "
                              f"(int8, int4, topk, sign) or compress='fp16' or 'bf16'")
         super().__init__(module, optimizer, comm, units=units, reshard_after_forward=reshard_after_forward,
-                         prefetch=prefetch, replicate=replicate, compress=compress, error_feedback=error_feedback,
-                         find_unused_parameters=find_unused_parameters, precision=precision,
-                         offload_optimizer=offload_optimizer)
+                         prefetch=prefetch, replicate=replicate, **common)
         # Inside the node the gradients travel exact -- or, under a precision policy's wider reduce_dtype, summed in
         # it as every stage sums them: that is the summation's dtype, not compression.
         reduce_dtype = self.precision.reduce_dtype

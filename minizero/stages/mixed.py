@@ -52,9 +52,11 @@ def keep_masters(self) -> None:
 
 def settle_wire(self) -> None:
     """Compression's error feedback keeps a step's residuals only if every rank took the step (the MAX
-    verdict, not this rank's shard: a skipped step's may hold inf - inf), rescaled as the loss scale moves."""
+    verdict, not this rank's shard: a skipped step's may hold inf - inf), rescaled as the loss scale moves.
+    Only loss scaling skips steps, and under it the only wire is the 16-bit one (a codec is refused there);
+    masters without scaling -- fp32 offloaded, bf16 -- settle nothing, whatever their wire."""
     wire = getattr(self, "wire", None)
-    if wire is not None:
+    if wire is not None and self.precision.scaled:
         self.master.settled.append(wire.settle)
 
 def cast_call(self, *args, **kwargs):

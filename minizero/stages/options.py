@@ -10,14 +10,24 @@ line (``tests/test_new_stage.py`` adds one from a test file).
 
 The options most stages share (the wire, unused parameters, precision,
 buckets) are declared here once and listed by the stages that take them.
+The constructors take the cross-cutting ones as policy objects, as FSDP2's
+``fully_shard`` does (``wire=WirePolicy(...)``, ``precision=Precision(...)``,
+``offload=OffloadPolicy(...)``); an option declared ``into`` a policy is one
+of its fields, and :func:`constructor_keywords` builds the object from them.
 """
 from __future__ import annotations
 
 import argparse
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Sequence
+
+from ..compress import WirePolicy
+from ..parts.offload import OffloadPolicy
+
+#: The constructors' policy keywords, and the class each one takes.
+POLICIES = {"wire": WirePolicy, "offload": OffloadPolicy}
 
 
 @dataclass(frozen=True)
@@ -40,13 +50,16 @@ class Option:
     default), otherwise no command-line form at all (``units``, ``replicate``: modules).
     ``draw``: the values the property suite samples
     from, given a :class:`Drawing` (``None``: not drawn by the suite on its own -- the wire and precision are
-    drawn by the suite's modes, ``compress=True`` and ``precision=True``)."""
+    drawn by the suite's modes, ``compress=True`` and ``precision=True``).
+    ``into``: ``(policy, field)`` when the constructor takes this option as a field of a policy object
+    (:data:`POLICIES`): ``compress`` is ``wire.compress``."""
 
     name: str
     default: object
     help: str
     parse: Callable[[str], object] | None = str
     draw: Callable[[Drawing], Sequence] | None = None
+    into: tuple[str, str] | None = None
 
     @property
     def flag(self) -> str:
@@ -138,8 +151,9 @@ BUCKET_MB_DRAWN = (1e-9, 2e-4, 1e-3, 25.0)
 BUCKET_MB = Option("bucket_mb", 25.0, "bucket size in MiB (torch DDP's bucket_cap_mb: 25)", positive_float,
                    draw=lambda d: BUCKET_MB_DRAWN)
 COMPRESS = Option("compress", None, "the gradients' wire: fp16, bf16, int8, int4, topk:FRACTION, sign or "
-                  "powersgd:rank=R (minizero.compress)", compress_spec)
-ERROR_FEEDBACK = Option("error_feedback", False, "carry the compression error to the next step", None)
+                  "powersgd:rank=R (minizero.compress)", compress_spec, into=("wire", "compress"))
+ERROR_FEEDBACK = Option("error_feedback", False, "carry the compression error to the next step", None,
+                        into=("wire", "error_feedback"))
 FIND_UNUSED_PARAMETERS = Option(
     "find_unused_parameters", False, "agree every step on which parameters got a gradient anywhere (torch's name)",
     None, draw=lambda d: (True,) if d.unused_parameters else ())  # else every parameter must get a gradient
@@ -152,7 +166,8 @@ WIRE_AND_USE = (COMPRESS, ERROR_FEEDBACK, FIND_UNUSED_PARAMETERS, PRECISION)
 #: The ZeRO stages' last option.  Not drawn by the whole suite, whose draws it would shift:
 #: tests/test_offload.py draws it in every example of every ZeRO stage.
 OFFLOAD_OPTIMIZER = Option("offload_optimizer", False, "keep this rank's fp32 masters and optimizer states in "
-                           "host memory and step there (ZeRO-Offload, minizero.parts.offload)", None)
+                           "host memory and step there (ZeRO-Offload, minizero.parts.offload)", None,
+                           into=("offload", "optimizer"))
 
 
 def option_names(stage: type) -> list[str]:
@@ -160,18 +175,53 @@ def option_names(stage: type) -> list[str]:
     return [option.name for option in stage.options]
 
 
+def constructor_keywords(stage: type, options: dict) -> dict:
+    """``options`` -- the declared ones by name, as the command line gives them -- as ``stage``'s constructor
+    takes them: each option declared ``into`` a policy becomes a field of that policy's object.  A policy given
+    whole (``wire=WirePolicy(...)``) is passed on as it is, but not beside its own fields."""
+    keywords, policies = {}, {}
+    for option in stage.options:
+        if option.name not in options:
+            continue
+        if option.into is None:
+            keywords[option.name] = options[option.name]
+        else:
+            policies.setdefault(option.into[0], {})[option.into[1]] = options[option.name]
+    for policy, given in policies.items():
+        if policy in options:
+            raise TypeError(f"stage {stage.name!r}: give {policy}= or its fields {sorted(given)}, not both")
+        keywords[policy] = POLICIES[policy](**given)
+    return {**keywords, **{p: options[p] for p in POLICIES if p in options}}
+
+
+def _constructor_defaults(stage: type) -> dict:
+    """What the constructor should read, from the declarations: each plain option with its default, each policy
+    with its class built from its fields' declared defaults."""
+    defaults, policies = {}, {}
+    for option in stage.options:
+        if option.into is None:
+            defaults[option.name] = option.default
+        else:
+            policies.setdefault(option.into[0], {})[option.into[1]] = option.default
+    for policy, given in policies.items():
+        whole = {f.name for f in fields(POLICIES[policy])}
+        defaults[policy] = POLICIES[policy](**given) if set(given) == whole else f"all of {sorted(whole)}"
+    return defaults
+
+
 def check_declared(stage: type) -> None:
     """A stage's declared options are its constructor's keywords, with the same defaults: the declaration is
-    what every command reads, the constructor what runs -- they must not drift apart.  A constructor that
-    passes ``**options`` on to its parent's takes the parent's too."""
+    what every command reads, the constructor what runs -- they must not drift apart.  Options declared ``into``
+    a policy stand for that policy's keyword, every field declared.  A constructor that passes ``**options`` on
+    to its parent's takes the parent's too."""
     parameters = [p for p in inspect.signature(stage.__init__).parameters.values()
                   if p.name not in ("self", "module", "optimizer", "comm")]
     passes_on = any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in parameters)
-    declared = {o.name: o.default for o in stage.options}
+    declared = _constructor_defaults(stage)
     actual = {p.name: p.default for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     wrong = [name for name, default in actual.items() if name not in declared or declared[name] != default]
     undeclared_or_missing = wrong or (not passes_on and sorted(declared) != sorted(actual))
     if undeclared_or_missing:
         raise TypeError(f"stage {stage.name!r} declares options {declared} but its constructor takes {actual}: "
                         f"list every keyword of __init__ (after module, optimizer, comm) in {stage.__name__}.options, "
-                        f"with its default")
+                        f"with its default (a policy's by its fields: {', '.join(POLICIES)})")

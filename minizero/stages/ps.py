@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp
+from ..compress import WirePolicy
 from ..costs.cost_model import pull_s, push_s
 from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.grad_buffers import FullGradients
@@ -56,8 +57,8 @@ class ParameterServer(ZeRO):
     options = (SERVERS, *WIRE_AND_USE)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 servers: int = 1, compress: str | None = None, error_feedback: bool = False,
-                 find_unused_parameters: bool = False, precision: str | Precision = "fp32"):
+                 servers: int = 1, *, wire: WirePolicy | str = WirePolicy(), find_unused_parameters: bool = False,
+                 precision: Precision | str = "fp32"):
         world_size = comm.world_size if comm is not None else 1
         if isinstance(servers, bool) or not isinstance(servers, int) or not 1 <= servers <= world_size:
             raise ValueError(f"rank {comm.rank if comm is not None else 0}: stage {self.name!r} takes servers "
@@ -68,7 +69,8 @@ class ParameterServer(ZeRO):
                              f"on its servers, so it must be given at wrap time: pass yours to make_stage(name, "
                              f"model, optimizer, comm) instead of building one over stage.parameters() afterwards")
         self.servers = servers
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision)
+        super().__init__(module, optimizer, comm, wire=wire, find_unused_parameters=find_unused_parameters,
+                         precision=precision)  # no offload: the optimizer lives on the servers
         self.shard(self.layout())
         self.full_grads = FullGradients(self.groups)  # ZeRO-1's: full gradients, each .grad a view
         self.zero_grad()

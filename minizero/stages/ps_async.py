@@ -72,17 +72,14 @@ class AsyncParameterServer(ParameterServer):
                Option("schedule_seed", 0, "the seed of the staleness schedule", natural_int), *WIRE_AND_USE)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 servers: int = 1, staleness: int = 2, schedule_seed: int = 0, compress: str | None = None,
-                 error_feedback: bool = False, find_unused_parameters: bool = False,
-                 precision: str | Precision = "fp32"):
+                 servers: int = 1, staleness: int = 2, schedule_seed: int = 0, **common):
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"rank {comm.rank if comm is not None else 0}: stage {self.name!r} takes staleness as "
                              f"a whole number of steps >= 0 (0 is the synchronous ps), got {staleness!r}")
         self.staleness, self.schedule_seed = staleness, schedule_seed
         self.version = 0  # updates the servers have applied
         self._history: deque = deque(maxlen=staleness)  # the servers' previous versions, newest last
-        super().__init__(module, optimizer, comm, servers, compress, error_feedback, find_unused_parameters,
-                         precision)
+        super().__init__(module, optimizer, comm, servers, **common)  # wire, find_unused_parameters, precision
 
     def layout(self) -> list:
         return build_groups(self.param_groups(), self.rank, self.servers, self.names(), group_class=ServedGroup)

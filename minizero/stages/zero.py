@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..compress import make_wire
+from ..compress import WirePolicy, make_wire
 from ..parts.grad_buffers import FullGradients
 from ..parts.layout import FlatGroup
-from ..parts.offload import HostCopies, check_offloadable
+from ..parts.offload import HostCopies, OffloadPolicy
 from ..parts.precision import Precision
 from ..parts.sharded_optimizer import ShardedOptimizer, check_shardable
 from . import clip, hooks, mixed, sharing, unused, zero_state
@@ -36,14 +36,15 @@ class ZeRO(Stage):
     averages_with = "reduce_scatter"  # the collective its gradients are averaged with: the wires it fits
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Comm,
-                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
-                 precision: str | Precision = "fp32", offload_optimizer: bool = False):
+                 *, wire: WirePolicy | str = WirePolicy(), find_unused_parameters: bool = False,
+                 precision: Precision | str = "fp32", offload: OffloadPolicy | bool = OffloadPolicy()):
+        rank = comm.rank if comm else 0
         if optimizer is not None:  # before anything is changed: a refused wrap leaves the optimizer as it was
-            check_shardable(type(optimizer), comm.rank if comm else 0)
-        check_offloadable(offload_optimizer, comm.rank if comm else 0)
+            check_shardable(type(optimizer), rank)
+        wire, offload = WirePolicy.of(wire, rank), OffloadPolicy.of(offload, rank)
         super().__init__(module, optimizer, comm, precision)
         # ZeRO-Offload (minizero.parts.offload): the owned shard's masters and optimizer states in host memory.
-        self.host_copies = HostCopies() if offload_optimizer else None
+        self.host_copies = HostCopies() if offload.optimizer else None
         # The ranks the parameters are sharded over, and those each shard is replicated over (None: sharded
         # over every rank).  ZeRO shards over all N; HSDP over a node, replicated across nodes.
         self.shard_comm, self.replica_comm = self.mesh(comm)
@@ -51,7 +52,7 @@ class ZeRO(Stage):
         if optimizer is not None:
             check_optimizer_owns_only_model_parameters(optimizer, module, self.rank)
         # The wire rides the collective the stage averages with -- HSDP's: the all-reduce across its replicas
-        self.wire = make_wire(self.replica_comm or comm, compress, error_feedback, self.trainable(), self.precision,
+        self.wire = make_wire(self.replica_comm or comm, wire, self.trainable(), self.precision,
                               averages_with=self.averages_with)
         check_same_model(module, comm)
         broadcast_module(module, comm)

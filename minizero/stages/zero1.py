@@ -34,7 +34,6 @@ from ..comm import Comm, ReduceOp
 from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.grad_buffers import FullGradients
 from ..parts.layout import build_groups, plan_groups
-from ..parts.precision import Precision
 from .facts import GradientMemory, Reduction, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE
 from .zero import ZeRO
@@ -47,10 +46,8 @@ class ZeRO1(ZeRO):
     options = (*WIRE_AND_USE, OFFLOAD_OPTIMIZER)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
-                 precision: str | Precision = "fp32", offload_optimizer: bool = False):
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision,
-                         offload_optimizer)
+                 **common):
+        super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision, offload
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names()))
         self.full_grads = FullGradients(self.groups)  # one flat buffer per group; each .grad a view into it
         self.zero_grad()

@@ -7,10 +7,9 @@ its shard of each bucket's averaged gradient -- the pieces' ``.grad``.
 1. buckets are flat groups of their own (``bucket_mb``, padded to a multiple of N, filled in reverse registration
    order), so each one's reduce-scatter is an ordinary reduce-scatter, and the rank's shards of all buckets
    together are its 1/N of the gradients;
-2. a post-accumulate-grad hook marks each parameter ready; a complete bucket is packed, its full gradients freed,
-   and its reduce-scatter started on the communication thread while backward goes on
-   (:class:`~minizero.parts.buckets.BucketPipeline`, as in ``ddp-bucketed``) -- once the one before has finished,
-   so a slow wire cannot pile packed copies up;
+2. a post-accumulate-grad hook marks each parameter ready; a complete bucket is packed, its full gradients freed, and
+   its reduce-scatter started on the communication thread while backward goes on (``parts.buckets.BucketPipeline``,
+   as in ``ddp-bucketed``) -- once the one before has finished, so a slow wire cannot pile packed copies up;
 3. the optimizer steps the owned pieces, and the updated shards are all-gathered, as in ZeRO-1.
 
 Bytes: the same reduce-scatter + all-gather, 2(N-1)/N * Psi * b per step.  Memory (fp32 Adam): 4Psi + (4 + 8)Psi/N;
@@ -43,19 +42,20 @@ class ZeRO2(ZeRO):
     options = (BUCKET_MB, *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 bucket_mb: float = 25.0, compress: str | None = None, error_feedback: bool = False,
-                 find_unused_parameters: bool = False, precision: str | Precision = "fp32",
-                 offload_optimizer: bool = False):
+                 bucket_mb: float = 25.0, **common):
         check_bucket_mb(bucket_mb)
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision,
-                         offload_optimizer)
+        super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision, offload
         self.bucket_mb = bucket_mb
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names(),
                                 max_numel=bucket_numel(bucket_mb, self.param_groups(), self.precision)))
-        self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
-                                       self._reduce_scatter, max_in_flight=MAX_IN_FLIGHT)
+        self.pipeline = BucketPipeline(comm, [[s.param for s in b.segments] for b in self.buckets],
+                                       self.deferred_reduce_scatter, max_in_flight=MAX_IN_FLIGHT)
         self.zero_grad()
         self.hook_grouped_parameters()
+
+    @property
+    def buckets(self) -> list:  # ZeRO-2's flat groups are its buckets: cut at bucket_mb, one reduce-scatter each
+        return self.groups
 
     # ------------------------------------------------------------ backward
     def pre_forward(self) -> None:
@@ -67,14 +67,14 @@ class ZeRO2(ZeRO):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _reduce_scatter(self, index: int):
+    def deferred_reduce_scatter(self, index: int):
         """Bucket ``index`` is complete: pack its gradients and free them (the point of ZeRO-2: no full
         gradient outlives its bucket); the reduce-scatter runs on the communication thread."""
-        group, tag = self.groups[index], self.tag(f"bucket {index}")
-        full = group.take_gradients()
+        bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
+        full = bucket.take_gradients()
 
         def reduce_scatter() -> torch.Tensor:
-            averaged = torch.empty_like(group.shard)
+            averaged = torch.empty_like(bucket.shard)
             self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
             return averaged
         return reduce_scatter
@@ -83,11 +83,11 @@ class ZeRO2(ZeRO):
         """Backward has finished: launch the buckets that never completed, and give each piece its averaged gradient."""
         with self.pipeline.round():
             try:
-                self.refuse_unused_here(self.groups)
+                self.refuse_unused_here(self.buckets)
                 self.pipeline.launch_rest()  # buckets whose gradients came only from earlier micro-batches
-                used = self.used_anywhere([s.param for g in self.groups for s in g.segments])
+                used = self.used_anywhere([s.param for b in self.buckets for s in b.segments])
                 for index, averaged in self.pipeline.wait_all():
-                    self.accumulate(self.groups[index], averaged, used)
+                    self.accumulate(self.buckets[index], averaged, used)
             finally:
                 self._used.clear()
 
@@ -99,9 +99,9 @@ class ZeRO2(ZeRO):
                 self.all_gather_parameters()
 
     def all_gather_parameters(self) -> None:
-        """Everyone gets everyone's updated shard, bucket by bucket (a bucket is a flat group)."""
-        for g, group in self.stepped_groups():
-            self.comm.all_gather(group.data, group.shard.detach().clone(), tag=self.tag(f"group {g} parameters after step"))
+        """Everyone gets everyone's updated shard, bucket by bucket."""
+        for b, bucket in self.stepped_groups():
+            self.comm.all_gather(bucket.data, bucket.shard.detach().clone(), tag=self.tag(f"bucket {b} parameters after step"))
         self.remember_shared()
 
     # ------------------------------------------------------------------ facts

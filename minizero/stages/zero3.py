@@ -33,7 +33,6 @@ from torch import nn
 from ..comm import Comm, ReduceOp, Work
 from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline
-from ..parts.precision import Precision
 from ..parts.unit_groups import FreedBuffer, ShardedFlatGroup
 from ..parts.unit_plan import ReplicatedGroup, plan_units
 from ..parts.units import Unit, replayed_by_backward
@@ -59,13 +58,10 @@ class ZeRO3(ZeRO):
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None,
-                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
-                 precision: str | Precision = "fp32", offload_optimizer: bool = False):
+                 units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None, **common):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
-        super().__init__(module, optimizer, comm, compress, error_feedback, find_unused_parameters, precision,
-                         offload_optimizer)
+        super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision, offload
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._observers: list = []
         unit_modules, plan, whole = plan_units(module, units, replicate, [g["params"] for g in self.param_groups()],
@@ -81,7 +77,7 @@ class ZeRO3(ZeRO):
                       for u, m in enumerate([module] + unit_modules)]
         self._unit_of = [self.units[owner] for owner, _, _ in plan] + [None] * len(replicated)  # group -> unit
         self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
-                                       self._reduce_scatter, max_in_flight=MAX_IN_FLIGHT)
+                                       self.deferred_reduction, max_in_flight=MAX_IN_FLIGHT)
         self._order: list[int] = []  # units in the order the last forward called them
         self._recording: list[int] = []
         self._called: set[int] = set()  # units called with autograd on since the last synchronisation
@@ -183,7 +179,7 @@ class ZeRO3(ZeRO):
         if self._syncing and not self.find_unused_parameters:
             self.pipeline.mark(param)
 
-    def _reduce_scatter(self, index: int):
+    def deferred_reduction(self, index: int):
         """Group ``index`` is complete: pack and free its gradients and its full parameters; the
         reduce-scatter runs on the communication thread.  A skipped group is only freed."""
         group, unit = self.groups[index], self._unit_of[index]

@@ -44,20 +44,16 @@ class ZeROPlusPlus(ZeRO3):
                *ZeRO3.options[4:])
 
     def __init__(self, module, optimizer=None, comm=None, units=None, reshard_after_forward: bool = True,
-                 prefetch: int = 1, replicate=None, quantized_weights: str | None = None, hpz: bool = False,
-                 compress: str | None = None, error_feedback: bool = False, find_unused_parameters: bool = False,
-                 precision: str | Precision = "fp32", offload_optimizer: bool = False):
+                 prefetch: int = 1, replicate=None, quantized_weights: str | None = None, hpz: bool = False, **common):
         codec = parse_weights(quantized_weights)  # refused before anything is built
         if codec is not None and hpz:
             raise ValueError(f"hpz with quantized_weights={quantized_weights!r} is not built: the node-local slices "
                              f"would be of the decoded weights; use one or the other")
-        if codec is not None and Precision.of(precision).mixed:
+        if codec is not None and Precision.of(common.get("precision")).mixed:
             raise ValueError(f"quantized_weights={quantized_weights!r} under mixed precision is not built: the working "
                              f"copy is already 16-bit; use precision='fp32'")
         super().__init__(module, optimizer, comm, units=units, reshard_after_forward=reshard_after_forward,
-                         prefetch=prefetch, replicate=replicate, compress=compress, error_feedback=error_feedback,
-                         find_unused_parameters=find_unused_parameters, precision=precision,
-                         offload_optimizer=offload_optimizer)
+                         prefetch=prefetch, replicate=replicate, **common)
         self.weight_wire = QuantizedWeights(self.shard_comm, codec) if codec is not None else None  # qwZ, or None
         self.secondary = SecondaryShards(comm, self._observe) if hpz else None  # hpZ, or None
 

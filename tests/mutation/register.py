@@ -137,7 +137,7 @@ MUTANTS: dict[str, Mutant] = {
     "zero1: all-gathers before stepping": Mutant("minizero.stages.zero1:ZeRO1.step", broken_training.zero1_gathers_before_stepping,
                                                  test_catch(SEM, "test_whichever_zero_grad_the_user_calls_training_equals_torch",
                                                             "zero1", "stage.zero_grad()")),
-    "zero2: keeps the full gradients": Mutant("minizero.stages.zero2:ZeRO2._reduce_scatter", broken_training.zero2_keeps_full_gradients,
+    "zero2: keeps the full gradients": Mutant("minizero.stages.zero2:ZeRO2.deferred_reduce_scatter", broken_training.zero2_keeps_full_gradients,
                                               test_catch(Z, "test_measured_memory_matches_the_formula", 3, "zero2"),
                                               cost=True),
     "zero3: never reshards after forward": Mutant("minizero.stages.zero3:ZeRO3.unit_post_forward", broken_training.zero3_never_reshards,

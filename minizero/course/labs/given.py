@@ -51,7 +51,7 @@ def without(cls: type, *methods: str, name: str | None = None, **given) -> type:
 # One base per class a lab's methods are on (the lab catalogue names the methods: minizero.course.labs.catalogue).
 Ring = without(RingComm, "_ring_reduce_scatter", "_ring_all_gather", name="Ring")
 DDP = without(PackageDDP, "post_backward")
-BucketedDDP = without(PackageBucketedDDP, "post_accumulate_grad", "_all_reduce")
+BucketedDDP = without(PackageBucketedDDP, "post_accumulate_grad", "deferred_all_reduce")
 Wire = without(PackageWire, "encode", "decode")
 
 
@@ -69,7 +69,7 @@ class CompressDDP(without(PackageDDP, "no_sync", name="DDP")):
 
 CompressDDP.__name__ = CompressDDP.__qualname__ = "DDP"
 ZeRO1 = without(PackageZeRO1, "post_backward", "all_gather_parameters")
-ZeRO2 = without(PackageZeRO2, "post_accumulate_grad", "_reduce_scatter", "post_backward")
+ZeRO2 = without(PackageZeRO2, "post_accumulate_grad", "deferred_reduce_scatter", "post_backward")
 Unit = without(PackageUnit, "unshard", "pre_forward", "post_forward", "pre_backward", "post_backward")
 ZeRO3 = without(PackageZeRO3, unit_class=Unit)  # its methods are the package's; its units are the learner's
 

@@ -14,6 +14,6 @@ class BucketedDDP(given.BucketedDDP):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         flat, tag = self.buckets[index].buffer.clone(), self.tag(f"bucket {index}")
         return lambda: self.comm.all_reduce(flat, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)

@@ -1,4 +1,4 @@
-"""All-reduces the bucket at once, in ``_all_reduce`` on the main thread, and returns a function with nothing left to do."""
+"""All-reduces the bucket at once, in ``deferred_all_reduce`` on the main thread, and returns a function with nothing left to do."""
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
@@ -14,7 +14,7 @@ class BucketedDDP(given.BucketedDDP):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
         self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)  # backward waits
         return lambda: None

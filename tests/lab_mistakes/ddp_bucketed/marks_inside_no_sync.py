@@ -13,6 +13,6 @@ class BucketedDDP(given.BucketedDDP):
         self._used.add(id(param))
         self.pipeline.mark(param)
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
         return lambda: self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)

@@ -15,6 +15,6 @@ class BucketedDDP(given.BucketedDDP):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         grad, tag = self._last.grad, self.tag(f"bucket {index}")
         return lambda: self.comm.all_reduce(grad, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)

@@ -1,4 +1,4 @@
-"""``_all_reduce`` returns the all-reduce's result (it calls it) instead of a function for the pipeline to run later."""
+"""``deferred_all_reduce`` returns the all-reduce's result (it calls it) instead of a function for the pipeline to run later."""
 from __future__ import annotations
 
 from minizero.comm import ReduceOp
@@ -14,6 +14,6 @@ class BucketedDDP(given.BucketedDDP):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
         return self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)

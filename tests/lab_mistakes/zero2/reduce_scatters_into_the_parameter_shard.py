@@ -11,7 +11,7 @@ class ZeRO2(given.ZeRO2):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _reduce_scatter(self, index: int):
+    def deferred_reduce_scatter(self, index: int):
         group, tag = self.groups[index], self.tag(f"bucket {index}")
         full = group.take_gradients()
 

@@ -18,7 +18,7 @@ class BucketedDDP(Contract):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         buffer = self.buckets[index].buffer
 
         def average() -> None:

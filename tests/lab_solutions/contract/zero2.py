@@ -13,16 +13,16 @@ class ZeRO2(Contract):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _reduce_scatter(self, index: int):
-        group = self.groups[index]
-        flat = group.shard.new_zeros(group.shard_size * self.world_size)
-        for s in group.segments:
+    def deferred_reduce_scatter(self, index: int):
+        bucket = self.buckets[index]
+        flat = bucket.shard.new_zeros(bucket.shard_size * self.world_size)
+        for s in bucket.segments:
             if s.param.grad is not None:
                 flat[s.start:s.stop] = s.param.grad.reshape(-1)
                 s.param.grad = None  # no full gradient outlives its bucket's launch
 
         def reduce_scatter() -> torch.Tensor:
-            mine = group.shard.new_empty(group.shard_size)
+            mine = bucket.shard.new_empty(bucket.shard_size)
             self.comm.reduce_scatter(mine, flat, ReduceOp.AVG, wire=self.wire, key=index)
             return mine
 
@@ -31,7 +31,7 @@ class ZeRO2(Contract):
     def post_backward(self) -> None:
         with self.pipeline.round():  # nothing left running or marked, whatever happens
             self.pipeline.launch_rest()
-            params = [s.param for group in self.groups for s in group.segments]
+            params = [s.param for bucket in self.buckets for s in bucket.segments]
             here = [id(p) in self._used for p in params]
             self._used.clear()
             if self.find_unused_parameters:  # after every bucket's reduce-scatter was issued
@@ -41,7 +41,7 @@ class ZeRO2(Contract):
             anywhere = {id(p) for p, h in zip(params, here, strict=True) if h}
             self._has_grad.update(anywhere)
             for index, mine in self.pipeline.wait_all():
-                for piece in self.groups[index].pieces:
+                for piece in self.buckets[index].pieces:
                     if id(piece.segment.param) in anywhere:
                         grad = mine[piece.offset:piece.offset + piece.stop - piece.start]
                         piece.param.grad = grad if piece.param.grad is None else piece.param.grad.add_(grad)

@@ -14,6 +14,6 @@ class BucketedDDP(Skeleton):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
         return lambda: self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)

@@ -13,12 +13,12 @@ class ZeRO2(Skeleton):
         if self._syncing:
             self.pipeline.mark(param)
 
-    def _reduce_scatter(self, index: int):
-        group, tag = self.groups[index], self.tag(f"bucket {index}")
-        full = group.take_gradients()
+    def deferred_reduce_scatter(self, index: int):
+        bucket, tag = self.buckets[index], self.tag(f"bucket {index}")
+        full = bucket.take_gradients()
 
         def reduce_scatter():
-            averaged = torch.empty_like(group.shard)
+            averaged = torch.empty_like(bucket.shard)
             self.comm.reduce_scatter(averaged, full, ReduceOp.AVG, tag=tag, wire=self.wire, key=index)
             return averaged
 
@@ -27,6 +27,6 @@ class ZeRO2(Skeleton):
     def post_backward(self) -> None:
         with self.pipeline.round():
             self.pipeline.launch_rest()
-            used = self.used_anywhere([s.param for group in self.groups for s in group.segments])
+            used = self.used_anywhere([s.param for bucket in self.buckets for s in bucket.segments])
             for index, averaged in self.pipeline.wait_all():
-                self.accumulate(self.groups[index], averaged, used)
+                self.accumulate(self.buckets[index], averaged, used)

@@ -5,9 +5,9 @@ Contract level: each method states what must hold after it runs and what the che
 ``python -m minizero lab ddp-bucketed FILE --level guided``.)
 
 You write what happens when one parameter's gradient is final (``post_accumulate_grad``) and what a complete
-bucket does (``_all_reduce``).  Your base, ``minizero.course.labs.given.BucketedDDP``, is the package's bucketed DDP
+bucket does (``deferred_all_reduce``).  Your base, ``minizero.course.labs.given.BucketedDDP``, is the package's bucketed DDP
 without them: wrapping; the buckets; the post-accumulate-grad hook on every trainable parameter, which calls
-your ``post_accumulate_grad``; the pipeline, which calls your ``_all_reduce`` for each complete bucket and runs
+your ``post_accumulate_grad``; the pipeline, which calls your ``deferred_all_reduce`` for each complete bucket and runs
 what it returns; ``post_backward``, which at the end of backward launches the buckets that never completed,
 agrees with the other ranks on which parameters got a gradient, and waits for every bucket; ``zero_grad`` (the
 buckets zeroed, every ``.grad`` their view again) and ``step``.  Any part of minizero is yours to use.
@@ -17,7 +17,7 @@ The state the contract speaks of:
     ``buffer`` holds its parameters' gradients end to end, ``views[i]`` is the view of it shaped as its
     ``params[i]``; ``self._slot[id(param)]`` is ``(bucket, i)``;
   * ``self.pipeline`` (``minizero.parts.buckets.BucketPipeline``): it must hear of every parameter whose gradient
-    is ready; it launches bucket b -- calls ``_all_reduce(b)`` and submits the result to the communication
+    is ready; it launches bucket b -- calls ``deferred_all_reduce(b)`` and submits the result to the communication
     thread -- once b and every bucket before it are complete, so buckets leave in the same order on every rank;
   * ``self._used``: the ids of the parameters that got a gradient on this rank in this backward (the given
     ``post_backward`` reads it, and empties it);
@@ -58,11 +58,11 @@ class BucketedDDP(GivenBucketedDDP):
         raise NotImplementedError("write BucketedDDP.post_accumulate_grad: the gradient in its bucket, recorded, "
                                   "ready")
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         """Called on the main thread when bucket ``index`` is launched; communicates nothing itself.  Returns a
         function of no arguments which, run later on the communication thread (after every bucket launched
         before it), leaves in the bucket's buffer, in place, the mean over the N ranks of their buffers -- over
         ``self.wire`` when there is one, the bucket named as its key.  Its cost: the bucket's share of one
         all-reduce of every gradient per step.
         """
-        raise NotImplementedError("write BucketedDDP._all_reduce: return the bucket's average, to run later")
+        raise NotImplementedError("write BucketedDDP.deferred_all_reduce: return the bucket's average, to run later")

@@ -3,22 +3,22 @@
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it: ``python -m minizero lab zero2 FILE --level guided``.)
 
-You write ZeRO-2's backward: ``post_accumulate_grad`` (one gradient is final), ``_reduce_scatter`` (what a
+You write ZeRO-2's backward: ``post_accumulate_grad`` (one gradient is final), ``deferred_reduce_scatter`` (what a
 complete bucket does) and ``post_backward`` (the end of backward).  Your base, ``minizero.course.labs.given.ZeRO2``, is
 the package's ZeRO-2 without them: wrapping, the buckets, the post-accumulate-grad hook on every trainable
-parameter (it calls your ``post_accumulate_grad``), the pipeline (it calls your ``_reduce_scatter``), the hook
+parameter (it calls your ``post_accumulate_grad``), the pipeline (it calls your ``deferred_reduce_scatter``), the hook
 that calls ``post_backward`` after a synchronising backward, the pieces, and the step: the owned pieces
 stepped, then every bucket that had a gradient anywhere all-gathered.  Any part of minizero is yours to use.
 
 The state the contract speaks of (r = ``self.rank``, N = ``self.world_size``):
-  * ``self.groups`` (``minizero.parts.layout.FlatGroup``): the buckets, each a flat sharded group of its own, last
+  * ``self.buckets`` (``minizero.parts.layout.FlatGroup``): each a flat sharded group of its own (``self.groups``), last
     layer first, padded to a multiple of N -- ``shard_size`` S (rank r owns ``[r*S, (r+1)*S)`` of the bucket),
     ``shard`` (the owned range of the parameters), ``segments`` (where each parameter lies: ``param``,
     ``start``, ``stop``), ``pieces`` (the part of each parameter in the owned shard: ``param`` a 1-D Parameter,
     what the optimizer steps; ``offset`` its start in the shard; ``start``/``stop`` its range in the parameter;
     ``segment``).  The owned shards of all buckets together are this rank's 1/N of the model;
   * ``self.pipeline`` (``minizero.parts.buckets.BucketPipeline``): it must hear of every parameter whose gradient is
-    ready in a synchronising backward; it launches bucket b -- calls ``_reduce_scatter(b)`` on the main thread
+    ready in a synchronising backward; it launches bucket b -- calls ``deferred_reduce_scatter(b)`` on the main thread
     and submits what that returns to the communication thread -- once b and every bucket before it are
     complete, so buckets leave in the same order on every rank; it keeps what it launched until collected,
     and what it heard until reset;
@@ -60,7 +60,7 @@ class ZeRO2(GivenZeRO2):
         pipeline knows ``param`` is ready; no collective ran here."""
         raise NotImplementedError("write ZeRO2.post_accumulate_grad: the gradient recorded, and ready")
 
-    def _reduce_scatter(self, index: int):
+    def deferred_reduce_scatter(self, index: int):
         """Called on the main thread when bucket ``index`` is launched; communicates nothing itself.  After it no
         parameter of the bucket holds a full ``.grad`` any more (None: the memory ZeRO-2 saves), their values
         kept, flat, in the bucket's layout (zeros for padding and for a parameter without one).  Returns a
@@ -69,7 +69,7 @@ class ZeRO2(GivenZeRO2):
         ``self.wire`` when there is one, the bucket named as its key -- the bucket's share of one reduce-scatter
         of every gradient per step.
         """
-        raise NotImplementedError("write ZeRO2._reduce_scatter: the bucket's gradients taken (freed), its "
+        raise NotImplementedError("write ZeRO2.deferred_reduce_scatter: the bucket's gradients taken (freed), its "
                                   "reduce-scatter returned, to run later")
 
     def post_backward(self) -> None:

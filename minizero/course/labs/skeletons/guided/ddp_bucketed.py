@@ -7,7 +7,7 @@ complete buckets in index order on the communication thread, and
 ``post_backward``, which at the end of backward launches what is left and waits
 for every bucket.
 Yours: ``post_accumulate_grad`` -- what happens when one parameter's gradient is
-final -- and ``_all_reduce``, what a launched bucket does.
+final -- and ``deferred_all_reduce``, what a launched bucket does.
 
 Check it:   python -m minizero check ddp-bucketed --impl THIS_FILE
 Besides equivalence and bytes, the checker watches a backward: the first bucket's
@@ -38,7 +38,7 @@ class BucketedDDP(GivenBucketedDDP):
         raise NotImplementedError("write BucketedDDP.post_accumulate_grad: keep the gradient in its bucket, "
                                   "record it, mark it ready")
 
-    def _all_reduce(self, index: int):
+    def deferred_all_reduce(self, index: int):
         """Bucket ``index`` is complete: return a function of no arguments that averages it in place.
 
         The pipeline runs what you return on the communication thread while backward goes on -- so do no
@@ -46,4 +46,4 @@ class BucketedDDP(GivenBucketedDDP):
         through ``self.comm``, over the stage's wire ``self.wire`` (with the bucket as its ``key``), labelled
         with ``self.tag(...)`` -- take the tag here, on the main thread: it records where training is now.
         """
-        raise NotImplementedError("write BucketedDDP._all_reduce: return the bucket's all-reduce, to run later")
+        raise NotImplementedError("write BucketedDDP.deferred_all_reduce: return the bucket's all-reduce, to run later")
