@@ -97,7 +97,8 @@ def test_the_cluster_model_predicts_a_dialled_run_on_nodes(pools, stage, backend
     -14% and -6% here; at 2 x 3, -15% to +20% for zero3, hsdp and ddp-bucketed, flat and hierarchical)."""
     exp = Experiment(stage=stage, task="gpt", steps=4, dtype="float32", optimizer="sgd", check=False,
                      micro_batch=8, options=options, backend=backend)
-    r = model_against_measured(pools.pool(4), exp, "nodes=2x2,intra=1ms/100MB/s,inter=10ms/10MB/s")
+    # Three dialled runs, their median: one run on a machine at load 30 measured -37%.
+    r = model_against_measured(pools.pool(4), exp, "nodes=2x2,intra=1ms/100MB/s,inter=10ms/10MB/s", repeats=3)
     assert r["comm_ms"] > 0.6 * r["predicted_ms"]
     assert abs(r["error"]) < 0.35, r
 

@@ -113,6 +113,24 @@ def test_a_skeleton_filled_in_from_its_level_alone_passes(pools, lab, level):
     assert report.ok, (report.failed, report.why, report.case)
 
 
+STYLES = sorted((SOLUTIONS / "styles").glob("*.py"))
+
+
+@pytest.mark.parametrize("solution", STYLES, ids=lambda p: p.stem)
+def test_a_correct_solution_in_another_style_passes(pools, solution):
+    """``tests/lab_solutions/styles/<lab>__<style>.py``: correct files written otherwise than the answer keys -- a
+    ring with its own step labels, one all-reduce per parameter, the base's word for a bucket and a
+    ``functools.partial`` for a closure.  No correct style may fail (issue 45: a ring labelled "rs" once did)."""
+    lab = solution.stem.split("__")[0].replace("_", "-")
+    assert lab in LABS, f"{solution.name}: name it <lab>__<style>.py, the lab one of {sorted(LABS)}"
+    report = check(lab, impl=solution, examples=3, pools=pools, out=quiet)
+    assert report.ok, (report.failed, report.why, report.case)
+
+
+def test_there_are_solutions_in_other_styles():
+    assert len(STYLES) >= 3, STYLES
+
+
 EQUIVALENCE, BYTES = "equivalence to single-device training", "bytes sent per step against the formula"
 #: What each known mistake fails -- every one a lab compares with: a mistake whose override no longer runs (a
 #: lifecycle method renamed under it) would behave as the answer key and pass.

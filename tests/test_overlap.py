@@ -46,7 +46,7 @@ def pool():
 
 def _backward_overlap(pool, stage: str) -> list[str]:
     """Violations of: a bucket's collective is in flight while backward computes, and the last gradient is
-    ready long before the transfers could have run one after another."""
+    ready before the transfers could have run one after another."""
     exp = Experiment(stage=stage, task="mlp", model=MLP, steps=3, dtype="float32", optimizer="sgd", check=False,
                      network=WIRE, options={"bucket_mb": 1e-9}, stages=STAGES, micro_batch=64)
     problems, pairs = [], 0
@@ -58,7 +58,9 @@ def _backward_overlap(pool, stage: str) -> list[str]:
             transfers = sum(e - b for _, b, e in step.comm)
             if not during:
                 problems.append(f"rank {r} step {s}: no collective started before backward's last gradient")
-            if last_gradient - first_gradient > 0.5 * transfers:
+            # Serialised, backward lasts at least every transfer plus its compute; overlapped, its compute alone --
+            # ~10 ms against ~240 ms of transfers here, and ~120 ms on a machine at load 30 (0.5x failed there).
+            if last_gradient - first_gradient > transfers:
                 problems.append(f"rank {r} step {s}: backward took {last_gradient - first_gradient:.3f} s of "
                                 f"{transfers:.3f} s of transfers: it waited for them")
     # The margin: on a busy machine one rank's step can be descheduled through its whole ~10 ms backward (seen

@@ -46,7 +46,10 @@ FIELDS = ("state", "seq", "kind", "numel", "part", "step", "waiting_on", "entere
           "tag_step", "tag_backward", "tag_syncing", "collectives", "heartbeat", "pid", "task")
 TEXT = 120
 PARTS = ("fingerprint exchange", "reduce-scatter", "all-gather", "broadcast", "gather to root",
-         "broadcast from root", "torch collective", "push", "pull", "all-to-all", "")  # "": no part yet (the last)
+         "broadcast from root", "torch collective", "push", "pull", "all-to-all", "part named by its caller",
+         "")  # "": no part yet (the last)
+#: The board holds numbers: a part outside :data:`PARTS` (a lab's own ring may say ``"rs"``) is reported as this.
+OTHER_PART = PARTS.index("part named by its caller")
 _F = {name: i for i, name in enumerate(FIELDS)}
 #: Seconds between two heartbeats.  A beat costs one write of a float; ten a second is nothing.
 HEARTBEAT_S = 0.1
@@ -85,8 +88,8 @@ class ProgressBoard:
                   tag_syncing=float(call.tag.syncing), state=IN_COLLECTIVE)
 
     def at(self, part: str, step: int = -1) -> None:
-        """The collective moved on to ``part`` (step ``step``): that is progress."""
-        self._set(part=float(PARTS.index(part)), step=float(step), progress=time.time())
+        """The collective moved on to ``part`` (step ``step``): that is progress.  Any label is taken."""
+        self._set(part=float(PARTS.index(part) if part in PARTS else OTHER_PART), step=float(step), progress=time.time())
 
     @contextmanager
     def waiting_for(self, peer: int | float):

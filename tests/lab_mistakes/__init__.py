@@ -52,6 +52,10 @@ EXPECTED: dict[str, str] = {
     "ddp/rank_zero_divides": EQUIVALENCE,
     "ddp/averages_copies_in_double": EQUIVALENCE,
     "ddp/every_module_parameter": EQUIVALENCE,
+    "ddp/leaves_the_wire_out": BYTES,  # right values at full width: only the bytes under a wire show it (issue 45)
+    "ddp_bucketed/leaves_the_wire_out": BYTES,
+    "zero1/leaves_the_wire_out": BYTES,
+    "zero2/leaves_the_wire_out": BYTES,
     # (a race of the learner's own: buckets launched from inside no_sync() race the communication thread, so the
     # values come out wrong on some runs and only the overlap probe's count on others -- caught either way)
     "ddp_bucketed/marks_inside_no_sync": (EQUIVALENCE, OVERLAP),
@@ -155,7 +159,7 @@ VAGUE: dict[str, str] = {
     "ddp/every_module_parameter": "an AttributeError on a None .grad: which parameter had none (frozen, unused) is "
                                   "not said",
     "ddp_bucketed/returns_the_call_not_a_function": "TypeError: 'NoneType' object is not callable, at pipeline.mark: "
-                                                    "not that _all_reduce returned None instead of a function",
+                                                    "not that deferred_all_reduce returned None instead of a function",
     "ring/all_gather_sends_its_own_chunk": "gloo aborted a rank (a message of another size than posted): no collective, "
                                            "element or ring step",
     "ring/all_gather_takes_n_steps": "gloo's 'Pair is not connected' at N = 1: not that the ring sent to itself, one "

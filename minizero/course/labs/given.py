@@ -25,17 +25,33 @@ from ...stages import ZeRO1 as PackageZeRO1
 from ...stages import ZeRO2 as PackageZeRO2
 from ...stages import ZeRO3 as PackageZeRO3
 
+#: The classes a lab's stage builds from one of its attributes -- the learner's only once their stage names it.
+#: A step that runs the skeleton's or the base's copy of such a class's method, in a file that defines it, is told
+#: which attribute to set (:func:`minizero.course.labs.ranks.yours_run`).
+BUILT_AS = {"Unit": "ZeRO3.unit_class", "Wire": "DDP.wire_class", "MasterWeights": "ZeRO2.master_class",
+            "PowerSGDWire": "BucketedDDP.wire_class"}
+
+
+def set_yours(cls_name: str) -> str:
+    """``"; set unit_class = Unit in your ZeRO3"``: how to make the stage build the learner's ``cls_name``."""
+    if cls_name not in BUILT_AS:
+        return ""
+    stage, attribute = BUILT_AS[cls_name].split(".")
+    return f"; set {attribute} = {cls_name} in your {stage} (the stage builds its {cls_name}s from it)"
+
 
 def without(cls: type, *methods: str, name: str | None = None, **given) -> type:
     """A subclass of ``cls`` whose ``methods`` raise ``NotImplementedError("write Class.method ...")``: what a
     learner's file runs for a method it does not write.  ``given``: class attributes set on it (the unit or wire
-    class the stage builds, itself a base with the lab's methods taken out)."""
+    class the stage builds, itself a base with the lab's methods taken out: :data:`BUILT_AS`)."""
     shown = name or cls.__name__
+    instead = f" -- or, if it does, the stage builds the lab's base {shown}, not yours{set_yours(shown)}" \
+        if shown in BUILT_AS else ""
 
     def unwritten(method: str):
         def raises(self, *args, **kwargs):
             raise NotImplementedError(f"write {shown}.{method} (your file does not define it: the lab's base "
-                                      f"leaves it to you)")
+                                      f"leaves it to you{instead})")
 
         raises.__name__ = raises.__qualname__ = method
         raises.__doc__ = f"Yours to write: {shown}.{method} (see the lab's skeleton for what it must do)."

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from ...comm import ring_bytes_sent
 from ...stages import DDP, Stage, ZeRO2
-from ..harness.costs import bytes_problem, memory_problem, overlap_problem
+from ..harness.costs import BYTES_REL, bytes_problem, memory_problem, overlap_problem
 from ..harness.diagnosis import what_is_wrong
 from ..harness.drawn import experiments
+from ..harness.equivalence import agrees
 from ..harness.experiment import Experiment, reference_of
 from ..harness.optimizers import STATE_TENSORS
 from .failed import Failed, describe
@@ -83,6 +84,7 @@ def sent_bytes(checker, options: dict | None = None) -> str:
     """Bytes each rank sent in each step as the ledger counted them, against the stage's formula; the kinds of
     collective against the answer key's -- at every world size 1-4, K = 1 and K = 2 (:mod:`minizero.course.harness.costs`,
     as the suite judges the package's stages)."""
+    judged_wires = options is None and takes_a_wire(checker)
     options = taken_steps({**checker.options, **(options or {})})
     for n, k in COST_CASES:
         exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=k, dtype="float32", optimizer="adamw",
@@ -95,8 +97,47 @@ def sent_bytes(checker, options: dict | None = None) -> str:
         if problem:
             average = sum(x.sent_bytes for x in results) / (n * exp.steps)
             raise Failed(problem, describe(exp, n), checker.diagnose_cost(exp, n, average, set(first.sent_by_kind)))
+    if judged_wires:
+        wire_bytes(checker)
     return (f"the ledger's bytes in every step, on every rank, equal the formula ({checker.lab.answer.__name__}) at "
-            f"N = 1-4, K = 1 and 2 ({', '.join(f'N={n} K={k}' for n, k in COST_CASES)})")
+            f"N = 1-4, K = 1 and 2 ({', '.join(f'N={n} K={k}' for n, k in COST_CASES)})"
+            + (f"; under the {' and '.join(JUDGED_WIRES)} wires, the package's own bytes" if judged_wires else ""))
+
+
+#: The wires whose bytes are judged too, wherever the stage takes one: a collective that leaves ``wire=`` out
+#: still averages right -- at full width, twice the 16-bit wire's bytes and about four times int8's (issue 45).
+JUDGED_WIRES = ("fp16", "int8")
+WIRE_CASES = ((2, 1), (3, 2))
+
+
+def ratio(mine: float, stage: float) -> str:
+    return f"{mine / stage:.3g}x as many ({'too many' if mine > stage else 'too few'})" if stage else "where it sends none"
+
+
+def takes_a_wire(checker) -> bool:
+    """The lab's stage averages over a wire (it takes ``compress``), and the check is in fp32 (a codec is refused
+    under mixed precision)."""
+    stage = checker.lab.answer
+    return issubclass(stage, Stage) and "compress" in stage.option_names() and "precision" not in checker.options
+
+
+def wire_bytes(checker) -> None:
+    """Each rank's bytes in each step under each of :data:`JUDGED_WIRES` against the package's own stage's (the suite
+    holds those to the codecs' formulas), by the same kinds of collective -- within the formula's tolerance: a ring
+    cuts each tensor into N chunks, so one all-reduce per parameter sends a few bytes more or less than one flat
+    buffer does."""
+    for spec in JUDGED_WIRES:
+        for n, k in WIRE_CASES:
+            exp = Experiment(stage=checker.key, task="gpt", steps=2, accum=k, dtype="float32", optimizer="adamw",
+                             options={**checker.options, "compress": spec})
+            mine, answer = checker.run_case(n, exp), checker.package(n, replace(exp, stage=checker.lab.stage))
+            for rank, (a, b) in enumerate(zip(mine, answer, strict=True)):
+                for step, (sent, due) in enumerate(zip(a.sent_per_step, b.sent_per_step, strict=True), 1):
+                    if not agrees(sent, due, BYTES_REL) or set(a.sent_by_kind) != set(b.sent_by_kind):
+                        raise Failed(f"under compress={spec!r} rank {rank} sent {sent:,.0f} bytes in step {step} as "
+                                     f"{sorted(a.sent_by_kind)} where the stage sends {due:,.0f} as "
+                                     f"{sorted(b.sent_by_kind)}: {ratio(sent, due)}. Does every collective that "
+                                     f"averages gradients carry the stage's wire (wire=self.wire)?", describe(exp, n))
 
 
 def one_sync_per_step(checker) -> str:

@@ -28,7 +28,7 @@ from .failed import Failed
 from .loading import Impl
 from .mistakes_hierarchical import HIERARCHICAL_MISTAKES
 from .properties import PROPERTIES as SUITE
-from .ranks import Raised, learners_methods, never_called
+from .ranks import Raised, RanAnother, learners_methods, never_called
 
 #: Every node shape of up to four ranks, by world size: a failure shrinks towards one node of one rank.
 SHAPES = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (1, 4), (2, 2), (4, 1))
@@ -272,11 +272,13 @@ def yours_on_rank(me: Rank, impl: Impl) -> list[str] | Raised | None:
             finally:
                 comm.close()
 
-        never = never_called(mine, one_all_reduce)
+        never = never_called(mine, one_all_reduce, impl.path)
         if never:
             return [f"your {', '.join(never)} is never called by an all_reduce: is your Hierarchical the class your "
                     f"file defines last?"]
         return never
+    except RanAnother as another:  # a blank copy of the learner's own method ran
+        return [str(another)]
     except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
         return Raised.now(me.rank, error, impl.path)
 

@@ -19,6 +19,7 @@ from ...run.launch import Rank
 from ..harness.experiment import build, run_experiment
 from ..harness.overlap import backward_launches
 from ..harness.tasks import TASKS
+from .given import set_yours
 from .loading import Impl, load_file, shown
 
 
@@ -120,14 +121,45 @@ def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:
         mine, problems = learners_methods(impl)
         if problems:
             return problems
-        never = never_called(mine, lambda: run_experiment(me, replace(exp, stages=impl.stages())))
+        never = never_called(mine, lambda: run_experiment(me, replace(exp, stages=impl.stages())), impl.path)
         if never:
             owners = sorted({todo.split(".")[0] for todo in never})
             return [f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called in a training "
                     f"step: is your {' and '.join(owners)} the class the stage uses?"]
         return never
     except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
+        if isinstance(error, RanAnother):
+            return [str(error)]
         return Raised.now(me.rank, error, impl.path)
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+class RanAnother(Exception):
+    """A step ran the skeleton's or the lab base's copy of a method the learner's file defines: the stage does not
+    build the learner's class (a ``unit_class`` left as the skeleton's, say) -- none of their code ran."""
+
+    @classmethod
+    def of(cls, error: "BaseException | Raised", todos, path: str) -> "RanAnother | None":
+        """Is ``error`` a lab method's blank raising ``write Class.method`` -- in a file other than the learner's
+        ``path`` (their own blank method is theirs to write, and the properties say so)?  Then which, in words."""
+        chain, seen = [], error
+        while isinstance(seen, BaseException) and seen not in chain:
+            chain.append(seen)
+            seen = seen.__cause__ or seen.__context__
+        elsewhere = [e for e in chain if isinstance(e, NotImplementedError) and e.__traceback__ is not None
+                     and not _same_file(traceback.extract_tb(e.__traceback__)[-1].filename, path)]
+        messages = [str(e) for e in elsewhere] if chain else (
+            [error.message] if isinstance(error, Raised) and error.kind == "NotImplementedError"
+            and not error.where.startswith(f"{shown(path)}:") else [])
+        ran = next((todo for m in messages for todo in todos if m.startswith(f"write {todo}")), None)
+        if ran is None:
+            return None
+        owner = ran.split(".")[0]
+        return cls(f"your file defines {ran}, but a step ran another {owner}'s, which raises (the skeleton's or the "
+                   f"lab's base's): the stage does not build your {owner}{set_yours(owner)}")
 
 
 def learners_methods(impl: Impl) -> tuple[dict, list[str]]:
@@ -148,10 +180,11 @@ def learners_methods(impl: Impl) -> tuple[dict, list[str]]:
     return mine, problems
 
 
-def never_called(mine: dict, run) -> list[str] | None:
+def never_called(mine: dict, run, path: str) -> list[str] | None:
     """``run()`` watched on every thread (a communication thread it starts too): the ``mine`` methods it never
     called; None when it raised or returned a :class:`Raised` -- whether they run is then unknown, and the
-    properties report the error, on the smallest case they find."""
+    properties report the error, on the smallest case they find -- unless what raised is a blank copy of one of
+    ``mine`` (:class:`RanAnother`, raised)."""
     called: set = set()
 
     def profile(frame, event, arg):
@@ -161,13 +194,17 @@ def never_called(mine: dict, run) -> list[str] | None:
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:
-        if isinstance(run(), Raised):
-            return None
-    except Exception:  # noqa: BLE001 -- a method that raises (a blank one) is the properties' to report
-        return None
+        result = run()
+    except Exception as error:  # noqa: BLE001 -- a method that raises (a blank one) is the properties' to report
+        result = error
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+    if isinstance(result, (Exception, Raised)):
+        another = RanAnother.of(result, mine.values(), path)
+        if another is not None:  # a blank copy of the learner's own method ran: the verdict is here
+            raise another
+        return None
     return [todo for code, todo in mine.items() if code not in called]
 
 

@@ -27,8 +27,12 @@ The checker's properties, in order:
      SGD/momentum/Adam, float64 (relative error <= 1e-9) and float32 (<= 1e-5), two param groups, clipping,
      the edge model (frozen, unused with find_unused_parameters, zero-size and tied parameters), the optimizer
      built before or after wrapping;
-  3. bytes per step: each rank sends what one ring all-reduce of every gradient sends, 2(N-1)/N x Psi x b
-     (Psi trainable parameters of b bytes each), as all-reduces only -- at N = 2 and 3.
+  3. bytes per step: each rank sends what one ring all-reduce of every gradient sends, 2(N-1)/N x Psi x b (Psi
+     trainable parameters of b bytes each), as all-reduces only -- at N = 2 and 3; under the fp16 and int8 wires
+     (``compress=``) each rank's bytes in each step equal the package's stage's: a collective that averages
+     gradients without the stage's ``wire=self.wire`` sends them at full width.  The number of messages is not
+     judged: one all-reduce per parameter passes, and pays the ring's latency once per parameter (the package's
+     answer packs one buffer per dtype: one message per ring step).
 
 Check it:   python -m minizero check ddp --impl THIS_FILE
 """

@@ -32,7 +32,9 @@ The checker's properties, in order:
      1-4, K = 1-3 micro-batches (the first K-1 inside no_sync()), uneven batches, SGD/momentum/Adam, float64
      (<= 1e-9) and float32 (<= 1e-5), bucket caps of one parameter per bucket up to one bucket, the edge model,
      the optimizer built after wrapping -- whose ``zero_grad()`` sets every ``.grad`` to None behind the stage;
-  3. bytes per step: one ring all-reduce of every gradient, 2(N-1)/N x Psi x b, as all-reduces only;
+  3. bytes per step: one ring all-reduce of every gradient, 2(N-1)/N x Psi x b, as all-reduces only; under the fp16
+     and int8 wires (``compress=``) each rank's bytes in each step equal the package's stage's: a collective that
+     averages gradients without the stage's ``wire=self.wire`` sends them at full width;
   4. overlap (N = 2, one parameter per bucket): in every synchronising backward the first bucket's collective
      is submitted to the communication thread while backward still has gradients to compute, and no
      collective runs on the main thread before backward ends.

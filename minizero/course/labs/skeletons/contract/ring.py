@@ -13,7 +13,8 @@ ranks some chunks are empty).
 Messages: the one way data leaves a rank here is a ring step,
 ``self._send_right_recv_left(send, recv, part, step)`` -- it sends tensor ``send`` to rank r+1 while it receives
 into tensor ``recv`` from rank r-1 (both at once: no deadlock); an empty or None tensor is skipped at both ends;
-``part`` and ``step`` say where you are, for a stall's report.  The byte ledger counts what it sends, and
+``part`` (``"reduce-scatter"`` or ``"all-gather"``; any other label is taken too) and ``step`` say where you
+are, for a stall's report.  The byte ledger counts what it sends, and
 nothing else.  ``self.rank`` is r, ``self.world_size`` is N.
 
 The checker's properties, in order:

@@ -36,8 +36,10 @@ The checker's properties, in order:
   2. equivalence to single-device training, parameters and optimizer states after every step, on drawn
      examples: world sizes 1-4, K = 1-3, uneven batches, SGD/momentum/Adam, float64 (<= 1e-9) and float32
      (<= 1e-5), two param groups, clipping, the edge model, the optimizer built after wrapping;
-  3. bytes per step: a reduce-scatter of the gradients plus an all-gather of the parameters,
-     2(N-1)/N x Psi x b -- exactly DDP's -- as reduce-scatters and all-gathers only (N = 2 and 3);
+  3. bytes per step: a reduce-scatter of the gradients plus an all-gather of the parameters, 2(N-1)/N x Psi x b --
+     exactly DDP's -- as reduce-scatters and all-gathers only (N = 2 and 3); under the fp16 and int8 wires
+     (``compress=``) each rank's bytes in each step equal the package's stage's: a collective that averages
+     gradients without the stage's ``wire=self.wire`` sends them at full width;
   4. memory: the model state each rank holds after a step (AdamW, N = 4) is 4Psi + 4Psi + 8Psi/N bytes --
      parameters, full gradients, optimizer states for the owned shard only -- no second copy of a gradient.
 

@@ -38,8 +38,10 @@ The checker's properties, in order:
      examples: world sizes 1-4, K = 1-3 (the first K-1 inside no_sync()), uneven batches, SGD/momentum/Adam,
      float64 (<= 1e-9) and float32 (<= 1e-5), bucket caps from one parameter per bucket to one bucket, two param
      groups, clipping, the edge model, the optimizer built after wrapping;
-  3. bytes per step: reduce-scatters of the gradients plus all-gathers of the parameters, 2(N-1)/N x Psi x b,
-     as reduce-scatters and all-gathers only (N = 2 and 3);
+  3. bytes per step: reduce-scatters of the gradients plus all-gathers of the parameters, 2(N-1)/N x Psi x b, as
+     reduce-scatters and all-gathers only (N = 2 and 3); under the fp16 and int8 wires (``compress=``) each rank's
+     bytes in each step equal the package's stage's: a collective that averages gradients without the stage's
+     ``wire=self.wire`` sends them at full width;
   4. memory: the model state each rank holds after a step (AdamW, N = 4) is 4Psi + 12Psi/N bytes -- a full
      gradient that outlives its bucket's launch shows there;
   5. overlap (N = 2, one parameter per bucket): the first bucket's collective is submitted to the communication
