@@ -1,6 +1,6 @@
 """Claims the lessons make that no other test pins down.
 
-* Lesson 7: reducing every micro-batch (``sync_every_micro_batch``, no ``no_sync()``) is the same update as
+* Lesson 7: reducing every micro-batch (``syncs`` all True, no ``no_sync()``) is the same update as
   accumulating locally, for K reduce-scatters per step; between micro-batches a ZeRO-2 rank then holds only
   its gradient shard.
 * Lesson 4: minizero's split of the division by N around a 16-bit sum is not FSDP2's -- checked against
@@ -28,21 +28,21 @@ from minizero.stages import make_stage
 @pytest.mark.parametrize("stage", ["ddp", "zero2"])
 def test_reducing_every_micro_batch_is_the_same_update(pools, stage):
     exp = Experiment(stage=stage, task="gpt", optimizer="adamw", steps=2, accum=3, dtype="float64",
-                     sync_every_micro_batch=True)
+                     syncs=(True, True, True))
     results = pools.run(2, run_experiment, exp)
     assert max_diff(results, reference_of(exp, 2))[1] < 1e-12
 
 
 def test_reducing_every_micro_batch_has_no_same_casts_reference():
-    exp = Experiment(stage="zero2", accum=2, sync_every_micro_batch=True, options={"compress": "bf16"})
-    with pytest.raises(ValueError, match="sync_every_micro_batch has no same-casts reference"):
+    exp = Experiment(stage="zero2", accum=2, syncs=(True, True), options={"compress": "bf16"})
+    with pytest.raises(ValueError, match=r"syncs=\(True, True\) has no same-casts reference"):
         reference_of(exp, 2)
 
 
 def test_reducing_every_micro_batch_sends_k_reduce_scatters(pools):
     n, k = 2, 3
     once, every = (pools.run(n, run_experiment, Experiment(stage="zero2", task="gpt", steps=1, accum=k, dtype="float32",
-                                                           sync_every_micro_batch=flag))
+                                                           syncs=(flag,) * (k - 1) + (True,)))
                    for flag in (False, True))
     psi = once[0].psi
     rs, ag = reduce_scatter_bytes(psi * 4, n), all_gather_bytes(psi * 4, n)
@@ -66,7 +66,7 @@ def _grads_between_micro_batches(me, every: bool) -> tuple[int, int]:
         seen.append(held_bytes({"grads": stage.held_tensors()["grads"]})["grads"])
         return sum_loss(output, target)
 
-    train_step(stage, shard_step(x, y, me.rank, me.world_size, 2), loss_fn, sync_every_micro_batch=every)
+    train_step(stage, shard_step(x, y, me.rank, me.world_size, 2), loss_fn, syncs=(every, True))
     return seen[1], sum(p.numel() for p in model.parameters())
 
 

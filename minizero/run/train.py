@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,27 +60,32 @@ def sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[float, float] | None = None,
-               sync_every_micro_batch: bool = False, optimizer: torch.optim.Optimizer | None = None,
+               syncs: Sequence[bool] | None = None, optimizer: torch.optim.Optimizer | None = None,
                zero_grad: Callable[[], None] | None = None) -> float:
     """One optimizer step; returns this rank's *summed* loss (add over ranks, divide by global_count).
 
     ``clip=(max_norm, norm_type)`` clips the averaged gradient by its global
     norm before the step, as ``torch.nn.utils.clip_grad_norm_`` would on one device.
-    ``sync_every_micro_batch=True`` leaves out ``no_sync()``: every micro-batch's backward synchronises and
-    adds its average to the averaged gradient -- the same update, K reductions per step instead of one
-    (under ZeRO-2 a rank then never holds full gradients between micro-batches: lesson 7 measures both).
+    ``syncs``: whether each micro-batch's backward synchronises (outside ``no_sync()``); None: the last only,
+    torch's idiom -- one reduction per step.  Every one synchronising (lesson 7: under ZeRO-2 a rank then never
+    holds full gradients between micro-batches) adds each average to the averaged gradient: the same update, K
+    reductions; so does any order that ends synchronising -- a gradient synchronised twice adds, as ``.grad`` does.
     ``optimizer``: one built *after* wrapping, over ``stage.parameters()`` (FSDP2's order), which the loop
     zeroes and steps itself; without it the stage's own ``zero_grad()`` and ``step()`` run the optimizer it
     was given.  ``zero_grad``: what the user's loop calls instead to zero the gradients -- ``model.zero_grad()``,
     say, which wrapping routes to the stage's.
     """
+    if syncs is not None and (len(syncs) != len(step.micro_batches) or not syncs[-1]):
+        raise ValueError(f"syncs={tuple(syncs)}: one per micro-batch ({len(step.micro_batches)}), the last True -- "
+                         f"a step after a backward inside no_sync() would step on gradients never averaged")
     (zero_grad or (optimizer or stage).zero_grad)()
     scale = stage.world_size / step.global_count
     total = 0.0
     last = len(step.micro_batches) - 1
     for k, (x, y) in enumerate(step.micro_batches):
         # Only the last micro-batch's backward synchronises (torch's no_sync idiom), unless asked otherwise.
-        with stage.no_sync() if k < last and not sync_every_micro_batch else contextlib.nullcontext():
+        syncing = k == last if syncs is None else syncs[k]
+        with contextlib.nullcontext() if syncing else stage.no_sync():
             loss = loss_fn(stage(x), y)
             stage.scale_loss(loss * scale).backward()  # times the loss scale, under fp16 mixed precision
         total += loss.item()

@@ -44,6 +44,7 @@ EXPECTED: dict[str, str] = {
     "ring/all_gather_sends_its_own_chunk": COLLECTIVES,
     "ring/returns_early_on_one_rank": COLLECTIVES,
     "ring/adds_instead_of_combining": COLLECTIVES,
+    "ring/reduces_into_its_input": COLLECTIVES,  # right results, the caller's tensor changed (issue 45)
     "ddp/forgets_to_unpack": EQUIVALENCE,
     "ddp/divides_twice": EQUIVALENCE,
     "ddp/first_dtype_only": EQUIVALENCE,
@@ -56,6 +57,7 @@ EXPECTED: dict[str, str] = {
     "ddp_bucketed/leaves_the_wire_out": BYTES,
     "zero1/leaves_the_wire_out": BYTES,
     "zero2/leaves_the_wire_out": BYTES,
+    "zero2/sets_the_gradient_instead_of_adding": EQUIVALENCE,  # two synchronising backwards in one step (issue 45)
     # (a race of the learner's own: buckets launched from inside no_sync() race the communication thread, so the
     # values come out wrong on some runs and only the overlap probe's count on others -- caught either way)
     "ddp_bucketed/marks_inside_no_sync": (EQUIVALENCE, OVERLAP),
@@ -87,7 +89,8 @@ EXPECTED: dict[str, str] = {
     "zero2/reduce_scatters_into_the_parameter_shard": EQUIVALENCE,
     "zero2/forgets_to_record_use": EQUIVALENCE,
     "zero2/waits_outside_the_round": EQUIVALENCE,
-    "zero2/keeps_the_full_gradients": MEMORY,
+    # (with two synchronising backwards a step, the kept gradients are averaged twice: wrong values too)
+    "zero2/keeps_the_full_gradients": (MEMORY, EQUIVALENCE),
     "zero3/keeps_the_finished_gather": EQUIVALENCE,
     "zero3/caches_the_gathered_parameters": EQUIVALENCE,
     "zero3/reshards_whatever_the_flag": BYTES,
@@ -112,6 +115,8 @@ EXPECTED: dict[str, str] = {
     "mixed_precision/step_returns_nothing": "the mixed-precision step on every rank",
     "mixed_precision/unscales_at_every_call": "the mixed-precision step on every rank",
     "mixed_precision/unscales_in_16_bits": "the mixed-precision step on every rank",
+    "mixed_precision/never_tells_the_listeners": "the mixed-precision step on every rank",  # a duty (issue 45)
+    "mixed_precision/skips_at_the_floor_too": "the mixed-precision step on every rank",  # a rare branch, explicit
     # planted: reshard
     "reshard/both_moments_from_exp_avg": "every rank's new shard holds exactly its range",
     "reshard/floor_shard_size": "every rank's new shard holds exactly its range",

@@ -155,14 +155,14 @@ def steps_on_local_gradients(self):
 # ------------------------------------------------------------------------------- the loop, the comparison
 def loop(scale_of: Callable, sync_every: bool = False, clear: bool = True, clip_after: bool = False):
     """``minizero.run.train.train_step`` with one thing changed (its signature kept: the experiment calls it so)."""
-    def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip=None, sync_every_micro_batch: bool = False,
-                   optimizer=None, zero_grad=None):
+    def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip=None, syncs=None, optimizer=None,
+                   zero_grad=None):
         if clear:
             (zero_grad or (optimizer or stage).zero_grad)()
         total, last = 0.0, len(step.micro_batches) - 1
         for k, (x, y) in enumerate(step.micro_batches):
-            syncs = k == last or sync_every or sync_every_micro_batch
-            with contextlib.nullcontext() if syncs else stage.no_sync():
+            syncing = k == last or sync_every or (syncs is not None and syncs[k])
+            with contextlib.nullcontext() if syncing else stage.no_sync():
                 loss = loss_fn(stage(x), y)
                 stage.scale_loss(loss * scale_of(stage, step)).backward()
             total += loss.item()

@@ -188,7 +188,7 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
     model's latency is the dial's alpha plus loopback's (measured, not assumed).  Each dialled run gives
     its step time and hidden fraction (the slowest rank's median over steps after the first); ``steps``
     is rank 0's timeline of the last run, to draw."""
-    if exp.accum != 1 or exp.sync_every_micro_batch:
+    if exp.accum != 1:
         raise ValueError(f"the model replays one forward and backward per step; got accum={exp.accum}: compare "
                          f"a run with accum=1")
     exp = replace(exp, check=False)  # a fingerprint is (N-1) more messages per collective, which the model leaves out

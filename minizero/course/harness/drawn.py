@@ -5,6 +5,8 @@ the package's own stages pass (``tests/`` and ``python -m minizero check``).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 
 from ...parts.precision import Precision
@@ -96,13 +98,16 @@ assert sorted(SIMPLEST_FIRST) == sorted(OPTIMIZERS)
 @st.composite
 def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_accum: int = 3, compress: bool = False,
                 backends=("ring", "native"), stages: dict | None = None, precision: bool = False,
-                tasks=("mlp", "mlp", "edge", "gpt"), wrap_first: bool = False, nodes: bool = False):
+                tasks=("mlp", "mlp", "edge", "gpt"), wrap_first: bool = False, nodes: bool = False,
+                syncs: bool = False):
     """An experiment and its world size: model shape, batch split, optimizer, dtype...  With ``wrap_first``,
     half the draws build the optimizer after wrapping, over ``stage.parameters()``, and the loop zeroes and steps
     it itself (FSDP2's order: ``optimizer.zero_grad()`` sets every ``.grad`` to None behind the stage's back); and
     half zero the gradients as a user's loop often does, with ``model.zero_grad()``.  With ``nodes`` (always for a
     stage whose mesh is the nodes: HSDP), the ranks sit on drawn nodes -- ``M x G = N``, one rank per node and
-    one node included -- and the backend may be the hierarchical one."""
+    one node included -- and the backend may be the hierarchical one.  With ``syncs``, half the draws of K >= 2
+    synchronise more than the last micro-batch's backward -- in every order that ends synchronising -- so a gradient
+    synchronised twice before a step must add, as ``.grad`` does (not the same-casts reference's: one rounding a step)."""
     world_size = draw(st.sampled_from(world_sizes))
     network = None
     if nodes or getattr(stage_class(stage, stages), "needs_nodes", False):
@@ -151,4 +156,8 @@ def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_
         # the user's own idiom, model.zero_grad() -- which wrapping routes to the stage's -- half the time
         zero_grad=draw(st.sampled_from(["optimizer", "model"])) if wrap_first else "optimizer",
     )
+    if syncs and accum > 1:  # drawn last, so the draws before it are what they were without it
+        # None first: a failure shrinks to torch's idiom, the last micro-batch synchronising alone
+        pattern = draw(st.none() | st.tuples(*[st.booleans()] * (accum - 1)).map(lambda head: (*head, True)))
+        exp = replace(exp, syncs=pattern if pattern != (False,) * (accum - 1) + (True,) else None)
     return exp, world_size

@@ -47,7 +47,7 @@ class Experiment:
     steps: int = 3
     micro_batch: int = 4  # samples per rank per micro-batch
     accum: int = 1  # K micro-batches per optimizer step
-    sync_every_micro_batch: bool = False  # reduce every micro-batch, not once per step (no no_sync(); lesson 7)
+    syncs: tuple | None = None  # which micro-batches' backwards synchronise (None: the last; all: lesson 7)
     dtype: str = "float64"
     seed: int = 0
     backend: str = "ring"  # ring (send/recv) or native (torch collectives)
@@ -136,7 +136,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                 start = time.perf_counter()
                 with poison_gradient(model, exp, s, rank, n if me else None):
                     losses.append(train_step(stage, step, clip=exp.clip, optimizer=optimizer,
-                                             sync_every_micro_batch=exp.sync_every_micro_batch,
+                                             syncs=exp.syncs if me else None,  # the reference: one batch
                                              zero_grad=model.zero_grad if exp.zero_grad == "model" else None))
                 times.append(time.perf_counter() - start)
             per_step.append(sum(v for k, v in ledger.snapshot().items() if k != "check") - sum(per_step))
@@ -226,9 +226,9 @@ def reference_of(exp: Experiment, world_size: int) -> RankResult:
     """Single-device training on the global batch -- or, for a compressed run, the
     reference that applies the same casts (:mod:`minizero.course.harness.casts_reference`)."""
     if rounds(exp):
-        if exp.sync_every_micro_batch:  # the same-casts reference rounds one reduction per step
-            raise ValueError("sync_every_micro_batch has no same-casts reference: it rounds K reductions per "
-                             "step; compare it with exact_reference_of")
+        if exp.syncs is not None and sum(exp.syncs) > 1:  # the same-casts reference rounds one reduction a step
+            raise ValueError(f"syncs={exp.syncs} has no same-casts reference: it rounds {sum(exp.syncs)} reductions "
+                             f"per step; compare it with exact_reference_of")
         return run_casts_reference(exp, world_size, stage_class(exp.stage, exp.stages))
     return exact_reference_of(exp, world_size)
 

@@ -27,7 +27,7 @@ def timeline_on_rank(me: Rank, exp: Experiment) -> list[StepTimeline]:
             x, y = task.make_batch(exp.global_batch(me.world_size), exp.seed, s, dtype, **exp.model)
             timeline.start()
             train_step(stage, shard_step(x, y, me.rank, me.world_size, exp.accum), clip=exp.clip,
-                       sync_every_micro_batch=exp.sync_every_micro_batch)
+                       syncs=exp.syncs)
     finally:
         comm.close()
     return timeline.steps

@@ -109,6 +109,9 @@ def master_rounds(me, impl: Impl, case: MasterCase) -> list[dict] | Raised:
             return all_reduce(*args, **kwargs)
 
         comm.all_reduce = counted
+        told, told_ref = [], []  # what a listener of each hears after each step: (taken, rescale)
+        mine.settled.append(lambda *heard: told.append(heard))
+        ref.settled.append(lambda *heard: told_ref.append(heard))
         steps = []
         for step in range(ROUNDS):
             overflow = _overflow_anywhere(case, step, dtype)
@@ -132,13 +135,15 @@ def master_rounds(me, impl: Impl, case: MasterCase) -> list[dict] | Raised:
                 if want != "raised":
                     record["problem"] = record["raised"]
                 elif not record["raised"]:
-                    record["problem"] = (f"rank {me.rank}: at the minimum loss scale ({case.loss_scale:g}) an overflow "
-                                         f"is divergence, not a too-large scale: step() must raise (the given "
+                    record["problem"] = (f"step {step + 1}, rank {me.rank}'s step() returned, its masters never moved: "
+                                         f"at the minimum loss scale ({case.loss_scale:g}) an overflow is divergence, "
+                                         f"not a too-large scale -- step() must raise (the given "
                                          f"_refuse_overflow_at_the_floor()), not skip the step forever")
                 steps.append(record)
                 break
             record["problem"] = _differs(me.rank, step, case, (working, masters, optimizer, mine),
-                                         (w_ref, m_ref, o_ref, ref), want, record["stepped"], before)
+                                         (w_ref, m_ref, o_ref, ref), want, record["stepped"], before) \
+                or _unheard(me.rank, step, told, told_ref)
             steps.append(record)
         return steps
     except Exception as error:  # noqa: BLE001
@@ -169,6 +174,17 @@ def _clip(weights) -> None:
     for m in weights.unscaled_masters():
         if m.grad is not None:
             m.grad.mul_(0.5)
+
+
+def _unheard(rank: int, step: int, told: list, due: list) -> str | None:
+    """The listeners in ``settled`` told what the package tells them, once a step: whether it was taken, and by
+    what factor the loss scale changed -- else a 16-bit wire with error feedback keeps a skipped step's residuals,
+    or leaves them in the old scale's units."""
+    if told == due:
+        return None
+    return (f"step {step + 1}, rank {rank}'s listeners in self.settled were told {told or 'nothing'}; the package "
+            f"tells them {due} ((taken, new scale / old scale), once a step): a 16-bit wire with error feedback "
+            f"keeps or rescales its residuals by it -- left out, it ends too large or too small under fp16")
 
 
 def _differs(rank: int, step: int, case: MasterCase, mine, ref, want_stepped, stepped, start) -> str | None:

@@ -45,6 +45,11 @@ def master_cases(draw) -> MasterCase:
                       outside=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))
 
 
+#: An overflow at the minimum loss scale (1): divergence, which step() must refuse -- a branch 25 draws rarely reach,
+#: so it is checked whatever is drawn (issue 45).
+FLOOR = MasterCase(world_size=2, precision="fp16", loss_scale=1.0, sizes=(2, 3), missing=((), ()),
+                   poison=(0, 1, 2, "nan"), optimizer="momentum", clip_first=False, outside=False, seed=3)
+
 #: The second case a known mistake must also match to be named: three ranks, a NaN on the last, Adam, the optimizer
 #: built after wrapping, a piece without elements and one without a gradient in the second step.
 SECOND = MasterCase(world_size=3, precision="fp16", loss_scale=2.0 ** 12, sizes=(4, 0, 3), missing=((), (2,)),
@@ -82,7 +87,7 @@ def mixed_step(checker) -> str:
     """The step alone, on every rank, against the package's on the same gradients: drawn cases (world sizes 1-4,
     fp16 and bf16, an inf or NaN on one rank, the minimum scale, clipping first, the optimizer built before or after
     wrapping, tensors without a gradient or with no elements), shrunk to the smallest that fails; then, whatever was
-    drawn, the agreement case (an inf on rank 1 only)."""
+    drawn, the agreement case (an inf on rank 1 only) and a NaN at the minimum scale (it must raise)."""
     failing = {}
 
     def examine(drawn):
@@ -95,9 +100,10 @@ def mixed_step(checker) -> str:
     except Failed as failed:
         case = failing.get(failed.why)
         raise Failed(failed.why, failed.case, case and _named(checker, case, failed.why), failed.final) from None
-    why = _verdict(checker, AGREEMENT)  # and, whatever was drawn, the case the lab is about
-    if why:
-        raise Failed(why, AGREEMENT.describe(), _named(checker, AGREEMENT, why))
+    for case in (AGREEMENT, FLOOR):  # and, whatever was drawn, the case the lab is about, and the rare branch
+        why = _verdict(checker, case)
+        if why:
+            raise Failed(why, case.describe(), _named(checker, case, why))
     return (f"an inf on one rank skips the step on every rank; {checker.examples} drawn cases: world sizes 1-4, fp16 "
             f"and bf16, inf or NaN on one rank, the minimum scale, clipping first, the optimizer before or after "
             f"wrapping -- masters, working copy, loss scale and optimizer state equal the package's, bit for bit")

@@ -247,19 +247,22 @@ def collectives_round(me: Rank, impl: Impl, numel: int, dtype: str, seed: int) -
         for name in expected:
             ledger = Ledger()
             comm.add_observer(ledger)
+            given = None  # the caller's input, which only the all-reduce (in place) may change
             if name.startswith("all_reduce"):
                 got = everyone[r].clone()
                 comm.all_reduce(got, ReduceOp[name.split()[1]])
             elif name.startswith("reduce_scatter"):
-                got = torch.full((shard,), float("nan"), dtype=dt)
-                comm.reduce_scatter(got, padded[r].clone(), ReduceOp.SUM)
+                got, given = torch.full((shard,), float("nan"), dtype=dt), padded[r].clone()
+                comm.reduce_scatter(got, given, ReduceOp.SUM)
             else:
-                got = torch.full((shard * n,), float("nan"), dtype=dt)
-                comm.all_gather(got, padded[r][r * shard:(r + 1) * shard].clone())
+                got, given = torch.full((shard * n,), float("nan"), dtype=dt), padded[r][r * shard:(r + 1) * shard].clone()
+                comm.all_gather(got, given)
             comm.remove_observer(ledger)
             kind = name.split()[0]
             cases[name] = {"got": got, "expected": expected[name], "kind": kind, "sent": ledger.sent[kind],
-                           "messages": ledger.messages[kind], "numel": shard * n if kind != "all_reduce" else numel}
+                           "messages": ledger.messages[kind], "numel": shard * n if kind != "all_reduce" else numel,
+                           "input": None if given is None else (given, padded[r] if kind == "reduce_scatter"
+                                                               else padded[r][r * shard:(r + 1) * shard])}
         comm.close()
         return cases
     except Exception as error:  # noqa: BLE001

@@ -26,7 +26,7 @@ class MasterWeights(given.MasterWeights):
 
     @torch.no_grad()
     def step(self, optimizer_step) -> bool:
-        overflow = self.unscale_()
+        overflow, scale = self.unscale_(), self.loss_scale
         try:
             if overflow:
                 self._refuse_overflow_at_the_floor()
@@ -40,6 +40,8 @@ class MasterWeights(given.MasterWeights):
             if self.scaler:
                 self.scaler.update(overflow)
             self._overflow = None
+            for listener in self.settled:
+                listener(not overflow, self.loss_scale / scale)
 
     @torch.no_grad()
     def refresh(self) -> bool:

@@ -30,13 +30,14 @@ class MasterWeights(skeleton.MasterWeights):
 
     @torch.no_grad()
     def step(self, optimizer_step) -> bool:
-        overflow = self.unscale_()
+        overflow, stepped, scale = self.unscale_(), False, self.loss_scale
         try:
             if overflow:
                 self._refuse_overflow_at_the_floor()
                 return False
             optimizer_step()
             self.refresh()
+            stepped = True
             return True
         finally:
             for m in self.masters:
@@ -44,6 +45,8 @@ class MasterWeights(skeleton.MasterWeights):
             if self.scaler:
                 self.scaler.update(overflow)
             self._overflow = None
+            for listener in self.settled:
+                listener(stepped, self.loss_scale / scale)
 
     @torch.no_grad()
     def refresh(self) -> bool:

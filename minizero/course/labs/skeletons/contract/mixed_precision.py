@@ -66,8 +66,9 @@ class MasterWeights(GivenMasterWeights):
         then).  On an overflow: nothing changes -- masters, optimizer state, working copy -- and at the minimum
         scale it raises.  Otherwise ``optimizer_step()`` steps the masters and each stepped master is rounded
         into its working copy (by :meth:`refresh`).  Either way, when it returns: every master's ``.grad`` is
-        None (transient, not state between steps), the scaler was told whether the step overflowed, and the
-        next call of :meth:`unscale_` decides afresh."""
+        None (transient, not state between steps), the scaler was told whether the step overflowed, each
+        listener in ``self.settled`` was called once as ``listener(taken, new_scale / old_scale)`` (a 16-bit
+        wire's error feedback keeps its residuals by it), and the next call of :meth:`unscale_` decides afresh."""
         raise NotImplementedError("write MasterWeights.step: skip on overflow, else step and round")
 
     def refresh(self) -> bool:

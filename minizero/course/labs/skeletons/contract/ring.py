@@ -21,7 +21,8 @@ The checker's properties, in order:
   1. your methods are what runs: both are defined in this file and called while a stage trains over your ring;
   2. every collective's result: all-reduce (SUM, AVG, MAX), reduce-scatter (SUM) and all-gather, on drawn
      world sizes 1-4 and tensors of 0-40 elements (fewer than N included), float64 and float32, integer
-     values (every sum exact) -- every element on every rank exactly equal to what it must be;
+     values (every sum exact) -- every element on every rank exactly equal to what it must be, and the
+     reduce-scatter's and all-gather's inputs left as they were;
   3. bytes and messages per rank: each phase sends (N-1)/N of the tensor in at most N-1 messages (exactly N-1
      when every chunk has an element) -- in the reduce-scatter rank r sends every chunk's size but chunk r's,
      in the all-gather every chunk's size but chunk (r+1) mod N's;

@@ -52,7 +52,9 @@ class MasterWeights(GivenMasterWeights):
         2. On overflow: ``self._refuse_overflow_at_the_floor()`` and touch nothing; the result is False.
            Else: ``optimizer_step()``, then ``self.refresh()`` (the stepped masters into the working copy); True.
         3. In every case, before returning (a ``finally``): every master's ``.grad`` back to None, the scaler
-           (if any) told ``update(overflow)``, ``self._overflow`` back to None."""
+           (if any) told ``update(overflow)``, ``self._overflow`` back to None, and each ``listener`` in
+           ``self.settled`` called as ``listener(stepped, self.loss_scale / scale)`` -- ``scale`` the loss scale
+           before the step (a 16-bit wire with error feedback keeps or drops its residuals by it)."""
         raise NotImplementedError("write MasterWeights.step: skip on overflow, else step and round")
 
     @torch.no_grad()
