@@ -58,6 +58,11 @@ EXPECTED: dict[str, str] = {
     "zero1/leaves_the_wire_out": BYTES,
     "zero2/leaves_the_wire_out": BYTES,
     "zero2/sets_the_gradient_instead_of_adding": EQUIVALENCE,  # two synchronising backwards in one step (issue 45)
+    # which parameters were used, across ranks and micro-batches: the routed model (issue 45)
+    "ddp_bucketed/records_use_only_when_syncing": EQUIVALENCE,
+    "ddp_bucketed/marks_before_copying": EQUIVALENCE,  # a race, made certain by an eager launch (issue 45)
+    "zero2/records_use_only_when_syncing": EQUIVALENCE,
+    "zero2/trusts_its_own_record": EQUIVALENCE,
     # (a race of the learner's own: buckets launched from inside no_sync() race the communication thread, so the
     # values come out wrong on some runs and only the overlap probe's count on others -- caught either way)
     "ddp_bucketed/marks_inside_no_sync": (EQUIVALENCE, OVERLAP),
@@ -143,6 +148,7 @@ EXPECTED: dict[str, str] = {
     "hierarchical/skips_the_across_phase": HIERARCHICAL_RESULTS,
     "hierarchical/gathers_before_across": HIERARCHICAL_RESULTS,
     "hierarchical/divides_at_both_levels": HIERARCHICAL_RESULTS,
+    "hierarchical/divides_the_max_too": HIERARCHICAL_RESULTS,  # named as a divided max, not "added" (issue 45)
     "hierarchical/averages_across_too": HIERARCHICAL_RESULTS,
     "hierarchical/flat_ring_over_the_world": HIERARCHICAL_LINKS,
     "hierarchical/all_reduces_the_whole_tensor_across": HIERARCHICAL_LINKS,

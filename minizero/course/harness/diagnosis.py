@@ -81,8 +81,16 @@ def update_words(mine: torch.Tensor, want: torch.Tensor, tol: float, n: int, acc
     ratio = torch.dot(mine.reshape(-1), want.reshape(-1)).item() / wanted ** 2
     residual = (mine - ratio * want).norm().item() / wanted
     if residual > 0.05:
-        cosine = torch.dot(mine.reshape(-1), want.reshape(-1)).item() / (size * wanted)
-        return (f"its update points another way than {theirs}'s (cosine {cosine:.2f}, {size / wanted:.3g}x as "
+        cosine, longer = torch.dot(mine.reshape(-1), want.reshape(-1)).item() / (size * wanted), size / wanted
+        if not 1e-3 < longer < 1e3:  # "cosine 0.00, 1.19e+293x as long" said nothing a learner could use
+            return (f"its update is {longer:.3g} times as long as {theirs}'s: "
+                    f"{'too large' if longer > 1 else 'too small'} by orders of magnitude, not a wrong factor -- an "
+                    f"overflow, memory never written (torch.empty), or a value from another tensor?")
+        if cosine > 0.95:  # the right direction, mostly: a share added twice or left out
+            return (f"its update points nearly {theirs}'s way (cosine {cosine:.3f}) but is {longer:.3g}x as long, "
+                    f"{'too large' if longer > 1 else 'too small'} and not by a whole factor: part of the gradient "
+                    f"{'counted twice' if longer > 1 else 'lost'} -- one micro-batch's, one rank's or one branch's?")
+        return (f"its update points another way than {theirs}'s (cosine {cosine:.2f}, {longer:.3g}x as "
                 f"long): not a scaling of the right gradient -- other data, another parameter's gradient, or a mix")
     return f"its update is {ratio:.4g}x {theirs}'s ({_ratio_words(ratio, n, accum)})"
 

@@ -35,7 +35,7 @@ def _one_of(values):
 #: gradient (the edge model's ``unused``: then ``find_unused_parameters`` is drawn on).
 REPLICABLE = {"mlp": (None, ("layers.0",)), "gpt": (None, ("ln_f",), ("blocks.0.ln1", "ln_f")),
               "edge": (None, ("mid", "tied"), ("out",))}
-UNUSED_PARAMETERS = {"edge"}
+UNUSED_PARAMETERS = {"edge", "routed"}
 
 
 def drawing_for(world_size: int, task: str) -> Drawing:

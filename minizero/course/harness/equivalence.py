@@ -80,7 +80,14 @@ def optimizer_state_violation(got: dict, want: dict, rtol: float, where: str) ->
     """Every state tensor (Adam's exp_avg, exp_avg_sq, momentum buffers...) of every parameter, normwise
     per kind of state over the whole model; for ZeRO stages ``got`` is consolidated from all ranks' shards."""
     if set(got["state"]) != set(want["state"]):
-        return f"{where}: optimizer states for parameters {sorted(got['state'])} != {sorted(want['state'])}"
+        extra, missing = sorted(set(got["state"]) - set(want["state"])), sorted(set(want["state"]) - set(got["state"]))
+        return (f"{where}: the optimizer holds "
+                + "; and ".join(filter(None, [
+                    extra and f"state for parameter(s) #{', #'.join(map(str, extra))}, which one device never stepped (a "
+                              f"parameter without a gradient anywhere was stepped: zeros taken for a gradient?)",
+                    missing and f"no state for parameter(s) #{', #'.join(map(str, missing))}, which one device "
+                                f"stepped (a gradient that existed somewhere never reached them)"]))
+                + " -- numbered in the optimizer's order, as torch's state_dict() numbers them")
     keys = {k for state in want["state"].values() for k, v in state.items() if torch.is_tensor(v) and v.numel()}
     for key in sorted(keys):
         pairs = [(index, got["state"][index][key], state[key]) for index, state in want["state"].items()

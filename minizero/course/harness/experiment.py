@@ -69,6 +69,7 @@ class Experiment:
     zero_grad: str = "optimizer"  # what the loop zeroes with: the optimizer's (or stage's) zero_grad, or "model"'s
     checkpoint_activations: bool = False  # the ranks replay each block's forward in backward (the reference never)
     host_step_peaks: bool = False  # on the CPU, malloc's bytes as each step begins and the most during it (sampled)
+    eager_launch: bool = False  # each submitted collective run at once, its submitter waiting: an order race shows always
 
     def global_batch(self, world_size: int) -> int:
         return sum(self.rank_sizes) if self.rank_sizes else self.micro_batch * self.accum * world_size
@@ -86,7 +87,19 @@ def build(me: Rank | None, exp: Experiment):
     optimizer = None if exp.wrap_first else make_optimizer(exp.optimizer, model, exp.lr, exp.param_groups)
     psi = count_params(model)  # before wrapping: ZeRO-3 leaves only placeholders in the model
     comm = make_comm(exp.backend, check=exp.check, network=network_of(exp, me.world_size)) if me else None
+    if comm is not None and exp.eager_launch:
+        comm.submit = eager(comm.submit)
     return build_stage(exp.stage, model, optimizer, comm, exp.stages, **exp.options), model, comm, psi
+
+
+def eager(submit):
+    """``Comm.submit`` that waits for what it submitted: a bucket launched before its last gradient was copied in
+    is then reduced without it on every run, not only when the communication thread wins the race (issue 45)."""
+    def submit_and_wait(fn):
+        work = submit(fn)
+        work.wait()
+        return work
+    return submit_and_wait
 
 
 def network_of(exp: Experiment, world_size: int):

@@ -194,3 +194,30 @@ GPT_SIZES = {
     "large": {"d_model": 512, "n_layer": 12, "n_head": 8, "block_size": 128},
     "100m": {"d_model": 768, "n_layer": 14, "n_head": 12, "block_size": 256},
 }
+
+
+class RoutedModel(nn.Module):
+    """Each sample goes through one of two branches, chosen by its own first feature -- a mixture of experts'
+    routing, made deterministic.  A branch no sample of a micro-batch chose is not called, so gets no gradient
+    from it: which parameters were used differs by rank *and* by micro-batch, and only their agreement across
+    both is one device's (a branch used by one micro-batch of one rank has a gradient; used by none, it has none
+    and is not stepped).  Routing each sample on its own makes one device's forward on the whole batch the same
+    computation as the ranks' on their shares (issue 45)."""
+
+    def __init__(self, d_in: int = 4, d_hidden: int = 5, d_out: int = 3, seed: int = 0, dtype=torch.float32,
+                 threshold: float = 0.5):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d_hidden)
+        self.left = nn.Linear(d_hidden, d_out)  # about 31% of N(0, 1) samples: often none in a micro-batch
+        self.right = nn.Linear(d_hidden, d_out)
+        self.threshold = threshold
+        _init(self, seed, dtype)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        left = x[:, 0] > self.threshold
+        out = h.new_zeros(h.shape[0], self.left.out_features)
+        for branch, chosen in ((self.left, left), (self.right, ~left)):
+            if chosen.any():  # not called at all otherwise: no gradient, not a zero one
+                out = out.index_put((chosen.nonzero().squeeze(1),), branch(h[chosen]))
+        return out

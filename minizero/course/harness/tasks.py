@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .models import MLP, EdgeModel, MixedDtypeModel, ReuseModel, TinyGPT
+from .models import MLP, EdgeModel, MixedDtypeModel, ReuseModel, RoutedModel, TinyGPT
 
 
 @lru_cache(maxsize=1)
@@ -116,6 +116,14 @@ def _reuse_batch(samples, seed, step, dtype, d=6, **_):
     return _regression_batch(samples, seed, step, dtype, d_in=d, d_out=d)
 
 
+def _routed_model(seed, dtype, **kw):
+    return RoutedModel(seed=seed, dtype=dtype, **kw)
+
+
+def _routed_batch(samples, seed, step, dtype, d_in=4, d_out=3, **_):
+    return _regression_batch(samples, seed, step, dtype, d_in=d_in, d_out=d_out)
+
+
 TASKS = {
     "gpt": Task("gpt", _gpt_model, _gpt_batch),
     "mlp": Task("mlp", _mlp_model, _regression_batch),
@@ -123,4 +131,5 @@ TASKS = {
     "dyadic": Task("dyadic", _dyadic_model, _dyadic_batch),
     "mixed": Task("mixed", _mixed_model, _mixed_batch),
     "reuse": Task("reuse", _reuse_model, _reuse_batch),
+    "routed": Task("routed", _routed_model, _routed_batch),  # used parameters differ by rank and micro-batch
 }

@@ -64,14 +64,27 @@ def equivalence(checker, compress: bool = False) -> str:
                     param_groups=False)
     edge = replace(corner, task="edge", model={}, optimizer="momentum", param_groups=False,
                    options={**corner.options, "find_unused_parameters": True})
-    unused = "find_unused_parameters" in getattr(checker.lab.answer, "option_names", lambda: ())()
-    for case in (corner,) + ((twice,) if exact_sums else ()) + ((edge,) if unused else ()):
-        found = None if compress else examine((case, 2))
+    # ... and the routed model at N = 3: a branch used by some micro-batches of some ranks, in one step only inside
+    # no_sync(), in another by none (tests/test_routed.py's case) -- use agreed across ranks *and* micro-batches.
+    routed = replace(edge, task="routed", lr=0.05, micro_batch=1, seed=19, accum=3, steps=3)
+    # ... and each collective run the moment it is launched, its launcher waiting: a bucket launched before its last
+    # gradient was copied in is reduced without it on every run, not only when the communication thread wins.
+    # (One micro-batch, the optimizer built after wrapping, whose zero_grad() sets every .grad to None: each gradient
+    # arrives outside its bucket, and must be copied in before the bucket can be launched.)
+    eager = replace(corner, param_groups=False, eager_launch=True, wrap_first=True, record_states=False, accum=1,
+                    options={**corner.options, "bucket_mb": 1e-9})
+    declared = getattr(checker.lab.answer, "option_names", lambda: ())()
+    unused, buckets = "find_unused_parameters" in declared, "bucket_mb" in declared
+    cases = [(corner, 2)] + [(twice, 2)] * exact_sums + [(edge, 2), (routed, 3)] * unused + [(eager, 2)] * buckets
+    for case, n in cases:
+        found = None if compress else examine((case, n))
         if found:
-            raise Failed(found[0], describe(case, 2), checker.diagnose(case, 2, found[1]))
+            raise Failed(found[0], describe(case, n), checker.diagnose(case, n, found[1]))
     return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, "
             f"SGD/momentum/Adam, float64 and float32, the edge model{', a model of two dtypes' if exact_sums else ''}, "
             f"{'backwards inside and outside no_sync() in every order, ' if exact_sums else ''}"
+            f"{'parameters used by some ranks and micro-batches only (the routed model), ' if unused else ''}"
+            f"{'each bucket reduced the moment it is launched (a race made certain), ' if buckets else ''}"
             f"the optimizer built before and after wrapping"
             + (", fp16 and bf16 wires" if compress else ""))
 

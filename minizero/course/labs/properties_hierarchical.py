@@ -140,8 +140,15 @@ def looks_like(got, ok, i: int, op: ReduceOp, dtype: str, inputs: list, nodes: N
                 why = "; or ".join(words for d, words in reasons if d == divisor)
                 return (f" -- the exact sum divided by {divisor} ({why}), not by N = {n}: reduce with SUM across the "
                         f"nodes and divide once by N")
-    if op is ReduceOp.MAX:
-        return " -- the sums are right: pass op on to every phase (a max is combined with op, not added)"
+    if op is ReduceOp.MAX:  # what it is, if it is something: a divided max, or a sum
+        biggest = reduction(inputs, ReduceOp.MAX, 1)
+        for divisor, words in dict.fromkeys([(n, f"N = {n}"), (g, f"G = {g}"), (m, f"M = {m}")]):
+            if divisor > 1 and biggest.ne(0).any() and agrees(got, biggest / divisor, op, dtype).all():
+                return (f" -- the max divided by {divisor} ({words}): only AVG divides, a max is never divided "
+                        f"(divide when op is AVG, not for every op)")
+        if total.ne(biggest).any() and agrees(got, total, op, dtype).all():
+            return " -- the sum, not the max: pass op on to every phase (a max is combined with op, not added)"
+        return " -- a max is combined with op at every phase, never added and never divided"
     return ""
 
 

@@ -22,11 +22,12 @@ it uses the *mean* of the ranks' gradients.
 
 The checker's properties, in order:
   1. your methods are what runs: post_backward is defined in this file and called during a step;
-  2. equivalence to single-device training, every parameter after every step, on drawn examples: world sizes
-     1-4, K = 1-3 micro-batches (the first K-1 inside no_sync()), uneven batches (a rank may have no sample),
-     SGD/momentum/Adam, float64 (relative error <= 1e-9) and float32 (<= 1e-5), two param groups, clipping,
-     the edge model (frozen, unused with find_unused_parameters, zero-size and tied parameters), the optimizer
-     built before or after wrapping;
+  2. equivalence to single-device training, every parameter after every step, on drawn examples: world sizes 1-4,
+     K = 1-3 micro-batches (the first K-1 inside no_sync()), uneven batches (a rank may have no sample),
+     SGD/momentum/Adam, float64 (relative error <= 1e-9) and float32 (<= 1e-5), two param groups, clipping, the edge
+     model (frozen, unused with find_unused_parameters, zero-size and tied parameters), backwards inside and outside
+     no_sync() in every order (their averages add), the routed model (a branch used by some ranks' micro-batches
+     only, or by none), the optimizer built before or after wrapping;
   3. bytes per step: each rank sends what one ring all-reduce of every gradient sends, 2(N-1)/N x Psi x b (Psi
      trainable parameters of b bytes each), as all-reduces only -- at N = 2 and 3; under the fp16 and int8 wires
      (``compress=``) each rank's bytes in each step equal the package's stage's: a collective that averages

@@ -28,10 +28,12 @@ The state the contract speaks of:
 
 The checker's properties, in order:
   1. your methods are what runs: both are defined in this file and called during a step;
-  2. equivalence to single-device training, every parameter after every step, on drawn examples: world sizes
-     1-4, K = 1-3 micro-batches (the first K-1 inside no_sync()), uneven batches, SGD/momentum/Adam, float64
-     (<= 1e-9) and float32 (<= 1e-5), bucket caps of one parameter per bucket up to one bucket, the edge model,
-     the optimizer built after wrapping -- whose ``zero_grad()`` sets every ``.grad`` to None behind the stage;
+  2. equivalence to single-device training, every parameter after every step, on drawn examples: world sizes 1-4, K
+     = 1-3 micro-batches (the first K-1 inside no_sync()), uneven batches, SGD/momentum/Adam, float64 (<= 1e-9) and
+     float32 (<= 1e-5), bucket caps of one parameter per bucket up to one bucket, the edge model, backwards inside
+     and outside no_sync() in every order (their averages add), the routed model (a branch used by some ranks'
+     micro-batches only, or by none), the optimizer built after wrapping -- whose ``zero_grad()`` sets every
+     ``.grad`` to None behind the stage;
   3. bytes per step: one ring all-reduce of every gradient, 2(N-1)/N x Psi x b, as all-reduces only; under the fp16
      and int8 wires (``compress=``) each rank's bytes in each step equal the package's stage's: a collective that
      averages gradients without the stage's ``wire=self.wire`` sends them at full width;

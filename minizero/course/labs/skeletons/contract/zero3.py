@@ -22,10 +22,12 @@ The state the contract speaks of:
 
 The checker's properties, in order:
   1. your methods are what runs: all five are defined in this file and called during a step;
-  2. equivalence to single-device training, parameters and optimizer states after every step, on drawn
-     examples: world sizes 1-4, K = 1-3 (the first K-1 inside no_sync(), where units stay gathered), uneven
-     batches, SGD/momentum/Adam, float64 (<= 1e-9) and float32 (<= 1e-5), prefetch 0-2 units, resharding after
-     forward or not, two param groups, clipping, the edge model, the optimizer built after wrapping;
+  2. equivalence to single-device training, parameters and optimizer states after every step, on drawn examples:
+     world sizes 1-4, K = 1-3 (the first K-1 inside no_sync(), where units stay gathered), uneven batches,
+     SGD/momentum/Adam, float64 (<= 1e-9) and float32 (<= 1e-5), prefetch 0-2 units, resharding after forward or
+     not, two param groups, clipping, the edge model, backwards inside and outside no_sync() in every order (their
+     averages add), the routed model (a branch used by some ranks' micro-batches only, or by none), the optimizer
+     built after wrapping;
   3. bytes per step: an all-gather in forward, another in backward and a reduce-scatter,
      3(N-1)/N x Psi x b -- 1.5x DDP's (N = 2 and 3); a unit gathered twice, or never freed, shows here;
   4. memory: after a step each rank holds 16Psi/N bytes of model state (AdamW, N = 4): no full parameter left.
