@@ -48,8 +48,10 @@ TEXT = 120
 PARTS = ("fingerprint exchange", "reduce-scatter", "all-gather", "broadcast", "gather to root",
          "broadcast from root", "torch collective", "push", "pull", "all-to-all", "part named by its caller",
          "")  # "": no part yet (the last)
-#: The board holds numbers: a part outside :data:`PARTS` (a lab's own ring may say ``"rs"``) is reported as this.
-OTHER_PART = PARTS.index("part named by its caller")
+#: The board holds numbers: each part's, looked up once per ring step; a part outside :data:`PARTS` (a lab's own ring
+#: may say ``"rs"``) is reported as the caller-named one.
+_PART_NUMBER = {part: float(i) for i, part in enumerate(PARTS)}
+OTHER_PART = _PART_NUMBER["part named by its caller"]
 _F = {name: i for i, name in enumerate(FIELDS)}
 #: Seconds between two heartbeats.  A beat costs one write of a float; ten a second is nothing.
 HEARTBEAT_S = 0.1
@@ -89,7 +91,7 @@ class ProgressBoard:
 
     def at(self, part: str, step: int = -1) -> None:
         """The collective moved on to ``part`` (step ``step``): that is progress.  Any label is taken."""
-        self._set(part=float(PARTS.index(part) if part in PARTS else OTHER_PART), step=float(step), progress=time.time())
+        self._set(part=_PART_NUMBER.get(part, OTHER_PART), step=float(step), progress=time.time())
 
     @contextmanager
     def waiting_for(self, peer: int | float):
