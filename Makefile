@@ -45,14 +45,14 @@ lint: install
 	$(PY) -m ruff check minizero tests
 
 # First, alone, the tests that compare durations (tests/conftest.py marks them `alone`: the dialled network,
-# overlap, the cost model, the mutants).  Then everything else with the lessons, three at a time on two cores
+# overlap, the cost model, the mutants) and those that sample malloc (lesson 17, the predicted peak).  Then everything else with the lessons, three at a time on two cores
 # (pytest-xdist): nothing there is asserted on timing but the bounded waits -- stall timeouts, deadlines, launches
 # that end -- which sleep more than they compute, give the third worker its room, and hold seconds of margin.
 # One intra-op thread per process there (OMP_NUM_THREADS=1; the pools' ranks set their own): three workers, their
 # ranks and the lessons' kernels on two cores are oversubscribed already, and torch's threads would contend
 # (measured: lessons 7, 8 and 17 together 41 s against 49 s).
 test: install lint
-	$(PY) -m pytest -q tests -m alone
+	$(PY) -m pytest -q tests lessons --nbmake --nbmake-timeout=300 -m alone
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup -m "not alone" tests lessons --nbmake --nbmake-timeout=300
 
 # Hunting: many more random examples, fresh seeds each run.

@@ -62,11 +62,21 @@ def test_gpu_sizes_are_read_in_the_vendors_units_and_nonsense_is_refused():
             gpu_bytes(bad)
 
 
-#: How far a step's measured peak may be from the prediction: above it by at most 3% (a "fits" must fit), below it by
-#: at most 6% (the prediction's bounds: a bucket taken as still in flight, ZeRO-3's prefetched unit as gathered).
-ABOVE, BELOW = 0.03, 0.06
+#: How far a step's measured peak may be from the prediction: above it by at most 3% (a "fits" must fit); below it by
+#: at most what the communication thread's timing decides (``in_flight``: a bucket being reduced, ZeRO-3's prefetched
+#: block, both counted as held), and 1% of the rest (the allocator's rounding).  Measured on two idle cores: zero3 3.6%
+#: below, hsdp 5.0% (each within its in-flight bytes); with every collective run at its launch (nothing in flight at
+#: all) zero3 11.5% and hsdp 9.4% below -- so a flat percentage fails on a busy machine, or is too loose to catch the
+#: gradients zero_grad() freed counted at backward's start.
+ABOVE, BELOW = 0.03, 0.01
 
 
+def within_the_prediction(seen: float, predicted: dict) -> bool:
+    low = (1 - BELOW) * (predicted["total"] - predicted["in_flight"])
+    return low < seen < (1 + ABOVE) * predicted["total"]
+
+
+@pytest.mark.alone  # three spawned ranks sampling malloc after every operator: minutes under the parallel phase's load
 def test_the_predicted_peak_holds_the_measured_one_for_every_stage():
     """bench-gpt (Psi = 0.8M), fp32, three ranks, blocks checkpointed, 1 MiB buckets (ZeRO-2 packs four): each stage's
     whole step as malloc saw it -- sampled after every operator of a rank, its communication thread's buffers
@@ -87,7 +97,7 @@ def test_the_predicted_peak_holds_the_measured_one_for_every_stage():
         gathered = gathered_unit_bytes(stage, shape, 4)
         assert abs(row["gathered_peak"] - gathered) <= 0.02 * max(gathered, 1), (stage, row["gathered_peak"], gathered)
         seen = step_peak(row)
-        assert -BELOW < seen / predicted["total"] - 1 < ABOVE, (stage, checkpointed, seen, predicted)
+        assert within_the_prediction(seen, predicted), (stage, checkpointed, seen, predicted)
     assert step_bytes("zero2", rows[0]["psi"], shape, n, micro_batch, "fp32", "adamw", checkpointed, foreach=False,
                       bucket_mb=bucket_mb)["buckets"] > 0  # the peak is beside a bucket
 

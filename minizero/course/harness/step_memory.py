@@ -140,7 +140,9 @@ def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batc
       the step: mixed precision's fp32 gradients and the optimizer's intermediates -- with ``foreach``, torch's
         default on a GPU, as large as what it steps; else one tensor's worth (activations are freed by then).
     The first two count without the gradients ``zero_grad()`` freed (a stage whose gradients are born in backward),
-    with ZeRO-3's gathered units.  ``host``: what optimizer offload keeps in host memory."""
+    with ZeRO-3's gathered units.  ``host``: what optimizer offload keeps in host memory.  ``in_flight``: what of a
+    peak in backward the communication thread's timing decides -- the bucket being reduced and ZeRO-3's prefetched
+    block, both counted as held (the bound a "fits" needs): a measured peak lies up to this much below ``total``."""
     cls, k = STAGES[stage], STATE_TENSORS[optimizer]
     working = Precision.of(precision).working_bytes(MASTER_BYTES)
     states = cls.state_bytes(psi, world_size, MASTER_BYTES, k, precision, offload_optimizer=offloaded)
@@ -157,9 +159,12 @@ def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batc
     largest = max(4 * shape.hidden * shape.hidden, shape.vocab * shape.hidden)  # the MLP's matrices, the embedding
     temporaries = step_temporary_bytes(stage, psi, world_size, optimizer, offloaded, foreach, largest)
     backward = states - freed + gathered + max(start, walk["total"])
+    buckets = walk["buckets"] if walk["total"] > start else 0.0
+    prefetched = gathered - gathered_unit_bytes(stage, shape, working, prefetch=0)
+    in_backward = backward >= max(states + after, states + gradients + temporaries)
     return {"model_states": states, "activations": backward_activation_bytes(shape, micro_batch, working, checkpointed),
             "gathered_units": gathered,
-            "buckets": walk["buckets"] if walk["total"] > start else 0.0, "after_backward": after,
+            "buckets": buckets, "after_backward": after, "in_flight": buckets + prefetched if in_backward else 0.0,
             "step_gradients": gradients, "optimizer_temporaries": temporaries, "freed_gradients": freed,
             "backward": backward - states,
             "total": max(backward, states + after, states + gradients + temporaries),
