@@ -77,7 +77,7 @@ BESIDE_THE_LESSONS = {
     "test_clip_and_dropout_resume", "test_checkpoint_safety", "test_stage_options", "test_fsdp2_idioms",
     # the labs' checker: its verdicts are words about values, bytes and calls, never about how long anything took
     "test_lab_checker", "test_lab_mistakes", "test_lab_tree", "test_lab_reshard", "test_lab_mixed_precision",
-    "test_lab_local_sgd", "test_lab_hierarchical",
+    "test_lab_local_sgd", "test_lab_hierarchical", "test_lab_reading",
     # topology: values and bytes per link class (the dialled timings are test_network's, alone)
     "test_hierarchical", "test_hsdp",
     # the step's memory: checkpointing, offload, the predicted peak -- values, bytes and calls

@@ -56,6 +56,10 @@ def test_numbers_are_validated_where_they_are_parsed(argv, message, capsys):
     (["compare", "--stages", ","], "no stage given; valid stages"),
     (["compare", "--error-feedback"], "error feedback carries the rounding error of compression: it needs --compress"),
     (["soak", "--compress", "fp16"], "soak compares with exact single-device training"),
+    (["scale", "--params", "1e8", "--world-size", "4", "--compress", "fp16", "--network",
+      "nodes=2x2,intra=nvlink,inter=ethernet-100g"], "scale --compress prices a wire on one flat network"),
+    (["compress-study", "--plot", "no-such-dir/x.png"], "--plot no-such-dir/x.png: the directory no-such-dir does "
+                                                        "not exist"),  # before the study trains, not after it
 ])
 def test_inconsistent_options_are_refused_before_any_rank_starts(argv, message, capsys):
     assert main(argv) == 2

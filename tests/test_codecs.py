@@ -166,3 +166,16 @@ def test_zero2_with_int8_matches_its_reference(pools, world_size):
     exp = Experiment(stage="zero2", task="gpt", steps=3, accum=2, dtype="float64", optimizer="adam",
                      options={"compress": "int8:block=64", "error_feedback": True, "bucket_mb": 0.01})
     run_and_check(pools, exp, world_size)
+
+
+def test_a_switch_in_a_spec_is_read_strictly_and_echoed_as_built():
+    """``stochastic=on`` once built nearest rounding (only 1/true/yes counted) while the spec was echoed as given:
+    a switch is one of a fixed set of words, anything else refused; the spec a wire reports is what was built."""
+    assert parse("int8:stochastic=on").stochastic and not parse("int8:stochastic=off").stochastic
+    assert parse("int8:stochastic=on").spec() == "int8:block=256,stochastic=1"
+    assert "warm_start=0" in parse("powersgd:rank=2,warm_start=no").spec()
+    for bad, key in (("int8:stochastic=Y", "stochastic='Y'"), ("int8:stochastic=2", "stochastic='2'"),
+                     ("powersgd:rank=2,warm_start=enabled", "warm_start='enabled'")):
+        with pytest.raises(ValueError) as refused:
+            parse(bad)
+        assert key in str(refused.value) and "is not a switch (1/0, true/false, yes/no, on/off)" in str(refused.value)

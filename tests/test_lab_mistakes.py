@@ -30,6 +30,7 @@ NAMES = {
     planted.RING_COST: [COLLECTIVE, RANK, ("the direction", r"too many|too few")],
     planted.BYTES: COST, planted.MEMORY: COST, planted.OVERLAP: COST,
     planted.NESTS: [RANK, ("the direction", r"sent gradients|sent nothing")],
+    planted.YOURS: [("the answer called, and where it is", r"minizero's own \w+\.\w+ \(\S+:\d+\)")],
     # the tree lab: a collective's result as the ring's; its cost as rounds and bytes, either way off
     "every all-reduce's result (SUM, AVG, MAX)": [COLLECTIVE, RANK, ("the element", r"\belement \d+|tensor of rank"),
                                                   ("the direction", r"should be|never entered|divided by N")],

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minizero.checkpoint.flat import FlatShard, Reshard
+from minizero.checkpoint.flat import FlatShard
+from minizero.checkpoint.reshard import Reshard
 from minizero.course.labs import check
 from minizero.course.labs.catalogue import LABS
 from minizero.course.labs.check import Checker
@@ -56,7 +57,7 @@ def test_a_file_that_leaves_a_method_to_the_package_fails_naming_it(pools, tmp_p
     assert report.failed == "your methods are what runs", report
     assert "Reshard.owned_range is never called while a rank builds its shards" in report.why, report.why
     empty = tmp_path / "empty.py"
-    empty.write_text("from minizero.checkpoint.flat import Reshard as Given\n\n\nclass Reshard(Given):\n    pass\n")
+    empty.write_text("from minizero.checkpoint.reshard import Reshard as Given\n\n\nclass Reshard(Given):\n    pass\n")
     report = check("reshard", impl=empty, examples=2, pools=pools, out=quiet)
     assert "your file does not define Reshard.owned_range" in report.why, report.why
 

@@ -57,9 +57,11 @@ def test_the_papers_7_5b_model_on_64_gpus_of_80gb():
 
 def test_gpu_sizes_are_read_in_the_vendors_units_and_nonsense_is_refused():
     assert gpu_bytes("80GB") == 80e9 and gpu_bytes("40GiB") == 40 * 2 ** 30 and gpu_bytes("8e10") == 8e10
-    for bad in ("eighty", "0GB", "-1GB", "GB"):
+    for bad in ("eighty", "0GB", "-1GB", "GB", "1e400GB", "infGB"):
         with pytest.raises(ValueError, match="give a memory size such as 80GB"):
             gpu_bytes(bad)
+    with pytest.raises(ValueError, match="is 80 bytes -- no GPU is that small; give a unit, such as 80GB"):
+        gpu_bytes("80")  # read as 80 bytes, once without a word
 
 
 #: How far a step's measured peak may be from the prediction: above it by at most 3% (a "fits" must fit); below it by

@@ -5,8 +5,9 @@ DeepSpeed's ZeRO checkpoints store what each rank holds: its shard of each flat 
 param group end to end, padded with zeros to a multiple of N, rank r owning ``[r*S, (r+1)*S)``, ``S = ceil(numel
 / N)``) and the optimizer's state for exactly that shard.  Such a checkpoint fits only the N that wrote it; on
 another M it must be converted first -- DeepSpeed's ``ds_to_universal``.  This module is that format
-(:class:`FlatShard`, :func:`save_flat_shards`, :func:`load_flat_shards`) and that conversion (:class:`Reshard`:
-the N shards end to end, the padding dropped, cut again into M).
+(:class:`FlatShard`, :func:`save_flat_shards`, :func:`load_flat_shards`); the conversion is
+:class:`~minizero.checkpoint.reshard.Reshard`, a module of its own (lab reshard's answer, apart from the format a
+learner reads).
 
 Adam's state is per element (``exp_avg``, ``exp_avg_sq``: cut like the parameters) but for its ``step``, a count
 -- the same for every element of a group whose parameters are all stepped every step: kept whole.  ZeRO-1 and
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import ReduceOp, Tag
-from ..parts.layout import padded_size
 from ..parts.optimizer_state import state_layout
 
 
@@ -97,36 +97,3 @@ def load_flat_shards(stage, shards: list[FlatShard]) -> None:
                 key: (value[a:b].to(target.dtype, copy=True) if value.dim() else value.detach().clone())
                 for key, value in shard.state.items()}
     stage.remember_shared()  # loading is not a step: the full parameters are current
-
-
-class Reshard:
-    """Rank ``rank`` of M's flat shards from the shards N ranks saved: DeepSpeed's conversion, group by group."""
-
-    def owned_range(self, numel: int, world_size: int, rank: int) -> tuple[int, int]:
-        """``[start, stop)`` of the padded flat buffer that rank ``rank`` of ``world_size`` owns."""
-        size = padded_size(numel, world_size) // world_size
-        return rank * size, (rank + 1) * size
-
-    def reshard(self, saved: list[FlatShard], world_size: int, rank: int) -> FlatShard:
-        """Rank ``rank`` of ``world_size``'s shard of one flat group, from ``saved`` (rank k's shard at ``saved[k]``):
-        every per-element tensor laid end to end over the N shards, the old padding dropped, cut to the new
-        range and padded with zeros; a 0-dim state (Adam's ``step``) kept whole."""
-        numel = saved[0].numel
-        start, stop = self.owned_range(numel, world_size, rank)
-
-        def cut(shards: list[torch.Tensor]) -> torch.Tensor:
-            whole = torch.cat(shards)[:numel]
-            out = whole.new_zeros(stop - start)
-            mine = whole[start:stop]
-            out[:mine.numel()] = mine
-            return out
-
-        state = {key: cut([s.state[key] for s in saved]) if value.dim() else value.clone()
-                 for key, value in saved[0].state.items()}
-        return FlatShard(rank, world_size, numel, cut([s.values for s in saved]), state)
-
-    def reshard_all(self, saved: list[list[FlatShard]], world_size: int, rank: int) -> list[FlatShard]:
-        """Every flat group's shard for rank ``rank`` of ``world_size``; ``saved[k]``: rank k's shards, one per
-        group, as :func:`save_flat_shards` returned them."""
-        groups = list(zip(*saved, strict=True))
-        return [self.reshard(list(shards), world_size, rank) for shards in groups]

@@ -52,6 +52,18 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+#: The words a switch in a spec may be written with; anything else is refused -- read loosely, ``stochastic=on``
+#: once built nearest rounding while the spec was echoed as given (issue 46).
+SWITCHES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def switch(value: str) -> bool:
+    """``"on"`` -> True, ``"0"`` -> False; a word not in :data:`SWITCHES` is refused."""
+    if value.lower() not in SWITCHES:
+        raise ValueError(value)
+    return SWITCHES[value.lower()]
+
+
 def parse_arguments(name: str, text: str, allowed: dict[str, type], first: str | None = None) -> dict:
     """``"0.01"`` or ``"rank=4,stochastic=1"`` after ``name:``: a bare first value is ``first``'s."""
     out = {}
@@ -64,7 +76,8 @@ def parse_arguments(name: str, text: str, allowed: dict[str, type], first: str |
         if key not in allowed:
             raise ValueError(f"compress={name}:{text}: unknown setting {key!r}; {name} takes {', '.join(allowed)}")
         try:
-            out[key] = allowed[key](value) if allowed[key] is not bool else value.lower() in ("1", "true", "yes")
+            out[key] = allowed[key](value) if allowed[key] is not bool else switch(value)
         except ValueError:
-            raise ValueError(f"compress={name}:{text}: {key}={value!r} is not a {allowed[key].__name__}") from None
+            kind = "switch (1/0, true/false, yes/no, on/off)" if allowed[key] is bool else allowed[key].__name__
+            raise ValueError(f"compress={name}:{text}: {key}={value!r} is not a {kind}") from None
     return out

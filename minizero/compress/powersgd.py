@@ -32,7 +32,7 @@ from ..comm import Comm, ReduceOp
 from ..costs.formulas import all_reduce_bytes
 from .codec import parse_arguments
 from .kept import KeepsResiduals
-from .powersgd_layout import Layout, lay_out, matrix, p_of, q_of
+from .powersgd_layout import Layout, back_project, lay_out, matrix, orthogonalize, p_of, project, q_of, rest_of
 
 
 @dataclass(frozen=True)
@@ -60,48 +60,6 @@ class PowerSGD:
     def spec(self) -> str:
         return (f"powersgd:rank={self.rank},start={self.start},min_rate={self.min_rate:g},"
                 f"warm_start={int(self.warm_start)},epsilon={self.epsilon:g},seed={self.seed}")
-
-
-def orthogonalize(columns: torch.Tensor, epsilon: float, what: str) -> None:
-    """Make the r columns orthonormal, in place: Gram-Schmidt for r <= 2 or 16-bit columns, QR otherwise (torch's
-    choice: QR is faster for larger r, and has no 16-bit kernel).  A zero column -- a matrix whose gradient is zero
-    on every rank (unused, ReLU-dead), or whose mean gradient has rank below r (an embedding one token touched) --
-    has no direction: refused with epsilon = 0, as dividing by its norm would write NaN."""
-    if columns.shape[1] > 2 and columns.dtype not in (torch.float16, torch.bfloat16):
-        torch.linalg.qr(columns, out=(columns, columns.new_empty(columns.shape[1], columns.shape[1])))
-        return
-    for i in range(columns.shape[1]):
-        col = columns[:, i:i + 1]
-        norm = torch.norm(col, dim=0, keepdim=True)
-        if epsilon == 0 and not bool(norm.all()):
-            raise FloatingPointError(f"{what}: a column of PowerSGD's P or Q is all zeros (the gradient is zero on "
-                                     f"every rank, or its mean has rank below r), so it cannot be normalized; set "
-                                     f"powersgd:epsilon=1e-8, or a smaller rank")
-        col /= norm + epsilon if epsilon else norm
-        if i + 1 < columns.shape[1]:
-            rest = columns[:, i + 1:]
-            rest -= torch.sum(col * rest, dim=0, keepdim=True) * col
-
-
-def project(flat: torch.Tensor, layout: Layout, q: torch.Tensor) -> torch.Tensor:
-    """P = M Q for every matrix (step 3, before the all-reduce)."""
-    p = flat.new_empty(layout.p_size)
-    for mx in layout.matrices:
-        torch.mm(matrix(flat, mx), q_of(q, mx), out=p_of(p, mx))
-    return p
-
-
-def back_project(flat: torch.Tensor, layout: Layout, p: torch.Tensor) -> torch.Tensor:
-    """Q = M^T P for every matrix (step 5, before the all-reduce), P orthonormal."""
-    q = flat.new_empty(layout.q_size)
-    for mx in layout.matrices:
-        torch.mm(matrix(flat, mx).t(), p_of(p, mx), out=q_of(q, mx))
-    return q
-
-
-def rest_of(flat: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The uncompressed tensors, packed: they travel in one all-reduce."""
-    return torch.cat([flat[a:a + k] for a, k in layout.rest]) if layout.rest else flat.new_empty(0)
 
 
 def power_step(carried: list[torch.Tensor], layout: Layout, q: torch.Tensor, sum_over_ranks, n: int,

@@ -34,6 +34,7 @@ RING_COST = "bytes and messages per rank: the ring's"
 POWERSGD = "equivalence to a reference taking the same PowerSGD steps"
 HIERARCHICAL_RESULTS = "every all-reduce's result on every node shape: the flat ring's"
 HIERARCHICAL_LINKS = "bytes per rank on each link class: the two-level all-reduce's"
+YOURS = "your methods are what runs"
 
 #: ``lab_dir/file`` (no ``.py``) -> the property the checker must fail on it.
 EXPECTED: dict[str, str] = {
@@ -53,6 +54,10 @@ EXPECTED: dict[str, str] = {
     "ddp/rank_zero_divides": EQUIVALENCE,
     "ddp/averages_copies_in_double": EQUIVALENCE,
     "ddp/every_module_parameter": EQUIVALENCE,
+    # the package's answer called by name from the learner's method (issue 45)
+    "ddp/calls_the_answer_key": YOURS,
+    "ring/calls_the_answer_key": YOURS,
+    "zero3/calls_the_answer_key": YOURS,
     "ddp/leaves_the_wire_out": BYTES,  # right values at full width: only the bytes under a wire show it (issue 45)
     "ddp_bucketed/leaves_the_wire_out": BYTES,
     "zero1/leaves_the_wire_out": BYTES,
@@ -102,6 +107,9 @@ EXPECTED: dict[str, str] = {
     "zero3/gathers_again_after_a_prefetch": BYTES,
     "zero3/pre_backward_does_nothing": EQUIVALENCE,
     "zero3/uses_the_buffers_in_reverse": EQUIVALENCE,
+    # memory the package observes, against what the parameters point into right after the step (issue 45)
+    "zero3/frees_without_telling": MEMORY,
+    "zero3/frees_only_the_first_group": MEMORY,
     # -- the new labs' planted mistakes, one block each:
     # planted: tree
     "tree/adds_instead_of_combining": "every all-reduce's result (SUM, AVG, MAX)",

@@ -214,8 +214,7 @@ def nothing_is_nonfinite(results, reference):
 # ------------------------------------------------------------------------------- PowerSGD
 def powersgd_q_not_averaged(carried, layout, q, sum_over_ranks, n, epsilon, where):
     """Q summed over the ranks and never divided by N: every compressed matrix N times too large."""
-    from minizero.compress.powersgd import back_project, orthogonalize, project, rest_of
-    from minizero.compress.powersgd_layout import matrix, p_of, q_of
+    from minizero.compress.powersgd_layout import back_project, matrix, orthogonalize, p_of, project, q_of, rest_of
     out = torch.empty_like(carried[0])
     rest = sum_over_ranks([rest_of(c, layout) for c in carried]) / n
     at = 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -27,6 +26,7 @@ from ..harness.experiment import Experiment, element_size, run_experiment
 from ..harness.models import GPT_SIZES
 from ..harness.optimizers import STATE_TENSORS
 from ..harness.oracle import TorchDDP, TorchFSDP2, TorchZeRO
+from ..harness.preflight import check_plot
 from ..harness.registry import stage_class
 from ..harness.rounds import METHOD, check_rounds, compare, describe, measure_rounds
 
@@ -67,15 +67,6 @@ def check_device(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench all --device cuda: torch sees no CUDA device here (torch.cuda.is_available() is "
                          "False); run it on a machine with a GPU and a CUDA build of torch, or leave out --device")
-
-
-def check_plot_path(path: str) -> None:
-    """A plot that cannot be written is refused before the run, not after minutes of measuring."""
-    target = Path(path)
-    if target.suffix.lower() != ".png":
-        raise ValueError(f"--plot {path}: the figure is written as a PNG; name a file ending in .png")
-    if not target.parent.is_dir():
-        raise ValueError(f"--plot {path}: there is no directory {str(target.parent)!r} to write it in")
 
 
 def refuse_elsewhere(args) -> None:
@@ -256,7 +247,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main(args) -> list[dict]:
     """``bench all`` from the command line's arguments; the plot, if asked for, written here."""
     if args.plot:
-        check_plot_path(args.plot)
+        check_plot(args.plot)  # (the commands' one check: minizero.course.harness.preflight)
     rows = bench_all(args.world_size, model=args.model or "small", device=args.device or "cpu",
                      collectives=args.collectives or "native", steps=args.steps or 4, rounds=args.rounds)
     if args.plot:

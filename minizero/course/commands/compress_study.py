@@ -21,6 +21,7 @@ import statistics
 
 from ...compress import split_specs
 from ...run.launch import RankPool
+from ..harness.preflight import check_plot
 from ..harness.registry import accepting, sharding
 from .training_run import Run, train_on_rank
 
@@ -116,6 +117,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def main(args) -> tuple[int, str]:
     settings = parse_settings(args.compressors)
+    if args.plot:
+        check_plot(args.plot)  # before the study trains, not after (a missing folder once cost the whole study)
     rows = study(settings, args.world_size, args.steps, args.model, args.lr, args.batch_size, args.seed,
                  args.optimizer)
     if args.plot:

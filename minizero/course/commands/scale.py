@@ -94,6 +94,10 @@ def table(stages: list[str], params: float, sizes: list[int], network: Network, 
 
 def main(args) -> tuple[int, str]:
     network = parse_network(args.network)
+    if args.compress and isinstance(network, TwoLevel):
+        raise ValueError(f"scale --compress prices a wire on one flat network (alpha, bandwidth), not on a cluster "
+                         f"of two link classes ({args.network}): give the network between the nodes alone, where "
+                         f"compression pays (its inter= preset: --network ethernet-100g, say), or leave --compress out")
     if args.compress:
         from ...compress import split_specs
         from .break_even import format_table

@@ -24,6 +24,7 @@ from ... import checkpoint
 from ...comm import Ledger, Tag, make_comm
 from ...observe.memory import GatheredMemory, held_bytes
 from ...parts.activations import checkpoint_blocks
+from ...parts.offload import HOST_KIND
 from ...run.train import shard_step, train_step
 from ..harness.experiment import Experiment, precision_of, wire_bytes
 from ..harness.models import GPT_SIZES, count_params
@@ -129,8 +130,9 @@ def train_on_rank(me, run: Run) -> dict:
 
 def parameters_finite(stage, comm) -> bool:
     """Every rank's parameters (and fp32 masters) are finite -- its own shard under ZeRO; agreed over the ranks."""
-    held = stage.held_tensors()
-    bad = sum(int(not torch.isfinite(t).all()) for t in held["params"] + held["master"] if t.numel())
+    held = stage.held_tensors()  # the masters under "master", or "host_master" when offloaded (counted apart there)
+    masters = held.get("master", []) + held.get(HOST_KIND + "master", [])
+    bad = sum(int(not torch.isfinite(t).all()) for t in held["params"] + masters if t.numel())
     flag = torch.tensor([float(bad)], dtype=torch.float64)
     comm.all_reduce(flag, tag=Tag("parameters finite?"))
     return flag.item() == 0

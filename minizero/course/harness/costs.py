@@ -52,6 +52,27 @@ def memory_problem(results: list, formula: float, words: str = "", rel: float = 
     return None
 
 
+def gathered_problem(results: list) -> str | None:
+    """A stage that shards its parameters (ZeRO-3), right after its last step: what the parameters point into as
+    allocated, which is nothing -- every unit is resharded after its backward (a unit that frees only some of its flat
+    groups keeps full parameters between steps) -- and the memory observer's count of gathered parameters, which must
+    agree (a unit freed or gathered without telling the observer leaves the two apart, and the memory tools would
+    report a wrong working set)."""
+    for rank, result in enumerate(results):
+        after, seen, pointed = len(result.params), result.gathered_after_bytes, result.parameter_storage_bytes
+        if pointed:
+            return (f"after step {after}, rank {rank}'s parameters still point into {pointed:,} bytes of gathered full "
+                    f"parameters, where every unit is resharded after its backward (too many): a unit left some of its "
+                    f"flat groups gathered -- free every group")
+        if seen != pointed:
+            counted = "too many" if seen > pointed else "too few"
+            return (f"after step {after}, rank {rank}'s memory observer counts {seen:,} bytes of gathered parameters, "
+                    f"but the parameters point into {pointed:,} bytes of allocated storage ({counted} counted): a "
+                    f"unit {'freed' if seen > pointed else 'gathered'} {abs(seen - pointed):,} bytes without telling "
+                    f"the observer (free with Unit._free, gather with start_gather: each reports what it does)")
+    return None
+
+
 def overlap_problem(seen: list[list[dict]], steps: int) -> str | None:
     """Each rank's synchronising backwards as :func:`~minizero.course.harness.overlap.backward_launches` saw them: one per
     step, each with a collective submitted while gradients were still to come, and none run on the main thread

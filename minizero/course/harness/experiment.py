@@ -152,6 +152,10 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                                              syncs=exp.syncs if me else None,  # the reference: one batch
                                              zero_grad=model.zero_grad if exp.zero_grad == "model" else None))
                 times.append(time.perf_counter() - start)
+            # Right after the step, before any inspection gathers and frees: the observer's count of what is
+            # gathered, and what the parameters point into as allocated -- a unit freed (or gathered) without
+            # telling the observer leaves the two apart.
+            after_step = gathered.now, held_bytes({"params": [p.data for p in model.parameters()]})["total"]
             per_step.append(sum(v for k, v in ledger.snapshot().items() if k != "check") - sum(per_step))
             scales.append(getattr(stage, "loss_scale", 1.0))
             if comm:
@@ -185,7 +189,8 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                       sent_by_link=links,
                       check_bytes=check_bytes, psi=psi,
                       grad_bytes=wire_bytes(exp), param_bytes=precision_of(exp).working_bytes(element_size(exp)),
-                      held_bytes=held, gathered_peak_bytes=gathered.peak, optimizer_state=optimizer_state,
+                      held_bytes=held, gathered_peak_bytes=gathered.peak, gathered_after_bytes=after_step[0],
+                      parameter_storage_bytes=after_step[1], optimizer_state=optimizer_state,
                       wire_sent_bytes_per_step=sum(wire_formula.values()) if wire_formula is not None else None,
                       wire_sent_by_kind_per_step=wire_formula, weight_sent_bytes_per_step=weight_formula,
                       optimizer_states=states, loss_scales=scales, cuda_peak_bytes=cuda_peak,

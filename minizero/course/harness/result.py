@@ -22,6 +22,8 @@ class RankResult:
     param_bytes: int = 0  # bytes per parameter element
     held_bytes: dict = field(default_factory=dict)  # model state held at the end, by kind
     gathered_peak_bytes: int = 0  # ZeRO-3: the largest gathered working set
+    gathered_after_bytes: int = 0  # ... and what the memory observer counts gathered after the last step
+    parameter_storage_bytes: int = 0  # the storages the model's parameters point into then, as allocated (each once)
     optimizer_state: dict | None = None  # consolidated, at the end
     optimizer_states: list = field(default_factory=list)  # consolidated, after each step (record_states)
     loss_scales: list[float] = field(default_factory=list)  # the loss scale after each step (fp16)

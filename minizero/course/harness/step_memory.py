@@ -270,6 +270,9 @@ def gpu_bytes(text: str) -> float:
         size = float(value) * scale
     except ValueError:
         size = float("nan")
-    if not size > 0:
+    if not 0 < size < float("inf"):
         raise ValueError(f"--gpu {text!r}: give a memory size such as 80GB, 40GiB or 8e10 (bytes)")
+    if size < UNITS["MB"]:  # "--gpu 80" meant 80 GB: no device has less than a megabyte
+        raise ValueError(f"--gpu {text!r} is {size:g} bytes -- no GPU is that small; give a unit, such as "
+                         f"{text.strip()}GB")
     return size

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...checkpoint.flat import Reshard
+from ...checkpoint.reshard import Reshard
 from ...comm import Comm, HierarchicalComm, RingComm
 from ...comm.tree import TreeComm
 from ...parts.precision import Precision

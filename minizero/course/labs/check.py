@@ -32,7 +32,8 @@ from .catalogue import LABS, Lab, check_lab_name
 from .failed import Failed, describe
 from .loading import Impl
 from .property_table import PROPERTIES
-from .ranks import Raised, gloo_words, import_file, lab_experiment, stderr_to
+from .raised import Raised
+from .ranks import gloo_words, import_file, lab_experiment, stderr_to
 from .verdicts import died, raised_at_import, stopped
 
 SHRINK_S = 20.0  # at most this long shrinking a failure: each example is a distributed run

@@ -58,6 +58,9 @@ def without(cls: type, *methods: str, name: str | None = None, **given) -> type:
         return raises
 
     body = {method: unwritten(method) for method in methods}
+    # The package's own methods taken out -- the answer key: a learner's method that calls one by name is refused
+    # (:func:`minizero.course.labs.yours.answer_key`).
+    body["__answers__"] = {method: getattr(cls, method) for method in methods}
     body["__doc__"] = f"The package's {cls.__name__} without {', '.join(methods)}: the lab's part, left to you."
     body["__module__"] = __name__
     body.update(given)
@@ -106,7 +109,7 @@ from ...comm.tree import TreeComm  # noqa: E402 -- appended with its lab
 Tree = without(TreeComm, "_tree_reduce", "_tree_broadcast", name="Tree")
 # Lab reshard (lesson 10): a rank's range of the flat layout at M, and its shards built from the N saved; the
 # driver over the flat groups (reshard_all) is given.
-from ...checkpoint.flat import Reshard as PackageReshard  # noqa: E402 -- appended with its lab
+from ...checkpoint.reshard import Reshard as PackageReshard  # noqa: E402 -- appended with its lab
 
 Reshard = without(PackageReshard, "owned_range", "reshard")
 # Lab powersgd (lesson 15): the PowerSGD step on one rank -- P = M Q, its all-reduce, orthogonalization, Q = M^T P,

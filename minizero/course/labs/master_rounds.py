@@ -24,7 +24,7 @@ from ...comm import make_comm
 from ...parts.masters import MasterWeights
 from ...parts.precision import Precision
 from .loading import Impl
-from .ranks import Raised
+from .raised import Raised
 
 _ARTICLE = {"inf": "an inf", "-inf": "a -inf", "nan": "a NaN"}
 ROUNDS = 2  # the second step shows what the first left behind: the halved scale, stale gradients

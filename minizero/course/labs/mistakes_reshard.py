@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ...checkpoint.flat import FlatShard, Reshard
+from ...checkpoint.flat import FlatShard
+from ...checkpoint.reshard import Reshard
 
 
 class OldShardSize(Reshard):

@@ -13,14 +13,15 @@ from hypothesis import strategies as st
 
 from ...comm import ring_bytes_sent
 from ...stages import DDP, Stage, ZeRO2
-from ..harness.costs import BYTES_REL, bytes_problem, memory_problem, overlap_problem
+from ..harness.costs import BYTES_REL, bytes_problem, gathered_problem, memory_problem, overlap_problem
 from ..harness.diagnosis import what_is_wrong
 from ..harness.drawn import experiments
 from ..harness.equivalence import agrees
 from ..harness.experiment import Experiment, reference_of
 from ..harness.optimizers import STATE_TENSORS
 from .failed import Failed, describe
-from .ranks import Raised, collectives_round, no_sync_probe, overlap_probe
+from .raised import Raised
+from .ranks import collectives_round, no_sync_probe, overlap_probe
 from .ranks import yours_run as yours_run_on_rank
 
 
@@ -193,7 +194,9 @@ def no_sync_nests(checker) -> str:
 def memory(checker) -> str:
     """Model state each rank holds after a step, against the stage's formula, at every world size 1-4, K = 1 and
     2.  What is counted is what the stage's ``held_tensors()`` accounts for -- the machinery's buffers, parameters,
-    gradients and optimizer states; a tensor a learner keeps on an attribute of their own is not seen."""
+    gradients and optimizer states; a tensor a learner keeps on an attribute of their own is not seen.  Where the
+    parameters are sharded, the memory observer's count of gathered parameters is held to what they point into as
+    allocated, which after a step is nothing (:func:`~minizero.course.harness.costs.gathered_problem`)."""
     options = taken_steps(checker.options)
     words = checker.lab.answer.state_formula(4, 2, **checker.options)
     for n, k in COST_CASES:  # the cases (and so the runs) of `sent_bytes`: the state held after their two steps
@@ -201,9 +204,15 @@ def memory(checker) -> str:
                          options=options)
         results = checker.run_case(n, exp)
         formula = checker.lab.answer.state_bytes(results[0].psi, n, 4, STATE_TENSORS["adamw"], **checker.options)
-        problem = memory_problem(results, formula, words)
+        problem = memory_problem(results, formula, words) or (
+            gathered_problem(results) if checker.lab.answer.shards.parameters else None)
         if problem:
             raise Failed(problem, describe(exp, n))
+    if checker.lab.answer.shards.parameters:  # two param groups: a unit of two flat groups, one freed and one kept
+        exp = replace(exp, param_groups=True, accum=1)
+        problem = gathered_problem(checker.run_case(3, exp))
+        if problem:
+            raise Failed(problem, describe(exp, 3))
     return (f"model state per rank equals {words} (AdamW) at N = 1-4, K = 1 and 2 "
             f"({', '.join(f'N={n} K={k}' for n, k in COST_CASES)})")
 

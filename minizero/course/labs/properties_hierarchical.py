@@ -28,7 +28,8 @@ from .failed import Failed
 from .loading import Impl
 from .mistakes_hierarchical import HIERARCHICAL_MISTAKES
 from .properties import PROPERTIES as SUITE
-from .ranks import Raised, RanAnother, learners_methods, never_called
+from .raised import Raised
+from .yours import RanAnother, learners_methods, never_called
 
 #: Every node shape of up to four ranks, by world size: a failure shrinks towards one node of one rank.
 SHAPES = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (1, 4), (2, 2), (4, 1))
@@ -279,7 +280,7 @@ def yours_on_rank(me: Rank, impl: Impl) -> list[str] | Raised | None:
             finally:
                 comm.close()
 
-        never = never_called(mine, one_all_reduce, impl.path)
+        never = never_called(impl, mine, one_all_reduce)
         if never:
             return [f"your {', '.join(never)} is never called by an all_reduce: is your Hierarchical the class your "
                     f"file defines last?"]

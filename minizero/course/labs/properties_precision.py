@@ -18,7 +18,7 @@ from ..harness.experiment import Experiment, reference_of
 from .failed import Failed, describe
 from .loading import Impl
 from .master_rounds import MasterCase, master_rounds
-from .ranks import Raised
+from .raised import Raised
 
 #: The case every run checks, whatever is drawn: an inf on rank 1 only -- under ZeRO, in rank 1's shard only.
 AGREEMENT = MasterCase(world_size=2, precision="fp16", loss_scale=2.0 ** 10, sizes=(3, 2), missing=((), ()),

@@ -22,14 +22,15 @@ from dataclasses import dataclass, replace
 import torch
 from hypothesis import strategies as st
 
-from ...checkpoint.flat import FlatShard, Reshard
+from ...checkpoint.flat import FlatShard
+from ...checkpoint.reshard import Reshard
 from ...stages import ZeRO1
 from ..harness.equivalence import judge
 from ..harness.experiment import Experiment, exact_reference_of
 from .failed import Failed
 from .mistakes_reshard import named
 from .properties import PROPERTIES as SUITE
-from .ranks import Raised
+from .raised import Raised
 from .reshard_ranks import resume_run, save_run, yours_reshard
 
 SPLITS = {1: (12,), 2: (7, 5), 3: (4, 4, 4), 4: (3, 3, 3, 3)}  # one global batch of 12, split over N ranks

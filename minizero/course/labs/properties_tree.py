@@ -24,7 +24,7 @@ from ..harness.experiment import Experiment, reference_of
 from .failed import Failed, describe
 from .loading import Impl
 from .mistakes_tree import TREE_MISTAKES
-from .ranks import Raised
+from .raised import Raised
 from .rounds import SENDS, critical_path, recorded
 
 OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX)

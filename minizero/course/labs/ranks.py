@@ -4,13 +4,9 @@ keep the pool when every rank raised alike (:meth:`~minizero.course.labs.check.C
 skeleton then costs no process spawn per example."""
 from __future__ import annotations
 
-import inspect
-import linecache
 import os
 import sys
-import threading
-import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -19,40 +15,9 @@ from ...run.launch import Rank
 from ..harness.experiment import build, run_experiment
 from ..harness.overlap import backward_launches
 from ..harness.tasks import TASKS
-from .given import set_yours
-from .loading import Impl, load_file, shown
-
-
-@dataclass
-class Raised:
-    """An exception on a rank, in words: its type, message and the last frame in the learner's file."""
-
-    rank: int
-    kind: str
-    message: str
-    where: str
-
-    @classmethod
-    def now(cls, rank: int, error: BaseException, path: str | None, last_of_yours: str = "") -> "Raised":
-        """``last_of_yours``: the learner's last line that ran, said when the traceback holds none of theirs."""
-        frames = traceback.extract_tb(error.__traceback__)
-        mine = [f for f in frames if path and f.filename == path]
-        if not mine and last_of_yours:
-            at = frames[-1]
-            where = (f"{last_of_yours}\n    (the last line of yours that ran: the error itself was raised in "
-                     f"{shown(at.filename)}:{at.lineno} in {at.name}, which runs no code of yours"
-                     + (" -- torch's autograd engine, during backward" if "autograd" in at.filename else "") + ")")
-            return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
-        mine = mine or frames[-1:]
-        where = f"{shown(mine[-1].filename)}:{mine[-1].lineno} in {mine[-1].name}: {mine[-1].line}" if mine else ""
-        return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
-
-    def __str__(self) -> str:
-        hint = (" (a None where a tensor was expected -- a parameter without a .grad? A frozen parameter never has "
-                "one, an unused one not in this step: the checker's edge model has both)"
-                if self.kind in ("AttributeError", "TypeError") and "'NoneType' object" in self.message else "")
-        return f"rank {self.rank} raised {self.kind}: {self.message}{hint}" + (
-            f"\n    at {self.where}" if self.where else "")
+from .loading import Impl
+from .raised import LastOfYours, Raised
+from .yours import RanAnother, learners_methods, never_called
 
 
 def import_file(me: Rank, impl: Impl) -> str | Raised:
@@ -75,43 +40,6 @@ def lab_experiment(me: Rank, impl: Impl, exp):
         return Raised.now(me.rank, error, impl.path, last.where())
 
 
-class LastOfYours:
-    """The last line of the learner's file that ran, on any thread.  An error raised inside torch's autograd engine
-    -- a unit not gathered for backward, a gradient of the wrong size -- has no frame of the learner's in its
-    traceback: it surfaces in ``backward()``, far from the line that caused it.  The line that ran last is where
-    to look.  Only frames of the learner's file are traced line by line; every other call costs one comparison."""
-
-    def __init__(self, path: str | None):
-        self.path, self.frame, self.lineno = path, None, 0
-
-    def _trace(self, frame, event, arg):
-        if frame.f_code.co_filename != self.path:
-            return None
-        self.frame, self.lineno = frame.f_code, frame.f_lineno
-        return self._line
-
-    def _line(self, frame, event, arg):
-        self.frame, self.lineno = frame.f_code, frame.f_lineno
-        return self._line
-
-    def __enter__(self):
-        if self.path:
-            threading.settrace(self._trace)
-            sys.settrace(self._trace)
-        return self
-
-    def __exit__(self, *exc):
-        if self.path:
-            sys.settrace(None)
-            threading.settrace(None)
-
-    def where(self) -> str:
-        if self.frame is None:
-            return ""
-        line = linecache.getline(self.path, self.lineno).strip()
-        return f"{shown(self.path)}:{self.lineno} in {self.frame.co_name}: {line}"
-
-
 def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:
     """What of the lab's methods (``Class.method``) the learner's file does not define itself -- an empty
     class, or a deleted method, inherits the package's finished one: the answer, not theirs -- or defines but
@@ -121,7 +49,7 @@ def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:
         mine, problems = learners_methods(impl)
         if problems:
             return problems
-        never = never_called(mine, lambda: run_experiment(me, replace(exp, stages=impl.stages())), impl.path)
+        never = never_called(impl, mine, lambda: run_experiment(me, replace(exp, stages=impl.stages())))
         if never:
             owners = sorted({todo.split(".")[0] for todo in never})
             return [f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called in a training "
@@ -131,86 +59,6 @@ def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:
         if isinstance(error, RanAnother):
             return [str(error)]
         return Raised.now(me.rank, error, impl.path)
-
-
-def _same_file(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-class RanAnother(Exception):
-    """A step ran the skeleton's or the lab base's copy of a method the learner's file defines: the stage does not
-    build the learner's class (a ``unit_class`` left as the skeleton's, say) -- none of their code ran."""
-
-    @classmethod
-    def of(cls, error: "BaseException | Raised", todos, path: str) -> "RanAnother | None":
-        """Is ``error`` a lab method's blank raising ``write Class.method`` -- in a file other than the learner's
-        ``path`` (their own blank method is theirs to write, and the properties say so)?  Then which, in words."""
-        chain, seen = [], error
-        while isinstance(seen, BaseException) and seen not in chain:
-            chain.append(seen)
-            seen = seen.__cause__ or seen.__context__
-        elsewhere = [e for e in chain if isinstance(e, NotImplementedError) and e.__traceback__ is not None
-                     and not _same_file(traceback.extract_tb(e.__traceback__)[-1].filename, path)]
-        messages = [str(e) for e in elsewhere] if chain else (
-            [error.message] if isinstance(error, Raised) and error.kind == "NotImplementedError"
-            and not error.where.startswith(f"{shown(path)}:") else [])
-        ran = next((todo for m in messages for todo in todos if m.startswith(f"write {todo}")), None)
-        if ran is None:
-            return None
-        owner = ran.split(".")[0]
-        return cls(f"your file defines {ran}, but a step ran another {owner}'s, which raises (the skeleton's or the "
-                   f"lab's base's): the stage does not build your {owner}{set_yours(owner)}")
-
-
-def learners_methods(impl: Impl) -> tuple[dict, list[str]]:
-    """``({code: "Class.method"}, problems)``: each lab method the learner's file defines itself, and, in words,
-    each it does not -- it would inherit the skeleton's (which raises) or the package's."""
-    module = load_file(impl.path)
-    mine, problems = {}, []
-    for todo in impl.lab.todo:
-        owner, method = todo.split(".")
-        cls = getattr(module, owner, None)
-        fn = inspect.unwrap(getattr(cls, method, None)) if cls is not None else None
-        code = getattr(fn, "__code__", None)
-        if code is None or os.path.realpath(code.co_filename) != os.path.realpath(impl.path):
-            problems.append(f"your file does not define {todo}" + (
-                f" (your {owner} inherits it: it would run {_where(code)}, not yours)" if code is not None else ""))
-        else:
-            mine[code] = todo
-    return mine, problems
-
-
-def never_called(mine: dict, run, path: str) -> list[str] | None:
-    """``run()`` watched on every thread (a communication thread it starts too): the ``mine`` methods it never
-    called; None when it raised or returned a :class:`Raised` -- whether they run is then unknown, and the
-    properties report the error, on the smallest case they find -- unless what raised is a blank copy of one of
-    ``mine`` (:class:`RanAnother`, raised)."""
-    called: set = set()
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code in mine:
-            called.add(frame.f_code)
-
-    threading.setprofile(profile)
-    sys.setprofile(profile)
-    try:
-        result = run()
-    except Exception as error:  # noqa: BLE001 -- a method that raises (a blank one) is the properties' to report
-        result = error
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)
-    if isinstance(result, (Exception, Raised)):
-        another = RanAnother.of(result, mine.values(), path)
-        if another is not None:  # a blank copy of the learner's own method ran: the verdict is here
-            raise another
-        return None
-    return [todo for code, todo in mine.items() if code not in called]
-
-
-def _where(code) -> str:
-    """Where an inherited method is written: the package's file, or the skeleton's (which only raises)."""
-    return f"{shown(code.co_filename)}:{code.co_firstlineno}"
 
 
 def overlap_probe(me: Rank, impl: Impl, exp) -> list[dict] | Raised:

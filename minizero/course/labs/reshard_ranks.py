@@ -18,7 +18,8 @@ from ..harness.experiment import build, snapshot_parameters
 from ..harness.result import RankResult
 from ..harness.tasks import TASKS
 from .loading import Impl
-from .ranks import Raised, RanAnother, learners_methods, never_called
+from .raised import Raised
+from .yours import RanAnother, learners_methods, never_called
 
 
 def _train(me: Rank, exp, stage, model) -> RankResult:
@@ -71,7 +72,7 @@ def yours_reshard(me: Rank, impl: Impl, exp, saved: list[list[FlatShard]]) -> li
         mine, problems = learners_methods(impl)
         if problems:
             return problems
-        never = never_called(mine, lambda: resume_run(me, impl, replace(exp, steps=0), saved, train=False), impl.path)
+        never = never_called(impl, mine, lambda: resume_run(me, impl, replace(exp, steps=0), saved, train=False))
         if never:
             return [f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called while a rank builds "
                     f"its shards: does your reshard call it?"]

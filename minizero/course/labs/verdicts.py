@@ -11,7 +11,7 @@ import signal
 from ...run.launch import RankError
 from ...run.stacks import Frame
 from .loading import shown
-from .ranks import Raised
+from .raised import Raised
 
 
 def _signal(code: int) -> str:

@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 
 from minizero.comm import ReduceOp
-from minizero.compress.powersgd import back_project, orthogonalize, project, rest_of
-from minizero.compress.powersgd_layout import matrix, p_of, q_of
+from minizero.compress.powersgd_layout import back_project, matrix, orthogonalize, p_of, project, q_of, rest_of
 from minizero.course.labs.given import PowerSGDBucketedDDP as GivenBucketedDDP
 from minizero.course.labs.given import PowerSGDWire as GivenWire
 

@@ -13,7 +13,7 @@ agrees with the other ranks on which parameters got a gradient, and waits for ev
 buckets zeroed, every ``.grad`` their view again) and ``step``.  Any part of minizero is yours to use.
 
 The state the contract speaks of:
-  * ``self.buckets`` (``minizero.stages.ddp_bucketed.Bucket``): flat buffers of gradients, last layer first; bucket ``b``'s
+  * ``self.buckets`` (each a ``Bucket``): flat buffers of gradients, last layer first; bucket ``b``'s
     ``buffer`` holds its parameters' gradients end to end, ``views[i]`` is the view of it shaped as its
     ``params[i]``; ``self._slot[id(param)]`` is ``(bucket, i)``;
   * ``self.pipeline`` (``minizero.parts.buckets.BucketPipeline``): it must hear of every parameter whose gradient

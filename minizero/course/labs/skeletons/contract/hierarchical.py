@@ -15,7 +15,7 @@ It holds two views of itself, each a Comm over some of the ranks, with that grou
   ``self.node``    the G ranks of your node (its rank: your place j);
   ``self.across``  the M ranks at your place j on every node (its rank: your node k).
 Both are flat rings over their ranks: their collectives, and their ring phases (``_ring_reduce_scatter(chunks, out,
-op)``, ``_ring_all_gather(chunks)``, ``_chunks(tensor)``: minizero.comm.ring), run inside your all-reduce and are
+op)``, ``_ring_all_gather(chunks)``, ``_chunks(tensor)``: the ring lab's, given), run inside your all-reduce and are
 booked with it, each message under the link class it crosses.  ``self.world_size`` is N.
 
 The checker's properties, in order:
@@ -26,8 +26,7 @@ The checker's properties, in order:
      rounding;
   3. bytes per link class, on every shape: each rank sends, inside its node, what a ring all-reduce of the whole
      tensor over the node's G ranks sends (2(G-1)/G of it), and across the nodes what a ring all-reduce over the M
-     ranks at its place sends of its 1/G column (2(M-1)/M of the column) --
-     ``minizero.comm.hierarchical.link_bytes_sent("all_reduce", numel, element_size, nodes, rank, True)``.
+     ranks at its place sends of its 1/G column (2(M-1)/M of the column), the ring's message sizes exactly.
 
 Check it:   python -m minizero check hierarchical --impl THIS_FILE
 """

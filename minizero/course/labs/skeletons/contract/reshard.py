@@ -9,7 +9,7 @@ size), the rank's shard of it and the optimizer's state for that shard.  It fits
 You write the conversion to M ranks.  Your base, ``minizero.course.labs.given.Reshard``, is the package's resharder
 without its two methods; its ``reshard_all(saved, world_size, rank)`` calls your ``reshard`` once per flat group.
 
-A shard is a ``minizero.checkpoint.flat.FlatShard(rank, world_size, numel, values, state)``: rank ``rank`` of
+A shard is a ``FlatShard(rank, world_size, numel, values, state)``: rank ``rank`` of
 ``world_size`` ranks, a group of ``numel`` elements; ``values``, its shard of the padded flat parameters;
 ``state``, the optimizer's -- Adam's ``exp_avg`` and ``exp_avg_sq`` (per element, cut like ``values``) and
 ``step`` (a 0-dim tensor: the count of steps taken, the same for every element).

@@ -30,7 +30,10 @@ The checker's properties, in order:
      built after wrapping;
   3. bytes per step: an all-gather in forward, another in backward and a reduce-scatter,
      3(N-1)/N x Psi x b -- 1.5x DDP's (N = 2 and 3); a unit gathered twice, or never freed, shows here;
-  4. memory: after a step each rank holds 16Psi/N bytes of model state (AdamW, N = 4): no full parameter left.
+  4. memory: after a step each rank holds 16Psi/N bytes of model state (AdamW, N = 4): no full parameter left --
+     right after the step the parameters point into no gathered buffer (with two param groups too: a unit of two
+     flat groups), and the memory observer's count of gathered bytes agrees with what they point into (a group
+     freed or gathered around ``_free``/``start_gather``, which tell it, leaves the memory tools wrong).
 
 Check it:   python -m minizero check zero3 --impl THIS_FILE
 """

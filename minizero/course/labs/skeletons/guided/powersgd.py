@@ -4,7 +4,7 @@ Guided level: the method says what to do and which parts exist; the contract lev
 Given: the package's ddp-bucketed stage and the PowerSGD wire around your step -- it adds the error-feedback
 residual to the buffer (``carried``), cuts the buffer into its tensors (``plan``), hands you the Q to start from
 (``q``: random, or last step's, already orthonormal), and afterwards keeps your Q and the residual
-``carried - out``.  ``minizero.compress.powersgd`` has the pieces: ``rest_of(buffer, plan)`` (the uncompressed
+``carried - out``.  ``minizero.compress.powersgd_layout`` has the pieces: ``rest_of(buffer, plan)`` (the uncompressed
 tensors packed), ``project(buffer, plan, q)`` (a flat P: M Q for every matrix), ``back_project(buffer, plan, p)``
 (a flat Q: M^T P), ``orthogonalize(columns, epsilon, what)`` (in place), and the views ``matrix(buffer, mx)``,
 ``p_of(p, mx)``, ``q_of(q, mx)`` for one ``mx`` of ``plan.matrices``.

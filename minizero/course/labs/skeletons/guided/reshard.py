@@ -5,7 +5,7 @@ A ZeRO checkpoint in DeepSpeed's layout holds what each rank owned: for each fla
 parameters end to end, padded with zeros to a multiple of N), its shard and the optimizer's state for exactly
 that shard.  It fits only the N that wrote it; write the conversion to M ranks (DeepSpeed's ``ds_to_universal``
 does it through files).  Given: ``reshard_all``, which calls your ``reshard`` once per flat group; the saving and
-the loading (``minizero.checkpoint.flat``).
+the loading.
 
 Check it:   python -m minizero check reshard --impl THIS_FILE
 (or, in a notebook:  from minizero.course.labs import check; check("reshard", impl="THIS_FILE"))

@@ -1,0 +1,85 @@
+"""A learner's error, in words: what raised on a rank and where in their file (:class:`Raised`), and -- when the
+error surfaced in torch, far from its cause -- the last line of theirs that ran (:class:`LastOfYours`).  A rank
+reports a :class:`Raised` as a value, so the checker can keep its pool when every rank raised alike."""
+from __future__ import annotations
+
+import linecache
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+
+from .loading import shown
+
+
+@dataclass
+class Raised:
+    """An exception on a rank, in words: its type, message and the last frame in the learner's file."""
+
+    rank: int
+    kind: str
+    message: str
+    where: str
+
+    @classmethod
+    def now(cls, rank: int, error: BaseException, path: str | None, last_of_yours: str = "") -> "Raised":
+        """``last_of_yours``: the learner's last line that ran, said when the traceback holds none of theirs."""
+        frames = traceback.extract_tb(error.__traceback__)
+        mine = [f for f in frames if path and f.filename == path]
+        if not mine and last_of_yours:
+            at = frames[-1]
+            where = (f"{last_of_yours}\n    (the last line of yours that ran: the error itself was raised in "
+                     f"{shown(at.filename)}:{at.lineno} in {at.name}, which runs no code of yours"
+                     + (" -- torch's autograd engine, during backward" if "autograd" in at.filename else "") + ")")
+            return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
+        mine = mine or frames[-1:]
+        where = f"{shown(mine[-1].filename)}:{mine[-1].lineno} in {mine[-1].name}: {mine[-1].line}" if mine else ""
+        return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
+
+    def __str__(self) -> str:
+        hint = (" (a None where a tensor was expected -- a parameter without a .grad? A frozen parameter never has "
+                "one, an unused one not in this step: the checker's edge model has both)"
+                if self.kind in ("AttributeError", "TypeError") and "'NoneType' object" in self.message else "")
+        return f"rank {self.rank} raised {self.kind}: {self.message}{hint}" + (
+            f"\n    at {self.where}" if self.where else "")
+
+
+
+
+class LastOfYours:
+    """The last line of the learner's file that ran, on any thread.  An error raised inside torch's autograd engine
+    -- a unit not gathered for backward, a gradient of the wrong size -- has no frame of the learner's in its
+    traceback: it surfaces in ``backward()``, far from the line that caused it.  The line that ran last is where
+    to look.  Only frames of the learner's file are traced line by line; every other call costs one comparison."""
+
+    def __init__(self, path: str | None):
+        self.path, self.frame, self.lineno = path, None, 0
+
+    def _trace(self, frame, event, arg):
+        if frame.f_code.co_filename != self.path:
+            return None
+        self.frame, self.lineno = frame.f_code, frame.f_lineno
+        return self._line
+
+    def _line(self, frame, event, arg):
+        self.frame, self.lineno = frame.f_code, frame.f_lineno
+        return self._line
+
+    def __enter__(self):
+        if self.path:
+            threading.settrace(self._trace)
+            sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc):
+        if self.path:
+            sys.settrace(None)
+            threading.settrace(None)
+
+    def where(self) -> str:
+        if self.frame is None:
+            return ""
+        line = linecache.getline(self.path, self.lineno).strip()
+        return f"{shown(self.path)}:{self.lineno} in {self.frame.co_name}: {line}"
+
+
