@@ -83,6 +83,14 @@ def test_offloaded_optimizer_trains_saves_and_resumes_exactly(capsys, tmp_path, 
     assert json.loads(out)["losses"] == summary["losses"]
 
 
+def test_what_needs_the_nodes_runs_with_network(capsys):
+    """hsdp, zeropp's hpZ and the two-level collectives, placed by --network: each trains to its summary."""
+    for run in (["--stage", "hsdp"], ["--stage", "zeropp", "--hpz"], ["--stage", "ddp", "--collectives", "hierarchical"]):
+        status, out, err = train(capsys, *run, "--world-size", "4", "--network", "nodes=2x2", "--steps", "2", "--json")
+        assert status == 0, (run, err)
+        assert len(json.loads(out)["losses"]) == 2
+
+
 def test_torchrun_runs_the_same_command(under_torchrun):
     """Progress lines and the summary from rank 0 alone; each rank writes its own checkpoint file.  (The launch,
     ``train`` with TINY's options, zero2 for 3 steps saved to ck, is shared with compare's test: conftest.py.)"""
@@ -101,6 +109,11 @@ def test_torchrun_runs_the_same_command(under_torchrun):
     (["--stage", "ddp", "--prefetch", "2"], "--stage ddp takes no --prefetch"),
     (["--save-every", "5"], "--save-every 5 needs --save DIR"),
     (["--stage", "nonesuch"], "--stage 'nonesuch': choose one of"),
+    # what must know where the ranks sit, told by --network (once each rank failed naming a flag train had not)
+    (["--stage", "hsdp", "--world-size", "4"], "--stage hsdp needs to know where the ranks sit"),
+    (["--stage", "zeropp", "--hpz", "--world-size", "4"], "--hpz needs to know where the ranks sit"),
+    (["--stage", "ddp", "--collectives", "hierarchical"], "--collectives hierarchical needs to know where the ranks"),
+    (["--stage", "hsdp", "--world-size", "3", "--network", "nodes=2x2"], "2 nodes of 2 are 4 ranks, and --world-size is 3"),
 ])
 def test_bad_options_are_refused_before_any_rank_starts(capsys, args, message):
     if "CUDA" in message and torch.cuda.is_available():

@@ -218,8 +218,10 @@ def _optimizer_class(stage) -> type:
 
 
 def _wire(stage):
+    """The stage's wire, if what it kept between steps decides the next ones (``keeps_state``): saved, and loaded
+    in the same layout."""
     wire = getattr(stage, "wire", None)
-    return wire if wire is not None and wire.error_feedback else None
+    return wire if wire is not None and wire.keeps_state else None
 
 
 def _generators_of(stage, manifest: dict, payloads: list[dict], notes: list[str]) -> dict:

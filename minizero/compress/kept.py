@@ -25,6 +25,11 @@ class KeepsResiduals:
                              f"resume with the layout it was saved with (--bucket-mb; ZeRO-3's units)")
         carried += residual
 
+    @property
+    def keeps_state(self) -> bool:
+        """Does a resumed run need what this wire kept (a checkpoint saves it)?  The residuals, with error feedback."""
+        return self.error_feedback
+
     def held(self) -> list[torch.Tensor]:
         return list(self.residuals.values())
 

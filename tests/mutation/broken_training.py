@@ -258,3 +258,9 @@ def split_rotated(flat, pieces):
     size = flat.numel() // pieces
     parts = [flat[i * size:(i + 1) * size] for i in range(pieces)]
     return parts[1:] + parts[:1]
+
+
+def switch_read_loosely(value: str) -> bool:
+    """A codec spec's switch as it was once read: anything but 1/true/yes is off -- ``stochastic=on`` built
+    nearest rounding, silently."""
+    return value.lower() in ("1", "true", "yes")

@@ -167,6 +167,10 @@ MUTANTS: dict[str, Mutant] = {
                                          test_catch("test_train_loop", "test_the_reference_is_plain_torch_training")),
     "loop: rank slice off by one": Mutant("minizero.course.harness.experiment:shard_step", broken_training.shard_step_off_by_one,
                                           property_catch("ddp")),
+    # a codec spec's settings
+    "codec spec: a switch read loosely": Mutant("minizero.compress.codec:switch", broken_training.switch_read_loosely,
+                                                test_catch("test_codecs",
+                                                           "test_a_switch_in_a_spec_is_read_strictly_and_echoed_as_built")),
     # the comparison itself
     "compare: NaN counted as no difference": Mutant("minizero.course.harness.equivalence:parameter_errors", broken_training.nan_errors_pass_through,
                                                     test_catch("test_cli",

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ... import checkpoint
 from ...comm import BACKENDS
+from ...comm.network import TwoLevel, parse_network
 from ...parts.precision import PRECISIONS
 from ...run.launch import RankPool
 from ...run.torchrun import check_environment, init_from_env, under_torchrun
@@ -34,6 +35,10 @@ def add_parser(sub, positive_int, natural_int, positive_float) -> None:
                    "(default: nccl with --device cuda, else gloo)")
     p.add_argument("--collectives", choices=list(BACKENDS), default="native",
                    help="native: torch's collectives; ring: minizero's own, from send/recv")
+    p.add_argument("--network", default=None,
+                   help="where the ranks sit, for hsdp, zeropp --hpz and --collectives hierarchical: 'nodes=MxG' (M "
+                        "nodes of G ranks); with intra=/inter= (or a flat preset, 'alpha=..,bandwidth=..') each "
+                        "message also waits as that network would make it")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--world-size", type=positive_int, default=None, help="ranks to start here (not under torchrun)")
     p.add_argument("--seed", type=preflight.seed, default=0)
@@ -74,6 +79,7 @@ def make_run(args) -> Run:
         if key not in accepted:
             raise ValueError(f"--stage {args.stage} takes no --{key.replace('_', '-')} "
                              f"(its options: {', '.join(accepted)})")
+    check_placement(args, cls, options)
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR: where the checkpoints go")
     if args.save:
@@ -87,7 +93,23 @@ def make_run(args) -> Run:
                options=tuple(options.items()), collectives=args.collectives, device=args.device, save=args.save,
                save_every=args.save_every, consolidated=args.consolidated, resume=args.resume,
                log_every=args.log_every, progress_to="stderr" if args.json else "stdout",
-               checkpoint_activations=args.checkpoint_activations)
+               checkpoint_activations=args.checkpoint_activations, network=args.network)
+
+
+def check_placement(args, cls, options: dict) -> None:
+    """What needs to know where the ranks sit -- HSDP's mesh, ZeRO++'s hpZ, the two-level collectives -- is told by
+    ``--network`` before any rank starts (once each rank failed, its advice naming a ``network=`` that the command
+    had no flag for); a network is parsed here, its nodes held to the world size."""
+    network = parse_network(args.network)
+    needs = ("--stage hsdp" if getattr(cls, "needs_nodes", False) else "--hpz" if options.get("hpz") else
+             "--collectives hierarchical" if args.collectives == "hierarchical" else None)
+    if needs and not isinstance(network, TwoLevel):
+        raise ValueError(f"{needs} needs to know where the ranks sit: give --network nodes=MxG (M nodes of G ranks; "
+                         f"add intra=/inter= to dial their links)" + (f", not the flat {args.network!r}" if network
+                                                                     else ""))
+    if isinstance(network, TwoLevel) and args.world_size and network.nodes.world_size != args.world_size:
+        raise ValueError(f"--network {args.network}: {network.nodes.count} nodes of {network.nodes.per_node} are "
+                         f"{network.nodes.world_size} ranks, and --world-size is {args.world_size}")
 
 
 def check_hardware(args, backend: str, world_size: int) -> None:

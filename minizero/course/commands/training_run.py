@@ -61,6 +61,7 @@ class Run:
     check: bool = False  # fingerprint every collective (costs a message per collective)
     checkpoint_activations: bool = False  # replay each block's forward in backward (minizero.parts.activations)
     progress_to: str = "stdout"  # or stderr, when stdout carries the JSON summary; or none (a study's many runs)
+    network: str | None = None  # where the ranks sit ("nodes=2x2"), and how long messages wait (minizero.comm.network)
 
     def say(self, text: str) -> None:
         if self.progress_to != "none":
@@ -113,7 +114,7 @@ def train_on_rank(me, run: Run) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     model = run.make_model().to(device)
     psi = count_params(model)
-    comm = make_comm(run.collectives, check=run.check)
+    comm = make_comm(run.collectives, check=run.check, network=run.network)
     try:
         stage = build_stage(run.stage, model, make_optimizer(run.optimizer, model, run.lr), comm, **dict(run.options))
         first, history = 0, []
