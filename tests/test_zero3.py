@@ -173,16 +173,22 @@ def _full_state_dict_loads(me):
     full = stage.full_state_dict()
     plain = TinyGPT(seed=123, dtype=torch.float64)
     plain.load_state_dict(full)
-    return {k: v for k, v in plain.state_dict().items()}, sum(group.shard.numel() for group in stage.groups)
+    try:  # nn.Module's would be the placeholders: 0-element tensors that load into nothing, silently
+        stage.state_dict()
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    return {k: v for k, v in plain.state_dict().items()}, sum(group.shard.numel() for group in stage.groups), refused
 
 
 def test_full_state_dict_loads_into_the_plain_model_and_shards_are_1_over_n(pools):
     results = pools.run(3, _full_state_dict_loads)
     rank0 = TinyGPT(seed=0, dtype=torch.float64).state_dict()
     psi = sum(p.numel() for p in TinyGPT().parameters())
-    for state, shard_numel in results:
+    for state, shard_numel, refused in results:
         assert all(torch.equal(state[k], rank0[k]) for k in rank0)  # rank 0's weights, broadcast at wrap
         assert psi / 3 <= shard_numel <= psi / 3 + 3 * 8
+        assert "state_dict() would return 0-element placeholders: call stage.full_state_dict()" in refused, refused
 
 
 def _call_count_differs(me):

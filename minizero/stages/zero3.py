@@ -244,6 +244,7 @@ class ZeRO3(ZeRO):
     # ------------------------------------------------------------ accounting and state dicts
     held_tensors = zero_state.held_tensors_gathered  # the shards, and the full buffers of gathered units
     full_state_dict = zero_state.full_state_dict_of_units  # each unit gathered in turn, exactly
+    state_dict = zero_state.state_dict_refused  # nn.Module's would hold the placeholders: 0-element tensors
 
     # ------------------------------------------------------------------ facts
     @classmethod

@@ -170,3 +170,13 @@ def full_state_dict_of_units(self) -> dict:
         self._observers = observers
     return self._with_masters(state, self._master_values() if self.master else {})
 
+
+def state_dict_refused(self, *args, **kwargs):
+    """ZeRO-3's ``state_dict()``: refused.  Its parameters are placeholders between uses (each rank holds shards), so
+    nn.Module's would return 0-element tensors that load into nothing -- silently.  FSDP2 returns DTensors there;
+    minizero names the two calls that give what a user wants."""
+    raise RuntimeError(f"rank {self.rank}: {self.name} holds each parameter as shards, so state_dict() would return "
+                       f"0-element placeholders: call stage.full_state_dict() for the whole model (every rank gets "
+                       f"it; FSDP2: get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))), or "
+                       f"minizero.checkpoint.save(stage, path) for a sharded checkpoint that any stage resumes")
+
