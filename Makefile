@@ -50,10 +50,12 @@ lint: install
 # that end -- which sleep more than they compute, give the third worker its room, and hold seconds of margin.
 # One intra-op thread per process there (OMP_NUM_THREADS=1; the pools' ranks set their own): three workers, their
 # ranks and the lessons' kernels on two cores are oversubscribed already, and torch's threads would contend
-# (measured: lessons 7, 8 and 17 together 41 s against 49 s).
+# (measured: lessons 7, 8 and 17 together 41 s against 49 s).  Each phase prints its slowest tests: where the
+# minutes go (the suite is over its 12-minute budget on two cores).
 test: install lint
-	$(PY) -m pytest -q tests lessons --nbmake --nbmake-timeout=300 -m alone
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup -m "not alone" tests lessons --nbmake --nbmake-timeout=300
+	$(PY) -m pytest -q tests lessons --nbmake --nbmake-timeout=300 -m alone --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup -m "not alone" tests lessons --nbmake --nbmake-timeout=300 \
+	  --durations=40
 
 # Hunting: many more random examples, fresh seeds each run.
 test-deep: install

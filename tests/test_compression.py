@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.comm import make_comm
+from minizero.comm import ReduceOp, make_comm
 from minizero.compress import split_division
+from minizero.compress.sixteen_bit import Wire
 from minizero.course.harness.equivalence import bit_identical, max_diff
 from minizero.course.harness.experiment import Experiment, exact_reference_of, reference_of, run_experiment
 from minizero.course.harness.models import MLP
@@ -121,3 +122,26 @@ def test_unknown_compression_is_refused():
     from minizero.compress import check_compress
     with pytest.raises(ValueError, match="compress must be one of none, fp16, bf16"):
         check_compress("int16")
+
+
+def _finite_on_every_rank_infinite_summed(me):
+    comm = make_comm("ring")
+    try:
+        flat = torch.full((5,), 30000.0)  # fp16 holds 30000 (it tops out at 65504); three of them summed, it does not
+        assert torch.isfinite(flat.to(torch.float16)).all()
+        try:
+            comm.all_reduce(flat, ReduceOp.AVG, wire=Wire(comm, torch.float16))
+        except FloatingPointError as error:
+            return str(error), torch.equal(flat, torch.full((5,), 30000.0))
+        return None, None
+    finally:
+        comm.close()
+
+
+def test_an_overflow_that_exists_only_in_the_sum_is_refused(pools):
+    """Every rank's gradient is finite in fp16 and their sum is not (N = 3: pre = 1, the whole division after the
+    sum): a check of each rank's own values before the reduction passes it; the wire's, on the sum, refuses it on
+    every rank and writes nothing into the gradient."""
+    for message, untouched in pools.run(3, _finite_on_every_rank_infinite_summed):
+        assert message is not None and "overflowed torch.float16 in the reduction" in message, message
+        assert untouched

@@ -121,3 +121,15 @@ def swallows_errors(self, fn, *args, **kwargs):
         if "raised" in str(error):
             return [None] * self.world_size
         raise
+
+
+def sixteen_bit_checks_each_ranks_values(self, flat, key=None):
+    """The 16-bit wire's overflow check on each rank's own values, before the sum (and none after it): every rank
+    finite, the sum infinite, passes -- and the weights would take the inf."""
+    import torch
+
+    wire = original_of(sixteen_bit_checks_each_ranks_values)(self, flat, key)
+    if not bool(torch.isfinite(wire).all()):
+        raise FloatingPointError(f"rank {self.comm.rank}: gradients overflowed {self.wire_dtype} in the reduction")
+    self.overflow_raises = False  # ... and the sum is not looked at again
+    return wire

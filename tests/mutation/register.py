@@ -167,6 +167,10 @@ MUTANTS: dict[str, Mutant] = {
                                          test_catch("test_train_loop", "test_the_reference_is_plain_torch_training")),
     "loop: rank slice off by one": Mutant("minizero.course.harness.experiment:shard_step", broken_training.shard_step_off_by_one,
                                           property_catch("ddp")),
+    # the 16-bit wire: an overflow that exists only in the sum (issue 46)
+    "fp16 wire: overflow checked on each rank's values, not the sum": Mutant(
+        "minizero.compress.sixteen_bit:Wire.encode", broken_comm.sixteen_bit_checks_each_ranks_values,
+        test_catch("test_compression", "test_an_overflow_that_exists_only_in_the_sum_is_refused")),
     # a codec spec's settings
     "codec spec: a switch read loosely": Mutant("minizero.compress.codec:switch", broken_training.switch_read_loosely,
                                                 test_catch("test_codecs",
