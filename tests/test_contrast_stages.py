@@ -236,6 +236,76 @@ def test_diloco_with_unit_outer_lr_and_no_momentum_is_plain_averaging(pools):
     assert abs(diloco[0].held_bytes["total"] - outer) <= 0.02 * outer, (diloco[0].held_bytes, outer)
 
 
+#: DiLoCo's run in the replay below: N workers, H inner Adam steps between outer steps, the paper's outer settings.
+DILOCO = {"n": 3, "steps": 6, "average_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9, "lr": 0.05}
+
+
+def _worker_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return (torch.randn(5, 8, generator=generator, dtype=torch.float64),
+            torch.randn(5, 4, generator=generator, dtype=torch.float64))
+
+
+def _diloco_rank(me):
+    from minizero.comm import make_comm
+    from minizero.course.harness.models import MLP
+    from minizero.stages import make_stage
+    model = MLP(seed=0, dtype=torch.float64)
+    comm = make_comm("ring")
+    try:
+        stage = make_stage("local-sgd", model, torch.optim.Adam(model.parameters(), lr=DILOCO["lr"]), comm,
+                           average_every=DILOCO["average_every"], outer_lr=DILOCO["outer_lr"],
+                           outer_momentum=DILOCO["outer_momentum"])
+        for step in range(DILOCO["steps"]):
+            x, y = _worker_batch(me.rank, step)
+            torch.nn.functional.mse_loss(stage(x), y).backward()
+            stage.step()
+            stage.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        comm.close()
+
+
+def diloco_replay() -> list[list[torch.Tensor]]:
+    """Douillard et al.'s Algorithm 1 in one process, written from the paper and not from the stage: each worker
+    its own replica and its own Adam (never averaged); every H steps the outer gradient Delta = anchor -
+    mean_w(replica_w), the outer Nesterov step by hand -- v = mu v + Delta (v = Delta at first), anchor -= lr (Delta
+    + mu v) -- and every replica set to the anchor.  Returns each worker's parameters at the end."""
+    from minizero.course.harness.models import MLP
+    workers = [MLP(seed=0, dtype=torch.float64) for _ in range(DILOCO["n"])]
+    inner = [torch.optim.Adam(w.parameters(), lr=DILOCO["lr"]) for w in workers]
+    anchor = [p.detach().clone() for p in workers[0].parameters()]
+    velocity = None
+    mu, outer_lr = DILOCO["outer_momentum"], DILOCO["outer_lr"]
+    for step in range(DILOCO["steps"]):
+        for rank, (worker, optimizer) in enumerate(zip(workers, inner, strict=True)):
+            x, y = _worker_batch(rank, step)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(worker(x), y).backward()
+            optimizer.step()
+        if (step + 1) % DILOCO["average_every"] == 0:
+            replicas = [list(w.parameters()) for w in workers]
+            delta = [a - torch.stack([r[i].detach() for r in replicas]).mean(0) for i, a in enumerate(anchor)]
+            velocity = delta if velocity is None else [mu * v + d for v, d in zip(velocity, delta, strict=True)]
+            anchor = [a - outer_lr * (d + mu * v) for a, d, v in zip(anchor, delta, velocity, strict=True)]
+            with torch.no_grad():
+                for replica in replicas:
+                    for p, a in zip(replica, anchor, strict=True):
+                        p.copy_(a)
+    return [[p.detach().clone() for p in w.parameters()] for w in workers]
+
+
+def test_diloco_equals_a_one_process_replay_of_the_papers_update(pools):
+    """Not only against itself at a degenerate setting (outer_lr = 1, no momentum): the stage's every rank, after
+    three outer steps of Nesterov momentum 0.9 over Adam workers, equals the paper's update replayed in one process
+    -- to float64 rounding (the mean is summed in another order).  Heavy-ball momentum instead of Nesterov's, an
+    outer gradient of the wrong sign, or Adam states averaged, would each be off by far more."""
+    replay = diloco_replay()
+    for rank, params in enumerate(pools.run(DILOCO["n"], _diloco_rank)):
+        for i, (mine, theirs) in enumerate(zip(params, replay[rank], strict=True)):
+            assert torch.allclose(mine, theirs, rtol=0, atol=1e-12), (rank, i, (mine - theirs).abs().max().item())
+
+
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("stage, options, words", [
     ("ps", {"servers": 0}, "servers from 1 to the world size 2"),

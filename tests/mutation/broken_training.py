@@ -264,3 +264,12 @@ def switch_read_loosely(value: str) -> bool:
     """A codec spec's switch as it was once read: anything but 1/true/yes is off -- ``stochastic=on`` built
     nearest rounding, silently."""
     return value.lower() in ("1", "true", "yes")
+
+
+def diloco_heavy_ball(self):
+    """DiLoCo's outer step with heavy-ball momentum, not the paper's Nesterov: plain averaging (outer_lr = 1, no
+    momentum) is unchanged, so only a replay of the paper's update sees it."""
+    if self.outer is not None:
+        for group in self.outer.param_groups:
+            group["nesterov"] = False
+    return original_of(diloco_heavy_ball)(self)

@@ -171,6 +171,10 @@ MUTANTS: dict[str, Mutant] = {
     "fp16 wire: overflow checked on each rank's values, not the sum": Mutant(
         "minizero.compress.sixteen_bit:Wire.encode", broken_comm.sixteen_bit_checks_each_ranks_values,
         test_catch("test_compression", "test_an_overflow_that_exists_only_in_the_sum_is_refused")),
+    # DiLoCo against a one-process replay of the paper's update (issue 46)
+    "diloco: heavy-ball outer momentum, not Nesterov's": Mutant(
+        "minizero.stages.local_sgd:LocalSGD.average", broken_training.diloco_heavy_ball,
+        test_catch("test_contrast_stages", "test_diloco_equals_a_one_process_replay_of_the_papers_update")),
     # a codec spec's settings
     "codec spec: a switch read loosely": Mutant("minizero.compress.codec:switch", broken_training.switch_read_loosely,
                                                 test_catch("test_codecs",
