@@ -246,7 +246,7 @@ def _worker_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(5, 4, generator=generator, dtype=torch.float64))
 
 
-def _diloco_rank(me):
+def _diloco_rank(me, outer: bool = True):
     from minizero.comm import make_comm
     from minizero.course.harness.models import MLP
     from minizero.stages import make_stage
@@ -254,8 +254,9 @@ def _diloco_rank(me):
     comm = make_comm("ring")
     try:
         stage = make_stage("local-sgd", model, torch.optim.Adam(model.parameters(), lr=DILOCO["lr"]), comm,
-                           average_every=DILOCO["average_every"], outer_lr=DILOCO["outer_lr"],
-                           outer_momentum=DILOCO["outer_momentum"])
+                           average_every=DILOCO["average_every"],
+                           **({"outer_lr": DILOCO["outer_lr"], "outer_momentum": DILOCO["outer_momentum"]} if outer
+                              else {}))
         for step in range(DILOCO["steps"]):
             x, y = _worker_batch(me.rank, step)
             torch.nn.functional.mse_loss(stage(x), y).backward()
@@ -266,11 +267,12 @@ def _diloco_rank(me):
         comm.close()
 
 
-def diloco_replay() -> list[list[torch.Tensor]]:
+def diloco_replay(outer: bool = True) -> list[list[torch.Tensor]]:
     """Douillard et al.'s Algorithm 1 in one process, written from the paper and not from the stage: each worker
     its own replica and its own Adam (never averaged); every H steps the outer gradient Delta = anchor -
     mean_w(replica_w), the outer Nesterov step by hand -- v = mu v + Delta (v = Delta at first), anchor -= lr (Delta
-    + mu v) -- and every replica set to the anchor.  Returns each worker's parameters at the end."""
+    + mu v) -- and every replica set to the anchor; without the outer optimizer (Stich's local SGD), set to the mean.
+    Returns each worker's parameters at the end."""
     from minizero.course.harness.models import MLP
     workers = [MLP(seed=0, dtype=torch.float64) for _ in range(DILOCO["n"])]
     inner = [torch.optim.Adam(w.parameters(), lr=DILOCO["lr"]) for w in workers]
@@ -285,9 +287,11 @@ def diloco_replay() -> list[list[torch.Tensor]]:
             optimizer.step()
         if (step + 1) % DILOCO["average_every"] == 0:
             replicas = [list(w.parameters()) for w in workers]
-            delta = [a - torch.stack([r[i].detach() for r in replicas]).mean(0) for i, a in enumerate(anchor)]
+            mean = [torch.stack([r[i].detach() for r in replicas]).mean(0) for i in range(len(anchor))]
+            delta = [a - m for a, m in zip(anchor, mean, strict=True)]
             velocity = delta if velocity is None else [mu * v + d for v, d in zip(velocity, delta, strict=True)]
-            anchor = [a - outer_lr * (d + mu * v) for a, d, v in zip(anchor, delta, velocity, strict=True)]
+            anchor = [a - outer_lr * (d + mu * v) for a, d, v in zip(anchor, delta, velocity, strict=True)] \
+                if outer else mean
             with torch.no_grad():
                 for replica in replicas:
                     for p, a in zip(replica, anchor, strict=True):
@@ -295,13 +299,15 @@ def diloco_replay() -> list[list[torch.Tensor]]:
     return [[p.detach().clone() for p in w.parameters()] for w in workers]
 
 
-def test_diloco_equals_a_one_process_replay_of_the_papers_update(pools):
+@pytest.mark.parametrize("outer", [True, False], ids=["diloco", "local-sgd"])
+def test_diloco_equals_a_one_process_replay_of_the_papers_update(pools, outer):
     """Not only against itself at a degenerate setting (outer_lr = 1, no momentum): the stage's every rank, after
     three outer steps of Nesterov momentum 0.9 over Adam workers, equals the paper's update replayed in one process
     -- to float64 rounding (the mean is summed in another order).  Heavy-ball momentum instead of Nesterov's, an
-    outer gradient of the wrong sign, or Adam states averaged, would each be off by far more."""
-    replay = diloco_replay()
-    for rank, params in enumerate(pools.run(DILOCO["n"], _diloco_rank)):
+    outer gradient of the wrong sign, or Adam states averaged, would each be off by far more.  Plain local SGD (no
+    outer optimizer) against the same replay setting each replica to the mean."""
+    replay = diloco_replay(outer)
+    for rank, params in enumerate(pools.run(DILOCO["n"], _diloco_rank, outer)):
         for i, (mine, theirs) in enumerate(zip(params, replay[rank], strict=True)):
             assert torch.allclose(mine, theirs, rtol=0, atol=1e-12), (rank, i, (mine - theirs).abs().max().item())
 
