@@ -83,6 +83,41 @@ def test_a_checkpointed_block_runs_its_forward_again_in_backward_and_keeps_its_n
     assert calls == [False, True, False]  # evaluation: nothing saved, nothing replayed
 
 
+class _DropoutBlocks(torch.nn.Module):
+    """Blocks of Linear, dropout and tanh: a replay that drew another mask than the forward would change every
+    gradient before it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(6, 6, dtype=torch.float64),
+                                                              torch.nn.Dropout(0.5), torch.nn.Tanh())
+                                          for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_replayed_block_draws_the_same_dropout_mask_as_its_forward():
+    """The replay inside backward restores the random state the forward began with (torch's preserve_rng_state):
+    a model with dropout in every block gets, checkpointed, the plain model's gradients bit for bit, and they are not
+    those of another draw -- so the masks are the forward's, not merely some masks."""
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for checkpointed_now, seed in ((False, 7), (True, 7), (False, 8)):
+        model = _DropoutBlocks()
+        if checkpointed_now:
+            checkpoint_blocks(model)
+        torch.manual_seed(seed)
+        model(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    plain, replayed, other_draw = grads
+    assert all(torch.equal(a, b) for a, b in zip(plain, replayed, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, other_draw, strict=True))  # the masks matter
+
+
 def test_checkpointing_the_whole_model_or_a_block_twice_is_refused():
     model = MLP((3, 4, 2))
     with pytest.raises(ValueError, match="the whole model is not a block"):

@@ -273,3 +273,13 @@ def diloco_heavy_ball(self):
         for group in self.outer.param_groups:
             group["nesterov"] = False
     return original_of(diloco_heavy_ball)(self)
+
+
+def checkpoint_forgets_the_rng(forward, *args, **kwargs):
+    """Activation checkpointing that does not restore the random state for its replay: dropout draws a new mask
+    inside backward, and the gradients are those of a forward that never ran."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)

@@ -175,6 +175,10 @@ MUTANTS: dict[str, Mutant] = {
     "diloco: heavy-ball outer momentum, not Nesterov's": Mutant(
         "minizero.stages.local_sgd:LocalSGD.average", broken_training.diloco_heavy_ball,
         test_catch("test_contrast_stages", "test_diloco_equals_a_one_process_replay_of_the_papers_update", True)),
+    # randomness in a replay path: activation checkpointing with dropout (issue 46)
+    "checkpointing: the replay draws new dropout masks": Mutant(
+        "minizero.parts.activations:_checkpointed", broken_training.checkpoint_forgets_the_rng,
+        test_catch("test_activation_checkpointing", "test_a_replayed_block_draws_the_same_dropout_mask_as_its_forward")),
     # a codec spec's settings
     "codec spec: a switch read loosely": Mutant("minizero.compress.codec:switch", broken_training.switch_read_loosely,
                                                 test_catch("test_codecs",
