@@ -155,7 +155,7 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
             # Right after the step, before any inspection gathers and frees: the observer's count of what is
             # gathered, and what the parameters point into as allocated -- a unit freed (or gathered) without
             # telling the observer leaves the two apart.
-            after_step = gathered.now, held_bytes({"params": [p.data for p in model.parameters()]})["total"]
+            after_step = gathered.now, pointed_bytes(stage, model)
             per_step.append(sum(v for k, v in ledger.snapshot().items() if k != "check") - sum(per_step))
             scales.append(getattr(stage, "loss_scale", 1.0))
             if comm:
@@ -255,3 +255,13 @@ def exact_reference_of(exp: Experiment, world_size: int) -> RankResult:
     """Single-device training on the global batch, in the stage's precision (the same recipe)."""
     options = {k: v for k, v in exp.options.items() if k in Stage.option_names()}
     return run_experiment(None, replace(exp, stage=REFERENCE, options=options), world_size)
+
+
+def pointed_bytes(stage, model) -> int:
+    """What the parameters of a stage with units (minizero's ZeRO-3 family) point into as allocated -- nothing,
+    between uses; 0 for any other stage, which keeps them whole (and torch's FSDP2 holds DTensors, whose storage
+    is its own business)."""
+    if not hasattr(stage, "units"):
+        return 0
+    return held_bytes({"params": [p.data for p in model.parameters()]})["total"]
+
