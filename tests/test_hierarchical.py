@@ -61,3 +61,16 @@ def test_the_slow_link_carries_half_at_two_nodes(pools):
     node0 = lambda results: sum(results[r][2].get(INTER, 0) for r in (0, 1))  # noqa: E731
     assert node0(flat) == 3 * s // 2 and node0(two) == s
     assert [r[2].get(INTRA, 0) for r in two] == [s] * 4  # 2(G-1)/G x S inside each node, per rank
+
+
+def _subgroups_of_two_comms(me):
+    from minizero.comm import make_comm
+    first, second = (make_comm("native", network="nodes=2x2") for _ in range(2))
+    return [first._subgroups[k] is second._subgroups[k] for k in first._subgroups], len(first._subgroups)
+
+
+def test_a_native_comm_built_again_reuses_its_process_groups(pools):
+    """A process group lives until destroyed (in gloo, a loop thread waking every 10 ms): a Comm built per example
+    that made its own leaked hundreds of threads into the suite's pools.  The same nodes get the same groups."""
+    for same, count in pools.run(4, _subgroups_of_two_comms):
+        assert count == 4 and all(same), (count, same)

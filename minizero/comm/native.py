@@ -7,6 +7,8 @@ fed the bytes the ring algorithm sends for the same call
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -51,6 +53,22 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+#: The process groups views were given, by the group they were carved from, then by their global ranks.  A group
+#: lives until it is destroyed -- in gloo, a device whose loop thread wakes every 10 ms, and two worker threads -- so a
+#: Comm built per example must not make its own: the suite builds thousands on one pool of ranks, and their idle
+#: groups (700 loop threads on two cores) once took more of the CPU than the tests.  Every rank builds the same Comms
+#: in the same order, so each finds, or creates, the same groups at the same call (``new_group`` is collective).
+_SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def subgroup(parent: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGroup:
+    """The process group of global ranks ``ranks`` within ``parent``: made once per process, then reused."""
+    made = _SUBGROUPS.setdefault(parent, {})
+    if tuple(ranks) not in made:
+        made[tuple(ranks)] = dist.new_group(ranks)
+    return made[tuple(ranks)]
+
+
 class NativeComm(StarExchanges, Comm):
     name = "native"
 
@@ -63,8 +81,9 @@ class NativeComm(StarExchanges, Comm):
         super().__init__(group, check, network)
         # torch's collectives over a view need a process group of just its ranks; creating one is collective
         # (every rank, every group, one order), so on a cluster of nodes every group a view may span is made now.
+        parent = self.group if self.group is not None else dist.group.WORLD
         self._subgroups = {} if self.nodes is None else {
-            tuple(ranks): dist.new_group([self.peer(r) for r in ranks]) for ranks in self.nodes.groups()}
+            tuple(ranks): subgroup(parent, [self.peer(r) for r in ranks]) for ranks in self.nodes.groups()}
 
     def _group_over(self, members: list[int]):
         if len(members) == self._root.world_size:
