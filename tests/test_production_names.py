@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from minizero.course.harness.production import ROWS, Ours, Row, Torch, left_out, table_markdown, wrong
-from minizero.stages import ZeRO2, ZeRO3
+from minizero.stages import DDP, ZeRO2, ZeRO3
 
 
 def test_every_checked_name_is_in_the_installed_torch():
@@ -30,6 +30,8 @@ def test_every_torch_row_is_checked_and_every_deepspeed_row_says_it_is_not():
     (Ours(ZeRO3, "prefetch", 2), "defaults to 1, not 2"),
     (Ours(ZeRO2, "reshard_after_forward"), "has no option"),
     (Ours(type("ZeRO4", (ZeRO3,), {"name": "zero4"}), "units"), "registers no stage 'zero4'"),
+    (Ours(type("ZeRO4", (ZeRO3,), {"name": "zero4"})), "registers no stage 'zero4'"),
+    (Ours(DDP, method="no_sync_please"), "has no method no_sync_please()"),
 ])
 def test_a_made_up_name_is_caught(fact, says):
     row = Row("made up", "nothing", "none", torch=(fact,) if isinstance(fact, Torch) else (),
@@ -50,3 +52,26 @@ def test_what_minizero_leaves_out_is_read_from_the_table():
     assert all(row.minizero.startswith("none") == (row.name in names) for row in ROWS)
     extra = Row("made up", "nothing", "none: not built")
     assert left_out((*ROWS, extra)) == [*names, "made up"]
+
+
+
+def unchecked(rows) -> list[str]:
+    """Rows whose minizero column names something of minizero's without an Ours fact to hold it."""
+    return [row.name for row in rows if not row.minizero.startswith("none") and not row.ours]
+
+
+def test_every_row_that_names_something_of_minizeros_checks_it():
+    """minizero's column is held to the code as torch's is to torch: a row whose minizero column is not "none"
+    carries an Ours fact (the stage registered; its option, default or method), so a stage or option renamed or
+    dropped turns the row WRONG -- and a row that claims nothing of minizero's says "none"."""
+    assert unchecked(ROWS) == []
+    assert unchecked((*ROWS, Row("made up", "nothing", "zero3(gather_twice=True)"))) == ["made up"]
+
+
+def test_the_int_reshard_row_names_hpz():
+    """torch 2.13: an int reshard_after_forward is the world size to reshard to after forward (the node, say), so
+    backward's all-gather runs over fewer ranks -- ZeRO++'s hpZ, minizero's zeropp(hpz=True)."""
+    row = next(row for row in ROWS if row.name == "fully_shard(reshard_after_forward=<int>)")
+    verdict = row.verdict()
+    assert verdict.startswith("ok: ") and "int" in verdict and "zeropp(hpz=False)" in verdict, verdict
+    assert row.name not in left_out()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from ...stages import BucketedDDP, ZeRO2, ZeRO3
+from ...stages import DDP, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, ZeROPlusPlus
 from .show import resolve
 
 #: Where the DeepSpeed rows come from: the class that parses the ``zero_optimization`` block of a config, read in the
@@ -74,17 +74,25 @@ class Torch:
 
 @dataclass(frozen=True)
 class Ours:
-    """minizero's side: stage ``stage`` declares option ``option`` with default ``default``."""
+    """minizero's side: stage ``stage`` is registered, and declares option ``option`` (with default ``default``,
+    if stated) or has method ``method``."""
 
     stage: type  # the stage's class: its name and options are read from it, never spelled here
-    option: str
+    option: str | None = None
     default: object = _ANY
+    method: str | None = None
 
     def check(self) -> str:
         from minizero.stages import STAGES
         name = self.stage.name
         if STAGES.get(name) is not self.stage:
             raise LookupError(f"minizero registers no stage {name!r} as {self.stage.__name__}")
+        if self.method is not None:
+            if not callable(getattr(self.stage, self.method, None)):
+                raise LookupError(f"stage {name} has no method {self.method}()")
+            return f"{name}.{self.method}()"
+        if self.option is None:
+            return f"stage {name}"
         declared = {o.name: o.default for o in self.stage.options}
         if self.option not in declared:
             raise LookupError(f"stage {name} has no option {self.option!r}")
@@ -138,14 +146,16 @@ ROWS: tuple[Row, ...] = (
         (Ours(ZeRO3, "reshard_after_forward"),)),
     Row("fully_shard(reshard_after_forward=<int>)",
         "after forward, reshards to a smaller group (e.g. the node), so backward's all-gather stays in it",
-        "none", (Torch(f"{_FSDP}.fully_shard", "reshard_after_forward", annotation="int"),)),
+        "zeropp(hpz=True): ZeRO++'s hpZ, the same trade with the node's G ranks as the smaller group",
+        (Torch(f"{_FSDP}.fully_shard", "reshard_after_forward", annotation="int"),), (Ours(ZeROPlusPlus, "hpz", False),)),
     Row("FSDP1 ShardingStrategy.SHARD_GRAD_OP",
         "gathers parameters before forward and reshards only after backward; gradients and optimizer states "
         "sharded. Often called ZeRO-2, but parameters are sharded between steps too",
         "zero3(reshard_after_forward=False); zero2 moves the same 2Ψ but keeps all parameters on every rank",
-        (Torch(f"{_FSDP}.ShardingStrategy", member="SHARD_GRAD_OP"),)),
+        (Torch(f"{_FSDP}.ShardingStrategy", member="SHARD_GRAD_OP"),), (Ours(ZeRO3, "reshard_after_forward"), Ours(ZeRO2))),
     Row("FSDP1 ShardingStrategy.FULL_SHARD", "reshards after forward and after backward: ZeRO-3",
-        "zero3 with its default reshard_after_forward=True", (Torch(f"{_FSDP}.ShardingStrategy", member="FULL_SHARD"),)),
+        "zero3 with its default reshard_after_forward=True", (Torch(f"{_FSDP}.ShardingStrategy", member="FULL_SHARD"),),
+        (Ours(ZeRO3, "reshard_after_forward", True),)),
     Row("MixedPrecisionPolicy(param_dtype=...)",
         "dtype of the gathered parameters: the all-gather and the compute. The sharded parameters keep "
         "their dtype, and the optimizer steps them", "precision='bf16' or 'fp16': a 16-bit working copy, "
@@ -159,7 +169,7 @@ ROWS: tuple[Row, ...] = (
         "keeps sharded parameters, gradients and the optimizer step on the CPU",
         "offload_optimizer=True: the optimizer's side only (masters, states, the step); parameters and gradients "
         "stay on the device",
-        (Torch(f"{_FSDP}.CPUOffloadPolicy", "pin_memory", True),)),
+        (Torch(f"{_FSDP}.CPUOffloadPolicy", "pin_memory", True),), (Ours(ZeRO3, "offload_optimizer", False),)),
     Row("FSDPModule.set_modules_to_forward_prefetch",
         "which units' all-gathers to issue ahead of use (implicit prefetch otherwise)",
         "zero3(prefetch=1): how many units ahead", (Torch(f"{_FSDP}.FSDPModule.set_modules_to_forward_prefetch"),),
@@ -167,7 +177,7 @@ ROWS: tuple[Row, ...] = (
     Row("ZeroRedundancyOptimizer",
         "ZeRO-1 with whole parameters given to ranks; all-reduce, then each rank broadcasts its updated "
         "parameters: about 3Ψ", "zero1: flat shards, reduce-scatter + all-gather: 2Ψ",
-        (Torch("torch.distributed.optim.ZeroRedundancyOptimizer", "overlap_with_ddp", False),)),
+        (Torch("torch.distributed.optim.ZeroRedundancyOptimizer", "overlap_with_ddp", False),), (Ours(ZeRO1),)),
     # ------------------------------------------------------------------ torch DDP
     Row("DDP bucket_cap_mb", "bucket size; default None means 25 MiB",
         "ddp-bucketed and zero2: bucket_mb=25.0",
@@ -184,7 +194,7 @@ ROWS: tuple[Row, ...] = (
          Torch("torch.nn.parallel.distributed._BucketCapacityConfig.compute_bucket_size_limits", "static_graph"),
          Torch(_DDP, "bucket_cap_mb_list", None))),
     Row("DDP gradient_as_bucket_view", ".grad becomes a view into its bucket: no copy, one gradient buffer less",
-        "ddp-bucketed always does this", (Torch(_DDP, "gradient_as_bucket_view", False),)),
+        "ddp-bucketed always does this", (Torch(_DDP, "gradient_as_bucket_view", False),), (Ours(BucketedDDP),)),
     Row("DDP static_graph",
         "promises the same graph and the same unused parameters every step; DDP records them once",
         "none", (Torch(_DDP, "static_graph", False),)),
@@ -193,7 +203,7 @@ ROWS: tuple[Row, ...] = (
         "find_unused_parameters=False on every averaging stage; an all-reduced bitmap of used parameters",
         (Torch(_DDP, "find_unused_parameters", False),), (Ours(BucketedDDP, "find_unused_parameters", False),)),
     Row("DDP no_sync()", "skips gradient synchronisation for accumulation micro-batches",
-        "stage.no_sync(), same name", (Torch(f"{_DDP}.no_sync"),)),
+        "stage.no_sync(), same name", (Torch(f"{_DDP}.no_sync"),), (Ours(DDP, method="no_sync"),)),
     Row("DDP register_comm_hook(state, hook)", "replaces each bucket's all-reduce by your function",
         "none as a hook: the wire is an option (compress=)", (Torch(f"{_DDP}.register_comm_hook", "hook"),)),
     Row("fp16_compress_hook / bf16_compress_hook",
@@ -205,7 +215,7 @@ ROWS: tuple[Row, ...] = (
     Row("DeepSpeed overlap_comm", "overlaps gradient reduction with backward. Default None: True at "
         "stage 3, else False",
         "ddp-bucketed, zero2, zero3 overlap on the communication thread: on a CPU; on a GPU only the host's "
-        "launches (lesson 12); ddp, zero1 never", deepspeed=True),
+        "launches (lesson 12); ddp, zero1 never", ours=(Ours(BucketedDDP), Ours(ZeRO2), Ours(ZeRO3)), deepspeed=True),
     Row("DeepSpeed reduce_bucket_size", "elements reduced at a time (default 5e8)",
         "bucket_mb, in MiB not elements", ours=(Ours(ZeRO2, "bucket_mb"),), deepspeed=True),
     Row("DeepSpeed allgather_bucket_size",
@@ -213,7 +223,8 @@ ROWS: tuple[Row, ...] = (
         "none: one all-gather per flat group", deepspeed=True),
     Row("DeepSpeed contiguous_gradients",
         "copies gradients into a contiguous buffer as they are produced, against fragmentation (default True)",
-        "ddp-bucketed: .grad is a view into its bucket; zero2 packs each bucket into a flat buffer", deepspeed=True),
+        "ddp-bucketed: .grad is a view into its bucket; zero2 packs each bucket into a flat buffer",
+        ours=(Ours(BucketedDDP), Ours(ZeRO2)), deepspeed=True),
     Row("DeepSpeed stage3_prefetch_bucket_size", "parameter elements fetched ahead of use (default 5e7)",
         "zero3(prefetch=...), counted in units, not elements", ours=(Ours(ZeRO3, "prefetch"),), deepspeed=True),
     Row("DeepSpeed stage3_param_persistence_threshold",
