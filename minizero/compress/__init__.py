@@ -120,7 +120,7 @@ def make_wire(comm: Comm, policy: WirePolicy, named_params=(), precision: Precis
                    if isinstance(parsed, PowerSGD) else "sends each rank's messages whole (an all-gather, or an "
                    "all-to-all of shards: ZeRO++'s qgZ), so it fits a stage that all-reduces or reduce-scatters its "
                    "gradients (ddp, ddp-bucketed, zero1-3)")
-            instead = "a codec (int8, int4, topk, sign: qgZ's all-to-all) or compress='fp16' or 'bf16'" \
+            instead = "a codec (int8, int4, topk, sign: an all-to-all, qgZ's idea) or compress='fp16' or 'bf16'" \
                 if isinstance(parsed, PowerSGD) and averages_with == "reduce_scatter" else "compress='fp16' or 'bf16'"
             raise ValueError(f"compress={compress!r} {how}, not one that averages with a {averages_with}; use "
                              f"{instead}")
