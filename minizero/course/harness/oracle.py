@@ -12,10 +12,6 @@ import contextlib
 import inspect
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ...compress import PowerSGD, parse
@@ -75,6 +71,9 @@ class TorchDDP(TorchStage):
 
     def __init__(self, module, optimizer, comm=None, compress: str | None = None, bucket_mb: float = 25.0,
                  error_feedback: bool = False):
+        # torch's comm hooks, ZeroRedundancyOptimizer and FSDP2 are imported where an oracle is built: FSDP2 pulls in
+        # DTensor and sympy, 1.5 s of every process that imports the harness (a lesson's kernel, a command).
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         super().__init__(DistributedDataParallel(module, bucket_cap_mb=bucket_mb), optimizer)
         if compress == "fp16":
             self.module.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -102,6 +101,7 @@ class TorchZeRO(TorchDDP):
     name = "torch-zero"
 
     def __init__(self, module, optimizer, comm=None, **options):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
         super().__init__(module, optimizer, comm, **options)
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
@@ -118,6 +118,8 @@ class TorchFSDP2(TorchStage):
 
     def __init__(self, module, optimizer, comm=None, units=None, reshard_after_forward: bool = True,
                  precision=None, **_):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         names = {id(p): n for n, p in module.named_parameters()}
         with torch.no_grad():  # FSDP2 shards each rank's own values: start from rank 0's, as every stage does
             for tensor in list(module.parameters()) + list(module.buffers()):
