@@ -52,8 +52,9 @@ lint: install
 # ranks and the lessons' kernels on two cores are oversubscribed already, and torch's threads would contend
 # (measured: lessons 7, 8 and 17 together 41 s against 49 s).  Each phase prints its slowest tests: where the
 # minutes go (the suite is over its 12-minute budget on two cores).  A lesson's cell may take 900 s there -- a guard
-# against a hang, not a measure of speed: on the CI machine the lessons ran 10-20 times slower than alone (lesson 05:
-# 21 s alone, 456 s beside two workers), and one cell of 99 passed 300 s.
+# against a hang, not a measure of speed: lessons once ran 10-20 times slower there than alone (lesson 05: 21 s alone,
+# 456 s beside two workers), mostly because idle process groups leaked into the pools -- 736 gloo loop threads, each
+# waking every 10 ms (minizero.comm.native.subgroup now makes each group once); now about 2-4 times.
 test: install lint
 	$(PY) -m pytest -q tests lessons --nbmake --nbmake-timeout=300 -m alone --durations=15
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup -m "not alone" tests lessons --nbmake --nbmake-timeout=900 \

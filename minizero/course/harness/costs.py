@@ -3,7 +3,7 @@
 Each function takes the ranks' results of one experiment and returns None when
 the cost is the formula's, or what is wrong in words: the rank, the step, the
 ratio to the formula and its direction.  The suite asserts ``... is None``;
-the checker (:mod:`minizero.course.labs.properties`) says the words to a learner.
+the checker (:mod:`minizero.course.labs.properties_costs`) says the words to a learner.
 
 * **bytes** -- what the ledger counted in each step, on each rank, against the
   stage's ``sent_bytes_per_step`` (the ring's 2(N-1)/N Psi b for DDP and ZeRO-1/2,
