@@ -72,7 +72,7 @@ class TorchDDP(TorchStage):
     def __init__(self, module, optimizer, comm=None, compress: str | None = None, bucket_mb: float = 25.0,
                  error_feedback: bool = False):
         # torch's comm hooks, ZeroRedundancyOptimizer and FSDP2 are imported where an oracle is built: FSDP2 pulls in
-        # DTensor and sympy, 1.5 s of every process that imports the harness (a lesson's kernel, a command).
+        # DTensor and sympy, about 2 s of every process that imports the harness (a lesson's kernel, a command).
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         super().__init__(DistributedDataParallel(module, bucket_cap_mb=bucket_mb), optimizer)
         if compress == "fp16":
