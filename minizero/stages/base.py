@@ -33,6 +33,7 @@ from . import options as options_module
 from .facts import GradientMemory, Shards
 from .hooks import refuse_direct_calls
 from .options import PRECISION
+from .unsynchronised import let_go_of_a_failed_backward, refuse_unsynchronised_step
 from .unused import agree_on_use
 from .wrap import check_wrappable, claim, route, route_model
 
@@ -58,6 +59,7 @@ class Stage(nn.Module):
 
     _syncing = False  # does the backward of the latest forward synchronise?
     _sync_queued = False
+    _failed_backward = False
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  precision: str | Precision = "fp32"):
@@ -137,9 +139,7 @@ class Stage(nn.Module):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # a no_grad forward (a quick eval) has no backward to plan for
             self._syncing = self.require_backward_grad_sync  # decided at forward, as torch does
-            if self._sync_queued:  # a backward that raised never ran its queued synchronisation
-                self._sync_queued = False
-                self._abandon_backward()
+            self._let_go_of_a_failed_backward()
         if self.masters_outside:
             self.master.refresh()  # the user's optimizer stepped the fp32 masters: round them into the model
         self.pre_forward()
@@ -186,13 +186,9 @@ class Stage(nn.Module):
         self.synchronised += 1
         if self.masters_outside:
             self.master.hand_over()  # the averaged gradients, in fp32, on the masters the user's optimizer steps
-        self._local_grads = False
+        self._local_grads = self._failed_backward = False
 
-    def _abandon_backward(self) -> None:
-        """A backward raised part-way (its synchronisation never ran): let go of what it started."""
-        self._used.clear()
-        if self.pipeline is not None:
-            self.pipeline.abandon()
+    _let_go_of_a_failed_backward = let_go_of_a_failed_backward  # a forward, zero_grad() and step() call it
 
     def tag(self, what: str) -> Tag:  # what a collective is for, and where in training: fingerprinted
         return Tag(what, self.steps_taken, self.backwards, int(self._syncing))
@@ -225,15 +221,10 @@ class Stage(nn.Module):
 
     @contextmanager
     def stepping(self):
-        """Around every stage's step: refuse to step on gradients that never left this rank; then count the step."""
-        if self._local_grads and self.comm is not None:  # stays set: a second step() is refused too
-            raise RuntimeError(
-                f"rank {self.rank}: step() after backward passes inside no_sync() only: those gradients were "
-                f"never averaged across ranks, so the replicas would drift apart silently. Run the last "
-                f"micro-batch of each step outside no_sync() (train_step does), or call zero_grad() first"
-                + (" -- synchronisation is still off (require_backward_grad_sync is False) outside any no_sync() "
-                   "block: a no_sync() that does not put back the value it found leaves it so"
-                   if not self.require_backward_grad_sync else "") + ".")
+        """Around every stage's step: refuse to step on gradients never (or partly) averaged; then count the step."""
+        if self._let_go_of_a_failed_backward():
+            self._failed_backward = True  # stays set, as the no_sync() flag does, until zero_grad()
+        refuse_unsynchronised_step(self)
         self._require_optimizer("step")
         yield
         self.steps_taken += 1
@@ -258,7 +249,8 @@ class Stage(nn.Module):
     def forget_gradients(self, set_to_none: bool) -> None:
         """What every zero_grad() does first: no local-only gradients; as in torch, a gradient set to None is not
         stepped (``set_to_none=False`` zeroes it, still stepped); mixed precision's unscaled gradients go too."""
-        self._local_grads = False
+        self._let_go_of_a_failed_backward()  # before the buffers are zeroed: nothing may still write into them
+        self._local_grads = self._failed_backward = False
         if set_to_none:
             self._has_grad.clear()
         if self.master is not None:
