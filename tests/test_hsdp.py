@@ -158,3 +158,33 @@ def test_the_native_backend_without_nodes_is_refused_saying_what_to_pass(pools, 
     said = pools.run(2, _native_without_nodes, stage, options)
     assert said == [f"rank {r}: {who} on the native backend needs the nodes at the Comm's construction (it creates "
                     f"their process groups): make_comm('native', network='nodes=2x1')" for r in range(2)]
+
+
+def _built_without_nodes(me, stage, options):
+    import warnings
+
+    import torch
+
+    from minizero.comm import make_comm
+    from minizero.stages import make_stage
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = make_stage(stage, torch.nn.Linear(3, 2), None, make_comm("ring"), **options)
+    nodes = built.nodes if stage == "hsdp" else built.secondary.nodes
+    return nodes.per_node, [str(w.message) for w in caught if "no nodes given" in str(w.message)]
+
+
+@pytest.mark.parametrize("stage, options, who", [("hsdp", {}, "hsdp"), ("zeropp", {"hpz": True}, "hpz")])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_mesh_assumed_with_one_rank_per_node_is_said_on_rank_0(pools, stage, options, who, n):
+    """Without nodes, N = 2 and odd N are assumed to be N nodes of 1 rank: HSDP then shards nothing (and hpZ's
+    node-local copy is one rank's) -- equivalent training, so no error, but rank 0 says so; at N = 4 (2 x 2) it
+    shards, and nothing is said."""
+    said = pools.run(n, _built_without_nodes, stage, options)
+    if n == 4:
+        assert said == [(2, [])] * n
+    else:
+        assert said[0] == (1, [f"{who} on {n} ranks with no nodes given: assumed {n} nodes of 1 rank, so nothing "
+                               f"is sharded within a node (G = 1) and every rank holds all the state. Say where the "
+                               f"ranks sit: make_comm(..., network='nodes=MxG') (train: --network)"])
+        assert said[1:] == [(1, [])] * (n - 1)

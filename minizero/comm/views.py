@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+import warnings
 import weakref
 
 import torch.distributed as dist
@@ -71,6 +72,11 @@ class Views:
         if self.nodes is not None:
             return self.nodes
         nodes = assumed_nodes(self.world_size)
+        if nodes.per_node == 1 and self.rank == 0:  # still equivalent training, but not what the user asked for
+            warnings.warn(f"{who} on {self.world_size} ranks with no nodes given: assumed {nodes.count} nodes of 1 "
+                          f"rank, so nothing is sharded within a node (G = 1) and every rank holds all the state. "
+                          f"Say where the ranks sit: make_comm(..., network='nodes=MxG') (train: --network)",
+                          stacklevel=3)
         if self.name == "native":
             raise ValueError(f"rank {self.rank}: {who} on the native backend needs the nodes at the Comm's "
                              f"construction (it creates their process groups): make_comm('native', "
