@@ -276,3 +276,43 @@ def _frozen_value_after_a_step(me, stage):
     name = next(n for n, p in model.named_parameters() if p is frozen)
     return torch.equal(wrapped.full_state_dict()[name], original) and not torch.equal(original.bfloat16().float(),
                                                                                       original)
+
+
+
+def _loop(me, stage_name: str, precision: str, outside: bool, first: str):
+    """A loop as FSDP2's users write it (the optimizer built after wrapping, when ``outside``).  Its first step's
+    backward is on ``stage.scale_loss(loss)`` (``first="scale"``), on the loss as computed (``"forget"``), or
+    the step is not taken at all (``"skip"``)."""
+    from minizero.comm import make_comm
+    torch.manual_seed(0)
+    model = MLP([4, 8, 2])
+    optimizer = None if outside else torch.optim.SGD(model.parameters(), lr=0.1)
+    stage = make_stage(stage_name, model, optimizer, make_comm("ring"), precision=precision)
+    optimizer = optimizer or torch.optim.SGD(stage.parameters(), lr=0.1)
+    refusal = None
+    for step in range(1 if first == "skip" else 0, 3):
+        (optimizer.zero_grad if outside else stage.zero_grad)(set_to_none=True)
+        loss = stage(torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + me.rank))).pow(2).mean()
+        try:
+            (loss if first == "forget" and step == 0 else stage.scale_loss(loss)).backward()
+        except RuntimeError as error:
+            refusal = str(error)
+            continue
+        optimizer.step() if outside else stage.step()
+    return refusal, stage.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", ["ddp-bucketed", "zero2", "zero3"])
+@pytest.mark.parametrize("outside", [False, True])
+def test_fp16_backward_of_a_loss_never_scaled_is_refused_and_loses_nothing(pools, stage, outside):
+    """Unscaling a gradient whose loss was never scaled trains 2^16 times too slowly, silently: the backward is
+    refused on every rank, naming the call to add; nothing was sent or kept, so the loop goes on as if that step
+    had not been run.  bf16 scales nothing, and refuses nothing."""
+    refused = pools.run(2, _loop, stage, "fp16", outside, "forget")
+    for rank, (said, _) in enumerate(refused):
+        assert said is not None and said.startswith(f"rank {rank}: backward in fp16 through a loss not scaled by "
+                                                    f"stage.scale_loss(loss)") and "(65536)" in said, said
+    for (_, state), (_, expected) in zip(refused, pools.run(2, _loop, stage, "fp16", outside, "skip"), strict=True):
+        assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+    assert [said for said, _ in pools.run(2, _loop, stage, "fp16", outside, "scale")] == [None, None]
+    assert [said for said, _ in pools.run(2, _loop, stage, "bf16", outside, "forget")] == [None, None]

@@ -214,7 +214,9 @@ def _error_inside_backward(me, stage_name, fail, options=None, step_after=False)
                     stage.step()
                 except RuntimeError as error:
                     refusals.append(str(error))
-            assert len(refusals) == 2 and all("raised part-way" in r for r in refusals), refusals
+            assert len(refusals) == 2 and all(f"rank {me.rank}: step() after a backward that raised part-way" in r
+                                          and "Call zero_grad() and run the step's forward and backward again" in r
+                                          for r in refusals), refusals
     for s in range(3):
         stage.zero_grad()
         stage(_data(me.rank, s)).pow(2).mean().backward()

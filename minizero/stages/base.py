@@ -60,6 +60,7 @@ class Stage(nn.Module):
     _syncing = False  # does the backward of the latest forward synchronise?
     _sync_queued = False
     _failed_backward = False
+    _loss_scaled = False
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  precision: str | Precision = "fp32"):
@@ -115,9 +116,7 @@ class Stage(nn.Module):
     skipped_steps = property(mixed.skipped_steps)
     named_parameters = mixed.named_parameters
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale: what to call ``backward()`` on (torch's ``GradScaler.scale``)."""
-        return self.master.scale_loss(loss) if self.master else loss
+    scale_loss = mixed.scale_loss  # ``loss`` times the loss scale (torch's ``GradScaler.scale``)
 
     # ------------------------------------------------------------------ facts (minizero.stages.facts)
     option_names = classmethod(options_module.option_names)  # the keywords of the declared options
@@ -140,6 +139,7 @@ class Stage(nn.Module):
         if torch.is_grad_enabled():  # a no_grad forward (a quick eval) has no backward to plan for
             self._syncing = self.require_backward_grad_sync  # decided at forward, as torch does
             self._let_go_of_a_failed_backward()
+            self._loss_scaled = False  # until the loss of this forward's backward is scaled (fp16: scale_loss)
         if self.masters_outside:
             self.master.refresh()  # the user's optimizer stepped the fp32 masters: round them into the model
         self.pre_forward()
@@ -167,6 +167,7 @@ class Stage(nn.Module):
 
     def _hook_backward(self, output, syncing: bool) -> None:
         def on_backward(grad):
+            mixed.check_loss_scaled(self)
             self.backwards += 1
             if not syncing:
                 self._local_grads = True

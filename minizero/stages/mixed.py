@@ -85,6 +85,30 @@ def loss_scale(self) -> float:
     return self.master.loss_scale if self.master else 1.0
 
 
+def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` times the loss scale: what to call ``backward()`` on (torch's ``GradScaler.scale``).  Under fp16 a
+    hook on the scaled loss marks the backward that runs through it, for :func:`check_loss_scaled`."""
+    if self.master is None:
+        return loss
+    scaled = self.master.scale_loss(loss)
+    if self.precision.scaled and scaled.requires_grad:
+        scaled.register_hook(lambda grad: setattr(self, "_loss_scaled", True) or grad)
+    return scaled
+
+
+def check_loss_scaled(self) -> None:
+    """In a backward under fp16, as it reaches the stage's output (after the loss's own hook): was the loss scaled?
+    If not, every gradient would be divided by a scale never applied -- training 2^16 times too slowly, with no
+    error anywhere (a loop ported from FSDP2, which has no loss scaling, does exactly this).  Refused here, before
+    any gradient is unscaled or sent."""
+    if self.precision.scaled and not self._loss_scaled:
+        raise RuntimeError(
+            f"rank {self.rank}: backward in fp16 through a loss not scaled by stage.scale_loss(loss): its gradients "
+            f"would be divided by the loss scale ({self.loss_scale:g}) that was never applied, and training would go "
+            f"{self.loss_scale:g} times too slowly with no error. Call stage.scale_loss(loss).backward() (torch's "
+            f"GradScaler.scale), or train in bf16, which needs no loss scaling.")
+
+
 def skipped_steps(self) -> int:
     """Optimizer steps skipped because some rank's gradients overflowed (fp16)."""
     return self.master.skipped_steps if self.master else 0

@@ -140,7 +140,7 @@ def measured_activation_bytes(model: str, micro_batch: int, checkpointed: bool, 
 
     def step():
         stage.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(stage(x).reshape(-1, shape.vocab), y.reshape(-1)).backward()
+        stage.scale_loss(torch.nn.functional.cross_entropy(stage(x).reshape(-1, shape.vocab), y.reshape(-1))).backward()
         stage.step()
 
     step()
