@@ -60,6 +60,20 @@ def test_numbers_are_validated_where_they_are_parsed(argv, message, capsys):
       "nodes=2x2,intra=nvlink,inter=ethernet-100g"], "scale --compress prices a wire on one flat network"),
     (["compress-study", "--plot", "no-such-dir/x.png"], "--plot no-such-dir/x.png: the directory no-such-dir does "
                                                         "not exist"),  # before the study trains, not after it
+    # combinations a stage refuses on every rank: refused here first, in the same words (Stage.check_combination)
+    (["compare", "--stages", "ddp,zero2", "--compress", "powersgd:rank=1"], "compress='powersgd:rank=1' adds each "
+     "matrix's low-rank factors P and Q in all-reduces"),
+    (["train", "--stage", "zero1", "--compress", "powersgd:rank=1"], "compress='powersgd:rank=1' adds each matrix's"),
+    (["compare", "--stages", "ddp", "--compress", "int8", "--precision", "bf16"], "compress='int8' under bf16 mixed "
+     "precision is not built"),
+    (["train", "--stage", "ddp", "--compress", "topk:0.1", "--precision", "fp16"], "compress='topk:0.1' under fp16 "
+     "mixed precision is not built"),
+    (["compare", "--stages", "hsdp", "--compress", "powersgd:rank=1"], "compress='powersgd:rank=1' on hsdp is not "
+     "built"),
+    (["compare", "--stages", "zeropp", "--quantized-weights", "int8", "--hpz"], "hpz with quantized_weights='int8' is "
+     "not built"),
+    (["compare", "--stages", "zeropp", "--quantized-weights", "int8", "--precision", "bf16"],
+     "quantized_weights='int8' under mixed precision is not built"),
 ])
 def test_inconsistent_options_are_refused_before_any_rank_starts(argv, message, capsys):
     assert main(argv) == 2

@@ -98,20 +98,10 @@ class WirePolicy:
         raise TypeError(f"rank {rank}: wire must be a WirePolicy or a compress spec such as 'fp16', got {wire!r}")
 
 
-def make_wire(comm: Comm, policy: WirePolicy, named_params=(), precision: Precision | None = None,
-              averages_with: str = "all_reduce") -> "Wire | GatheredWire | PowerSGDWire | None":
-    """The wire gradients are averaged over, or None: they travel in their own dtype.
-
-    ``policy.compress`` ("fp16", "bf16") narrows fp32 gradients -- or, under mixed precision, re-rounds 16-bit ones
-    with the split division and optional error feedback (:mod:`.sixteen_bit`).  Under mixed precision
-    ``reduce_dtype="fp32"`` is a wire too, a *wider* one: 16-bit gradients summed in fp32, the mean rounded once.
-    Both name the dtype of the reduction, so they are not given together.  With dynamic loss scaling an
-    overflow is the scaler's to handle (the step is skipped), so the wire lets inf through instead of raising.
-    A codec (``int8``, ``topk:0.01``, ...) rides on an all-reduce or a reduce-scatter (``averages_with``, the
-    stage's), PowerSGD on an all-reduce only; both need full-precision gradients.  ``named_params``: what will
-    travel on it, checked here."""
-    precision, compress, error_feedback = precision or Precision(), policy.compress, policy.error_feedback
-    parsed = parse(compress)
+def check_wire(policy: WirePolicy, precision: Precision, averages_with: str = "all_reduce") -> None:
+    """What no wire can be built for, decided from the options alone -- so the command line refuses it before any
+    rank starts (``Stage.check_combination``), and :func:`make_wire` on every rank says the same."""
+    compress, parsed = policy.compress, parse(policy.compress)
     if isinstance(parsed, (Codec, PowerSGD)):
         fits = ("all_reduce",) if isinstance(parsed, PowerSGD) else ("all_reduce", "reduce_scatter")
         if averages_with not in fits:
@@ -127,20 +117,39 @@ def make_wire(comm: Comm, policy: WirePolicy, named_params=(), precision: Precis
         if precision.mixed:
             raise ValueError(f"compress={compress!r} under {precision.name} mixed precision is not built: its "
                              f"loss scaling and 16-bit gradients are the 16-bit wire's; use precision='fp32'")
-        if isinstance(parsed, PowerSGD):
-            return PowerSGDWire(comm, parsed, error_feedback)
-        return GatheredWire(comm, parsed, error_feedback)
-    if parsed is None:
-        if error_feedback:
+    elif parsed is None:
+        if policy.error_feedback:
             raise ValueError("error feedback carries what compression did not send: it needs a compress= wire "
                              f"({', '.join(NAMES[1:])})")
-        if precision.reduce_dtype is None:
-            return None
-        return Wire(comm, REDUCE_DTYPES[precision.reduce_dtype], overflow_raises=not precision.scaled)
-    if precision.reduce_dtype is not None:
+    elif precision.reduce_dtype is not None:
         raise ValueError(f"compress={compress!r} and reduce_dtype={precision.reduce_dtype!r} both choose the dtype "
                          f"gradients are reduced in; give one (under mixed precision the gradients are already "
                          f"{precision.name}: reduce_dtype=None sends them as they are)")
+
+
+def make_wire(comm: Comm, policy: WirePolicy, named_params=(), precision: Precision | None = None,
+              averages_with: str = "all_reduce") -> "Wire | GatheredWire | PowerSGDWire | None":
+    """The wire gradients are averaged over, or None: they travel in their own dtype.
+
+    ``policy.compress`` ("fp16", "bf16") narrows fp32 gradients -- or, under mixed precision, re-rounds 16-bit ones
+    with the split division and optional error feedback (:mod:`.sixteen_bit`).  Under mixed precision
+    ``reduce_dtype="fp32"`` is a wire too, a *wider* one: 16-bit gradients summed in fp32, the mean rounded once.
+    Both name the dtype of the reduction, so they are not given together.  With dynamic loss scaling an
+    overflow is the scaler's to handle (the step is skipped), so the wire lets inf through instead of raising.
+    A codec (``int8``, ``topk:0.01``, ...) rides on an all-reduce or a reduce-scatter (``averages_with``, the
+    stage's), PowerSGD on an all-reduce only; both need full-precision gradients.  ``named_params``: what will
+    travel on it, checked here."""
+    precision = precision or Precision()
+    check_wire(policy, precision, averages_with)
+    parsed, error_feedback = parse(policy.compress), policy.error_feedback
+    if isinstance(parsed, PowerSGD):
+        return PowerSGDWire(comm, parsed, error_feedback)
+    if isinstance(parsed, Codec):
+        return GatheredWire(comm, parsed, error_feedback)
+    if parsed is None:
+        if precision.reduce_dtype is None:
+            return None
+        return Wire(comm, REDUCE_DTYPES[precision.reduce_dtype], overflow_raises=not precision.scaled)
     wire = Wire(comm, parsed, error_feedback, overflow_raises=not precision.scaled)
     if not precision.mixed:
         for name, p in named_params:
@@ -149,4 +158,4 @@ def make_wire(comm: Comm, policy: WirePolicy, named_params=(), precision: Precis
 
 
 __all__ = ["CODECS", "Codec", "GatheredWire", "PowerSGD", "PowerSGDWire", "Wire", "WirePolicy", "check_compress", "make_wire",
-           "parse", "split_division", "split_specs", "WIRE_DTYPES"]
+           "check_wire", "parse", "split_division", "split_specs", "WIRE_DTYPES"]

@@ -53,6 +53,7 @@ class Stage(nn.Module):
     #: not one of the stages the summary weighs against each other.
     contrast = False
     options = (PRECISION,)
+    averages_with = "all_reduce"  # the collective its gradients are averaged with: the wires it fits
     #: Why this stage's state is not what one device would hold (its ranks hold different models), or None:
     #: every stage that takes single-device training's step can be saved.
     why_not_checkpointable: str | None = None
@@ -133,6 +134,7 @@ class Stage(nn.Module):
     schedule = classmethod(facts.schedule)
     reduction = classmethod(facts.reduction)
     check_command_line = classmethod(facts.check_command_line)
+    check_combination = classmethod(facts.check_combination)
 
     # ------------------------------------------------------------------ the lifecycle
     def forward(self, *args, **kwargs):

@@ -165,3 +165,14 @@ def check_command_line(cls, world_size: int, steps: int, given: dict) -> None:
     """Refuse, in the command line's words and before any rank starts, options (``given`` by keyword) that this
     stage would refuse on every rank or silently ignore at this world size and number of steps.  Nothing to
     check for most stages; the parameter server and local SGD say theirs."""
+
+
+def check_combination(cls, wire=None, precision=None, **others) -> None:
+    """Options that cannot go together on this stage, decided from them alone (as its constructor takes them:
+    ``wire=``, ``precision=`` policies or their specs).  The command line asks before any rank starts
+    (:func:`~minizero.course.harness.preflight.check_design_options`); the constructor asks again on every rank,
+    so a stage built in code says the same.  Here: the wire against the stage's collective and the precision."""
+    from ..compress import WirePolicy, check_wire, parse
+    policy = WirePolicy.of(wire)
+    if parse(policy.compress) is not None and any(o.into is not None and o.into[0] == "wire" for o in cls.options):
+        check_wire(policy, Precision.of(precision), cls.averages_with)  # (no wire: the command names its own flag)

@@ -42,11 +42,7 @@ class HSDP(ZeRO3):
 
     def __init__(self, module, optimizer=None, comm: Comm | None = None, units=None, reshard_after_forward: bool = True,
                  prefetch: int = 1, replicate=None, **common):
-        compress = WirePolicy.of(common.get("wire"), comm.rank if comm else 0).compress
-        if isinstance(parse_compress(compress), PowerSGD):
-            raise ValueError(f"compress={compress!r} on hsdp is not built: its compressed all-reduce is of gradient "
-                             f"shards, and a shard of a matrix has no low-rank factors of its own; use a codec "
-                             f"(int8, int4, topk, sign) or compress='fp16' or 'bf16'")
+        self.check_combination(wire=common.get("wire"), precision=common.get("precision"))
         super().__init__(module, optimizer, comm, units=units, reshard_after_forward=reshard_after_forward,
                          prefetch=prefetch, replicate=replicate, **common)
         # Inside the node the gradients travel exact -- or, under a precision policy's wider reduce_dtype, summed in
@@ -54,6 +50,15 @@ class HSDP(ZeRO3):
         reduce_dtype = self.precision.reduce_dtype
         self.node_wire = Wire(self.shard_comm, REDUCE_DTYPES[reduce_dtype], overflow_raises=not self.precision.scaled) \
             if reduce_dtype is not None else None
+
+    @classmethod
+    def check_combination(cls, wire=None, precision=None, **others) -> None:
+        compress = WirePolicy.of(wire).compress
+        if isinstance(parse_compress(compress), PowerSGD):
+            raise ValueError(f"compress={compress!r} on hsdp is not built: its compressed all-reduce is of gradient "
+                             f"shards, and a shard of a matrix has no low-rank factors of its own; use a codec "
+                             f"(int8, int4, topk, sign) or compress='fp16' or 'bf16'")
+        super().check_combination(wire=wire, precision=precision, **others)
 
     def mesh(self, comm: Comm) -> tuple[Comm, Comm]:
         """Shard over this rank's node, replicate over the ranks at its place on every node.  A Comm that does

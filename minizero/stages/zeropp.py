@@ -45,17 +45,24 @@ class ZeROPlusPlus(ZeRO3):
 
     def __init__(self, module, optimizer=None, comm=None, units=None, reshard_after_forward: bool = True,
                  prefetch: int = 1, replicate=None, quantized_weights: str | None = None, hpz: bool = False, **common):
-        codec = parse_weights(quantized_weights)  # refused before anything is built
-        if codec is not None and hpz:
-            raise ValueError(f"hpz with quantized_weights={quantized_weights!r} is not built: the node-local slices "
-                             f"would be of the decoded weights; use one or the other")
-        if codec is not None and Precision.of(common.get("precision")).mixed:
-            raise ValueError(f"quantized_weights={quantized_weights!r} under mixed precision is not built: the working "
-                             f"copy is already 16-bit; use precision='fp32'")
+        self.check_combination(quantized_weights=quantized_weights, hpz=hpz, precision=common.get("precision"))
+        codec = parse_weights(quantized_weights)
         super().__init__(module, optimizer, comm, units=units, reshard_after_forward=reshard_after_forward,
                          prefetch=prefetch, replicate=replicate, **common)
         self.weight_wire = QuantizedWeights(self.shard_comm, codec) if codec is not None else None  # qwZ, or None
         self.secondary = SecondaryShards(comm, self._observe) if hpz else None  # hpZ, or None
+
+    @classmethod
+    def check_combination(cls, quantized_weights: str | None = None, hpz: bool = False, precision=None,
+                          **others) -> None:
+        codec = parse_weights(quantized_weights)
+        if codec is not None and hpz:
+            raise ValueError(f"hpz with quantized_weights={quantized_weights!r} is not built: the node-local slices "
+                             f"would be of the decoded weights; use one or the other")
+        if codec is not None and Precision.of(precision).mixed:
+            raise ValueError(f"quantized_weights={quantized_weights!r} under mixed precision is not built: the working "
+                             f"copy is already 16-bit; use precision='fp32'")
+        super().check_combination(precision=precision, **others)
 
     def all_gather(self, unit: Unit, why: str) -> Work:
         """ZeRO-3's gather of ``unit``, travelling as ZeRO++ has it: a backward gather from the node's slices (hpZ),

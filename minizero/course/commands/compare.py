@@ -308,7 +308,8 @@ def check_before_launch(args) -> None:
     """What ``compare`` and ``soak`` refuse before any rank starts (minizero.course.harness.preflight)."""
     preflight.check_lr(args.lr, args.optimizer, DTYPES[args.dtype])  # the masters' dtype: fp32 under mixed precision
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
-    preflight.check_design_options(world_size, args.steps, option_flags.given(args), getattr(args, "registry", None))
+    preflight.check_design_options(world_size, args.steps, option_flags.given(args), getattr(args, "registry", None),
+                                   [s for s in args.stages.split(",") if s], precision_option(args))
 
 
 def main(args) -> tuple[int, str]:

@@ -154,7 +154,8 @@ def main(args) -> tuple[int, str]:
                              f"ranks; drop --world-size under torchrun (its --nnodes x --nproc-per-node decide)")
     world_size = int(os.environ.get("WORLD_SIZE", 0)) or args.world_size or 1
     check_hardware(args, backend, world_size)
-    preflight.check_design_options(world_size, args.steps, option_flags.given(args), getattr(args, "registry", None))
+    preflight.check_design_options(world_size, args.steps, option_flags.given(args), getattr(args, "registry", None),
+                                   [args.stage], args.precision)
     if run.resume:
         check_resume(run)
     if under_torchrun():

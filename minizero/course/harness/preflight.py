@@ -56,14 +56,25 @@ def check_lr(lr: float, optimizer: str, dtype: torch.dtype = torch.float32) -> N
                          f"({largest:.3g}); use --lr {largest / factor:.2g} or less")
 
 
-def check_design_options(world_size: int, steps: int, given: dict, stages: dict | None = None) -> None:
-    """The stage options given on the command line (by keyword), against each other, the world size and the
-    steps, before any rank starts: each stage that takes one of them says what it would refuse on every rank or
-    silently ignore (``Stage.check_command_line``).  (Each is parsed by its declaration, and an option no chosen
-    stage takes is refused by the command itself.)"""
+def check_design_options(world_size: int, steps: int, given: dict, stages: dict | None = None,
+                         chosen: list[str] | None = None, precision=None) -> None:
+    """The stage options given on the command line (by keyword), against each other, the precision, the world size
+    and the steps, before any rank starts: each ``chosen`` stage (default: every stage) says what it would refuse
+    on every rank (``Stage.check_combination``: a wire its collective cannot carry, say) or silently ignore
+    (``Stage.check_command_line``).  (Each option is parsed by its declaration, and an option no chosen stage
+    takes is refused by the command itself.)"""
     from ...stages import STAGES
-    for cls in dict.fromkeys((stages or STAGES).values()):
-        if hasattr(cls, "check_command_line") and set(given) & set(cls.option_names()):  # (not torch's oracles)
+    from ...stages.options import constructor_keywords
+    registry = stages or STAGES
+    for cls in dict.fromkeys(registry[name] for name in (chosen or registry) if name in registry):  # (an unknown
+        # name is the command's to refuse, with the list of names)
+        if not hasattr(cls, "check_command_line"):  # torch's oracles
+            continue
+        own = {k: v for k, v in given.items() if k in cls.option_names()}
+        if precision is not None and "precision" in cls.option_names():
+            own["precision"] = precision
+        cls.check_combination(**constructor_keywords(cls, own))
+        if set(given) & set(cls.option_names()):
             cls.check_command_line(world_size, steps, given)
 
 
