@@ -147,6 +147,7 @@ class Stage(nn.Module):
         self.pre_forward()
         output = self.call_module(*args, **kwargs)
         if torch.is_grad_enabled():
+            mixed.watch_loss_scaling(self, output)  # fp16: a backward of a loss never scaled is refused
             self._hook_backward(output, self._syncing)
         return output
 
@@ -169,7 +170,6 @@ class Stage(nn.Module):
 
     def _hook_backward(self, output, syncing: bool) -> None:
         def on_backward(grad):
-            mixed.check_loss_scaled(self)
             self.backwards += 1
             if not syncing:
                 self._local_grads = True
@@ -189,7 +189,7 @@ class Stage(nn.Module):
         self.synchronised += 1
         if self.masters_outside:
             self.master.hand_over()  # the averaged gradients, in fp32, on the masters the user's optimizer steps
-        self._local_grads = self._failed_backward = False
+        self._local_grads = False
 
     _let_go_of_a_failed_backward = let_go_of_a_failed_backward  # a forward, zero_grad() and step() call it
 
@@ -226,7 +226,7 @@ class Stage(nn.Module):
     def stepping(self):
         """Around every stage's step: refuse to step on gradients never (or partly) averaged; then count the step."""
         if self._let_go_of_a_failed_backward():
-            self._failed_backward = True  # stays set, as the no_sync() flag does, until zero_grad()
+            self._failed_backward = True  # stays set until zero_grad(), whatever backward runs meanwhile
         refuse_unsynchronised_step(self)
         self._require_optimizer("step")
         yield

@@ -96,12 +96,24 @@ def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
     return scaled
 
 
+def watch_loss_scaling(self, output) -> None:
+    """Under fp16, hook the output so its backward first asks :func:`check_loss_scaled` (registered before the
+    stage's own hook, so it runs first: nothing is queued or sent when it refuses)."""
+    if not self.precision.scaled:
+        return
+    tensors = output if isinstance(output, (tuple, list)) else [output]
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(lambda grad: check_loss_scaled(self))
+            return
+
+
 def check_loss_scaled(self) -> None:
     """In a backward under fp16, as it reaches the stage's output (after the loss's own hook): was the loss scaled?
     If not, every gradient would be divided by a scale never applied -- training 2^16 times too slowly, with no
     error anywhere (a loop ported from FSDP2, which has no loss scaling, does exactly this).  Refused here, before
     any gradient is unscaled or sent."""
-    if self.precision.scaled and not self._loss_scaled:
+    if not self._loss_scaled:
         raise RuntimeError(
             f"rank {self.rank}: backward in fp16 through a loss not scaled by stage.scale_loss(loss): its gradients "
             f"would be divided by the loss scale ({self.loss_scale:g}) that was never applied, and training would go "
