@@ -117,7 +117,9 @@ class Stage(nn.Module):
     skipped_steps = property(mixed.skipped_steps)
     named_parameters = mixed.named_parameters
 
-    scale_loss = mixed.scale_loss  # ``loss`` times the loss scale (torch's ``GradScaler.scale``)
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale: what to call ``backward()`` on (torch's ``GradScaler.scale``)."""
+        return mixed.scale_loss(self, loss) if self.precision.scaled else loss
 
     # ------------------------------------------------------------------ facts (minizero.stages.facts)
     option_names = classmethod(options_module.option_names)  # the keywords of the declared options
@@ -140,14 +142,16 @@ class Stage(nn.Module):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # a no_grad forward (a quick eval) has no backward to plan for
             self._syncing = self.require_backward_grad_sync  # decided at forward, as torch does
-            self._let_go_of_a_failed_backward()
+            if self._sync_queued:  # a backward that raised never ran its queued synchronisation
+                let_go_of_a_failed_backward(self)
             self._loss_scaled = False  # until the loss of this forward's backward is scaled (fp16: scale_loss)
         if self.masters_outside:
             self.master.refresh()  # the user's optimizer stepped the fp32 masters: round them into the model
         self.pre_forward()
         output = self.call_module(*args, **kwargs)
         if torch.is_grad_enabled():
-            mixed.watch_loss_scaling(self, output)  # fp16: a backward of a loss never scaled is refused
+            if self.precision.scaled:  # fp16: a backward of a loss never scaled is refused
+                mixed.watch_loss_scaling(self, output)
             self._hook_backward(output, self._syncing)
         return output
 
@@ -191,8 +195,6 @@ class Stage(nn.Module):
             self.master.hand_over()  # the averaged gradients, in fp32, on the masters the user's optimizer steps
         self._local_grads = False
 
-    _let_go_of_a_failed_backward = let_go_of_a_failed_backward  # a forward, zero_grad() and step() call it
-
     def tag(self, what: str) -> Tag:  # what a collective is for, and where in training: fingerprinted
         return Tag(what, self.steps_taken, self.backwards, int(self._syncing))
 
@@ -225,9 +227,10 @@ class Stage(nn.Module):
     @contextmanager
     def stepping(self):
         """Around every stage's step: refuse to step on gradients never (or partly) averaged; then count the step."""
-        if self._let_go_of_a_failed_backward():
-            self._failed_backward = True  # stays set until zero_grad(), whatever backward runs meanwhile
-        refuse_unsynchronised_step(self)
+        if self._sync_queued or self._failed_backward or self._local_grads:
+            if let_go_of_a_failed_backward(self):
+                self._failed_backward = True  # stays set until zero_grad(), whatever backward runs meanwhile
+            refuse_unsynchronised_step(self)
         self._require_optimizer("step")
         yield
         self.steps_taken += 1
@@ -252,7 +255,8 @@ class Stage(nn.Module):
     def forget_gradients(self, set_to_none: bool) -> None:
         """What every zero_grad() does first: no local-only gradients; as in torch, a gradient set to None is not
         stepped (``set_to_none=False`` zeroes it, still stepped); mixed precision's unscaled gradients go too."""
-        self._let_go_of_a_failed_backward()  # before the buffers are zeroed: nothing may still write into them
+        if self._sync_queued:  # before the buffers are zeroed: nothing may still write into them
+            let_go_of_a_failed_backward(self)
         self._local_grads = self._failed_backward = False
         if set_to_none:
             self._has_grad.clear()

@@ -86,12 +86,10 @@ def loss_scale(self) -> float:
 
 
 def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` times the loss scale: what to call ``backward()`` on (torch's ``GradScaler.scale``).  Under fp16 a
-    hook on the scaled loss marks the backward that runs through it, for :func:`check_loss_scaled`."""
-    if self.master is None:
-        return loss
+    """Under fp16 (dynamic loss scaling): ``loss`` times the loss scale, and a hook on it that marks the backward
+    running through it, for :func:`check_loss_scaled`."""
     scaled = self.master.scale_loss(loss)
-    if self.precision.scaled and scaled.requires_grad:
+    if scaled.requires_grad:
         scaled.register_hook(lambda grad: setattr(self, "_loss_scaled", True) or grad)
     return scaled
 
@@ -99,8 +97,6 @@ def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
 def watch_loss_scaling(self, output) -> None:
     """Under fp16, hook the output so its backward first asks :func:`check_loss_scaled` (registered before the
     stage's own hook, so it runs first: nothing is queued or sent when it refuses)."""
-    if not self.precision.scaled:
-        return
     tensors = output if isinstance(output, (tuple, list)) else [output]
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
