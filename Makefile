@@ -55,9 +55,11 @@ lint: install
 # against a hang, not a measure of speed: lessons once ran 10-20 times slower there than alone (lesson 05: 21 s alone,
 # 456 s beside two workers), mostly because idle process groups leaked into the pools -- 736 gloo loop threads, each
 # waking every 10 ms (minizero.comm.native.subgroup now makes each group once); now about 2-4 times.
+# Lessons are named before tests: xdist hands out the xdist_group bundles first, then single tests in the order
+# named, so the lessons (up to 140 s each there) start early and no long one starts last, alone, at the end.
 test: install lint
 	$(PY) -m pytest -q tests lessons --nbmake --nbmake-timeout=300 -m alone --durations=15
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup -m "not alone" tests lessons --nbmake --nbmake-timeout=900 \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup -m "not alone" lessons tests --nbmake --nbmake-timeout=900 \
 	  --durations=40
 
 # Hunting: many more random examples, fresh seeds each run.
