@@ -20,7 +20,9 @@ What every collective goes through lives here, once, so the algorithms stay clea
 * **Async collectives** run on one daemon thread per ``Comm`` (:mod:`.thread`),
   in the order they were issued -- the same order on every rank -- so messages of
   two collectives never interleave: what makes overlap (bucketed DDP, ZeRO
-  prefetch) safe.
+  prefetch) safe.  Under NCCL they are queued on a CUDA stream of their own
+  instead (:mod:`.stream`), as torch DDP and FSDP2 do: the host issues them in
+  that same order and never waits for one.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from .fingerprint import Call, CollectiveMismatch, Tag, exchange
 from .network import Network, TwoLevel
 from .nodes import Nodes
 from .port import Port
+from .stream import CommStream, DeviceClock
 from .thread import CommThread, Work
 from .views import Views
 
@@ -74,7 +77,13 @@ class Comm(Views):
         # a dialled network (see .network), or none
         self.port = Port(network, rank=self.rank, links=self._node_links(network)) if network is not None else None
         self._local = threading.local()
-        self._thread: CommThread | None = None
+        self._thread: CommThread | CommStream | None = None
+        # Under NCCL the collectives go on a CUDA stream of their own (.stream); False keeps the thread, whose
+        # kernels join the compute stream -- nothing overlaps: the GPU bench's contrast (bench gpu-overlap).
+        # True means torch.cuda's streams; an object with their API may stand in (the suite's recorder, on CPU).
+        self.own_stream: bool | object = self._nccl
+        if self.port is not None and self._nccl:  # a dialled wire waits on the device, where NCCL's kernels run
+            self.port.clock = DeviceClock()
         self._lock = threading.Lock()
         self._calls = 0  # collectives issued on this Comm: the number in every fingerprint
         self._failed: str | None = None  # a collective that failed part-way: this rank is out of step
@@ -195,20 +204,23 @@ class Comm(Views):
         self._check_layout(kind, arguments, f"rank {self.rank}: {kind} for {(tag or Tag()).describe()}")
 
     # ---------------------------------------------------------- async thread
-    def _background(self) -> CommThread:
-        root = self._root  # one thread per whole Comm: its views' collectives queue there too
+    def _background(self) -> CommThread | CommStream:
+        root = self._root  # one thread (or stream) per whole Comm: its views' collectives queue there too
         with root._lock:
             if root._thread is None:
-                root._thread = CommThread(f"comm-rank{root.rank}", root._wait_observers)
+                if root.own_stream:
+                    root._thread = CommStream(None if root.own_stream is True else root.own_stream)
+                else:
+                    root._thread = CommThread(f"comm-rank{root.rank}", root._wait_observers)
                 weakref.finalize(root, root._thread.stop)  # a Comm nobody closed does not leave its thread behind
             return root._thread
 
     def _on_comm_thread(self) -> bool:
         thread = self._root._thread
-        return thread is not None and threading.get_ident() == thread.ident
+        return thread is not None and thread.here
 
     def submit(self, fn: Callable[[], object]) -> Work:
-        """Run ``fn`` on the communication thread, after every collective issued
+        """Run ``fn`` on the communication thread (under NCCL: stream), after every collective issued
         before it; collectives it calls run inline.  Bucketed DDP uses this to
         cast, reduce and unpack a bucket while backward goes on computing."""
         return self._background().submit(fn)

@@ -79,7 +79,8 @@ def collective(kind: str):
                     raise ValueError(f"rank {self.rank}: a {kind} over a wire runs where it is called; submit the "
                                      f"call (comm.submit) to overlap it")
                 return _over_wire(self, wrapper, kind, bound.arguments, wire, key, tag, layout)
-            if async_op or self._root._thread is not None and not self._on_comm_thread():
+            runner = self._root._thread
+            if async_op or runner is not None and runner.runs_elsewhere and not runner.here:
                 work = self._background().submit(self._run, kind, method, bound.arguments, tag)
                 if async_op:
                     return work

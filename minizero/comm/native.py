@@ -98,6 +98,11 @@ class NativeComm(StarExchanges, Comm):
         """Book the ring version's bytes; on a dialled network, wait as the ring version would (after torch's
         transfer: the step's wall time is the same, and torch's collective cannot be paused half-way).  Each
         message goes to the right neighbour; the root all-reduce's, between the root and each rank."""
+        if self.port is not None and self.world_size == 1 and self.port.stands_for > 1:
+            # One GPU standing for a ring of N: hold what rank 0 of N would send (bench gpu-overlap's dial).
+            for nbytes in ring_messages(kind, tensor.numel(), tensor.element_size(), self.port.stands_for, 0, src):
+                self.port.hold(self.port.wire_to(None).message_s(nbytes), kind, nbytes)
+            return
         messages = ring_messages(kind, tensor.numel(), tensor.element_size(), self.world_size, self.rank, src)
         n = self.world_size
         to = ([dst for dst in range(1, n)] if self.rank == 0 else [0]) if kind == "root_all_reduce" \

@@ -32,6 +32,8 @@ class Port:
         self.links = links
         self.messages: list[tuple[float, float, str, int, str]] | None = [] if record else None
         self._inbound_done = float("-inf")  # when this port finished taking in the last message
+        self.clock = None  # a DeviceClock under NCCL (.stream): a hold is then a wait on the current CUDA stream
+        self.stands_for = 1  # one GPU standing for a ring of this many ranks (native backend, world size 1)
 
     def wire_to(self, peer: int | None) -> Network | None:
         """The wire a message to (or from) rank ``peer`` travels on."""
@@ -55,6 +57,9 @@ class Port:
 
     def hold(self, seconds: float, kind: str, nbytes: int = 0) -> None:
         """Wait ``seconds`` of modelled network time (the native backend's critical paths use it directly)."""
+        if self.clock is not None:  # queued on the device, where the collective's kernels run; the host goes on
+            self.clock.sleep(seconds)
+            return
         start = time.perf_counter()
         _sleep_until(start + seconds)
         if self.messages is not None:

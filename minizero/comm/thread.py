@@ -53,6 +53,8 @@ class Work:
 class CommThread:
     """A single daemon worker running submitted functions in submission order."""
 
+    runs_elsewhere = True  # a collective issued on another thread must queue here, behind what was submitted
+
     def __init__(self, name: str, waits: list | None = None):
         self._waits = waits
         # The CUDA device is per host thread: a new thread starts on GPU 0, whatever the rank's is.  The
@@ -67,6 +69,11 @@ class CommThread:
     def ident(self) -> int | None:
         return self._thread.ident
 
+    @property
+    def here(self) -> bool:
+        """Is the caller this thread (a collective called by a submitted function runs inline)?"""
+        return threading.get_ident() == self._thread.ident
+
     def submit(self, fn: Callable, *args) -> Work:
         future: Future = Future()
         self._queue.put((future, fn, args))
@@ -75,7 +82,8 @@ class CommThread:
     def _serve(self) -> None:
         # Collectives run here on the thread's current stream, which is the device's default stream -- the
         # one the main thread computes on -- so NCCL orders each collective after the kernels that produced
-        # its tensors, and the kernels after it wait for it, with no host synchronisation.
+        # its tensors, and the kernels after it wait for it, with no host synchronisation.  Backward's kernels
+        # queued after it wait too: under NCCL a Comm uses a stream of its own instead (.stream).
         if self._device is not None:
             torch.cuda.set_device(self._device)
         while True:
