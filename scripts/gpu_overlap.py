@@ -38,7 +38,7 @@ from minizero.course.commands.gpu_efficiency import (  # noqa: E402
     run_steps,
 )
 from minizero.course.figures import gpu_streams  # noqa: E402
-from minizero.course.harness.models import BENCH_GPT  # noqa: E402
+from minizero.course.harness.models import BENCH_GPT, GPT_SIZES  # noqa: E402
 from minizero.course.harness.tasks import TASKS  # noqa: E402
 from minizero.run.train import Step, train_step  # noqa: E402
 from minizero.stages import REFERENCE, STAGES, distributed, make_stage  # noqa: E402
@@ -88,16 +88,16 @@ def every_stage(last: bool = False) -> list[dict]:
     return rows
 
 
-def pictures(out: Path, network: str) -> dict:
+def pictures(out: Path, network: str, model: dict, micro_batch: int, bucket_mb: float) -> dict:
     panels, summary = [], {}
-    for stage, options in [("ddp-bucketed", {"bucket_mb": 0.5}), ("zero3", {"prefetch": 1})]:
+    for stage, options in [("ddp-bucketed", {"bucket_mb": bucket_mb}), ("zero3", {"prefetch": 1})]:
         for own in (True, False):
-            exp = _experiment(stage, options, 3, BENCH_GPT)
+            exp = _experiment(stage, options, 3, model, micro_batch)
             found = gpu_streams.profile_kernels(lambda prof: run_steps(exp, own, network, 2, profile=prof))
             title = (f"{stage} {options}, {'its own stream (issue 48)' if own else 'the communication thread (before)'}"
                      f": one dialled step ({network}, standing for N = 2)")
             panels.append((title, found))
-            summary[title] = gpu_streams.stream_summary(found)
+            summary[title] = {"per_stream_us": gpu_streams.stream_summary(found), "kernels": found}
     gpu_streams.draw(panels, str(out / "gpu-streams.png"))
     return summary
 
@@ -113,29 +113,44 @@ def main() -> int:
     parser.add_argument("--out", default=".", help="folder for gpu-overlap.json and gpu-streams.png")
     parser.add_argument("--network", default=GPU_DIAL)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", choices=list(GPT_SIZES), default="small", help="the GPT of the overlap table")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--bucket-mb", type=float, default=0.5)
+    parser.add_argument("--skip-stages", action="store_true", help="only the table, the picture and the tests")
+    parser.add_argument("--json", action="store_true", help="the results as JSON on stdout, progress on stderr "
+                        "(how scripts/gpu_run.py runs it)")
     args = parser.parse_args()
+    show = sys.stderr if args.json else sys.stdout
     if not torch.cuda.is_available():
-        print("no CUDA GPU here: this script measures on a GPU only; nothing was run or written")
+        print("no CUDA GPU here: this script measures on a GPU only; nothing was run or written", file=sys.stderr)
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     one_rank_group()
     result: dict = {"machine": machine(1), "network": args.network}
     failed = False
-    for part, run in [("every_stage", every_stage),
-                      ("efficiency", lambda: bench_gpu_efficiency(args.network, rounds=args.rounds)),
-                      ("streams", lambda: pictures(out, args.network)), ("gpu_tests", gpu_tests),
-                      ("point_to_point_stages", lambda: every_stage(last=True))]:
+    model = GPT_SIZES[args.model]
+    result["model"] = {"name": args.model, **model, "micro_batch": args.micro_batch, "bucket_mb": args.bucket_mb}
+    parts = [("efficiency", lambda: bench_gpu_efficiency(args.network, rounds=args.rounds, model=model,
+                                                         micro_batch=args.micro_batch, bucket_mb=args.bucket_mb)),
+             ("streams", lambda: pictures(out, args.network, model, args.micro_batch, args.bucket_mb))]
+    if not args.skip_stages:
+        parts = [("every_stage", every_stage)] + parts + [("gpu_tests", gpu_tests),
+                                                          ("point_to_point_stages", lambda: every_stage(last=True))]
+    for part, run in parts:
         try:
             result[part] = run()
-            shown = format_gpu_efficiency(result[part]) if part == "efficiency" else json.dumps(result[part], indent=1)
-            print(f"== {part}\n{shown[:6000]}", flush=True)
+            shown = format_gpu_efficiency(result[part]) if part == "efficiency" else json.dumps(
+                result[part], indent=1) if part != "streams" else "drawn: gpu-streams.png"
+            print(f"== {part}\n{shown[:6000]}", file=show, flush=True)
             failed = failed or part == "gpu_tests" and result[part]["returncode"] != 0
         except Exception:  # noqa: BLE001
             failed = True
             result[part] = {"error": traceback.format_exc()[-3000:]}
-            print(f"== {part}\n{result[part]['error']}", flush=True)
+            print(f"== {part}\n{result[part]['error']}", file=show, flush=True)
         (out / "gpu-overlap.json").write_text(json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps(result))
     return 1 if failed else 0
 
 if __name__ == "__main__":

@@ -33,8 +33,14 @@ NO_GPU = ("no CUDA GPU here (torch.cuda.is_available() is False, or --gpus 0): t
           "only; run it on a machine with a GPU and a CUDA build of torch. Nothing was run or written.")
 
 
-def plan(gpus: int, model: str = "small", precision: str = "bf16", steps: int = 50) -> list[dict]:
-    """The commands for ``gpus`` GPUs, each with what it measures.  Refuses 0: nothing here runs on a CPU."""
+#: Issue 48's checks on one GPU (scripts/gpu_overlap.py): a model big enough that its kernels, not the host's
+#: launches, set the step, and a wire whose all-reduce takes about as long as that compute.
+OVERLAP = ["--model", "100m", "--micro-batch", "16", "--bucket-mb", "25", "--network", "alpha=50us,bandwidth=10GB/s"]
+
+
+def plan(gpus: int, model: str = "small", precision: str = "bf16", steps: int = 50, figures: str = ".") -> list[dict]:
+    """The commands for ``gpus`` GPUs, each with what it measures.  Refuses 0: nothing here runs on a CPU.
+    ``figures``: the folder for the streams' picture."""
     if gpus < 1:
         raise SystemExit(NO_GPU)
     if gpus == 1:
@@ -47,6 +53,9 @@ def plan(gpus: int, model: str = "small", precision: str = "bf16", steps: int = 
               "on the current device, whatever the GPU count)")
     commands = [{"kind": "bench", "what": "bench all", "how": shared,
                  "argv": PY + ["bench", "all", "--device", "cuda", "--json"]}]
+    commands.append({"kind": "overlap", "what": "overlap on a stream of its own", "how":
+                     "one GPU standing for N = 2 on a dialled wire; NCCL at N = 1 for every stage, both paths",
+                     "argv": [sys.executable, "scripts/gpu_overlap.py", "--json", "--out", figures] + OVERLAP})
     for stage in distributed():  # the registry's stages: a new one is measured without editing this
         # A stage without a precision option (local-sgd) trains in fp32: train refuses --precision for it.
         takes = "precision" in stage_class(stage).option_names()
@@ -114,13 +123,37 @@ def _bytes(value) -> str:
     return "-" if value is None else f"{value:,}"
 
 
+def shown(argv: list[str]) -> str:
+    """A command as a reader types it."""
+    return " ".join(["python -m minizero"] + argv[3:] if argv[1:3] == ["-m", "minizero"] else ["python"] + argv[1:])
+
+
+def overlap_lines(result: dict) -> list[str]:
+    """gpu_overlap.py's table as it prints it, and every stage's NCCL run at N = 1 on both paths."""
+    from minizero.course.commands.gpu_efficiency import format_gpu_efficiency
+
+    lines = ["## Overlap on one GPU: its own stream against the communication thread", ""]
+    if isinstance(result.get("efficiency"), list):
+        lines += ["```", format_gpu_efficiency(result["efficiency"]), "```", ""]
+    stages = [r for part in ("every_stage", "point_to_point_stages") for r in result.get(part) or []
+              if isinstance(r, dict)]
+    if stages:
+        lines += ["| stage | options | runner | max abs Δ stream vs thread | max abs Δ vs single device |",
+                  "|---|---|---|---:|---:|"]
+        lines += [f"| {r['stage']} | {r['options']} | " + (f"failed: {r['error'].strip().splitlines()[-1]} | | |"
+                  if "error" in r else f"{r['runner']} | {r['stream_vs_thread']:.1e} | "
+                  f"{r['stream_vs_reference']:.1e}{' (contrast)' if r['contrast'] else ''} |") for r in stages]
+        lines.append("")
+    return lines
+
+
 def markdown(m: dict, results: list[dict]) -> str:
     """The results file, in the shape of ``docs/gpu-results.md``: the machine first, then each table."""
     lines = ["# GPU results: `python scripts/gpu_run.py`", "",
              f"**Machine:** {m['gpu_count']} × {m['gpu']} ({m['gpu_memory_bytes'] / 1e9:.0f} GB), driver "
              f"{m['driver']}, torch {m['torch']}, CUDA {m['cuda']}, Python {m['python']}; minizero {m['commit']}; "
              f"{m['date']}.", "", "**Commands:**", "", "```"]
-    lines += [" ".join(["python -m minizero"] + r["argv"][3:]) for r in results] + ["```", ""]
+    lines += [shown(r["argv"]) for r in results] + ["```", ""]
     for r in results:
         if not r["ok"]:
             lines += [f"**{r['what']} failed** ({r['how']}):", "", "```", r["error"].strip(), "```", ""]
@@ -136,6 +169,8 @@ def markdown(m: dict, results: list[dict]) -> str:
                       f"{_ratio(x)} | {x['held_bytes']:,} | {x['held_bytes_formula']:,.0f} | "
                       f"{x['cuda_peak_bytes']:,} | {_bytes(x['counterpart_cuda_peak_bytes'])} |" for x in rows]
             lines.append("")
+    for o in (r for r in results if r["kind"] == "overlap" and r["ok"]):
+        lines += overlap_lines(o["result"])
     trained = [r for r in results if r["kind"] == "train" and r["ok"]]
     if trained:
         first = trained[0]["result"]
@@ -188,13 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps {args.steps}: train needs at least 3 steps for a median step time; pass --steps 3 or more")
     gpus = detect_gpus() if args.gpus is None else args.gpus
     try:
-        commands = plan(gpus, args.model, args.precision, args.steps)
+        commands = plan(gpus, args.model, args.precision, args.steps, str(Path(args.out).parent))
     except SystemExit as refused:
         print(f"error: {refused}", file=sys.stderr)
         return 1
     if args.dry_run:
         for c in commands:
-            print(f"# {c['what']}: {c['how']}\n" + " ".join(["python -m minizero"] + c["argv"][3:]))
+            print(f"# {c['what']}: {c['how']}\n" + shown(c["argv"]))
         return 0
     if detect_gpus() == 0:  # --gpus given on a machine without CUDA: still nothing to run
         print(f"error: {NO_GPU}", file=sys.stderr)

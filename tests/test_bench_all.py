@@ -118,6 +118,12 @@ def test_options_only_bench_all_takes_are_refused_elsewhere(capsys):
     assert "bench zero3 does not take --plot, --collectives; only bench all does" in capsys.readouterr().err
     assert main(["bench", "all", "--network", "lesson"]) == 2
     assert "bench all does not take --network" in capsys.readouterr().err
+    # the GPU's overlap table takes a GPT's size, and nothing else of bench all's; without a GPU it says so
+    assert main(["bench", "gpu-efficiency", "--model", "100m", "--device", "cuda"]) == 2
+    assert "bench gpu-efficiency does not take --device; only bench all does" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "gpu-efficiency", "--model", "100m"]) == 2
+        assert "torch.cuda.is_available() is False here; run it on a machine with a CUDA GPU" in capsys.readouterr().err
 
 
 def test_what_bench_all_cannot_do_is_refused_before_the_run(capsys, tmp_path):

@@ -10,6 +10,8 @@ GPU runs is trained here, compared with the communication thread's run, and its 
 from __future__ import annotations
 
 import gc
+import json
+import time
 import weakref
 from contextlib import contextmanager
 
@@ -199,3 +201,64 @@ def test_every_overlapped_stage_on_its_own_stream_trains_as_on_the_thread_and_ne
         on_comm = [tag for tag, stream, _ in streamed["seen"] if stream == "communication"]
         assert on_comm, f"rank {rank}: no collective ran on the communication stream: {streamed['seen']}"
         assert all(thread == "MainThread" for _, _, thread in streamed["seen"]), "no communication thread under NCCL"
+
+
+class Clock:
+    """A :class:`DeviceClock` that records what it was asked to wait."""
+
+    def __init__(self):
+        self.waits: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+
+def _one_gpu_standing_for_two(me):
+    """World size 1, a dialled wire, the port standing for a ring of two: what does each collective hold?"""
+    comm = make_comm("native", network="alpha=1ms,bandwidth=1MB/s")
+    comm.port.clock, comm.port.stands_for = Clock(), 2
+    t = torch.ones(1000)
+    comm.all_reduce(t)
+    comm.reduce_scatter(torch.empty(1000), torch.ones(1000))
+    comm.all_gather(torch.empty(1000), torch.ones(1000))
+    return comm.port.clock.waits
+
+
+def test_one_gpu_standing_for_a_ring_of_two_holds_rank_0s_messages_on_the_device(pools):
+    waits = pools.run(1, _one_gpu_standing_for_two)[0]
+    message = 1e-3 + 2000 / 1e6  # half of 4,000 bytes at 1 MB/s, after alpha
+    # all-reduce: a reduce-scatter step and an all-gather step; reduce-scatter and all-gather: one step each
+    assert waits == pytest.approx([message] * 4, rel=1e-12), waits
+
+
+def test_a_port_with_a_device_clock_never_sleeps_the_host():
+    from minizero.comm.network import parse_network
+    from minizero.comm.port import Port
+
+    port = Port(parse_network("alpha=1s,bandwidth=1MB/s"), record=True)
+    port.clock = Clock()
+    start = time.perf_counter()
+    port.send(1_000_000, "all_reduce")
+    assert time.perf_counter() - start < 0.5, "a dialled wait under NCCL belongs on the device"
+    assert port.clock.waits == [2.0]
+
+
+def test_the_streams_picture_reads_a_profilers_trace_by_stream_and_kind(tmp_path):
+    from minizero.course.figures import gpu_streams
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "ampere_sgemm_128x64_nn", "ts": 10.0, "dur": 5.0, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "void at::cuda::(anonymous namespace)::spin_kernel(long)", "ts": 12.0,
+         "dur": 40.0, "args": {"stream": 24}},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 52.0, "dur": 3.0,
+         "args": {"stream": 24}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 9.0, "dur": 1.0, "args": {}},
+    ]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    found = gpu_streams.kernels(str(path))
+    assert [(k["stream"], k["kind"]) for k in found] == [(7, "compute"), (24, "wire"), (24, "nccl")]
+    assert gpu_streams.stream_summary(found) == {"7": {"compute": 5.0, "nccl": 0.0, "wire": 0.0},
+                                                 "24": {"compute": 0.0, "nccl": 3.0, "wire": 40.0}}
+    gpu_streams.draw([("one", found), ("two", found[:1])], str(tmp_path / "streams.png"))
+    assert (tmp_path / "streams.png").stat().st_size > 10_000

@@ -45,7 +45,8 @@ def test_one_gpu_shares_it_with_gloo_at_two_ranks_and_says_so(capsys):
     status, commands, text = dry_run(capsys, 1)
     assert status == 0
     assert commands[0] == "python -m minizero bench all --device cuda --json"
-    trains = commands[1:]
+    assert commands[1].startswith("python scripts/gpu_overlap.py --json --out . --model 100m")
+    trains = commands[2:]
     assert [c.split("--stage ")[1].split()[0] for c in trains] == distributed()
     assert all("--device cuda --backend gloo --world-size 2 " in c and c.endswith("--json") for c in trains)
     assert "gloo at N = 2" in text and "GPU 0" in text
@@ -55,8 +56,8 @@ def test_one_gpu_shares_it_with_gloo_at_two_ranks_and_says_so(capsys):
 
 def test_several_gpus_train_under_nccl_one_rank_per_gpu(capsys):
     status, commands, text = dry_run(capsys, 8)
-    assert status == 0 and len(commands) == 1 + len(distributed())
-    assert all("--backend nccl --world-size 8 " in c for c in commands[1:])
+    assert status == 0 and len(commands) == 2 + len(distributed())
+    assert all("--backend nccl --world-size 8 " in c for c in commands[2:])
     assert "NCCL at N = 8" in text and "gloo at N = 2" not in text
 
 
@@ -75,10 +76,20 @@ def results() -> list[dict]:
               "peak_bytes": {"kind": "cuda max_memory_allocated", "bytes": 81_140_736 + r}, "skipped_steps": 0,
               "tokens_per_step": 512} for r in range(2)]
     trained = summary(Run(stage="zero3", steps=3, device="cuda", options=(("precision", "bf16"),)), ranks, 2, "gloo")
+    efficiency = [{"name": "ddp-bucketed", "options": {"bucket_mb": 25.0}, "path": path, "network": "alpha=50us",
+                   "stands_for": 2, "rounds": 3, "steps": 6, "measured_ms": [m, m + 1, m + 2], "bound_ms": 74.17,
+                   "compute_ms": 71.52, "unhidden_ms": 2.65, "wire_ms": 41.68, "quiet_ms": 72.0, "fraction": f,
+                   "fraction_min": f - 0.01, "fraction_max": f + 0.01, "hidden": h}
+                  for path, m, f, h in [("own stream", 75.0, 0.98, 0.91), ("thread", 114.0, 0.65, 0.0)]]
+    overlap = {"efficiency": efficiency, "every_stage": [
+        {"stage": "zero3", "options": {"prefetch": 1}, "runner": "CommStream", "contrast": False,
+         "stream_vs_thread": 0.0, "stream_vs_reference": 0.0, "finite": True},
+        {"stage": "hsdp", "options": {}, "error": "Traceback ...\nValueError: no nodes\n"}]}
     plan = gpu_run.plan(1)
     return [plan[0] | {"ok": True, "seconds": 60.0, "result": {"machine": {}, "rows": rows}},
-            plan[5] | {"ok": True, "seconds": 20.0, "result": json.loads(json.dumps(trained, default=str))},
-            plan[1] | {"ok": False, "seconds": 5.0, "error": "exit 1: error: something broke"}]
+            plan[1] | {"ok": True, "seconds": 90.0, "result": overlap},
+            plan[6] | {"ok": True, "seconds": 20.0, "result": json.loads(json.dumps(trained, default=str))},
+            plan[2] | {"ok": False, "seconds": 5.0, "error": "exit 1: error: something broke"}]
 
 
 def test_results_file_has_the_machine_first_and_a_row_per_stage_and_rank(tmp_path):
@@ -93,5 +104,9 @@ def test_results_file_has_the_machine_first_and_a_row_per_stage_and_rank(tmp_pat
     assert "| zero3 | 16Ψ/N | 2, gloo | 0 | 6,424,708 | 6,424,576 | 81,140,736 | 74,716,028 | 814,592 |" in text
     assert "| zero3 | 16Ψ/N | 2, gloo | 1 | 6,424,707 | 6,424,576 | 81,140,737 | 74,716,030 | 814,592 |" in text
     assert "**ddp failed**" in text and "something broke" in text  # a failure is shown, not dropped
+    # the overlap table as bench gpu-efficiency prints it, and every stage's two paths at N = 1
+    assert "  ddp-bucketed bucket_mb=25.0 own stream       76.00 (75.0-77.0)   74.17    71.52" in text
+    assert "| zero3 | {'prefetch': 1} | CommStream | 0.0e+00 | 0.0e+00 |" in text
+    assert "| hsdp | {} | failed: ValueError: no nodes | | |" in text
     saved = json.loads(js.read_text())
-    assert saved["machine"] == MACHINE and [r["ok"] for r in saved["results"]] == [True, True, False]
+    assert saved["machine"] == MACHINE and [r["ok"] for r in saved["results"]] == [True, True, True, False]

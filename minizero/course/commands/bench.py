@@ -28,6 +28,7 @@ from ..harness.tasks import TASKS
 from . import bench_all
 from .bench_network import bench_buckets, bench_compress, bench_overlap_dialled, bench_prefetch, bench_servers, format_rows
 from .efficiency import bench_efficiency, format_efficiency
+from .gpu_efficiency import GPU_DIAL, bench_gpu_efficiency, format_gpu_efficiency
 
 MB = 1 << 20
 ROUNDS = 5  # the default --rounds: enough for an interval, short enough for `make bench`
@@ -248,7 +249,8 @@ def bench_precision(world_size: int, steps: int = STEPS, precision: str = "bf16"
     return rows
 
 
-DIALLED = ("overlap", "buckets", "prefetch", "compress", "servers", "efficiency")  # on a dialled network (--network)
+#: The benches on a dialled network (--network).
+DIALLED = ("overlap", "buckets", "prefetch", "compress", "servers", "efficiency", "gpu-efficiency")
 #: ``python -m minizero bench WHAT``: each benchmark, from the command line's arguments.
 BENCHES = {
     "collectives": lambda args: bench_collectives(args.world_size, repeats=args.repeats, rounds=args.rounds),
@@ -265,6 +267,8 @@ BENCHES = {
     "precision": lambda args: bench_precision(args.world_size, rounds=args.rounds),
     "all": bench_all.main,  # every stage beside its torch counterpart: step, bytes, memory
     "efficiency": lambda args: bench_efficiency(args.world_size, _dial(args), rounds=args.rounds),
+    "gpu-efficiency": lambda args: bench_gpu_efficiency(args.network or GPU_DIAL, rounds=args.rounds,
+                                                        model=args.model),
 }
 
 
@@ -293,6 +297,8 @@ def format_result(args, rows: list[dict]) -> str:
         return bench_all.format_table(rows)
     if args.what == "efficiency":
         return format_efficiency(rows)
+    if args.what == "gpu-efficiency":
+        return format_gpu_efficiency(rows)
     if args.what in DIALLED and (args.what != "overlap" or args.network):
         return format_rows(args.what, args.world_size, _dial(args), rows)
     if args.what == "collectives":

@@ -71,7 +71,8 @@ def check_device(device: str) -> None:
 
 def refuse_elsewhere(args) -> None:
     """Options that only ``bench all`` reads are refused by the other benches, rather than silently ignored."""
-    given = [f"--{o}" for o in ONLY_HERE if getattr(args, o, None) is not None]
+    given = [f"--{o}" for o in ONLY_HERE if getattr(args, o, None) is not None
+             and not (args.what == "gpu-efficiency" and o == "model")]  # the GPU's table takes a GPT's size too
     if given and args.what != "all":
         raise ValueError(f"bench {args.what} does not take {', '.join(given)}; only bench all does")
 

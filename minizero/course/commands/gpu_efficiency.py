@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -36,7 +37,7 @@ from ...costs.cost_model import predict
 from ...run.train import sum_loss
 from ...stages import STAGES, make_stage
 from ..harness.experiment import Experiment
-from ..harness.models import BENCH_GPT
+from ..harness.models import BENCH_GPT, GPT_SIZES
 from ..harness.tasks import TASKS
 from .efficiency import OVERLAP_OPTIONS
 from .scale import measured_plan
@@ -48,7 +49,8 @@ GPU_DIAL = "alpha=50us,bandwidth=1GB/s"
 ROWS = [("ddp-bucketed", {"bucket_mb": OVERLAP_OPTIONS["bucket_mb"]}),
         ("zero2", {"bucket_mb": OVERLAP_OPTIONS["bucket_mb"]}),
         ("zero3", {"prefetch": 1}), ("zero3", {"prefetch": 0})]
-NO_GPU = "bench gpu-efficiency measures a GPU's streams: torch.cuda.is_available() is False here"
+NO_GPU = ("bench gpu-efficiency measures a GPU's streams: torch.cuda.is_available() is False here; run it on a "
+          "machine with a CUDA GPU (scripts/gpu_overlap.py runs it with the rest of the GPU checks)")
 
 
 def one_rank_group() -> None:
@@ -59,8 +61,8 @@ def one_rank_group() -> None:
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
 
 
-def _experiment(stage: str, options: dict, steps: int, model: dict) -> Experiment:
-    return Experiment(stage=stage, task="gpt", model=model, optimizer="sgd", steps=steps, micro_batch=8,
+def _experiment(stage: str, options: dict, steps: int, model: dict, micro_batch: int = 8) -> Experiment:
+    return Experiment(stage=stage, task="gpt", model=model, optimizer="sgd", steps=steps, micro_batch=micro_batch,
                       dtype="float32", check=False, options=options)
 
 
@@ -106,30 +108,35 @@ def _median(steps: list[dict], key: str) -> float:
 
 
 def bench_gpu_efficiency(network: str = GPU_DIAL, stands_for: int = 2, steps: int = 6, rounds: int = 3,
-                         model: dict | None = None, seed: int = 0) -> list[dict]:
-    """One row per stage and path (its own stream, or the thread): measured dialled step beside the α–β bound."""
+                         model: str | dict | None = None, micro_batch: int = 8, bucket_mb: float | None = None,
+                         seed: int = 0) -> list[dict]:
+    """One row per stage and path (its own stream, or the thread): measured dialled step beside the α–β bound.
+
+    ``model``: a GPT's size by name (``--model``) or its shape (the bench GPT by default); ``bucket_mb``: the
+    bucketed stages' bucket size, if not :data:`ROWS`'."""
+    wire = parse_network(network)  # a bad dial is refused first, GPU or not
     if not torch.cuda.is_available():
-        raise SystemExit(NO_GPU)
-    wire = parse_network(network)
+        raise ValueError(NO_GPU)
     one_rank_group()
-    model = BENCH_GPT if model is None else model
-    rows = [(stage, options, own) for stage, options in ROWS for own in (True, False)]
+    model = GPT_SIZES[model] if isinstance(model, str) else BENCH_GPT if model is None else model
+    rows = [(stage, {**options, **({"bucket_mb": bucket_mb} if bucket_mb and "bucket_mb" in options else {})}, own)
+            for stage, options in ROWS for own in (True, False)]
     quiet: dict[int, list] = {i: [] for i in range(len(rows))}
     dialled: dict[int, list] = {i: [] for i in range(len(rows))}
     order = random.Random(seed)
     for _ in range(rounds):
         for i in order.sample(range(len(rows)), len(rows)):
             stage, options, own = rows[i]
-            exp = _experiment(stage, options, steps, model)
+            exp = _experiment(stage, options, steps, model, micro_batch)
             quiet[i].append(run_steps(exp, own, None, stands_for))
             dialled[i].append(run_steps(exp, own, network, stands_for))
     out = []
     for i, (stage, options, own) in enumerate(rows):
-        exp = _experiment(stage, options, steps, model)
+        plan = measured_plan(_experiment(stage, options, steps, model, micro_batch), stands_for, wire, 0.0, 0.0)
         bounds, measured, hidden = [], [], []
         for q, d in zip(quiet[i], dialled[i], strict=True):
-            phases = [_median(q, k) for k in ("forward_s", "backward_s", "step_s")]
-            p = predict(STAGES[stage], measured_plan(exp, stands_for, wire, *phases))
+            phases = {k: _median(q, k) for k in ("forward_s", "backward_s", "step_s")}
+            p = predict(STAGES[stage], replace(plan, **phases))
             m = _median(d, "wall_s")
             bounds.append(p)
             measured.append(m)
@@ -137,6 +144,7 @@ def bench_gpu_efficiency(network: str = GPU_DIAL, stands_for: int = 2, steps: in
         fractions = [b.step_s / m for b, m in zip(bounds, measured, strict=True)]
         out.append({"name": stage, "options": options, "path": "own stream" if own else "thread",
                     "network": wire.describe(), "stands_for": stands_for, "rounds": rounds, "steps": steps,
+                    "model": model, "micro_batch": micro_batch,
                     "measured_ms": [m * 1e3 for m in measured],
                     "bound_ms": statistics.median(b.step_s for b in bounds) * 1e3,
                     "compute_ms": statistics.median(b.compute_s for b in bounds) * 1e3,

@@ -60,27 +60,29 @@ def stream_summary(found: list[dict]) -> dict:
 
 
 def draw(panels: list[tuple[str, list[dict]]], path: str) -> None:
-    """One panel per run, one lane per stream, time in ms from the run's first kernel."""
+    """One panel per run, one lane per stream, time in ms from each run's first kernel on one shared axis: a
+    panel that ends sooner is a step that took less time."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 1.6 + 1.1 * sum(
-        len({k["stream"] for k in found}) for _, found in panels) / len(panels)), squeeze=False)
-    for ax, (title, found) in zip(axes[:, 0], panels, strict=True):
+    lanes = [sorted({k["stream"] for k in found}, key=lambda s: (s is None, s)) for _, found in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 1.2 + sum(0.55 * len(s) + 0.7 for s in lanes)),
+                             sharex=True, squeeze=False, gridspec_kw={"height_ratios": [len(s) for s in lanes]})
+    for ax, (title, found), streams in zip(axes[:, 0], panels, lanes, strict=True):
         t0 = min((k["start_us"] for k in found), default=0.0)
-        streams = sorted({k["stream"] for k in found}, key=lambda s: (s is None, s))
         for y, stream in enumerate(streams):
             for k in (k for k in found if k["stream"] == stream):
                 ax.barh(y, k["dur_us"] / 1e3, left=(k["start_us"] - t0) / 1e3, height=0.6,
                         color=COLOURS[k["kind"]], linewidth=0)
         ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("ms since the step's first kernel (torch.profiler, CUPTI)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    fig.legend(handles, ["compute kernels", "NCCL kernels", "the dialled wire (spin kernel)"], loc="upper right",
-               fontsize=8, ncol=3)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+        ax.set_ylim(len(streams) - 0.5, -0.5)
+        ax.set_title(title, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("ms since the step's first kernel (torch.profiler, CUPTI)")
+    seen = {k["kind"] for _, found in panels for k in found}
+    names = {"compute": "compute kernels", "nccl": "NCCL kernels", "wire": "the dialled wire (spin kernel)"}
+    fig.legend([plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in COLOURS if k in seen],
+               [names[k] for k in COLOURS if k in seen], loc="upper right", fontsize=8, ncol=3)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=120)
     plt.close(fig)
