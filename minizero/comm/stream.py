@@ -8,9 +8,10 @@ NCCL a :class:`~minizero.comm.base.Comm` submits to a :class:`CommStream` instea
 1. the communication stream first waits for what the compute stream has queued so far (the gradients a bucket
    packs were produced there): ``comm.wait_stream(compute)``, a device-side wait;
 2. the submitted function runs *now*, on the host, with the communication stream current: its packing, its
-   collective (ProcessGroupNCCL orders its own NCCL stream after the current one, and ``work.wait()`` orders the
-   current one after the collective -- both on the device; the host blocks only under
-   ``TORCH_NCCL_BLOCKING_WAIT``) and its unpacking are queued there, beside backward's kernels;
+   collective and its unpacking are queued there, beside backward's kernels.  (torch 2.13 queues a collective
+   called with ``async_op=False`` on the current stream itself; earlier releases, the 2.11 of the GPU results
+   among them, on NCCL's own stream between two device-side waits.  Either way the host blocks only under
+   ``TORCH_NCCL_BLOCKING_WAIT``.);
 3. an event marks the end; :meth:`StreamWork.wait` makes the stream that *uses* the result wait for that event.
    The host never waits for a collective -- only the kernels that read its result do.
 
