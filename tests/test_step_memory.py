@@ -3,6 +3,8 @@ formula, with and without checkpointing; the peak per rank beside the allocator'
 smallest change that makes a model fit a GPU."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -218,3 +220,44 @@ def test_a_c_library_without_mallinfo2_is_refused_saying_where_to_measure(monkey
     monkeypatch.setattr(memory.ctypes, "CDLL", NoMallinfo2)
     with pytest.raises(RuntimeError, match="reads glibc's mallinfo2.*measure on Linux, or on a GPU"):
         memory.HostStepPeaks()
+
+
+def test_memory_json_holds_the_step_table_and_the_fit_verdicts_the_text_prints(capsys):
+    """``memory --json`` once held the model states only; the step's table and the fit verdicts were text alone."""
+    from minizero.__main__ import main as cli
+
+    args = ["memory", "--params", "7.5e9", "--world-size", "64", "--gpu", "80GB"]
+    assert cli(args) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert cli(args + ["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["stage"] for r in rows if r["step"] is None} == {s for s in distributed() if not STAGES[s].equivalent}
+    verdicts = 0
+    for r in (r for r in rows if r["step"]):
+        step = r["step"]
+        line = next(x for x in text if x.startswith(f"{r['stage']} ") and "fit" in x)
+        said = "fits" if step["fits"] else f"does not fit; smallest change: {step['smallest_change']}"
+        assert line.endswith(said) and f"{step['total'] / 1e9:,.1f} GB" in line, (line, step)
+        verdicts += 1
+    assert verdicts >= 4
+
+
+def test_the_measured_step_rows_are_what_the_table_prints():
+    """``memory --model ... --json``'s step entries: the same figures as the printed line, from the same rows."""
+    from types import SimpleNamespace
+
+    from minizero.course.commands.memory_table import measured_step_lines, measured_step_rows
+
+    args = SimpleNamespace(model="gpt", precision="bf16", checkpoint_activations=False, micro_batch=8,
+                           optimizer="adam", offload_optimizer=False, bucket_mb=25.0)
+    psi, n = 27_584, 4
+    predicted = step_bytes("zero3", psi, gpt_shape("gpt"), n, 8, "bf16", "adam")
+    held = int(predicted["model_states"])
+    row = {"stage": "zero3", "cuda_held": held, "cuda_resident": held + 5_000, "cuda_peak": held + 5_000 + 40_000,
+           "gathered_peak": 12_345}
+    (entry,) = measured_step_rows(args, psi, [row], n, cuda=True)
+    assert entry["measured"] == {"model_states": held, "activations": None, "gathered_units": 12_345,
+                                 "peak": held + 40_000}
+    assert entry["off"] == (held + 40_000) / predicted["total"] - 1 and entry["rest"] == 5_000
+    line = measured_step_lines(args, psi, [row], n, "a GPU")[2]
+    assert line.split()[-2] == f"{entry['off']:+.1%}" and f"{entry['measured']['peak']:,}" in line

@@ -30,8 +30,9 @@ from ...stages import REFERENCE, STAGES, distributed, make_stage
 from ..harness.experiment import Experiment, run_experiment
 from ..harness.models import BENCH_GPT, GPT_SIZES
 from ..harness.optimizers import STATE_TENSORS
-from ..harness.step_memory import MASTER_BYTES, Plan, Shape, backward_activation_bytes, fits, offloads, step_bytes
+from ..harness.step_memory import MASTER_BYTES, Shape, backward_activation_bytes, offloads, step_bytes
 from ..harness.tasks import GPT_DEFAULTS, TASKS, vocabulary
+from .memory_fit import gb, predicted_step_lines, predicted_step_rows
 
 #: Models ``--model`` knows: the lab's GPT, the benchmarks' larger one, and ``train``'s sizes (on a GPU, ``large``
 #: and ``100m`` are where activations outweigh what CUDA's libraries keep).
@@ -147,11 +148,6 @@ def measured_activation_bytes(model: str, micro_batch: int, checkpointed: bool, 
     return profiled_step(step)["most_besides_kept"]
 
 
-def gb(nbytes: float) -> str:
-    """The paper's unit: GB = 1e9 bytes (Table 1); small models in kB."""
-    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e3:,.1f} kB"
-
-
 def main(args) -> tuple[int, str]:
     precision = args.precision
     if args.device == "cuda" and not args.model:
@@ -183,7 +179,12 @@ def main(args) -> tuple[int, str]:
                                                                       args.checkpoint_activations),
                        step_predicted=predicted_step(args, row["stage"], psi, live_n, foreach=args.device == "cuda"),
                        **{k: v for k, v in live.items() if k.startswith(("cuda_", "host_"))})
-    if args.json:
+    if args.json:  # the step's table too: predicted and measured (--model), or predicted with the fit (--params)
+        steps = (measured_step_rows(args, psi, measured, live_n, args.device == "cuda") if args.model
+                 else predicted_step_rows(args, psi))
+        by_stage = {r["stage"]: r for r in steps}
+        for row in rows:
+            row["step"] = by_stage.get(row["stage"])  # None: a contrast stage, whose own buffers are not modelled
         return 0, json.dumps(rows, indent=2)
     k = (MASTER_BYTES if Precision.of(precision).mixed else 0) + MASTER_BYTES * STATE_TENSORS[args.optimizer]
     lines = [f"Model-state bytes per rank: Psi = {psi:,.4g} parameters, N = {args.world_size} ranks, precision "
@@ -213,6 +214,26 @@ def main(args) -> tuple[int, str]:
     return 0, "\n".join(lines)
 
 
+def measured_step_rows(args, psi: float, measured: list[dict], live_n: int, cuda: bool = False) -> list[dict]:
+    """Each equivalent stage's last step: the prediction's components beside what was measured of them (what
+    :func:`measured_step_lines` prints, and ``--json`` holds)."""
+    prefix = "cuda" if cuda else "host"
+    act_measured = None if cuda else measured_activation_bytes(args.model, args.micro_batch,
+                                                               args.checkpoint_activations, args.precision)
+    rows = []
+    for row in measured:
+        stage = row["stage"]
+        if not STAGES[stage].equivalent:  # its own buffers (stale copies, anchors) are not modelled
+            continue
+        predicted = predicted_step(args, stage, psi, live_n, foreach=cuda)  # torch's default: foreach on a GPU only
+        held, resident, seen = row[f"{prefix}_held"], row[f"{prefix}_resident"], step_peak(row, prefix)
+        rows.append({"stage": stage, "predicted": predicted,
+                     "measured": {"model_states": held, "activations": act_measured,
+                                  "gathered_units": row.get("gathered_peak"), "peak": seen},
+                     "off": seen / predicted["total"] - 1, "rest": resident - held})
+    return rows
+
+
 def measured_step_lines(args, psi: float, measured: list[dict], live_n: int, where: str = "cpu") -> list[str]:
     """Each stage's last step on the CPU (``where="cpu"``: malloc's bytes, sampled after every operator) or on a GPU
     (``where``: its name; torch.cuda's allocator): the step's peak beside the prediction, and the components that
@@ -221,23 +242,17 @@ def measured_step_lines(args, psi: float, measured: list[dict], live_n: int, whe
     and the libraries' heap on the CPU, cuBLAS's workspaces on a GPU -- is no part of the model's step: measured, as
     the bytes allocated when the step began less the model states held, and printed apart ('rest')."""
     shape, ck, cuda = gpt_shape(args.model), args.checkpoint_activations, where != "cpu"
-    prefix = "cuda" if cuda else "host"
-    act_measured = None if cuda else measured_activation_bytes(args.model, args.micro_batch, ck, args.precision)
     lines = [f"The step's peak per rank at N={live_n}{f' on one {where}' if cuda else ''}, a micro-batch of "
              f"{args.micro_batch} x {shape.seq} tokens{', blocks checkpointed' if ck else ''}: predicted / measured "
              f"(bytes; the last of {STEPS} steps)",
              f"{'stage':<14}{'model states':>28}{'activations':>26}{'gathered units':>24}{'buckets':>12}{'peak':>28}"
              f"{'off':>7}{'rest':>13}"]
-    for row in measured:
-        stage = row["stage"]
-        if not STAGES[stage].equivalent:  # its own buffers (stale copies, anchors) are not modelled
-            continue
-        predicted = predicted_step(args, stage, psi, live_n, foreach=cuda)  # torch's default: foreach on a GPU only
-        held, resident, seen = row[f"{prefix}_held"], row[f"{prefix}_resident"], step_peak(row, prefix)
-        lines.append(f"{stage:<14}{pair(predicted['model_states'], held, 12)}"
-                     f"{pair(predicted['activations'], act_measured, 10)}"
-                     f"{pair(predicted['gathered_units'], row.get('gathered_peak'), 9)}{predicted['buckets']:>12,.0f}"
-                     f"{pair(predicted['total'], seen, 12)}{seen / predicted['total'] - 1:>+7.1%}{resident - held:>13,}")
+    for r in measured_step_rows(args, psi, measured, live_n, cuda):
+        p, m = r["predicted"], r["measured"]
+        lines.append(f"{r['stage']:<14}{pair(p['model_states'], m['model_states'], 12)}"
+                     f"{pair(p['activations'], m['activations'], 10)}"
+                     f"{pair(p['gathered_units'], m['gathered_units'], 9)}{p['buckets']:>12,.0f}"
+                     f"{pair(p['total'], m['peak'], 12)}{r['off']:>+7.1%}{r['rest']:>13,}")
     lines += ["peak: model states and the most of four moments -- backward's start, backward (activations freed block "
               "by block as gradients are born, ZeRO-2's and -3's packed buckets: 'buckets'), after it (DDP's flat copy of "
               "the gradients), the step (fp32 gradients, the foreach optimizer's intermediates) -- minizero.course."
@@ -262,45 +277,6 @@ def predicted_step(args, stage: str, psi: float, world_size: int, foreach: bool)
     return step_bytes(stage, psi, gpt_shape(args.model), world_size, args.micro_batch, args.precision, args.optimizer,
                       args.checkpoint_activations, args.offload_optimizer and offloads(stage), foreach=foreach,
                       bucket_mb=args.bucket_mb)
-
-
-def predicted_step_lines(args, psi: float) -> list[str]:
-    """Each stage's peak per rank at ``--world-size``, by component, for a GPT-3-shaped model of ``psi``
-    parameters; with ``--gpu``, whether it fits and the smallest change that makes it fit."""
-    shape = Shape.of_params(psi, args.seq)
-    lines = [f"The step's peak per rank at N={args.world_size}: a GPT shaped as GPT-3's nearest ({shape.layers} layers, "
-             f"hidden {shape.hidden}, {shape.heads} heads, vocabulary {shape.vocab:,}), {args.micro_batch} x "
-             f"{shape.seq} tokens per micro-batch{', blocks checkpointed' if args.checkpoint_activations else ''}",
-             f"{'stage':<14}{'model states':>14}{'activations':>14}{'gathered':>12}{'buckets':>10}{'after bw':>10}"
-             f"{'at step':>10}{'peak':>12}" + (f"{'host':>12}" if args.offload_optimizer else "")
-             + (f"   on {gb(args.gpu)}" if args.gpu else "")]
-    for stage in args.stages or distributed():
-        if not STAGES[stage].equivalent:
-            continue
-        plan = Plan(stage, args.world_size, args.micro_batch, args.checkpoint_activations,
-                    args.offload_optimizer and offloads(stage))
-        here, fitting = fits(psi, shape, plan, args.gpu or float("inf"), args.precision, args.optimizer,
-                             args.bucket_mb)
-        at_step = here["step_gradients"] + here["optimizer_temporaries"]
-        line = (f"{stage:<14}{gb(here['model_states']):>14}{gb(here['activations']):>14}"
-                + "".join(f"{gb(v) if v else '-':>{w}}" for v, w in ((here["gathered_units"], 12), (here["buckets"], 10),
-                                                                     (here["after_backward"], 10), (at_step, 10)))
-                + f"{gb(here['total']):>12}"
-                + (f"{gb(here['host']) if here['host'] else '-':>12}" if args.offload_optimizer else ""))
-        if args.gpu:
-            line += ("   fits" if fitting == plan else f"   does not fit; smallest change: {fitting.change_from(plan)}"
-                     if fitting else "   does not fit, nor with any one or two changes tried")
-        lines.append(line)
-    lines.append("peak: model states + the most of four moments (minizero.course.harness.step_memory): backward's start (every "
-                 "activation, the loss's gradient), backward itself (activations freed block by block as gradients are "
-                 "born -- each counted without the gradients zero_grad() freed -- ZeRO-2's and -3's packed buckets, "
-                 f"{args.bucket_mb:g} MiB, at most one in flight: 'buckets'), after backward (DDP's flat copy of the "
-                 "gradients: 'after bw') and the step ('at step': mixed precision's fp32 gradients and the foreach "
-                 "optimizer's intermediates -- Adam's sqrt(v)). activations: Korthikanti et al. 2022, eq. 1 (16-bit: "
-                 "s*b*h*(34 + 5*a*s/h) per layer; checkpointed, 2sbh per layer and one layer replayed) plus the head's "
-                 "logits; not included: fragmentation, the CUDA context, and what CUDA's libraries keep (cuBLAS's "
-                 "workspaces; 94 MB beside DDP's model states on an H100, docs/gpu-results.md).")
-    return lines
 
 
 def pair(predicted: float, measured: float | None, width: int = 11) -> str:
