@@ -160,6 +160,11 @@ FIND_UNUSED_PARAMETERS = Option(
 PRECISION = Option("precision", "fp32", "fp32, or bf16/fp16 compute with fp32 master weights (minizero.parts.precision)",
                    choice("fp32", "bf16", "fp16"))
 
+#: ZeRO-1's overlap (DeepSpeed stage 1's ``overlap_comm``).  Not drawn by the whole suite (the zero1 lab's
+#: post_backward is the paper's, after backward): tests/test_zero1_overlap.py draws it.
+OVERLAP = Option("overlap", False, "reduce-scatter each bucket during backward, the full gradients kept "
+                 "(DeepSpeed stage 1's overlap_comm); off: after backward, as the paper", None)
+
 #: What a stage that averages gradients takes, in its constructor's order after bucket_mb.
 WIRE_AND_USE = (COMPRESS, ERROR_FEEDBACK, FIND_UNUSED_PARAMETERS, PRECISION)
 

@@ -5,8 +5,9 @@ biggest part (Adam: two fp32 values per parameter) and the optimizer update
 is element-wise, so rank ``r`` can update just *its* 1/N of the parameters,
 if it has the averaged gradient for that shard, and then share the result:
 
-1. gradients accumulate as in DDP, into one flat (padded) buffer per group;
-2. when backward finishes, **reduce-scatter** the buffer: rank ``r`` receives
+1. gradients accumulate as in DDP, into one flat (padded) buffer per group
+   (a param group's parameters, cut at ``bucket_mb``: DeepSpeed's reduce buckets);
+2. when backward finishes, **reduce-scatter** each buffer: rank ``r`` receives
    the average of its own shard only -- half an all-reduce;
 3. the optimizer -- the user's class and hyper-parameters, rebuilt over the
    owned pieces -- updates that shard (states exist for it alone);
@@ -24,6 +25,11 @@ masters are optimizer state, sharded with the moments.
 After the reduce-scatter the owned shard *is* the pieces' ``.grad`` and the
 other shards are zeroed; how accumulation across steps without ``zero_grad()``
 keeps torch's semantics is :mod:`minizero.parts.grad_buffers`'s.
+
+``overlap=True`` is DeepSpeed's stage 1 with ``overlap_comm``: each group's
+reduce-scatter starts during backward, in place, as soon as its gradients are
+final (``BucketPipeline``, as ddp-bucketed's all-reduces) -- the full gradients
+kept, so the memory is ZeRO-1's and only the wait changes.
 """
 from __future__ import annotations
 
@@ -32,24 +38,30 @@ from torch import nn
 
 from ..comm import Comm, ReduceOp
 from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
+from ..parts.buckets import BucketPipeline, check_bucket_mb
 from ..parts.grad_buffers import FullGradients
 from ..parts.layout import build_groups, plan_groups
 from .facts import GradientMemory, Reduction, Shards
-from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE
+from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, OVERLAP, WIRE_AND_USE
 from .zero import ZeRO
+from .zero2 import bucket_numel
 
 
 class ZeRO1(ZeRO):
     name = "zero1"
     shards = Shards(optimizer_states=True)
     gradient_memory = GradientMemory(kept=True)  # FullGradients: one flat buffer per group, zeroed in place
-    options = (*WIRE_AND_USE, OFFLOAD_OPTIMIZER)
+    options = (BUCKET_MB, OVERLAP, *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 **common):
+                 bucket_mb: float = 25.0, overlap: bool = False, **common):
+        check_bucket_mb(bucket_mb)
         super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision, offload
-        self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names()))
+        self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names(),
+                                max_numel=bucket_numel(bucket_mb, self.param_groups(), self.precision)))
         self.full_grads = FullGradients(self.groups)  # one flat buffer per group; each .grad a view into it
+        self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
+                                       self.deferred_reduce_scatter) if overlap else None
         self.zero_grad()
         self.hook_grouped_parameters()
 
@@ -63,14 +75,35 @@ class ZeRO1(ZeRO):
     def post_accumulate_grad(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
         self.full_grads.keep(param)
+        if self.pipeline is not None and self._syncing:
+            self.pipeline.mark(param)
 
     def post_backward(self) -> None:
         """Backward has finished: reduce-scatter each group's gradients into the owned shard, in place."""
+        if self.pipeline is not None:
+            return self.post_backward_overlapped()
         used = self.used_after_backward()
         for index, (group, buffer) in enumerate(zip(self.groups, self.full_grads.buffers, strict=True)):
             self.comm.reduce_scatter(group.shard_of(buffer), buffer, ReduceOp.AVG,
                                      tag=self.tag(f"group {index} gradients"), wire=self.wire, key=index)
             self.full_grads.take_averaged(index, used)
+        self.full_grads.window_open = False
+
+    def deferred_reduce_scatter(self, index: int):
+        """With overlap: bucket ``index``'s gradients are final -- its reduce-scatter, in place, for the
+        communication thread (nothing is packed or freed: ZeRO-1 keeps the full gradients)."""
+        group, buffer, tag = self.groups[index], self.full_grads.buffers[index], self.tag(f"bucket {index} gradients")
+        return lambda: self.comm.reduce_scatter(group.shard_of(buffer), buffer, ReduceOp.AVG, tag=tag,
+                                                wire=self.wire, key=index)
+
+    def post_backward_overlapped(self) -> None:
+        """With overlap: launch the buckets that never completed, wait for every reduce-scatter, and take the
+        averaged shards (the used-parameter bitmap queues behind the buckets, on every rank alike)."""
+        with self.pipeline.round():
+            self.pipeline.launch_rest()
+            used = self.used_after_backward()
+            for index, _ in self.pipeline.wait_all():
+                self.full_grads.take_averaged(index, used)
         self.full_grads.window_open = False
 
     # ------------------------------------------------------------ optimizer
@@ -94,16 +127,24 @@ class ZeRO1(ZeRO):
         return reduce_scatter_bytes(psi * grad_bytes, world_size) + all_gather_bytes(psi * param_bytes, world_size)
 
     @classmethod
-    def schedule(cls, s, **options) -> None:
-        """Reduce-scatter after backward, all-gather after the step: neither hides."""
+    def schedule(cls, s, bucket_mb: float = 25.0, overlap: bool = False, **options) -> None:
+        """Reduce-scatter after backward, all-gather after the step: neither hides.  With overlap the buckets'
+        reduce-scatters leave during backward, as ZeRO-2's; the all-gathers still wait for the step."""
         s.forward()
-        s.backward()
-        s.blocking("reduce_scatter", s.plan.psi, s.plan.grad_bytes)
+        if overlap:
+            s.backward_in_buckets("reduce_scatter", bucket_mb)
+        else:
+            s.backward()
+            for numel in s.plan.bucket_sizes(bucket_mb):
+                s.blocking("reduce_scatter", numel, s.plan.grad_bytes)
         s.optimizer_step()
-        s.blocking("all_gather", s.plan.psi, s.plan.param_bytes)
+        for numel in s.plan.bucket_sizes(bucket_mb):
+            s.blocking("all_gather", numel, s.plan.param_bytes)
 
     @classmethod
-    def reduction(cls, model, optimizer, world_size, **options) -> Reduction:
+    def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:
         names = {id(p): n for n, p in model.named_parameters()}
+        cap = bucket_numel(bucket_mb, optimizer.param_groups, options.get("precision"))
         return Reduction([[names[id(p)] for p in params]
-                          for _, params in plan_groups([g["params"] for g in optimizer.param_groups])], padded=True)
+                          for _, params in plan_groups([g["params"] for g in optimizer.param_groups], cap)],
+                         padded=True)
