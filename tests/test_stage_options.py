@@ -80,8 +80,8 @@ def test_an_option_no_chosen_stage_takes_is_refused_naming_the_stages_that_do(ca
     assert main(["compare", "--stages", "ddp,zero1", "--no-reshard-after-forward"]) == 2
     assert ("error: --reshard-after-forward has no effect on --stages ddp,zero1: none of them takes it (it is an "
             "option of zero3, zeropp, hsdp)") in capsys.readouterr().err
-    assert main(["train", "--stage", "zero1", "--bucket-mb", "5"]) == 2
-    assert "error: --stage zero1 takes no --bucket-mb (its options: compress, error_feedback" in capsys.readouterr().err
+    assert main(["train", "--stage", "ddp", "--bucket-mb", "5"]) == 2
+    assert "error: --stage ddp takes no --bucket-mb (its options: compress, error_feedback" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ stages declared here, as a test would

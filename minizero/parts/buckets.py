@@ -143,3 +143,4 @@ class BucketPipeline:
             drain(list(self._works.values()))
             self._works.clear()
             self._order.reset()
+

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..parts.buckets import MiB
+from ..parts.layout import plan_groups
 from ..parts.precision import Precision
 
 
@@ -176,3 +178,20 @@ def check_combination(cls, wire=None, precision=None, **others) -> None:
     policy = WirePolicy.of(wire)
     if parse(policy.compress) is not None and any(o.into is not None and o.into[0] == "wire" for o in cls.options):
         check_wire(policy, Precision.of(precision), cls.averages_with)  # (no wire: the command names its own flag)
+
+
+def bucket_numel(bucket_mb: float, param_groups: list[dict], precision=None) -> int:
+    """The bucket cap in elements, for the dtype gradients have: the first parameter's, or the working
+    copy's under mixed precision (the buckets are built before the model is cast)."""
+    element_size = Precision.of(precision).working_bytes(
+        next((p.element_size() for g in param_groups for p in g["params"]), 4))
+    return max(1, int(bucket_mb * MiB // element_size))
+
+
+def reduction_in_buckets(cls, model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int,
+                         bucket_mb: float = 25.0, **options) -> Reduction:
+    """ZeRO-1's and -2's flat groups: each param group's parameters (and dtype), cut at ``bucket_mb``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    cap = bucket_numel(bucket_mb, optimizer.param_groups, options.get("precision"))
+    return Reduction([[names[id(p)] for p in params]
+                      for _, params in plan_groups([g["params"] for g in optimizer.param_groups], cap)], padded=True)

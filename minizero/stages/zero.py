@@ -25,7 +25,7 @@ from ..parts.layout import FlatGroup
 from ..parts.offload import HostCopies, OffloadPolicy
 from ..parts.precision import Precision
 from ..parts.sharded_optimizer import ShardedOptimizer, check_shardable
-from . import clip, hooks, mixed, sharing, unused, zero_state
+from . import clip, facts, hooks, mixed, sharing, unused, zero_state
 from .base import Stage
 from .unused import unused_error
 from .wrap import broadcast_module, check_optimizer_owns_only_model_parameters, check_same_model
@@ -160,3 +160,5 @@ class ZeRO(Stage):
     load_full_optimizer_state_dict = zero_state.load_full_optimizer_state_dict
     _master_values = zero_state.master_values
     _full_shape = zero_state.full_shape
+
+    reduction = classmethod(facts.reduction_in_buckets)  # ZeRO-1's and -2's flat groups (ZeRO-3 has its own)

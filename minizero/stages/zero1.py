@@ -40,11 +40,10 @@ from ..comm import Comm, ReduceOp
 from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.buckets import BucketPipeline, check_bucket_mb
 from ..parts.grad_buffers import FullGradients
-from ..parts.layout import build_groups, plan_groups
-from .facts import GradientMemory, Reduction, Shards
+from ..parts.layout import build_groups
+from .facts import GradientMemory, Shards, bucket_numel
 from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, OVERLAP, WIRE_AND_USE
 from .zero import ZeRO
-from .zero2 import bucket_numel
 
 
 class ZeRO1(ZeRO):
@@ -140,11 +139,3 @@ class ZeRO1(ZeRO):
         s.optimizer_step()
         for numel in s.plan.bucket_sizes(bucket_mb):
             s.blocking("all_gather", numel, s.plan.param_bytes)
-
-    @classmethod
-    def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:
-        names = {id(p): n for n, p in model.named_parameters()}
-        cap = bucket_numel(bucket_mb, optimizer.param_groups, options.get("precision"))
-        return Reduction([[names[id(p)] for p in params]
-                          for _, params in plan_groups([g["params"] for g in optimizer.param_groups], cap)],
-                         padded=True)

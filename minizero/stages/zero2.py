@@ -27,10 +27,9 @@ from torch import nn
 
 from ..comm import Comm, ReduceOp
 from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
-from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline, MiB, check_bucket_mb
-from ..parts.layout import build_groups, plan_groups
-from ..parts.precision import Precision
-from .facts import GradientMemory, Reduction, Shards
+from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline, check_bucket_mb
+from ..parts.layout import build_groups
+from .facts import GradientMemory, Shards, bucket_numel
 from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, WIRE_AND_USE
 from .zero import ZeRO
 
@@ -121,17 +120,3 @@ class ZeRO2(ZeRO):
         for numel in s.plan.bucket_sizes(bucket_mb):
             s.blocking("all_gather", numel, s.plan.param_bytes)
 
-    @classmethod
-    def reduction(cls, model, optimizer, world_size, bucket_mb: float = 25.0, **options) -> Reduction:
-        names = {id(p): n for n, p in model.named_parameters()}
-        plan = plan_groups([g["params"] for g in optimizer.param_groups],
-                           bucket_numel(bucket_mb, optimizer.param_groups, options.get("precision")))
-        return Reduction([[names[id(p)] for p in params] for _, params in plan], padded=True)
-
-
-def bucket_numel(bucket_mb: float, param_groups: list[dict], precision=None) -> int:
-    """The bucket cap in elements, for the dtype gradients have: the first parameter's, or the working
-    copy's under mixed precision (the buckets are built before the model is cast)."""
-    element_size = Precision.of(precision).working_bytes(
-        next((p.element_size() for g in param_groups for p in g["params"]), 4))
-    return max(1, int(bucket_mb * MiB // element_size))

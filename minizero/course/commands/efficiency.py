@@ -46,8 +46,9 @@ from ..harness.timelines import timeline_on_rank
 from .scale import measured_plan
 
 #: The options that let a stage overlap on the bench GPT (3 MB of gradients: the default 25 MiB bucket would be
-#: one bucket, which cannot leave before backward ends), each given to the stages that accept it.
-OVERLAP_OPTIONS = {"bucket_mb": 0.5, "prefetch": 1}
+#: one bucket, which cannot leave before backward ends), each given to the stages that accept it -- zero1's
+#: ``overlap`` (DeepSpeed stage 1's overlap_comm) included.
+OVERLAP_OPTIONS = {"bucket_mb": 0.5, "prefetch": 1, "overlap": True}
 
 
 def stage_options() -> dict[str, dict]:

@@ -35,7 +35,7 @@ from ...comm import make_comm
 from ...comm.network import parse_network
 from ...costs.cost_model import predict
 from ...run.train import sum_loss
-from ...stages import STAGES, make_stage
+from ...stages import STAGES, BucketedDDP, ZeRO1, ZeRO2, ZeRO3, make_stage
 from ..harness.experiment import Experiment
 from ..harness.models import BENCH_GPT, GPT_SIZES
 from ..harness.tasks import TASKS
@@ -45,10 +45,10 @@ from .scale import measured_plan
 #: A wire on which the bench GPT's all-reduce (3.2 MB at N = 2: two messages of 1.6 MB) takes about as long as
 #: its compute on an H100-class GPU, so that overlap has something to hide and something to hide it behind.
 GPU_DIAL = "alpha=50us,bandwidth=1GB/s"
-#: The overlapping stages, with the options that let them overlap on the bench GPT.
-ROWS = [("ddp-bucketed", {"bucket_mb": OVERLAP_OPTIONS["bucket_mb"]}),
-        ("zero2", {"bucket_mb": OVERLAP_OPTIONS["bucket_mb"]}),
-        ("zero3", {"prefetch": 1}), ("zero3", {"prefetch": 0})]
+#: The core stages that overlap, with the options that let them (zero1's ``overlap`` included), and ZeRO-3 again
+#: without prefetch: what it overlaps then.
+ROWS = [(stage.name, {k: v for k, v in OVERLAP_OPTIONS.items() if k in stage.option_names()})
+        for stage in (BucketedDDP, ZeRO1, ZeRO2, ZeRO3)] + [(ZeRO3.name, {"prefetch": 0})]
 NO_GPU = ("bench gpu-efficiency measures a GPU's streams: torch.cuda.is_available() is False here; run it on a "
           "machine with a CUDA GPU (scripts/gpu_overlap.py runs it with the rest of the GPU checks)")
 

@@ -12,7 +12,8 @@ and ``step``: it steps the owned pieces, then calls your ``all_gather_parameters
 yours to use.
 
 The state the contract speaks of (r = ``self.rank``, N = ``self.world_size``):
-  * ``self.groups`` (``minizero.parts.layout.FlatGroup``), one per optimizer param group and dtype: ``data``, the full
+  * ``self.groups`` (``minizero.parts.layout.FlatGroup``), one per optimizer param group and dtype, cut at ``bucket_mb``
+    (25 MiB unless the checker draws another): ``data``, the full
     flat parameters, padded with zeros to N x ``shard_size`` elements (every parameter is a view into it);
     ``shard``, rank r's owned range ``[r*S, (r+1)*S)`` of it (S = ``shard_size``; a view); ``segments``, where
     each parameter lies (``param``, ``start``, ``stop``); ``pieces``, the part of each parameter inside the owned

@@ -2,7 +2,7 @@
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: the flat sharded layout (``self.groups``: one ``FlatGroup`` per optimizer
-param group and dtype, padded to a multiple of N, each rank owning one shard of
+param group and dtype, cut at ``bucket_mb``, padded to a multiple of N, each rank owning one shard of
 ``group.shard_size`` elements), the full gradients (``self.full_grads``: one flat
 buffer per group in ``self.full_grads.buffers``, each ``.grad`` a view into it),
 the pieces (this rank's range of each parameter, a view into the owned shard), the
