@@ -103,6 +103,10 @@ def test_the_table_says_what_is_modelled_and_the_plot_is_a_png(rows, tmp_path):
     text = format_table(rows)
     assert all(r["stage"] in text and r["counterpart"] in text for r in rows)
     assert "MODELLED" in text and "same run" in text and "bootstrap interval" in text
+    # zero1 overlaps its reduce-scatters as DDP under ZeroRedundancyOptimizer overlaps its all-reduces; no other
+    # stage is given an option
+    assert {r["stage"]: r["options"] for r in rows if r["options"]} == {"zero1": {"overlap": True}}
+    assert "zero1 runs with {'overlap': True}: it overlaps as its counterpart does" in text
     for r in rows:  # each stage's ratio, its interval and its verdict, in one line
         low, high = r["interval"]
         assert f"{r['stage']} vs {r['counterpart']}: {r['ratio']:.2f}x [{low:.2f}, {high:.2f}] {r['verdict']}" in text
