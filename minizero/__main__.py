@@ -131,6 +131,8 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
                             "meet the formula)")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="bench all: step-time ratio and memory per rank per stage against torch, as a PNG")
+    bench.add_argument("--stages", type=stage_list, default=None,
+                       help="bench all: these stages only, each beside its counterpart (more rounds where one is wide)")
     bench.add_argument("--json", action="store_true")
     scale = sub.add_parser("scale", help="predicted step time, exposed communication and efficiency, N = 1 to 1024+")
     scale.add_argument("--stage", default="all", help=f"comma-separated, from: {', '.join(distributed())}; or all")

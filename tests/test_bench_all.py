@@ -122,6 +122,8 @@ def test_options_only_bench_all_takes_are_refused_elsewhere(capsys):
     assert "bench zero3 does not take --plot, --collectives; only bench all does" in capsys.readouterr().err
     assert main(["bench", "all", "--network", "lesson"]) == 2
     assert "bench all does not take --network" in capsys.readouterr().err
+    assert main(["bench", "zero", "--stages", "zero1"]) == 2
+    assert "bench zero does not take --stages; only bench all does" in capsys.readouterr().err
     # the GPU's overlap table takes a GPT's size, and nothing else of bench all's; without a GPU it says so
     assert main(["bench", "gpu-efficiency", "--model", "100m", "--device", "cuda"]) == 2
     assert "bench gpu-efficiency does not take --device; only bench all does" in capsys.readouterr().err
@@ -168,3 +170,10 @@ def test_a_counterpart_that_cannot_run_here_is_said_not_compared_and_nothing_is_
     text = format_table(rows)
     assert all(f"{r['stage']} vs torch-fsdp2: not compared: FSDP2 cannot run here" in text for r in uncompared)
     plot(rows, str(tmp_path / "p.png"))
+
+
+def test_bench_all_measures_the_stages_asked_for_beside_their_counterparts(pools):
+    rows = bench_all(N, model="tiny", steps=STEPS, micro_batch=MICRO_BATCH, pool=pools.pool(N), rounds=ROUNDS,
+                     stages=["zero1"])
+    assert [(r["stage"], r["counterpart"], r["options"]) for r in rows] == [("zero1", "torch-zero", {"overlap": True})]
+    assert len(rows[0]["round_ms"]) == len(rows[0]["counterpart_round_ms"]) == ROUNDS

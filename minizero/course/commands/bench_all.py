@@ -31,7 +31,7 @@ from ..harness.registry import stage_class
 from ..harness.rounds import METHOD, check_rounds, compare, describe, measure_rounds
 
 WARMUP = 2  # steps skipped before timing, as the other benches do: first-touch allocations, connections
-ONLY_HERE = ("model", "device", "plot", "collectives", "steps")  # options only ``bench all`` takes
+ONLY_HERE = ("model", "device", "plot", "collectives", "steps", "stages")  # options only ``bench all`` takes
 
 
 def counterpart(shards: Shards) -> str:
@@ -93,11 +93,13 @@ def _measure(pool, exp: Experiment, world_size: int) -> dict:
 
 
 def bench_all(world_size: int, model: str = "small", device: str = "cpu", collectives: str = "native",
-              steps: int = 4, micro_batch: int = 8, pool=None, rounds: int = 5) -> list[dict]:
+              steps: int = 4, micro_batch: int = 8, pool=None, rounds: int = 5,
+              stages: list[str] | None = None) -> list[dict]:
     """One row per stage: its step time, bytes and memory beside its torch counterpart's, one pool,
     ``rounds`` rounds (each run's first steps are its untimed warm-up).
 
-    ``pool``: a live pool of ``world_size`` ranks to run on (the tests'); else one is started here."""
+    ``pool``: a live pool of ``world_size`` ranks to run on (the tests'); else one is started here.  ``stages``:
+    these only (each still beside its counterpart), for more rounds where an interval is wide."""
     check_device(device)
     check_rounds(rounds)
     if model not in GPT_SIZES:
@@ -106,7 +108,7 @@ def bench_all(world_size: int, model: str = "small", device: str = "cpu", collec
         raise ValueError(f"bench all needs more than {WARMUP} steps: the first {WARMUP} warm up and are not timed")
     base = Experiment(task="gpt", model=GPT_SIZES[model], optimizer="adamw", steps=steps, micro_batch=micro_batch,
                       dtype="float32", check=False, backend=collectives, device=device)
-    stages = distributed()
+    stages = distributed() if stages is None else stages
     kinds = {stage: counterpart(STAGES[stage].shards) for stage in stages}
     missing = {kind: UNMEASURABLE[(device, kind)] for kind in set(kinds.values()) if (device, kind) in UNMEASURABLE}
     names = [n for n in dict.fromkeys(name for stage in stages for name in (kinds[stage], stage)) if n not in missing]
@@ -259,7 +261,8 @@ def main(args) -> list[dict]:
     if args.plot:
         check_plot(args.plot)  # (the commands' one check: minizero.course.harness.preflight)
     rows = bench_all(args.world_size, model=args.model or "small", device=args.device or "cpu",
-                     collectives=args.collectives or "native", steps=args.steps or 4, rounds=args.rounds)
+                     collectives=args.collectives or "native", steps=args.steps or 4, rounds=args.rounds,
+                     stages=args.stages)
     if args.plot:
         plot(rows, args.plot)
     return rows

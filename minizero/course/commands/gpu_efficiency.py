@@ -160,16 +160,17 @@ def format_gpu_efficiency(rows: list[dict]) -> str:
     if not rows:
         return "no stages measured"
     first = rows[0]
+    names = [r["name"] + "".join(f" {k}={v}" for k, v in r["options"].items()) for r in rows]
+    width = max(len(n) for n in names) + 2
     lines = [f"efficiency against the α–β bound on one GPU standing for N={first['stands_for']}, network "
              f"{first['network']}: {first['rounds']} rounds of {first['steps']} steps (first untimed), rows interleaved",
              "bound = undialled compute + what the stage's schedule cannot hide on the dial; fraction = bound / "
              "measured; hidden = share of the wire's time that did not add to the step",
-             f"  {'stage':<28}{'path':<12}{'measured ms':>18}{'bound':>8}{'compute':>9}{'wire':>8}{'undialled':>10}"
+             f"  {'stage':<{width}}{'path':<12}{'measured ms':>18}{'bound':>8}{'compute':>9}{'wire':>8}{'undialled':>10}"
              f"{'fraction':>10}{'min-max':>12}{'hidden':>8}"]
-    for r in rows:
+    for r, name in zip(rows, names, strict=True):
         m = r["measured_ms"]
-        name = r["name"] + "".join(f" {k}={v}" for k, v in r["options"].items())
-        lines.append(f"  {name:<28}{r['path']:<12}{statistics.median(m):>10.2f} ({min(m):.1f}-{max(m):.1f})"
+        lines.append(f"  {name:<{width}}{r['path']:<12}{statistics.median(m):>10.2f} ({min(m):.1f}-{max(m):.1f})"
                      f"{r['bound_ms']:>8.2f}{r['compute_ms']:>9.2f}{r['wire_ms']:>8.2f}{r['quiet_ms']:>10.2f}"
                      f"{r['fraction']:>10.2f}{r['fraction_min']:>6.2f}-{r['fraction_max']:.2f}{r['hidden']:>8.2f}")
     return "\n".join(lines)
