@@ -150,7 +150,7 @@ MUTANTS: dict[str, Mutant] = {
                                                    tied_weight_owner_catch),
     "zero: no bitmap for unused parameters": Mutant("minizero.stages.base:Stage.used_anywhere", broken_training.agrees_on_nothing,
                                                     test_catch(SEM, "test_a_parameter_without_a_gradient_is_not_stepped",
-                                                               "zero1", "c on rank 0", "stage.zero_grad()")),
+                                                               "zero1", "c on rank 1", "stage.zero_grad()")),
     "stage: steps on local gradients after no_sync": Mutant("minizero.stages.base:Stage.stepping",
                                                             broken_training.steps_on_local_gradients,
                                                             test_catch(SEM, "test_step_after_no_sync_only_is_refused", "ddp")),
