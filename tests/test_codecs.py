@@ -123,7 +123,7 @@ def test_mixed_precision_refuses_a_codec(pools):
 @pytest.mark.parametrize("world_size", (1, 2, 3, 4))
 @pytest.mark.parametrize("stage", ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3"])
 @covering_every_world_size
-@settings(max_examples=examples(3))
+@settings(max_examples=examples(4))
 @given(data=st.data())
 def test_codec_stage_matches_the_same_codec_reference_and_its_byte_formula(pools, stage, world_size, data):
     """The same codec on the same per-rank gradients (a ZeRO stage's cut into its N shards, each encoded on its

@@ -105,7 +105,7 @@ def test_results_file_has_the_machine_first_and_a_row_per_stage_and_rank(tmp_pat
     assert "| zero3 | 16Ψ/N | 2, gloo | 1 | 6,424,707 | 6,424,576 | 81,140,737 | 74,716,030 | 814,592 |" in text
     assert "**ddp failed**" in text and "something broke" in text  # a failure is shown, not dropped
     # the overlap table as bench gpu-efficiency prints it, and every stage's two paths at N = 1
-    assert "  ddp-bucketed bucket_mb=25.0 own stream       76.00 (75.0-77.0)   74.17    71.52" in text
+    assert "  ddp-bucketed bucket_mb=25.0  own stream       76.00 (75.0-77.0)   74.17    71.52" in text
     assert "| zero3 | {'prefetch': 1} | CommStream | 0.0e+00 | 0.0e+00 |" in text
     assert "| hsdp | {} | failed: ValueError: no nodes | | |" in text
     saved = json.loads(js.read_text())

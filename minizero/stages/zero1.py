@@ -6,7 +6,8 @@ is element-wise, so rank ``r`` can update just *its* 1/N of the parameters,
 if it has the averaged gradient for that shard, and then share the result:
 
 1. gradients accumulate as in DDP, into one flat (padded) buffer per group
-   (a param group's parameters, cut at ``bucket_mb``: DeepSpeed's reduce buckets);
+   (a param group's parameters in the order backward produces them, cut at
+   ``bucket_mb``: DeepSpeed's reduce buckets);
 2. when backward finishes, **reduce-scatter** each buffer: rank ``r`` receives
    the average of its own shard only -- half an all-reduce;
 3. the optimizer -- the user's class and hyper-parameters, rebuilt over the
