@@ -13,20 +13,25 @@ from dataclasses import replace
 
 import torch
 
-from ...comm import NativeComm, ReduceOp, RingComm, make_comm, parse_network
+from ...comm import NativeComm, ReduceOp, RingComm, parse_network
 from ...run.launch import Rank, RankPool
-from ...run.train import shard_step, sum_loss
 from ...stages import distributed
 from ..harness.experiment import Experiment, run_experiment
 from ..harness.machine import Recorded
 from ..harness.machine import describe as describe_machine
 from ..harness.models import BENCH_GPT
-from ..harness.optimizers import make_optimizer
-from ..harness.registry import accepting, build_stage, sharding, stage_class
+from ..harness.registry import accepting, sharding
 from ..harness.rounds import METHOD, check_rounds, compare, describe, measure_rounds
-from ..harness.tasks import TASKS
 from . import bench_all
-from .bench_network import bench_buckets, bench_compress, bench_overlap_dialled, bench_prefetch, bench_servers, format_rows
+from .bench_network import (
+    bench_buckets,
+    bench_compress,
+    bench_overlap,
+    bench_overlap_dialled,
+    bench_prefetch,
+    bench_servers,
+    format_rows,
+)
 from .efficiency import bench_efficiency, format_efficiency
 from .gpu_efficiency import GPU_DIAL, bench_gpu_efficiency, format_gpu_efficiency
 
@@ -163,67 +168,6 @@ def bench_zero3(world_size: int, steps: int = STEPS, rounds: int = ROUNDS) -> li
     theirs = measured.pop("torch-fsdp2")
     return [_ratio_row(f"{name} step", m, "torch-fsdp2 step", theirs, world_size, sent_bytes=m["sent"])
             for name, m in measured.items()]
-
-
-def _overlap_on_rank(me: Rank, name: str, backend: str, bucket_mb: float, repeats: int, rounds: int) -> dict:
-    task, comm = TASKS["gpt"], make_comm(backend)
-    model = task.make_model(0, torch.float32, **BENCH_GPT)
-    stage = build_stage(name, model, make_optimizer("sgd", model, 0.0), comm, bucket_mb=bucket_mb)
-    # The communication alone: all-reduces of buffers the size of the stage's buckets (its own fact).
-    sizes = {n: p.numel() for n, p in model.named_parameters()}
-    buffers = [torch.zeros(sum(sizes[n] for n in names))
-               for names in stage_class(name).reduction(model, None, me.world_size, bucket_mb=bucket_mb).buffers]
-    x, y = task.make_batch(8 * me.world_size, 0, 0, torch.float32, **BENCH_GPT)
-    (xb, yb), = shard_step(x, y, me.rank, me.world_size).micro_batches
-
-    def backward(sync: bool):
-        stage.zero_grad()
-        start = time.perf_counter()
-        if sync:
-            sum_loss(stage(xb), yb).backward()  # ends after every bucket's all-reduce has finished
-        else:
-            with stage.no_sync():
-                sum_loss(stage(xb), yb).backward()
-        return time.perf_counter() - start
-
-    def communicate():
-        start = time.perf_counter()
-        for buffer in buffers:
-            comm.all_reduce(buffer, ReduceOp.AVG)
-        return time.perf_counter() - start
-
-    # The three alternate in rounds; every rank draws the same seeded order, so the collectives meet.
-    runs = {"compute": lambda: backward(False), "comm": communicate, "overlapped": lambda: backward(True)}
-    times = measure_rounds(lambda what: statistics.median([runs[what]() for _ in range(repeats)]), list(runs), rounds)
-    return {**times, "buckets": len(buffers)}
-
-
-def bench_overlap(world_size: int, bucket_mb: float = 0.5, repeats: int = 3, rounds: int = ROUNDS) -> list[dict]:
-    """Forward+backward alone, the bucket all-reduces alone, and both overlapped -- for the bucketed
-    all-reduce stage (unsharded, with buckets), alternating in rounds; the ratio is overlapped against
-    compute + comm in sequence, round by round."""
-    name, rows = next(s for s in sharding() if s in accepting("bucket_mb")), []
-    check_rounds(rounds)
-    with RankPool(world_size) as pool:
-        for backend in ("native", "ring"):
-            per_rank = pool.run(_overlap_on_rank, name, backend, bucket_mb, repeats, rounds)
-            per_round = {k: [max(r[k][i] for r in per_rank) * 1e3 for i in range(rounds)]
-                         for k in ("compute", "comm", "overlapped")}
-            sequence = [c + m for c, m in zip(per_round["compute"], per_round["comm"], strict=True)]
-            t = {k: statistics.median(v) / 1e3 for k, v in per_round.items()}
-            hidden = (t["compute"] + t["comm"] - t["overlapped"]) / t["comm"]
-            common = {"world_size": world_size, "buckets": per_rank[0]["buckets"]}
-            rows += [
-                {"name": f"{backend}: forward+backward alone", "value": t["compute"] * 1e3, "unit": "ms", **common},
-                {"name": f"{backend}: bucket all-reduces alone", "value": t["comm"] * 1e3, "unit": "ms", **common},
-                {"name": f"{backend}: forward+backward with overlapped all-reduces", "value": t["overlapped"] * 1e3,
-                 "unit": "ms", "baseline": f"{backend}: compute + comm in sequence",
-                 "baseline_value": statistics.median(sequence), **compare(per_round["overlapped"], sequence),
-                 "round_ms": per_round["overlapped"], "baseline_round_ms": sequence, **common},
-                {"name": f"{backend}: communication hidden", "value": max(0.0, min(1.0, hidden)), "unit": "fraction",
-                 **common},
-            ]
-    return rows
 
 
 def bench_precision(world_size: int, steps: int = STEPS, precision: str = "bf16", rounds: int = ROUNDS) -> list[dict]:

@@ -9,16 +9,21 @@ repeats is printed with it."""
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import replace
 
 import torch
 
-from ...run.launch import RankPool
+from ...comm import ReduceOp, make_comm
+from ...run.launch import Rank, RankPool
+from ...run.train import shard_step, sum_loss
 from ...stages import STAGES
 from ..harness.experiment import Experiment
 from ..harness.models import BENCH_GPT
-from ..harness.registry import accepting, sharding
-from ..harness.rounds import check_rounds, compare, describe
+from ..harness.optimizers import make_optimizer
+from ..harness.registry import accepting, build_stage, sharding, stage_class
+from ..harness.rounds import check_rounds, compare, describe, measure_rounds
+from ..harness.tasks import TASKS
 from .scale import model_against_measured
 
 REPEATS = 3
@@ -182,3 +187,65 @@ def format_rows(what: str, world_size: int, network: str, rows: list[dict]) -> s
                          f"compute on the ranks {r['compute_ms_codec']:.1f} ms; timed alone "
                          f"{r['compute_ms_timed_alone']:.1f} ms); against fp32 {describe(r['against_fp32'])}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------- overlap on loopback (no dial): bench overlap
+def _overlap_on_rank(me: Rank, name: str, backend: str, bucket_mb: float, repeats: int, rounds: int) -> dict:
+    task, comm = TASKS["gpt"], make_comm(backend)
+    model = task.make_model(0, torch.float32, **BENCH_GPT)
+    stage = build_stage(name, model, make_optimizer("sgd", model, 0.0), comm, bucket_mb=bucket_mb)
+    # The communication alone: all-reduces of buffers the size of the stage's buckets (its own fact).
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    buffers = [torch.zeros(sum(sizes[n] for n in names))
+               for names in stage_class(name).reduction(model, None, me.world_size, bucket_mb=bucket_mb).buffers]
+    x, y = task.make_batch(8 * me.world_size, 0, 0, torch.float32, **BENCH_GPT)
+    (xb, yb), = shard_step(x, y, me.rank, me.world_size).micro_batches
+
+    def backward(sync: bool):
+        stage.zero_grad()
+        start = time.perf_counter()
+        if sync:
+            sum_loss(stage(xb), yb).backward()  # ends after every bucket's all-reduce has finished
+        else:
+            with stage.no_sync():
+                sum_loss(stage(xb), yb).backward()
+        return time.perf_counter() - start
+
+    def communicate():
+        start = time.perf_counter()
+        for buffer in buffers:
+            comm.all_reduce(buffer, ReduceOp.AVG)
+        return time.perf_counter() - start
+
+    # The three alternate in rounds; every rank draws the same seeded order, so the collectives meet.
+    runs = {"compute": lambda: backward(False), "comm": communicate, "overlapped": lambda: backward(True)}
+    times = measure_rounds(lambda what: statistics.median([runs[what]() for _ in range(repeats)]), list(runs), rounds)
+    return {**times, "buckets": len(buffers)}
+
+
+def bench_overlap(world_size: int, bucket_mb: float = 0.5, repeats: int = 3, rounds: int = REPEATS) -> list[dict]:
+    """Forward+backward alone, the bucket all-reduces alone, and both overlapped -- for the bucketed
+    all-reduce stage (unsharded, with buckets), alternating in rounds; the ratio is overlapped against
+    compute + comm in sequence, round by round."""
+    name, rows = next(s for s in sharding() if s in accepting("bucket_mb")), []
+    check_rounds(rounds)
+    with RankPool(world_size) as pool:
+        for backend in ("native", "ring"):
+            per_rank = pool.run(_overlap_on_rank, name, backend, bucket_mb, repeats, rounds)
+            per_round = {k: [max(r[k][i] for r in per_rank) * 1e3 for i in range(rounds)]
+                         for k in ("compute", "comm", "overlapped")}
+            sequence = [c + m for c, m in zip(per_round["compute"], per_round["comm"], strict=True)]
+            t = {k: statistics.median(v) / 1e3 for k, v in per_round.items()}
+            hidden = (t["compute"] + t["comm"] - t["overlapped"]) / t["comm"]
+            common = {"world_size": world_size, "buckets": per_rank[0]["buckets"]}
+            rows += [
+                {"name": f"{backend}: forward+backward alone", "value": t["compute"] * 1e3, "unit": "ms", **common},
+                {"name": f"{backend}: bucket all-reduces alone", "value": t["comm"] * 1e3, "unit": "ms", **common},
+                {"name": f"{backend}: forward+backward with overlapped all-reduces", "value": t["overlapped"] * 1e3,
+                 "unit": "ms", "baseline": f"{backend}: compute + comm in sequence",
+                 "baseline_value": statistics.median(sequence), **compare(per_round["overlapped"], sequence),
+                 "round_ms": per_round["overlapped"], "baseline_round_ms": sequence, **common},
+                {"name": f"{backend}: communication hidden", "value": max(0.0, min(1.0, hidden)), "unit": "fraction",
+                 **common},
+            ]
+    return rows
