@@ -79,7 +79,7 @@ class Comm(Views):
         self._local = threading.local()
         self._thread: CommThread | CommStream | None = None
         # Under NCCL the collectives go on a CUDA stream of their own (.stream); False keeps the thread, whose
-        # kernels join the compute stream -- nothing overlaps: the GPU bench's contrast (bench gpu-overlap).
+        # kernels join the compute stream -- nothing overlaps: the GPU bench's contrast (bench gpu-efficiency).
         # True means torch.cuda's streams; an object with their API may stand in (the suite's recorder, on CPU).
         self.own_stream: bool | object = self._nccl
         if self.port is not None and self._nccl:  # a dialled wire waits on the device, where NCCL's kernels run
@@ -214,10 +214,6 @@ class Comm(Views):
                     root._thread = CommThread(f"comm-rank{root.rank}", root._wait_observers)
                 weakref.finalize(root, root._thread.stop)  # a Comm nobody closed does not leave its thread behind
             return root._thread
-
-    def _on_comm_thread(self) -> bool:
-        thread = self._root._thread
-        return thread is not None and thread.here
 
     def submit(self, fn: Callable[[], object]) -> Work:
         """Run ``fn`` on the communication thread (under NCCL: stream), after every collective issued

@@ -99,7 +99,7 @@ class NativeComm(StarExchanges, Comm):
         transfer: the step's wall time is the same, and torch's collective cannot be paused half-way).  Each
         message goes to the right neighbour; the root all-reduce's, between the root and each rank."""
         if self.port is not None and self.world_size == 1 and self.port.stands_for > 1:
-            # One GPU standing for a ring of N: hold what rank 0 of N would send (bench gpu-overlap's dial).
+            # One GPU standing for a ring of N: hold what rank 0 of N would send (bench gpu-efficiency's dial).
             for nbytes in ring_messages(kind, tensor.numel(), tensor.element_size(), self.port.stands_for, 0, src):
                 self.port.hold(self.port.wire_to(None).message_s(nbytes), kind, nbytes)
             return

@@ -66,10 +66,6 @@ class CommThread:
         self._thread.start()
 
     @property
-    def ident(self) -> int | None:
-        return self._thread.ident
-
-    @property
     def here(self) -> bool:
         """Is the caller this thread (a collective called by a submitted function runs inline)?"""
         return threading.get_ident() == self._thread.ident

@@ -143,4 +143,3 @@ class BucketPipeline:
             drain(list(self._works.values()))
             self._works.clear()
             self._order.reset()
-
