@@ -238,6 +238,11 @@ def test_memory_json_holds_the_step_table_and_the_fit_verdicts_the_text_prints(c
         line = next(x for x in text if x.startswith(f"{r['stage']} ") and "fit" in x)
         said = "fits" if step["fits"] else f"does not fit; smallest change: {step['smallest_change']}"
         assert line.endswith(said) and f"{step['total'] / 1e9:,.1f} GB" in line, (line, step)
+        # the verdict itself, from the fit search on the command's defaults (fp16 Adam, 4 x 2048 tokens)
+        plan = Plan(r["stage"], 64, 4, False, False)
+        _, fitting = fits(7.5e9, Shape.of_params(7.5e9, 2048), plan, step["gpu_bytes"], "fp16", "adam", 25.0)
+        change = None if fitting is None or fitting == plan else fitting.change_from(plan)
+        assert step["fits"] == (fitting == plan) and step["smallest_change"] == change, r["stage"]
         verdicts += 1
     assert verdicts >= 4
 
