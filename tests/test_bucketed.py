@@ -287,3 +287,38 @@ def test_zero_stages_hold_at_most_their_bound_of_buckets_in_flight(bound):
     for bad in (0, 1.5, "1"):
         with pytest.raises(ValueError, match="max_in_flight must be a whole number >= 1"):
             BucketPipeline(comm, [[p] for p in params], start, max_in_flight=bad)
+
+
+@pytest.mark.parametrize("oldest", ["still running", "already failed"])
+def test_a_failed_bucket_surfaces_in_wait_all_whatever_the_timing(oldest):
+    """The bound makes a launch wait for the oldest bucket.  Whether that one is still running then is timing, so its
+    error must not surface there: a rank that raised mid-backward would stop after another bucket than its peers, and
+    the ranks would pair different collectives next (seen in CI: gloo's 'Received data size doesn't match')."""
+    import threading
+
+    from minizero.parts.buckets import BucketPipeline
+    params = [nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    comm, gate, launched = _OneThread(), threading.Event(), []
+
+    def overflows():
+        gate.wait()
+        raise FloatingPointError("bucket 0 overflowed")
+
+    def start(index):
+        launched.append(index)
+        return overflows if index == 0 else (lambda: index)
+    pipeline = BucketPipeline(comm, [[p] for p in params], start, max_in_flight=1)
+    with pipeline.round():
+        pipeline.mark(params[0])
+        if oldest == "already failed":
+            gate.set()
+            while not pipeline._works[0].done():
+                time.sleep(0.001)
+        else:  # the launch of bucket 1 waits for bucket 0, which fails while it waits
+            threading.Timer(0.05, gate.set).start()
+        for p in params[1:]:
+            pipeline.mark(p)  # never raises: every bucket is launched on every rank
+        assert launched == [0, 1, 2]
+        with pytest.raises(FloatingPointError, match="bucket 0 overflowed"):
+            pipeline.wait_all()
+    comm._thread.close()

@@ -114,7 +114,9 @@ def test_a_codec_on_the_slow_hop_only(codec):
     row = compare(4, ["hsdp"], exp, timeout_s=120, compress=codec, error_feedback=True)[0]
     assert row.within_tolerance and row.bytes_match, row
     plain = compare(4, ["hsdp"], exp, timeout_s=120)[0]
-    assert row.intra_bytes_per_step == plain.intra_bytes_per_step  # the fast hop: exact, as before
+    # the fast hop: exact, as before -- but for the ranks' agreement on inf/NaN (compress.overflow), a bitmap of 4
+    # floats all-reduced round the ring of 2x2, half of whose links stay inside a node: 2(N-1)/N * 16 B / 2
+    assert row.intra_bytes_per_step == plain.intra_bytes_per_step + 2 * 3 / 4 * 16 / 2
     assert row.inter_bytes_per_step <= plain.inter_bytes_per_step / 2  # (top-k at 1/4: index and value, 8 bytes)
     assert row.max_abs_diff_exact > 0  # it did round: the slow hop's messages are the codec's
 

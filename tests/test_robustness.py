@@ -82,6 +82,50 @@ def test_a_caught_fp16_overflow_skips_one_step_and_training_goes_on(pools, stage
     _assert_same(pools.run(2, _train, stage, options, "overflow"), clean)
 
 
+def _one_element_overflows(me, stage_name, options):
+    """One element of one gradient is inf in the sum: under sharding only its owner decodes it."""
+    model = Branchy()
+    blow_up = torch.ones(model.a.weight.numel(), dtype=torch.float64)
+    blow_up[0] = torch.inf
+    hook = model.a.weight.register_hook(lambda grad: grad * blow_up.reshape(grad.shape))  # before ZeRO-3 reshapes it
+    stage = make_stage(stage_name, model, torch.optim.Adam(model.parameters(), lr=0.01), make_comm("ring"), **options)
+    said = None
+    stage.zero_grad()
+    try:
+        stage(_data(me.rank, 99)).pow(2).mean().backward()
+    except FloatingPointError as error:
+        said = str(error)
+        with pytest.raises(RuntimeError, match="step\\(\\) after a backward that raised"):
+            stage.step()  # a user who goes on regardless is stopped: those gradients hold the inf
+    hook.remove()
+    for s in range(3):
+        stage.zero_grad()
+        stage(_data(me.rank, s)).pow(2).mean().backward()
+        stage.step()
+    return said, _flat(model, stage)
+
+
+@pytest.mark.parametrize("stage, options, world_size", [
+    ("zero1", {}, 2), ("zero1", {"overlap": True, "bucket_mb": 1e-9}, 3), ("zero2", {"bucket_mb": 1e-9}, 2),
+    ("zero2", {}, 3), ("zero3", {}, 2), ("hsdp", {}, 4)])
+@pytest.mark.parametrize("compress", ["fp16", "int8"])
+def test_an_overflow_in_one_ranks_shard_is_refused_on_every_rank(pools, stage, options, world_size, compress):
+    """A reduce-scatter gives each rank only its shard of the sum, so one rank alone sees the inf: the ranks agree
+    before anyone raises (compress.overflow), every rank raises naming that one, and training goes on as if the
+    step had not been tried.  Raising on the owner alone left its peers stepping (gloo: 'Received data size doesn't
+    match expected size').  fp16 and a block-scaled codec: the 16-bit wire and the gathered one."""
+    options = {**options, "compress": compress}
+    results = pools.run(world_size, _one_element_overflows, stage, options)
+    clean = pools.run(world_size, _train, stage, options)
+    for said, _ in results:
+        assert said is not None, "a rank stepped on while another refused"
+        assert "the averaged gradients hold inf/NaN on rank(s) [" in said, said
+        assert "every rank refuses this step together" in said, said
+        named = said.split("rank(s) [")[1].split("]")[0].split(", ")  # the owner (HSDP: each node's replica of it)
+        assert len(named) == (2 if stage == "hsdp" else 1), said
+    _assert_same([flat for _, flat in results], clean)
+
+
 def _two_synchronising_backwards(me, stage_name):
     model = Branchy()
     stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"))

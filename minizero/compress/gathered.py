@@ -22,6 +22,7 @@ import torch
 from ..comm import Comm
 from .codec import Codec
 from .kept import KeepsResiduals
+from .overflow import RefusesNonFinite
 
 
 def stream(rank: int, carried: torch.Tensor) -> torch.Generator:
@@ -40,7 +41,7 @@ def mean_in_rank_order(decoded: list[torch.Tensor]) -> torch.Tensor:
     return total / len(decoded)
 
 
-class GatheredWire(KeepsResiduals):
+class GatheredWire(KeepsResiduals, RefusesNonFinite):
     """A codec's wire, with optional error feedback; a stage passes it as ``wire=`` to its all-reduce."""
 
     def __init__(self, comm: Comm, codec: Codec, error_feedback: bool = False):
@@ -79,10 +80,11 @@ class GatheredWire(KeepsResiduals):
             self.comm.all_gather(received, sent, tag=tag)
         decoded = [self.codec.decode(m.cpu(), size, carried.dtype) for m in received.chunk(n)]
         mean = mean_in_rank_order(decoded)
-        if not bool(torch.isfinite(mean).all()):  # never written into the weights, the residual kept as it was
-            raise FloatingPointError(f"rank {rank}: inf/NaN in the {self.codec.name} wire's mean of "
-                                     f"{(tag.describe() if tag else 'a gradient buffer')}; the weights were not touched")
-        if self.error_feedback:  # what this rank's messages delivered, decoded: the rest is carried
+        finite = bool(torch.isfinite(mean).all())
+        if not finite:  # never written into the weights, the residual kept as it was
+            self.refuse_non_finite(f"rank {rank}: inf/NaN in the {self.codec.name} wire's mean of "
+                                   f"{(tag.describe() if tag else 'a gradient buffer')}; the weights were not touched")
+        if self.error_feedback and finite:  # what this rank's messages delivered, decoded: the rest is carried
             delivered = torch.cat([self.codec.decode(m, size, p.dtype) for m, p in zip(messages, pieces, strict=True)]) \
                 if scatter else decoded[rank]  # (an all-gather brought this rank's own message back: decoded once)
             self.residuals[key] = carried - delivered.to(carried.device)

@@ -22,8 +22,9 @@ the sum -- which is what makes compressed runs reproducible bit for bit by a
 reference that applies the same casts.
 
 An inf or NaN after the reduction raises, naming the gradients; it is never
-written into the weights -- unless fp16 mixed precision's dynamic loss scaling
-is on, which skips that step on every rank instead (:mod:`minizero.parts.precision`).
+written into the weights (on a sharded stage every rank raises together:
+:mod:`.overflow`) -- unless fp16 mixed precision's dynamic loss scaling is on,
+which skips that step on every rank instead (:mod:`minizero.parts.precision`).
 With ``error_feedback`` the rounding error of the cast is kept per buffer and
 added back next time, so no gradient is lost for good.  Under mixed precision
 the same wire carries the 16-bit gradients, and ``reduce_dtype="fp32"`` is a
@@ -94,7 +95,7 @@ class Wire(SummedWire):
         # this bucket overflowed decides, before anything is written, to refuse the step or keep the residual.
         finite = bool(torch.isfinite(wire).all())
         if not finite and self.overflow_raises:  # the step is lost; the carried error is not poisoned
-            raise FloatingPointError(
+            self.refuse_non_finite(
                 f"rank {self.comm.rank}: gradients overflowed {self.wire_dtype} in the reduction "
                 f"(inf/NaN in {where}); the weights were not touched. "
                 f"Lower the loss scale or learning rate, or use compress='bf16' (fp32's range).")

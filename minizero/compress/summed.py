@@ -13,9 +13,10 @@ import torch
 
 from ..comm import ReduceOp, Tag
 from .kept import KeepsResiduals
+from .overflow import RefusesNonFinite
 
 
-class SummedWire(KeepsResiduals):
+class SummedWire(KeepsResiduals, RefusesNonFinite):
     """The average through ``encode`` and ``decode``: the one method the communication layer calls
     (:class:`minizero.comm.wire.WireProtocol`)."""
 

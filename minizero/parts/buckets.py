@@ -106,9 +106,11 @@ class BucketPipeline:
 
     def _launch(self, index: int) -> None:
         if self.max_in_flight is not None:
+            # Wait for the oldest, but let its error surface only in wait_all.  Whether it is still running here
+            # depends on timing, so raising here would stop backward after a different bucket on each rank, and
+            # the ranks would go on to pair different collectives.
             pending = self.in_flight()  # in launch order
-            for oldest in pending[:max(0, len(pending) - self.max_in_flight + 1)]:
-                self._works[oldest].wait()  # an error surfaces here, or in wait_all: the round drains the rest
+            drain([self._works[oldest] for oldest in pending[:max(0, len(pending) - self.max_in_flight + 1)]])
         collective = self._start(index)
         if not callable(collective):  # else the communication thread's "'NoneType' object is not callable"
             raise TypeError(f"rank {self.comm.rank}: launching bucket {index} returned {collective!r}, not a function: "

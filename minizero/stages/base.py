@@ -28,13 +28,12 @@ from ..parts.kept_state import check_keepable
 from ..parts.masters import MasterWeights
 from ..parts.precision import Precision
 from ..parts.rebuilt import follow
-from . import clip, facts, mixed, state
+from . import clip, facts, mixed, state, unused
 from . import options as options_module
 from .facts import GradientMemory, Shards
 from .hooks import refuse_direct_calls
 from .options import PRECISION
 from .unsynchronised import let_go_of_a_failed_backward, refuse_unsynchronised_step
-from .unused import agree_on_use
 from .wrap import check_wrappable, claim, route, route_model
 
 
@@ -164,6 +163,9 @@ class Stage(nn.Module):
     def post_backward(self) -> None:
         """The whole backward has finished, and it synchronises: nothing to average on one device."""
 
+    def agree_on_overflow(self) -> None:
+        """Where ranks decode different pieces of one sum, all raise or none (:mod:`minizero.compress.overflow`)."""
+
     def call_module(self, *args, **kwargs):
         """The wrapped model's forward, as the stage's own (:func:`~minizero.stages.hooks.refuse_direct_calls`)."""
         self._forwarding = True
@@ -189,7 +191,12 @@ class Stage(nn.Module):
 
     def _run_post_backward(self) -> None:
         self._sync_queued = False
-        self.post_backward()
+        try:
+            self.post_backward()
+            self.agree_on_overflow()
+        except BaseException:
+            self._failed_backward = True  # its gradients are partly averaged, or not finite: no step until zero_grad()
+            raise
         self.synchronised += 1
         if self.masters_outside:
             self.master.hand_over()  # the averaged gradients, in fp32, on the masters the user's optimizer steps
@@ -198,16 +205,7 @@ class Stage(nn.Module):
     def tag(self, what: str) -> Tag:  # what a collective is for, and where in training: fingerprinted
         return Tag(what, self.steps_taken, self.backwards, int(self._syncing))
 
-    def used_anywhere(self, params: list[nn.Parameter]) -> set[int]:
-        """Which of ``params`` now have a gradient anywhere -- called after every collective of this
-        backward was issued, so the bitmap queues behind them in the same place on every rank."""
-        used = [id(p) in self._used for p in params]
-        self._used.clear()
-        if self.find_unused_parameters:
-            used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
-        anywhere = {id(p) for p, u in zip(params, used, strict=True) if u}
-        self._has_grad.update(anywhere)
-        return anywhere
+    used_anywhere = unused.used_anywhere  # which parameters have a gradient on some rank (minizero.stages.unused)
 
     @contextmanager
     def no_sync(self):

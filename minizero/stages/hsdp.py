@@ -50,6 +50,11 @@ class HSDP(ZeRO3):
         reduce_dtype = self.precision.reduce_dtype
         self.node_wire = Wire(self.shard_comm, REDUCE_DTYPES[reduce_dtype], overflow_raises=not self.precision.scaled) \
             if reduce_dtype is not None else None
+        if self.node_wire is not None:
+            self.node_wire.defer_overflow = True
+
+    def wires(self) -> list:
+        return super().wires() + ([self.node_wire] if self.node_wire is not None else [])
 
     @classmethod
     def check_combination(cls, wire=None, precision=None, **others) -> None:

@@ -28,9 +28,10 @@ def refuse_unsynchronised_step(stage) -> None:
         return
     if stage._failed_backward:
         raise RuntimeError(
-            f"rank {stage.rank}: step() after a backward that raised part-way: its gradients were only partly "
-            f"averaged across ranks (the buckets launched before the error), so stepping on them would let the "
-            f"replicas drift apart. Call zero_grad() and run the step's forward and backward again.")
+            f"rank {stage.rank}: step() after a backward that raised part-way or at its end: its gradients were "
+            f"only partly averaged across ranks (the buckets launched before the error), or hold an inf/NaN, so "
+            f"stepping on them would let the replicas drift apart. Call zero_grad() and run the step's forward and "
+            f"backward again.")
     if stage._local_grads:
         raise RuntimeError(
             f"rank {stage.rank}: step() after backward passes inside no_sync() only: those gradients were "

@@ -90,6 +90,8 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
     sent = sum(r.sent_bytes for r in results) / (len(results) * exp.steps)
     sent_formula = cls.sent_bytes_per_step(first.psi, world_size, first.grad_bytes, first.param_bytes, **options)
     busiest = getattr(cls, "busiest_sent_bytes_per_step", cls.sent_bytes_per_step)  # torch's oracles state none
+    flag = cls.overflow_flag_bytes(world_size, exp.options.get("compress"), precision_of(exp)) \
+        if hasattr(cls, "overflow_flag_bytes") else 0.0  # a sharded stage's wire: the ranks agree on inf/NaN
     if first.wire_sent_bytes_per_step is not None or first.weight_sent_bytes_per_step is not None:
         # a codec's or PowerSGD's wire (the gradients), or quantized weights (ZeRO-3's gathers): their formulas on
         # the stage's own buffers; the other part of the traffic, the stage's own formula for it
@@ -99,7 +101,9 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
         if params is None:
             params = cls.sent_bytes_per_step(first.psi, world_size, 0, first.param_bytes, **options)
         sent_formula = grads + params
-        busiest = lambda *args, **kwargs: sent_formula  # noqa: E731  (every rank sends alike)
+        busiest = lambda *args, **kwargs: grads + params  # noqa: E731  (every rank sends alike)
+    sent_formula += flag
+    busiest_formula = busiest(first.psi, world_size, first.grad_bytes, first.param_bytes, **options) + flag
     state = max(r.held_bytes["total"] for r in results)
     formula_args = (element_size(exp), STATE_TENSORS[exp.optimizer])  # masters' bytes and states per parameter
     state_formula = cls.state_bytes(first.psi, world_size, *formula_args, **options)
@@ -111,7 +115,7 @@ def summarise(stage: str, results: list, reference, exp: Experiment, world_size:
         within_tolerance=verdict.ok and len(skipped) == 1, equivalent=getattr(cls, "equivalent", True),
         nonfinite=verdict.nonfinite, sent_bytes_per_step=sent, sent_bytes_formula=sent_formula,
         busiest_sent_bytes_per_step=max(r.sent_bytes for r in results) / exp.steps,
-        busiest_sent_bytes_formula=busiest(first.psi, world_size, first.grad_bytes, first.param_bytes, **options),
+        busiest_sent_bytes_formula=busiest_formula,
         bytes_match=agrees(sent, sent_formula),
         check_bytes_per_step=sum(r.check_bytes for r in results) / (len(results) * exp.steps),
         state_bytes=state, state_bytes_formula=state_formula, memory_match=agrees(state, state_formula),
