@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm, ReduceOp, Tag
+from ..costs.formulas import all_reduce_bytes
+from ..parts.precision import Precision
 
 
 class RefusesNonFinite:
@@ -36,6 +38,22 @@ class RefusesNonFinite:
         """What this rank noted since it was last asked, forgotten as it is handed over."""
         found, self.found = getattr(self, "found", []), []
         return found
+
+
+def defer(wires: list) -> list:
+    """The wires of ``wires`` (None: no wire) set to note an inf for the agreement instead of raising alone."""
+    for wire in (w for w in wires if w is not None):
+        wire.defer_overflow = True
+    return [w for w in wires if w is not None]
+
+
+def flag_bytes(world_size: int, compress=None, precision=None) -> float:
+    """What one agreement sends per rank, beside the paper's formula: a bitmap of N floats all-reduced, once per
+    synchronising backward, wherever a wire may refuse an inf (compression, or a reduce_dtype without loss
+    scaling).  ``compare`` adds it to a sharded stage's formula."""
+    precision = Precision.of(precision)
+    refuses = compress not in (None, "none") or precision.reduce_dtype is not None
+    return all_reduce_bytes(4 * world_size, world_size) if refuses and not precision.scaled else 0.0
 
 
 def agree_on_overflow(comm: Comm, wires: list, tag: Tag) -> None:

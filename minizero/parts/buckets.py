@@ -106,9 +106,8 @@ class BucketPipeline:
 
     def _launch(self, index: int) -> None:
         if self.max_in_flight is not None:
-            # Wait for the oldest, but let its error surface only in wait_all.  Whether it is still running here
-            # depends on timing, so raising here would stop backward after a different bucket on each rank, and
-            # the ranks would go on to pair different collectives.
+            # Its error surfaces in wait_all, not here: whether it is still running is timing, so raising here would
+            # stop backward after another bucket on each rank, and the ranks would pair different collectives next.
             pending = self.in_flight()  # in launch order
             drain([self._works[oldest] for oldest in pending[:max(0, len(pending) - self.max_in_flight + 1)]])
         collective = self._start(index)

@@ -12,9 +12,9 @@ itself, so a learner can diff any two.  The lifecycle, named as FSDP2 names it:
   finalises.  Inside ``no_sync()`` nothing is queued;
 * :meth:`Stage.step` and :meth:`Stage.zero_grad` -- the optimizer's.
 
-Each stage writes its own hooks, with its collectives, in its own file; its facts (what it shards, the bytes it
-sends, the state it keeps, its options) are class attributes the course reads.  Every collective carries a
-:class:`~minizero.comm.Tag`, so with fingerprint checking on, ranks that disagree stop before they pair tensors.
+Each stage writes its own hooks and collectives in its own file; its facts (what it shards, sends, keeps, takes)
+are class attributes the course reads.  Every collective carries a :class:`~minizero.comm.Tag`, so with
+fingerprint checking on, ranks that disagree stop before they pair tensors.
 """
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ from ..parts.kept_state import check_keepable
 from ..parts.masters import MasterWeights
 from ..parts.precision import Precision
 from ..parts.rebuilt import follow
-from . import clip, facts, mixed, state, unused
+from . import clip, facts, mixed, state
 from . import options as options_module
 from .facts import GradientMemory, Shards
 from .hooks import refuse_direct_calls
 from .options import PRECISION
-from .unsynchronised import let_go_of_a_failed_backward, refuse_unsynchronised_step
+from .unsynchronised import let_go_of_a_failed_backward, no_optimizer_error, refuse_unsynchronised_step
+from .unused import agree_on_use
 from .wrap import check_wrappable, claim, route, route_model
 
 
@@ -183,8 +184,7 @@ class Stage(nn.Module):
                 self._sync_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._run_post_backward)
 
-        tensors = output if isinstance(output, (tuple, list)) else [output]
-        for tensor in tensors:
+        for tensor in output if isinstance(output, (tuple, list)) else [output]:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(on_backward)
                 return
@@ -205,7 +205,16 @@ class Stage(nn.Module):
     def tag(self, what: str) -> Tag:  # what a collective is for, and where in training: fingerprinted
         return Tag(what, self.steps_taken, self.backwards, int(self._syncing))
 
-    used_anywhere = unused.used_anywhere  # which parameters have a gradient on some rank (minizero.stages.unused)
+    def used_anywhere(self, params: list[nn.Parameter]) -> set[int]:
+        """Which of ``params`` now have a gradient anywhere -- called after every collective of this
+        backward was issued, so the bitmap queues behind them in the same place on every rank."""
+        used = [id(p) in self._used for p in params]
+        self._used.clear()
+        if self.find_unused_parameters:
+            used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
+        anywhere = {id(p) for p, u in zip(params, used, strict=True) if u}
+        self._has_grad.update(anywhere)
+        return anywhere
 
     @contextmanager
     def no_sync(self):
@@ -263,21 +272,16 @@ class Stage(nn.Module):
 
     def _require_optimizer(self, what: str) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            raise RuntimeError(
-                f"rank {self.rank}: stage.{what}() needs the optimizer the stage was wrapped with, and this one was "
-                f"wrapped without. Call {what}() on the optimizer you built over stage.parameters(), or pass yours "
-                f"to make_stage(name, model, optimizer, comm).")
+            raise no_optimizer_error(self.rank, what)
         return self.optimizer
 
-    def trainable(self) -> list[tuple[str, nn.Parameter]]:
-        """Named trainable parameters, tied ones once, in registration order."""
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:  # tied ones once, in registration order
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
     clip_grad_norm_ = clip.clip_grad_norm_
 
     def add_observer(self, observer) -> None:
-        """Instrumentation outside the algorithm: ``observer(event, nbytes, source)`` hears of memory a stage
-        takes and gives back while it computes (ZeRO-3's gathered parameters, by unit).  Most stages have none."""
+        """``observer(event, nbytes, source)`` hears of memory taken and given back in a step (ZeRO-3's gathers)."""
 
     # ------------------------------------------------------------------ state dicts (minizero.stages.state)
     check_checkpointable = classmethod(state.check_checkpointable)

@@ -27,7 +27,7 @@ import torch
 
 from ..comm import Comm, Nodes, ReduceOp
 from ..comm.nodes import assumed_nodes
-from ..compress import PowerSGD, Wire, WirePolicy
+from ..compress import PowerSGD, Wire, WirePolicy, overflow
 from ..compress import parse as parse_compress
 from ..costs.formulas import all_reduce_bytes
 from ..parts.precision import REDUCE_DTYPES
@@ -50,11 +50,7 @@ class HSDP(ZeRO3):
         reduce_dtype = self.precision.reduce_dtype
         self.node_wire = Wire(self.shard_comm, REDUCE_DTYPES[reduce_dtype], overflow_raises=not self.precision.scaled) \
             if reduce_dtype is not None else None
-        if self.node_wire is not None:
-            self.node_wire.defer_overflow = True
-
-    def wires(self) -> list:
-        return super().wires() + ([self.node_wire] if self.node_wire is not None else [])
+        self.deferring += overflow.defer([self.node_wire])
 
     @classmethod
     def check_combination(cls, wire=None, precision=None, **others) -> None:

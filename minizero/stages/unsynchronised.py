@@ -40,3 +40,10 @@ def refuse_unsynchronised_step(stage) -> None:
             + (" -- synchronisation is still off (require_backward_grad_sync is False) outside any no_sync() "
                "block: a no_sync() that does not put back the value it found leaves it so"
                if not stage.require_backward_grad_sync else "") + ".")
+
+
+def no_optimizer_error(rank: int, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"rank {rank}: stage.{what}() needs the optimizer the stage was wrapped with, and this one was wrapped "
+        f"without. Call {what}() on the optimizer you built over stage.parameters(), or pass yours to "
+        f"make_stage(name, model, optimizer, comm).")

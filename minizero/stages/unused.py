@@ -8,7 +8,6 @@ that did not use them: the gradient single-device training computes), the rest a
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..comm import Comm, ReduceOp, Tag
 
@@ -27,18 +26,6 @@ def unused_error(rank: int, names: list[str], why: str) -> RuntimeError:
         f"rank {rank}: parameter(s) {names} got no gradient in this backward; {why}. If parameters may go unused "
         f"(on some ranks or in some steps), wrap with find_unused_parameters=True: ranks then agree every step on "
         f"which parameters got a gradient anywhere. If they are never trained, freeze them with requires_grad_(False).")
-
-
-def used_anywhere(self, params: list[nn.Parameter]) -> set[int]:
-    """Which of ``params`` now have a gradient anywhere -- called after every collective of this
-    backward was issued, so the bitmap queues behind them in the same place on every rank."""
-    used = [id(p) in self._used for p in params]
-    self._used.clear()
-    if self.find_unused_parameters:
-        used = agree_on_use(self.comm, used, self.tag("used-parameter bitmap"))
-    anywhere = {id(p) for p, u in zip(params, used, strict=True) if u}
-    self._has_grad.update(anywhere)
-    return anywhere
 
 
 def used_after_backward(self) -> set[int]:

@@ -19,9 +19,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..compress import WirePolicy, make_wire
-from ..compress.overflow import agree_on_overflow
-from ..costs.formulas import all_reduce_bytes
+from ..compress import WirePolicy, make_wire, overflow
 from ..parts.grad_buffers import FullGradients
 from ..parts.layout import FlatGroup
 from ..parts.offload import HostCopies, OffloadPolicy
@@ -56,8 +54,7 @@ class ZeRO(Stage):
         # The wire rides the collective the stage averages with -- HSDP's: the all-reduce across its replicas
         self.wire = make_wire(self.replica_comm or comm, wire, self.trainable(), self.precision,
                               averages_with=self.averages_with)
-        if self.wire is not None:  # each rank decodes its own shard of the sum: an inf is agreed on, not raised alone
-            self.wire.defer_overflow = True
+        self.deferring = overflow.defer([self.wire])  # each rank decodes its shard of the sum: an inf is agreed on
         check_same_model(module, comm)
         broadcast_module(module, comm)
         self.user_optimizer = optimizer
@@ -122,21 +119,8 @@ class ZeRO(Stage):
 
     def agree_on_overflow(self) -> None:
         """Each rank decoded only its shard of the sum: every rank refuses an inf or NaN together."""
-        wires = [wire for wire in self.wires() if wire.overflow_raises]
-        if wires:
-            agree_on_overflow(self.comm, wires, self.tag("overflow flag"))
-
-    @classmethod
-    def overflow_flag_bytes(cls, world_size: int, compress=None, precision=None) -> float:
-        """What :meth:`agree_on_overflow` adds per synchronising backward, beside the paper's formula: a bitmap of N
-        floats all-reduced, wherever a wire may refuse an inf (compression, or a reduce_dtype without loss scaling)."""
-        precision = Precision.of(precision)
-        refuses = compress not in (None, "none") or precision.reduce_dtype is not None
-        return all_reduce_bytes(4 * world_size, world_size) if refuses and not precision.scaled else 0.0
-
-    def wires(self) -> list:
-        """The wires this stage averages over (HSDP adds the one inside its nodes)."""
-        return [self.wire] if self.wire is not None else []
+        if any(wire.overflow_raises for wire in self.deferring):
+            overflow.agree_on_overflow(self.comm, self.deferring, self.tag("overflow flag"))
 
     # ------------------------------------------------------------ after the step (minizero.stages.sharing)
     stepped_groups = sharing.stepped_groups

@@ -34,9 +34,9 @@ from .loading import Impl
 from .property_table import PROPERTIES
 from .raised import Raised
 from .ranks import gloo_words, import_file, lab_experiment, stderr_to
+from .report import SHRINK_S, Report, format_failure
 from .verdicts import died, raised_at_import, stopped
 
-SHRINK_S = 20.0  # at most this long shrinking a failure: each example is a distributed run
 DEADLINE_S = 30.0  # a rank this long in no collective is stopped: the checker's examples take well under a second
 
 
@@ -231,23 +231,6 @@ class Checker:
         return None
 
 
-@dataclass
-class Report:
-    lab: str
-    impl: str
-    passed: list[str]
-    failed: str | None = None  # the property
-    why: str = ""
-    case: str = ""
-    mistake: str | None = None
-    final: bool = False  # the ranks were stopped or died: the case is the first that did it, not shrunk
-    shrink_s: float = SHRINK_S  # how long shrinking was allowed
-
-    @property
-    def ok(self) -> bool:
-        return self.failed is None
-
-
 def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = None, out=print,
           shrink_s: float = SHRINK_S, precision: str = "fp32", deadline_s: float = DEADLINE_S) -> Report:
     """Judge ``impl`` -- a file, a class, or None for the package's own (the answer key) -- by lab ``lab``'s
@@ -295,20 +278,3 @@ def check(lab: str, impl=None, examples: int = 25, pools: RankPools | None = Non
     finally:
         if own:
             pools.close()
-
-
-def format_failure(report: Report) -> str:
-    """What went wrong first -- the parameter, the rank, the step and the direction, or where a rank stopped --
-    then the known mistake it matches, then the case it happened on."""
-    lines = [f"  FAIL  {report.failed}", f"        what went wrong: {report.why}"]
-    if report.mistake:
-        lines.append(f"        a known mistake gives exactly these numbers: {report.mistake}")
-    if report.case:
-        lines.append(f"        {'failing case (not shrunk: the ranks were stopped)' if report.final else 'smallest failing case'}:"
-                     f" {report.case}")
-    if report.final:
-        lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it).")
-    else:
-        lines.append(f"lab {report.lab}: {report.failed} fails (the examples are derandomized: the same run replays it; "
-                     f"shrinking stops after {report.shrink_s:g} s: the smallest case found by then).")
-    return "\n".join(lines)

@@ -29,7 +29,7 @@ from .loading import Impl
 from .mistakes_hierarchical import HIERARCHICAL_MISTAKES
 from .properties import PROPERTIES as SUITE
 from .raised import Raised
-from .yours import RanAnother, learners_methods, never_called
+from .yours_hierarchical import yours
 
 #: Every node shape of up to four ranks, by world size: a failure shrinks towards one node of one rank.
 SHAPES = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (1, 4), (2, 2), (4, 1))
@@ -262,44 +262,6 @@ def named(checker, drawn: tuple, rounds: list | None = None) -> str | None:
         yours = outcome(checker.impl, at)
         matching = [m for m in matching if gives(m, at, yours)]
     return matching[0].mistake if len(matching) == 1 else None
-
-
-# ------------------------------------------------------------------ yours
-def yours_on_rank(me: Rank, impl: Impl) -> list[str] | Raised | None:
-    """:func:`minizero.course.labs.ranks.yours_run` for a Comm on nodes (no stage needs to train over it): the lab's method
-    defined in the learner's file, and called by an all-reduce."""
-    try:
-        mine, problems = learners_methods(impl)
-        if problems:
-            return problems
-
-        def one_all_reduce():
-            comm = impl.cls()(None, False, parse_network("nodes=2x1"))
-            try:
-                comm.all_reduce(torch.ones(4), ReduceOp.SUM)
-            finally:
-                comm.close()
-
-        never = never_called(impl, mine, one_all_reduce)
-        if never:
-            return [f"your {', '.join(never)} is never called by an all_reduce: is your Hierarchical the class your "
-                    f"file defines last?"]
-        return never
-    except RanAnother as another:  # a blank copy of the learner's own method ran
-        return [str(another)]
-    except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
-        return Raised.now(me.rank, error, impl.path)
-
-
-def yours(checker) -> str:
-    if checker.impl.path is None:
-        return "the package's own class (the answer key)"
-    problems = checker.on_ranks(2, yours_on_rank, checker.impl)[0]
-    if problems:
-        raise Failed("; ".join(problems), final=True)
-    if problems is None:  # the all-reduce raised: the next property shows where, on the smallest case
-        return f"{', '.join(checker.lab.todo)}: written in your file (an all-reduce raised before it returned)"
-    return f"{', '.join(checker.lab.todo)}: yours, called by an all-reduce on 2 nodes"
 
 
 PROPERTIES = {
