@@ -133,3 +133,19 @@ def sixteen_bit_checks_each_ranks_values(self, flat, key=None):
         raise FloatingPointError(f"rank {self.comm.rank}: gradients overflowed {self.wire_dtype} in the reduction")
     self.overflow_raises = False  # ... and the sum is not looked at again
     return wire
+
+
+def raises_alone(wires: list) -> list:
+    """``compress.overflow.defer`` as if it were never written: nothing deferred, nothing agreed on -- each rank
+    raises on its own shard's inf, alone."""
+    return []
+
+
+def launch_raises_the_oldest(self, index: int) -> None:
+    """``BucketPipeline._launch`` as it was: the oldest bucket waited for with its error, mid-backward -- on some
+    ranks (where it was still running), not on others."""
+    if self.max_in_flight is not None:
+        pending = self.in_flight()
+        for oldest in pending[:max(0, len(pending) - self.max_in_flight + 1)]:
+            self._works[oldest].wait()
+    self._works[index] = self.comm.submit(self._start(index))

@@ -171,6 +171,14 @@ MUTANTS: dict[str, Mutant] = {
     "fp16 wire: overflow checked on each rank's values, not the sum": Mutant(
         "minizero.compress.sixteen_bit:Wire.encode", broken_comm.sixteen_bit_checks_each_ranks_values,
         test_catch("test_compression", "test_an_overflow_that_exists_only_in_the_sum_is_refused")),
+    # an inf only one rank sees: its shard of a reduce-scatter (issue 46)
+    "sharded wire: an inf in one rank's shard raised by that rank alone": Mutant(
+        "minizero.compress.overflow:defer", broken_comm.raises_alone,
+        test_catch("test_robustness", "test_an_overflow_in_one_ranks_shard_is_refused_on_every_rank", "zero2",
+                   {"bucket_mb": 1e-9}, 2, "fp16")),
+    "buckets: a failed bucket raised mid-backward, where the launch waited for it": Mutant(
+        "minizero.parts.buckets:BucketPipeline._launch", broken_comm.launch_raises_the_oldest,
+        test_catch("test_bucketed", "test_a_failed_bucket_surfaces_in_wait_all_whatever_the_timing", "still running")),
     # DiLoCo against a one-process replay of the paper's update (issue 46)
     "diloco: heavy-ball outer momentum, not Nesterov's": Mutant(
         "minizero.stages.local_sgd:LocalSGD.average", broken_training.diloco_heavy_ball,
