@@ -138,3 +138,42 @@ def test_a_rank_killed_by_a_signal_leaves_its_stack_in_the_error_not_on_the_term
     assert "rank 1 died with exit code -6" in message and "Its Python stack when it died" in message, message
     assert "_abort_on_rank_1" in message, message
     assert "Fatal Python error" not in capfd.readouterr().err
+
+
+def _encode_breaks_on_rank_1(me, stage_name: str, compress: str) -> None:
+    """A small model trained two steps; rank 1's wire raises in its third encode -- on the communication thread,
+    before that bucket's collective, which its peers are already inside."""
+    import torch
+
+    from minizero.comm import make_comm
+    from minizero.course.harness.models import MLP
+    from minizero.stages import make_stage
+    model = MLP((4, 8, 8, 2), seed=0, dtype=torch.float32)
+    stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring"),
+                       compress=compress, bucket_mb=1e-9)
+    if me.rank == FAULTY_RANK:
+        coder = getattr(stage.wire, "codec", stage.wire)  # a codec's, or the 16-bit wire's own
+        encode, calls = coder.encode, []
+
+        def breaks(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise ValueError("rank 1's encode broke")
+            return encode(*args, **kwargs)
+        coder.encode = breaks
+    for step in range(2):
+        stage.zero_grad()
+        stage(torch.ones(4, 4) * (me.rank + step)).pow(2).mean().backward()
+        stage.step()
+
+
+@pytest.mark.parametrize("stage, compress", [("zero2", "topk:0.5"), ("zero2", "fp16"), ("ddp-bucketed", "int8")])
+def test_a_wire_that_raises_on_one_rank_ends_the_run_naming_that_rank_and_its_error(stage, compress):
+    """Once, the raising rank's next bucket paired with its peer's pending one (gloo: "Received data size doesn't
+    match expected size", the process aborted, the error lost; or rank 0 blamed).  Its Comm now takes no more
+    collectives after a wire's steps failed part-way, so the error it raised is the one reported."""
+    with RankPool(2, timeout_s=TIMEOUT_S) as pool:
+        with pytest.raises(RankError) as info:
+            pool.run(_encode_breaks_on_rank_1, stage, compress)
+    assert "rank 1 raised:" in str(info.value) and info.value.rank == FAULTY_RANK, str(info.value)
+    assert "ValueError: rank 1's encode broke" in info.value.remote_traceback, info.value.remote_traceback

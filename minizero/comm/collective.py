@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from .fingerprint import DTYPES, Tag
+from .fingerprint import DTYPES, CollectiveMismatch, Tag
 from .wire import WireProtocol
 
 
@@ -94,11 +94,25 @@ def collective(kind: str):
 
 
 def _over_wire(comm, run, kind: str, arguments: dict, wire: WireProtocol, key, tag: Tag | None, layout) -> None:
-    """An average over a wire: the wire's own business, whatever it is (:mod:`.wire`)."""
+    """An average over a wire: the wire's own business, whatever it is (:mod:`.wire`).
+
+    The wire's steps -- encode, its collectives, decode -- are one call to the peers: an error on this rank between
+    them (an encode that raised, say) leaves its peers inside a collective this rank skipped, and this rank's next
+    collective would pair with theirs.  So, as for a collective that failed part-way, the Comm takes no more.  A
+    ``FloatingPointError`` is the wire refusing a mean every rank holds alike -- raised on every rank at the same
+    call, still in step -- and stays recoverable."""
     arguments = {k: v for k, v in arguments.items() if k != "self"}
     if arguments.get("op") is not ReduceOp.AVG:
         raise ValueError(f"rank {comm.rank}: a {kind} over a wire averages: pass op=ReduceOp.AVG")
-    wire.average(comm, run, kind, arguments, key, tag, layout)
+    try:
+        wire.average(comm, run, kind, arguments, key, tag, layout)
+    except (FloatingPointError, CollectiveMismatch):
+        raise
+    except BaseException as error:
+        if comm._failed is None:
+            comm._failed = (f"the {kind} over a wire for {(tag or Tag()).describe()} failed part-way "
+                            f"({type(error).__name__}: {error})")
+        raise
 
 
 def _tensors(arguments: dict) -> list[torch.Tensor]:

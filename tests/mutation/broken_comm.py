@@ -149,3 +149,10 @@ def launch_raises_the_oldest(self, index: int) -> None:
         for oldest in pending[:max(0, len(pending) - self.max_in_flight + 1)]:
             self._works[oldest].wait()
     self._works[index] = self.comm.submit(self._start(index))
+
+
+def over_wire_goes_on(comm, run, kind, arguments, wire, key, tag, layout) -> None:
+    """``comm.collective._over_wire`` as it was: a wire's steps that failed part-way leave the Comm taking more,
+    so the raising rank's next collective pairs with its peers' pending one."""
+    arguments = {k: v for k, v in arguments.items() if k != "self"}
+    wire.average(comm, run, kind, arguments, key, tag, layout)

@@ -176,6 +176,10 @@ MUTANTS: dict[str, Mutant] = {
         "minizero.compress.overflow:defer", broken_comm.raises_alone,
         test_catch("test_robustness", "test_an_overflow_in_one_ranks_shard_is_refused_on_every_rank", "zero2",
                    {"bucket_mb": 1e-9}, 2, "fp16")),
+    "wire: goes on after its steps failed part-way": Mutant(
+        "minizero.comm.collective:_over_wire", broken_comm.over_wire_goes_on,
+        test_catch("test_faults", "test_a_wire_that_raises_on_one_rank_ends_the_run_naming_that_rank_and_its_error",
+                   "zero2", "topk:0.5")),
     "buckets: a failed bucket raised mid-backward, where the launch waited for it": Mutant(
         "minizero.parts.buckets:BucketPipeline._launch", broken_comm.launch_raises_the_oldest,
         test_catch("test_bucketed", "test_a_failed_bucket_surfaces_in_wait_all_whatever_the_timing", "still running")),
