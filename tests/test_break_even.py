@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minizero.comm.network import Network
+from minizero.compress.overflow import flag_bytes
 from minizero.course.commands.break_even import break_even, compute_s, gpt_shapes, pays_on, table, wire_terms
 from minizero.course.harness.experiment import Experiment, run_experiment
 from minizero.course.harness.tasks import TASKS
@@ -30,10 +31,13 @@ def test_the_bytes_formula_is_what_the_ledger_counts(pools, spec, world_size, st
     results = pools.run(world_size, run_experiment, exp)
     model = TASKS["gpt"].make_model(0, torch.float32, **exp.model)
     shapes = [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad]
-    gradients = [k for k in ("all_reduce", "reduce_scatter", "all_to_all") + (("all_gather",) if stage == "ddp" else ())]
+    gradients = ("all_reduce", "all_gather") if stage == "ddp" else ("reduce_scatter", "all_to_all")
     counted = sum(r.sent_by_kind.get(k, 0) for r in results for k in gradients) / world_size / exp.steps
     via = "all_reduce" if stage == "ddp" else "reduce_scatter"
     assert counted == pytest.approx(wire_terms(spec, shapes, world_size, NET, via)[2], rel=2e-3)  # (ZeRO's padding)
+    if stage == "zero1":  # its all-reduce: the ranks' agreement on an inf only one shard holds (compress.overflow)
+        agreed = sum(r.sent_by_kind.get("all_reduce", 0) for r in results) / world_size / exp.steps
+        assert agreed == flag_bytes(world_size, None if spec == "none" else spec), agreed
 
 
 def _seconds(terms, network: Network, compute: float = 0.0) -> float:

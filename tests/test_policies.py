@@ -138,4 +138,7 @@ def test_policies_and_option_names_build_the_same_stage(pools):
         assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True)) and a[1] == b[1]
         assert a[2:] == b[2:] == (True, True)  # error feedback on, the optimizer offloaded: the fields arrived
     assert [r[2:] for r in shorthand] == [(False, True)] * 3  # "int8" alone: no error feedback
-    assert set(policies[0][1]) == {"all_to_all", "all_gather"}, policies[0][1]  # qgZ; the step's gather
+    # qgZ; the step's gather; and the ranks' agreement on an inf only one shard holds (compress.overflow): one
+    # bitmap of 3 floats all-reduced per step, 2(N-1)/N x 12 bytes on each rank
+    assert set(policies[0][1]) == {"all_to_all", "all_gather", "all_reduce"}, policies[0][1]
+    assert policies[0][1]["all_reduce"] == 2 * 2 * (3 - 1) / 3 * 12, policies[0][1]

@@ -21,8 +21,6 @@ import time
 import weakref
 from dataclasses import dataclass, field, replace
 
-from hypothesis import HealthCheck, Phase, given, reporting, settings
-
 from ...parts.precision import Precision
 from ...run.launch import RankError
 from ...run.pools import RankPools
@@ -35,6 +33,7 @@ from .property_table import PROPERTIES
 from .raised import Raised
 from .ranks import gloo_words, import_file, lab_experiment, stderr_to
 from .report import SHRINK_S, Report, format_failure
+from .search import search
 from .verdicts import died, raised_at_import, stopped
 
 DEADLINE_S = 30.0  # a rank this long in no collective is stopped: the checker's examples take well under a second
@@ -43,10 +42,6 @@ DEADLINE_S = 30.0  # a rank this long in no collective is stopped: the checker's
 #: The package's own runs (the answer key's, a known mistake's) by case, per set of pools.  They do not depend on the
 #: file being checked, so a suite judging many files by one lab on the same pools runs each once (:meth:`Checker.package`).
 _PACKAGE_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class _Falsified(Exception):
-    """Raised from one line only: hypothesis then sees one bug, not several, and shrinks it."""
 
 
 @dataclass
@@ -150,41 +145,7 @@ class Checker:
 
     def search(self, strategy, examine, describe) -> None:
         """Draw examples until ``examine(drawn)`` returns ``(why, results)``; shrink; raise :class:`Failed`."""
-        best: dict = {}
-
-        @settings(max_examples=self.examples, derandomize=True, database=None, deadline=None, print_blob=False,
-                  report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
-                  phases=[Phase.explicit, Phase.generate, Phase.shrink])
-        @given(drawn=strategy)
-        def prop(drawn):
-            key = repr(drawn)
-            if best.get("final"):  # the ranks were stopped or died: no replay, nothing to shrink
-                if key == best["key"]:
-                    raise _Falsified(best["why"])
-                return
-            if best and time.monotonic() > best["until"] and key != best["key"]:
-                return  # shrinking's time is spent: only the smallest failure so far is replayed
-            try:
-                found = examine(drawn)
-            except Failed as failed:
-                found = (failed.why, None)
-                best["final"] = failed.final
-            if found is not None:
-                until = best.get("until", time.monotonic() + self.shrink_s)
-                best.update(key=key, drawn=drawn, why=found[0], results=found[1], until=until)
-                raise _Falsified(found[0])
-
-        with reporting.with_reporter(lambda *_: None):
-            try:
-                prop()
-            except Exception:  # noqa: BLE001 -- _Falsified, or hypothesis's own verdict on a flaky failure
-                if not best:
-                    raise
-        if best:
-            drawn = best["drawn"]
-            case = describe(*drawn)
-            mistake = self.diagnose(*drawn, best["results"]) if best["results"] is not None else None
-            raise Failed(best["why"], case, mistake, final=best.get("final", False))
+        search(strategy, examine, describe, self.examples, self.shrink_s, self.diagnose)
 
     # ------------------------------------------------------------ naming the mistake
     def diagnose(self, exp, world_size: int, results) -> str | None:

@@ -1,0 +1,61 @@
+"""Someone's wrapper behind minizero's stage interface, so the one training loop -- and so the whole property
+suite -- drives it as it drives every stage and torch's own (:mod:`minizero.course.harness.oracle`)."""
+from __future__ import annotations
+
+import torch
+
+from ...parts.rebuilt import rebuild
+from ..harness.oracle import TorchStage
+from .convention import call_factory, load_factory
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (FSDP2's parameters); any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class Yours(TorchStage):
+    """The stage ``verify`` runs: built on every rank by the factory ``factory`` names (``"path.py:name"``)."""
+
+    name = "yours"
+
+    def __init__(self, module, optimizer, comm=None, factory: str = "", **_):
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.wrapped = call_factory(load_factory(factory), module, torch.distributed.group.WORLD)
+        self.model = module  # as the factory left it: FSDP2 shards its parameters in place, DDP holds it
+        if self.wrapped.optimizer is not None:
+            optimizer = self.wrapped.optimizer(optimizer)
+        elif any(id(p) not in names for p in module.parameters()):  # replaced (DTensors): rebuilt by name
+            new = dict(module.named_parameters())
+            optimizer = rebuild(type(optimizer), optimizer.defaults, optimizer.param_groups,
+                                [[new[names[id(p)]] for p in g["params"]] for g in optimizer.param_groups])
+        super().__init__(self.wrapped.module, optimizer)
+        self._finished = False
+
+    def no_sync(self):
+        if self.wrapped.no_sync is None:
+            raise RuntimeError("this wrapper has no way to accumulate without synchronising (no no_sync(), no "
+                               "set_requires_gradient_sync): verify draws K = 1 for it")
+        return self.wrapped.no_sync()
+
+    def _finish(self) -> None:
+        """The wrapper's ``before_step``, once a step, before anything reads the gradients (clipping does first)."""
+        if self.wrapped.before_step is not None and not self._finished:
+            self.wrapped.before_step()
+        self._finished = True
+
+    def step(self):
+        self._finish()
+        super().step()
+        self._finished = False
+
+    def full_state_dict(self) -> dict:
+        if self.wrapped.full_parameters is not None:
+            return {n: t.detach().clone() for n, t in self.wrapped.full_parameters().items()}
+        return {n: full(p).detach().clone() for n, p in self.model.named_parameters()}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self._finish()
+        if self.wrapped.clip_grad_norm is not None:
+            return full(self.wrapped.clip_grad_norm(max_norm, norm_type))
+        return full(torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), max_norm, norm_type))

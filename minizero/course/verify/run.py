@@ -1,0 +1,148 @@
+"""``verify``: the property suite's equivalence search, run on a factory's wrapper instead of a stage.
+
+The same drawn experiments as the suite and the labs (:func:`minizero.course.harness.drawn.experiments`: world
+sizes 1-4 with 3 among them, uneven batches and empty ranks, K micro-batches, tied parameters, two param groups,
+SGD to AdamW, float64 and float32, clipping on both sides of the norm), each run on a pool of ranks through the
+one training loop and judged against single-device training by the suite's rule
+(:func:`~minizero.course.harness.equivalence.judge`); the first failure is shrunk by the same search
+(:mod:`minizero.course.labs.search`) and told as the labs tell it -- parameter, rank, step, direction.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, replace
+
+import torch
+
+from ...run.launch import RankError
+from ...run.pools import RankPools
+from ...stages import STAGES as PACKAGE_STAGES
+from ..harness.diagnosis import what_is_wrong
+from ..harness.drawn import experiments
+from ..harness.experiment import Experiment, reference_of, run_experiment
+from ..labs.failed import Failed, describe
+from ..labs.raised import Raised
+from ..labs.ranks import gloo_words, stderr_to
+from ..labs.search import search
+from ..labs.verdicts import stopped
+from .adapter import Yours
+from .convention import call_factory, load_factory, split_spec
+
+STAGES = {**PACKAGE_STAGES, Yours.name: Yours}  # the reference is the package's own
+SHRINK_S = 20.0
+DEADLINE_S = 60.0  # an example takes about a second: a wrapper this long on one is stopped, and shown where
+
+
+@dataclass
+class Verdict:
+    factory: str
+    examples: int
+    declared: str  # what was drawn, from what the factory declared
+    failed: str | None = None  # what went wrong, in words
+    case: str = ""
+    final: bool = False  # the ranks were stopped or died: the first case that did it, not shrunk
+
+    @property
+    def ok(self) -> bool:
+        return self.failed is None
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"verify {self.factory}: equal to single-device training on {self.examples} drawn examples ({self.declared})."
+        return (f"verify {self.factory}: FAILS\n  what went wrong: {self.failed}\n"
+                f"  {'failing case (not shrunk: the ranks were stopped)' if self.final else 'smallest failing case'}: "
+                f"{self.case}\n  (the examples are derandomized: the same command replays it)")
+
+
+class RaisedOnRank(Exception):
+    """What a rank raised, in words (:class:`Raised`): re-raised so that the pool stops every rank at once --
+    a peer left waiting in a collective the raising rank never joined would wait for gloo's timeout."""
+
+    MARK = "RaisedOnRank: "
+
+
+def yours_on_rank(me, exp, path: str):
+    """This rank's result of ``exp`` with the factory's wrapper; what it raised, in words, ends the run."""
+    try:
+        return run_experiment(me, exp)
+    except Exception as error:  # noqa: BLE001 -- told, in words, with the line of the wrapper's file it came from
+        raise RaisedOnRank(str(Raised.now(me.rank, error, path))) from None
+
+
+def declared(me, spec: str) -> tuple[int, bool] | Raised:
+    """On one rank: (the most micro-batches a step may take, whether unused parameters are drawn), from what the
+    factory returns for a small model -- or what it raised."""
+    path, _ = split_spec(spec)
+    try:
+        wrapped = call_factory(load_factory(spec), torch.nn.Linear(2, 2), torch.distributed.group.WORLD)
+    except Exception as error:  # noqa: BLE001 -- told in words
+        return Raised.now(me.rank, error, path)
+    return (3 if wrapped.no_sync is not None else 1), wrapped.unused_parameters
+
+
+def corners(spec: str, max_accum: int, world_sizes) -> list:
+    """Cases tried whatever the draws, after them (a draw that fails is told on its shrunk case first): a
+    parameter with an empty shard at N = 2 under an inf-norm clip (a max over nothing), and K = 3 at N = 3 with
+    uneven batches, one rank empty."""
+    base = Experiment(stage=Yours.name, task="mlp", model={"sizes": (1, 1)}, optimizer="sgd", lr=0.01, steps=2,
+                      dtype="float64", backend="native", clip=(0.02, float("inf")), record_states=False,
+                      stages=STAGES, options={"factory": spec})
+    cases = [(base, 2), (replace(base, model={"sizes": (3, 4, 2)}, accum=max_accum, rank_sizes=(2, 0, 3), clip=None), 3)]
+    return [(exp, n) for exp, n in cases if n in world_sizes]
+
+
+def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankPools | None = None,
+           shrink_s: float = SHRINK_S, deadline_s: float = DEADLINE_S) -> Verdict:
+    """Draw ``examples`` experiments, run each with the wrapper ``spec`` names (``"path.py:factory"``) and with
+    single-device training; the first that differs, shrunk, is the verdict."""
+    path, _ = split_spec(spec)
+    load_factory(spec)  # a missing file or name is refused here, before any rank starts
+    own = pools is None
+    pools = RankPools(timeout_s=30.0) if own else pools
+    probed = pools.run_within(deadline_s, 1, declared, spec)[0]
+    if isinstance(probed, Raised):
+        if own:
+            pools.close()
+        return Verdict(spec, examples, "nothing: the factory raised on one rank", str(probed), "world size 1")
+    max_accum, unused = probed
+    tasks = ("mlp", "mlp", "gpt") + (("edge",) if unused else ())
+    strategy = experiments(Yours.name, world_sizes=tuple(world_sizes), max_accum=max_accum, backends=("native",),
+                           stages=STAGES, tasks=tasks)
+    strategy = strategy.map(lambda d: (replace(d[0], options={"factory": spec}, record_states=False), d[1]))
+    said = (f"world sizes {', '.join(map(str, world_sizes))}, K up to {max_accum}"
+            + ("" if max_accum > 1 else " (no no_sync() or set_requires_gradient_sync: accumulation not drawn)")
+            + ", uneven and empty batches, one and two param groups, sgd to adamw, float64 and float32, clipping, "
+              "the MLP and a GPT with tied embeddings" + (", frozen and unused parameters" if unused else ""))
+    noise = tempfile.TemporaryDirectory(prefix="minizero-verify-")
+
+    def examine(drawn):
+        exp, n = drawn
+        try:
+            results = pools.run_within(deadline_s, n, stderr_to, noise.name, yours_on_rank, exp, path)
+        except RankError as error:
+            if RaisedOnRank.MARK in error.remote_traceback:  # the first rank that raised: the others were stopped
+                return error.remote_traceback.split(RaisedOnRank.MARK, 1)[1].strip(), None
+            why = stopped(error, path, deadline_s, False) if error.stacks else str(error)
+            why = why.replace("the checker's deadline", "verify's deadline")
+            words = gloo_words(noise.name)
+            raise Failed(why + (f"\n    gloo's own words, {words}" if words else ""), final=True) from None
+        why = what_is_wrong(results, reference_of(exp, n), exp, n)
+        return (why, results) if why else None
+
+    verdict = Verdict(spec, examples, said + ", then an empty shard under an inf-norm clip and K = 3 at N = 3")
+    try:
+        search(strategy, examine, describe, examples, shrink_s)
+        for case in corners(spec, max_accum, world_sizes):
+            try:
+                found = examine(case)
+            except Failed as failed:
+                raise Failed(failed.why, describe(*case), final=True) from None
+            if found:
+                raise Failed(found[0], describe(*case))
+    except Failed as failed:
+        verdict.failed, verdict.case, verdict.final = failed.why, failed.case, failed.final
+    finally:
+        noise.cleanup()
+        if own:
+            pools.close()
+    return verdict

@@ -1,0 +1,96 @@
+"""Factories for torch's own data-parallel wrappers: what ``docs/verify.md``'s table verifies, and a model for
+writing your own (``python -m minizero verify minizero/course/verify/torch_wrappers.py:ddp``).
+
+Each is what a user of torch writes; only where torch's idioms differ from DDP's does it say more
+(:class:`~minizero.course.verify.Wrapped`).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from minizero.course.verify.convention import Wrapped
+
+
+def ddp(module, group):
+    """``DistributedDataParallel`` as it comes: 25 MB buckets, no unused parameters."""
+    return DistributedDataParallel(module, process_group=group)
+
+
+def ddp_find_unused(module, group):
+    """DDP that accepts parameters without a gradient: models with frozen and unused parameters are drawn too."""
+    return Wrapped(DistributedDataParallel(module, process_group=group, find_unused_parameters=True),
+                   unused_parameters=True)
+
+
+def ddp_bucket_view(module, group):
+    """DDP whose ``.grad`` are views into its buckets, and a 1 KB bucket: many buckets, each reduced in place."""
+    return DistributedDataParallel(module, process_group=group, gradient_as_bucket_view=True, bucket_cap_mb=0.001)
+
+
+def ddp_static_graph(module, group):
+    """DDP told the graph never changes (``static_graph=True``): it skips re-checking which parameters are used."""
+    return DistributedDataParallel(module, process_group=group, static_graph=True)
+
+
+def zero_redundancy(module, group):
+    """DDP with ``ZeroRedundancyOptimizer``: each rank steps the parameters it owns, then broadcasts them."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def sharded(built: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        accepted = inspect.signature(type(built).__init__).parameters
+        defaults = {k: v for k, v in built.defaults.items() if k in accepted and k != "params"}
+        groups = [dict(g) for g in built.param_groups]
+        optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(built), **defaults)
+        for extra in groups[1:]:
+            optimizer.add_param_group(extra)
+        return optimizer
+    return Wrapped(DistributedDataParallel(module, process_group=group), optimizer=sharded)
+
+
+def fsdp2(module, group, reshard_after_forward: bool = True):
+    """FSDP2: ``fully_shard`` on the model over a 1-D mesh of every rank; gradient accumulation through
+    ``set_requires_gradient_sync`` (found by itself).  ``fully_shard`` keeps each rank's own values of its shard
+    and, unlike DDP, never broadcasts: ``verify`` builds each rank's model from its own seed, as separate machines
+    would, so the factory starts every rank from rank 0's values first, as an FSDP2 user must (or seed alike)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor, dist.get_global_rank(group, 0), group=group)
+    device = next(iter(module.parameters()), torch.empty(0)).device.type
+    return fully_shard(module, mesh=DeviceMesh.from_group(group, device),
+                       reshard_after_forward=reshard_after_forward)
+
+
+def fsdp2_keep_after_forward(module, group):
+    """FSDP2 with ``reshard_after_forward=False``: the gathered parameters kept from forward to backward."""
+    return fsdp2(module, group, reshard_after_forward=False)
+
+
+def fsdp2_clipping_local_shards(module, group):
+    """FSDP2, its gradients clipped from each rank's local shards (as torchrec's ``GradientClippingOptimizer``
+    does): ``clip_grad_norm_(..., norm_type=inf)`` raises on a rank whose shard of some parameter is empty
+    (torch >= 2.11: ``_foreach_norm`` has no identity for the max of nothing) -- see docs/verify.md."""
+    wrapped = fsdp2(module, group)
+
+    def clip(max_norm: float, norm_type: float) -> torch.Tensor:
+        grads = [p.grad.to_local() for p in wrapped.parameters() if p.grad is not None]
+        local = [g for g in grads if g.numel()]  # an empty shard adds nothing to a max or a sum
+        dtype = grads[0].dtype if grads else torch.float32
+        if math.isinf(norm_type):
+            total = torch.stack([g.abs().max() for g in local]).max() if local else torch.zeros((), dtype=dtype)
+            dist.all_reduce(total, dist.ReduceOp.MAX, group=group)
+        else:
+            total = sum((g.abs() ** norm_type).sum() for g in local) if local else torch.zeros((), dtype=dtype)
+            dist.all_reduce(total, group=group)
+            total = total ** (1.0 / norm_type)
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's: never scaled up
+        for g in local:
+            g.mul_(coefficient)
+        return total
+    return Wrapped(wrapped, clip_grad_norm=clip)

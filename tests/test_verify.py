@@ -1,0 +1,50 @@
+"""``minizero verify``: the property suite on someone else's wrapper -- torch's DDP and FSDP2 pass at N = 1-4, a
+student's broken DDP fails with its smallest case named, and a factory that is not one is refused in words."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from minizero.__main__ import main
+from minizero.course.verify import verify
+
+HERE = os.path.dirname(__file__)
+TORCH = os.path.join(HERE, "..", "minizero", "course", "verify", "torch_wrappers.py")
+OURS = os.path.join(HERE, "verify_wrappers.py")
+
+
+@pytest.mark.parametrize("factory", ["ddp", "fsdp2_clipping_local_shards", "zero_redundancy"])
+def test_torchs_own_wrappers_are_single_device_training(pools, factory):
+    verdict = verify(f"{TORCH}:{factory}", examples=8, pools=pools)
+    assert verdict.ok, verdict
+    assert "world sizes 1, 2, 3, 4, K up to 3" in verdict.declared, verdict.declared
+
+
+def test_fsdp2_with_torchs_clip_grad_norm_is_refused_where_a_shard_is_empty(pools):
+    """torch's finding (docs/verify.md): ``clip_grad_norm_(..., norm_type=inf)`` raises on a rank whose FSDP2
+    shard of some parameter is empty -- one Linear(1, 1) over two ranks -- and leaves the other rank waiting."""
+    verdict = verify(f"{TORCH}:fsdp2", examples=8, pools=pools, deadline_s=5.0)
+    assert not verdict.ok, verdict
+    assert "_foreach_norm cannot compute the infinity norm on an empty tensor" in verdict.failed, verdict
+    assert "clip (0.02, inf)" in verdict.case and "world size 2" in verdict.case, verdict
+
+
+def test_a_students_right_ddp_passes_and_a_missing_division_is_named(pools):
+    assert verify(f"{OURS}:student_ddp", examples=6, pools=pools).ok
+    verdict = verify(f"{OURS}:sums_without_dividing", examples=6, pools=pools)
+    assert not verdict.ok
+    assert "K up to 1 (no no_sync()" in verdict.declared, verdict.declared  # nothing declared: not drawn
+    # the smallest case is two ranks, and the gradient is N times too large: the words of the labs' verdicts
+    assert "too large by N = " in verdict.failed and "the sum over ranks, not the mean?" in verdict.failed, verdict
+
+
+def test_what_is_not_a_wrapper_is_refused_in_words(pools, tmp_path):
+    verdict = verify(f"{OURS}:not_a_module", examples=2, pools=pools)
+    assert "the factory returned list, not an nn.Module" in verdict.failed, verdict
+    verdict = verify(f"{OURS}:raises_on_rank_1", examples=4, pools=pools, world_sizes=(2,))
+    assert "rank 1 raised RuntimeError: rank 1 could not wrap" in verdict.failed, verdict
+    verdict = verify(f"{OURS}:never_finishes", examples=2, pools=pools, world_sizes=(2,), deadline_s=3.0)
+    assert verdict.final and "_spin" in verdict.failed, str(verdict)
+    assert main(["verify", f"{OURS}:no_such_factory"]) == 2
+    assert main(["verify", str(tmp_path / "missing.py")]) == 2
