@@ -272,6 +272,8 @@ def test_zero_stages_hold_at_most_their_bound_of_buckets_in_flight(bound):
     params = [nn.Parameter(torch.zeros(1)) for _ in range(5)]
     comm, seen, gate = _OneThread(), {}, threading.Event()
     for limit in (bound, None):
+        gate.clear()  # (set by the round before: each round's collectives wait for its own)
+
         def start(index, limit=limit):
             seen.setdefault(limit, []).append(len(pipeline.in_flight()))
             return (lambda: time.sleep(0.01)) if limit else gate.wait

@@ -117,17 +117,20 @@ def _measure(world_size: int, variants: list[tuple[str, Experiment]], rounds: in
     return {name: {**last[name], "round_ms": times[name]} for name in experiments}
 
 
-def bench_check(world_size: int, steps: int = STEPS, model: dict | None = None, rounds: int = ROUNDS) -> list[dict]:
+def bench_check(world_size: int, steps: int = STEPS, model: dict | None = None, rounds: int = ROUNDS,
+                cases: list[tuple[str, dict]] | None = None, backends=("native", "ring")) -> list[dict]:
     """What fingerprinting every collective costs: the same stage with the check off and on, in rounds.
 
     One small all-gather (9 float64 per rank) before each collective: its cost is a latency, paid
-    once per bucket or unit -- so the stages with many small collectives pay most."""
+    once per bucket or unit -- so the stages with many small collectives pay most.  ``cases``: (stage, options)
+    to time (default: every stage with buckets, at 0.5 MB, and every stage with units)."""
     base = replace(_base(steps), model=BENCH_GPT if model is None else model)
     # Stages with many small collectives pay most: small buckets, and one all-gather per unit.
-    cases = [(stage, {"bucket_mb": 0.5}) for stage in accepting("bucket_mb")] + [(stage, {}) for stage in accepting("units")]
+    if cases is None:
+        cases = [(stage, {"bucket_mb": 0.5}) for stage in accepting("bucket_mb")] + [(stage, {}) for stage in accepting("units")]
     variants = [(f"{stage}/{backend}" + (" check" if check else ""),
                  replace(base, stage=stage, backend=backend, check=check, options=options))
-                for stage, options in cases for backend in ("native", "ring") for check in (False, True)]
+                for stage, options in cases for backend in backends for check in (False, True)]
     measured = _measure(world_size, variants, rounds)
     return [_ratio_row(f"{off} step, check on", measured[on], "check off", measured[off], world_size,
                        check_bytes_per_step=measured[on]["check_bytes"])

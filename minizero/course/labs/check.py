@@ -33,7 +33,7 @@ from .property_table import PROPERTIES
 from .raised import Raised
 from .ranks import gloo_words, import_file, lab_experiment, stderr_to
 from .report import SHRINK_S, Report, format_failure
-from .search import search
+from .search import Search
 from .verdicts import died, raised_at_import, stopped
 
 DEADLINE_S = 30.0  # a rank this long in no collective is stopped: the checker's examples take well under a second
@@ -45,7 +45,7 @@ _PACKAGE_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
-class Checker:
+class Checker(Search):
     lab: Lab
     impl: Impl
     pools: RankPools
@@ -142,10 +142,6 @@ class Checker:
                     pool.close(kill=True)
             raise Failed(raised_at_import(raised[0]) if importing else str(raised[0]), final=importing)
         return results
-
-    def search(self, strategy, examine, describe) -> None:
-        """Draw examples until ``examine(drawn)`` returns ``(why, results)``; shrink; raise :class:`Failed`."""
-        search(strategy, examine, describe, self.examples, self.shrink_s, self.diagnose)
 
     # ------------------------------------------------------------ naming the mistake
     def diagnose(self, exp, world_size: int, results) -> str | None:

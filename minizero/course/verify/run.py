@@ -23,7 +23,7 @@ from ..harness.experiment import Experiment, reference_of, run_experiment
 from ..labs.failed import Failed, describe
 from ..labs.raised import Raised
 from ..labs.ranks import gloo_words, stderr_to
-from ..labs.search import search
+from ..labs.search import Search
 from ..labs.verdicts import stopped
 from .adapter import Yours
 from .convention import call_factory, load_factory, split_spec
@@ -31,6 +31,13 @@ from .convention import call_factory, load_factory, split_spec
 STAGES = {**PACKAGE_STAGES, Yours.name: Yours}  # the reference is the package's own
 SHRINK_S = 20.0
 DEADLINE_S = 60.0  # an example takes about a second: a wrapper this long on one is stopped, and shown where
+
+
+@dataclass
+class Searcher(Search):
+    """The labs' search (:mod:`minizero.course.labs.search`), without their known mistakes to name."""
+    examples: int
+    shrink_s: float
 
 
 @dataclass
@@ -131,7 +138,7 @@ def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankP
 
     verdict = Verdict(spec, examples, said + ", then an empty shard under an inf-norm clip and K = 3 at N = 3")
     try:
-        search(strategy, examine, describe, examples, shrink_s)
+        Searcher(examples, shrink_s).search(strategy, examine, describe)
         for case in corners(spec, max_accum, world_sizes):
             try:
                 found = examine(case)
