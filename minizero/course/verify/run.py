@@ -136,7 +136,7 @@ def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankP
         why = what_is_wrong(results, reference_of(exp, n), exp, n)
         return (why, results) if why else None
 
-    verdict = Verdict(spec, examples, said + ", then an empty shard under an inf-norm clip and K = 3 at N = 3")
+    verdict = Verdict(spec, examples, said + f", then an empty shard under an inf-norm clip and K = {max_accum} at N = 3")
     try:
         Searcher(examples, shrink_s).search(strategy, examine, describe)
         for case in corners(spec, max_accum, world_sizes):
