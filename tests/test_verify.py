@@ -48,3 +48,12 @@ def test_what_is_not_a_wrapper_is_refused_in_words(pools, tmp_path):
     assert verdict.final and "_spin" in verdict.failed, str(verdict)
     assert main(["verify", f"{OURS}:no_such_factory"]) == 2
     assert main(["verify", str(tmp_path / "missing.py")]) == 2
+
+
+def test_a_students_sharded_optimizer_passes_and_one_broadcasting_from_rank_0_is_named(pools):
+    """CS336's sharded optimizer behind the ``optimizer`` hook: right, it is single-device training; every parameter
+    broadcast from rank 0 instead of its owner, the others' updates are lost -- and the verdict says so."""
+    assert verify(f"{OURS}:student_ddp_sharded_optimizer", examples=6, pools=pools).ok
+    verdict = verify(f"{OURS}:sharded_optimizer_broadcasts_from_rank_0", examples=6, pools=pools)
+    assert not verdict.ok and "world size 2" in verdict.case, verdict
+    assert "never moved" in verdict.failed or "its update was lost" in verdict.failed, verdict

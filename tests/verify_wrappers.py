@@ -57,3 +57,42 @@ def never_finishes(module):
 def _spin():
     while True:
         pass
+
+
+class StudentShardedOptimizer(torch.optim.Optimizer):
+    """CS336's second shape: each rank keeps the optimizer state of the parameters it owns (every N-th, in order),
+    steps them, and broadcasts each parameter from its owner.  ``owner_sends=False``: every parameter is broadcast
+    from rank 0 -- the slip of a first version."""
+
+    def __init__(self, params, optimizer_cls, owner_sends: bool = True, **defaults):
+        super().__init__(params, defaults)
+        self.rank, self.world_size, self.owner_sends = dist.get_rank(), dist.get_world_size(), owner_sends
+        self.everything = [p for group in self.param_groups for p in group["params"]]
+        owned = {id(p) for i, p in enumerate(self.everything) if i % self.world_size == self.rank}
+        self.local = optimizer_cls([{**{k: v for k, v in g.items() if k != "params"},
+                                     "params": [p for p in g["params"] if id(p) in owned]} for g in self.param_groups],
+                                   **defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.local.step()
+        for i, p in enumerate(self.everything):
+            dist.broadcast(p.data, i % self.world_size if self.owner_sends else 0)
+
+
+def _sharded(built: torch.optim.Optimizer, owner_sends: bool) -> torch.optim.Optimizer:
+    defaults = {k: v for k, v in built.defaults.items() if k in ("lr", "momentum", "betas", "weight_decay", "nesterov",
+                                                                 "eps", "dampening")}
+    return StudentShardedOptimizer([dict(g) for g in built.param_groups], type(built), owner_sends, **defaults)
+
+
+def student_ddp_sharded_optimizer(module, group):
+    wrapper = StudentDDP(module)
+    return Wrapped(wrapper, before_step=wrapper.finish_gradient_synchronization,
+                   optimizer=lambda built: _sharded(built, owner_sends=True))
+
+
+def sharded_optimizer_broadcasts_from_rank_0(module, group):
+    wrapper = StudentDDP(module)
+    return Wrapped(wrapper, before_step=wrapper.finish_gradient_synchronization,
+                   optimizer=lambda built: _sharded(built, owner_sends=False))
