@@ -42,9 +42,10 @@ class RefusesNonFinite:
 
 def defer(wires: list) -> list:
     """The wires of ``wires`` (None: no wire) set to note an inf for the agreement instead of raising alone."""
-    for wire in (w for w in wires if w is not None):
+    wires = [wire for wire in wires if wire is not None]
+    for wire in wires:
         wire.defer_overflow = True
-    return [w for w in wires if w is not None]
+    return wires
 
 
 def flag_bytes(world_size: int, compress=None, precision=None) -> float:
