@@ -68,7 +68,7 @@ class Pools(RankPools):
 #: test_launch's torchrun launch) or ``alone``: the dialled network, overlap, the cost model, the mutants -- and
 #: any module not listed.  List a new module only if none of its assertions depends on how long anything takes.
 #: (`make test` runs the ``alone`` modules one test at a time, then these, the ``waits`` and the lessons together,
-#: three at a time.)
+#: two at a time.)
 BESIDE_THE_LESSONS = {
     "test_architecture", "test_bad_input", "test_bench_all", "test_bucketed", "test_checkpoint", "test_cli", "test_comm",
     "test_compression", "test_contrast_stages", "test_ddp_equivalence", "test_docs", "test_fingerprint", "test_labs",
@@ -94,8 +94,7 @@ BESIDE_THE_LESSONS = {
 #: Modules whose assertions about time are *bounded waits*: a stall named within its timeout, a deadline that stops
 #: a looping rank, a launch that ends, a healthy run that outlives its timeout because it keeps moving.  On a busy
 #: machine their clocks run out the same, only later, and every bound has seconds of margin -- so `make test` runs
-#: them beside the rest and the lessons (they sleep far more than they compute: a third worker on two cores fills
-#: those sleeps), apart from the modules that compare durations (the dialled network, overlap, the cost model, the
+#: them beside the rest and the lessons, apart from the modules that compare durations (the dialled network, overlap, the cost model, the
 #: mutants), which run one at a time.  ``torchrun``: the modules
 #: sharing one torchrun launch (a session fixture), kept on one worker.
 BOUNDED_WAITS = {"test_faults", "test_check_bounded", "test_launch", "test_robustness", "test_torchrun_shutdown",
