@@ -94,9 +94,9 @@ BESIDE_THE_LESSONS = {
 #: Modules whose assertions about time are *bounded waits*: a stall named within its timeout, a deadline that stops
 #: a looping rank, a launch that ends, a healthy run that outlives its timeout because it keeps moving.  On a busy
 #: machine their clocks run out the same, only later, and every bound has seconds of margin -- so `make test` runs
-#: them beside the rest and the lessons, apart from the modules that compare durations (the dialled network, overlap, the cost model, the
-#: mutants), which run one at a time.  ``torchrun``: the modules
-#: sharing one torchrun launch (a session fixture), kept on one worker.
+#: them beside the rest and the lessons, apart from the modules that compare durations (the dialled network,
+#: overlap, the cost model, the mutants), which run one at a time.  ``torchrun``: the modules sharing one torchrun
+#: launch (a session fixture), kept on one worker.
 BOUNDED_WAITS = {"test_faults", "test_check_bounded", "test_launch", "test_robustness", "test_torchrun_shutdown",
                  "test_verdicts", "test_train_command", "test_verify"}
 SHARING_A_TORCHRUN_LAUNCH = {"test_launch", "test_train_command"}

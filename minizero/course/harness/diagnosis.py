@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .equivalence import DTYPES, RTOL, judge, parameter_errors
+from .equivalence import DTYPES, RTOL, judge, parameter_errors, shape_violation
 from .tasks import TASKS
 
 
@@ -32,6 +32,9 @@ def explain(results: list, reference, initial: dict, dtype: str, world_size: int
     rtol = RTOL[dtype]
     for step, want in enumerate(reference.params):
         for rank, result in enumerate(results):
+            shape = shape_violation(result.params[step], want, f"after step {step + 1}, rank {rank}'s")
+            if shape:  # no difference to describe
+                return shape
             for name, err, scale in parameter_errors(result.params[step], want, dtype):
                 if not err <= rtol * scale:
                     before = initial if step == 0 else reference.params[step - 1]

@@ -45,6 +45,8 @@ def judge(results: list, reference, dtype: str, rtol: float | None = None, state
     violation = None
     for step, ref_params in enumerate(reference.params):
         for rank, result in enumerate(results):
+            if violation is None:
+                violation = shape_violation(result.params[step], ref_params, f"after step {step + 1}, rank {rank}'s")
             for name, err, scale in parameter_errors(result.params[step], ref_params, dtype):
                 worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, err / scale)
                 if violation is None and not err <= rtol * scale:
@@ -63,10 +65,25 @@ def judge(results: list, reference, dtype: str, rtol: float | None = None, state
     return Verdict(worst_abs, worst_rel, worst_loss, first_nonfinite(results, reference), violation)
 
 
+def shape_violation(params: dict, ref_params: dict, where: str) -> str | None:
+    """A parameter missing or read back in another shape than the reference's: no difference can be taken, and
+    a sharded wrapper's placeholder (ZeRO-3's, FSDP's: 0 elements outside a forward) is the usual cause."""
+    for name, ref in ref_params.items():
+        got = params.get(name)
+        if got is None or got.shape != ref.shape:
+            what = "is missing" if got is None else f"has shape {tuple(got.shape)}"
+            return (f"{where} {name} {what}, the reference's {tuple(ref.shape)}: the full parameters were not read "
+                    f"back (a sharded wrapper's placeholder? read the whole values: a full state dict, a gather)")
+    return None
+
+
 def parameter_errors(params: dict, ref_params: dict, dtype: str):
     """``(name, |Δ|, scale)`` per parameter, the scale by the dtype's rule; an error that is not finite is inf."""
     model_scale = max((p.abs().max().item() for p in ref_params.values() if p.numel()), default=0.0)
     for name, ref in ref_params.items():
+        if params.get(name) is None or params[name].shape != ref.shape:
+            yield name, math.inf, 1.0  # no difference to take: infinitely far (judge says why: shape_violation)
+            continue
         if ref.numel() == 0:
             continue
         err = (params[name] - ref).abs().max().item()

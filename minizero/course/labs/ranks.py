@@ -17,7 +17,7 @@ from ..harness.overlap import backward_launches
 from ..harness.tasks import TASKS
 from .loading import Impl
 from .raised import LastOfYours, Raised
-from .yours import RanAnother, learners_methods, never_called
+from .yours import probe
 
 
 def import_file(me: Rank, impl: Impl) -> str | Raised:
@@ -45,20 +45,9 @@ def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:
     class, or a deleted method, inherits the package's finished one: the answer, not theirs -- or defines but
     one step of ``exp`` never calls (a class the stage does not use, say): each in words; [] when all run; None
     when the step raised (whether they run is then unknown: the properties report the error)."""
-    try:
-        mine, problems = learners_methods(impl)
-        if problems:
-            return problems
-        never = never_called(impl, mine, lambda: run_experiment(me, replace(exp, stages=impl.stages())))
-        if never:
-            owners = sorted({todo.split(".")[0] for todo in never})
-            return [f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called in a training "
-                    f"step: is your {' and '.join(owners)} the class the stage uses?"]
-        return never
-    except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
-        if isinstance(error, RanAnother):
-            return [str(error)]
-        return Raised.now(me.rank, error, impl.path)
+    return probe(me.rank, impl, lambda: run_experiment(me, replace(exp, stages=impl.stages())),
+                 lambda never: f"in a training step: is your {' and '.join(sorted({t.split('.')[0] for t in never}))} "
+                               f"the class the stage uses?")
 
 
 def overlap_probe(me: Rank, impl: Impl, exp) -> list[dict] | Raised:

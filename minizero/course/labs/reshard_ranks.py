@@ -19,7 +19,7 @@ from ..harness.result import RankResult
 from ..harness.tasks import TASKS
 from .loading import Impl
 from .raised import Raised
-from .yours import RanAnother, learners_methods, never_called
+from .yours import probe
 
 
 def _train(me: Rank, exp, stage, model) -> RankResult:
@@ -68,16 +68,5 @@ def yours_reshard(me: Rank, impl: Impl, exp, saved: list[list[FlatShard]]) -> li
     """The reshard lab's "your methods are what runs": each ``Reshard`` method of the lab written in the learner's
     file, and each called while this rank builds its shards (:func:`minizero.course.labs.ranks.yours_run`'s words);
     None when the reshard raised (the properties report it)."""
-    try:
-        mine, problems = learners_methods(impl)
-        if problems:
-            return problems
-        never = never_called(impl, mine, lambda: resume_run(me, impl, replace(exp, steps=0), saved, train=False))
-        if never:
-            return [f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called while a rank builds "
-                    f"its shards: does your reshard call it?"]
-        return never
-    except RanAnother as another:  # a blank copy of the learner's own method ran
-        return [str(another)]
-    except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
-        return Raised.now(me.rank, error, impl.path)
+    return probe(me.rank, impl, lambda: resume_run(me, impl, replace(exp, steps=0), saved, train=False),
+                 lambda never: "while a rank builds its shards: does your reshard call it?")

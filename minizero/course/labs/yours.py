@@ -100,6 +100,26 @@ def never_called(impl: Impl, mine: dict, run) -> list[str] | None:
     return [todo for code, todo in mine.items() if code not in called]
 
 
+def probe(rank: int, impl: Impl, run, not_called) -> list[str] | Raised | None:
+    """A lab's "your methods are what runs", on one rank: each of the lab's methods written in the learner's file
+    (:func:`learners_methods`) and each called by ``run()`` (:func:`never_called`) -- [] when all are; the missing
+    and the uncalled in words (``not_called(never)``: where they were not called and what to look at, after "your
+    X is/are never called"); None when ``run()`` raised (the properties report it); what the probe itself raised,
+    as the rank's."""
+    try:
+        mine, problems = learners_methods(impl)
+        if problems:
+            return problems
+        never = never_called(impl, mine, run)
+        if never:
+            return [f"your {', '.join(never)} {'is' if len(never) == 1 else 'are'} never called {not_called(never)}"]
+        return never
+    except RanAnother as another:  # a blank copy of the learner's own method ran, or the package's answer did
+        return [str(another)]
+    except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
+        return Raised.now(rank, error, impl.path)
+
+
 def answer_key(impl: Impl) -> dict:
     """``{code: "DDP.post_backward"}``: the package's finished method for each lab method of ``impl``, found in the
     learner's classes' bases (:func:`minizero.course.labs.given.without` keeps each one it takes out)."""

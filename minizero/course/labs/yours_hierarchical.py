@@ -12,33 +12,21 @@ from ...run.launch import Rank
 from .failed import Failed
 from .loading import Impl
 from .raised import Raised
-from .yours import RanAnother, learners_methods, never_called
+from .yours import probe
 
 
 def yours_on_rank(me: Rank, impl: Impl) -> list[str] | Raised | None:
     """:func:`minizero.course.labs.ranks.yours_run` for a Comm on nodes (no stage needs to train over it): the lab's method
     defined in the learner's file, and called by an all-reduce."""
-    try:
-        mine, problems = learners_methods(impl)
-        if problems:
-            return problems
+    def one_all_reduce():
+        comm = impl.cls()(None, False, parse_network("nodes=2x1"))
+        try:
+            comm.all_reduce(torch.ones(4), ReduceOp.SUM)
+        finally:
+            comm.close()
 
-        def one_all_reduce():
-            comm = impl.cls()(None, False, parse_network("nodes=2x1"))
-            try:
-                comm.all_reduce(torch.ones(4), ReduceOp.SUM)
-            finally:
-                comm.close()
-
-        never = never_called(impl, mine, one_all_reduce)
-        if never:
-            return [f"your {', '.join(never)} is never called by an all_reduce: is your Hierarchical the class your "
-                    f"file defines last?"]
-        return never
-    except RanAnother as another:  # a blank copy of the learner's own method ran
-        return [str(another)]
-    except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
-        return Raised.now(me.rank, error, impl.path)
+    return probe(me.rank, impl, one_all_reduce,
+                 lambda never: "by an all_reduce: is your Hierarchical the class your file defines last?")
 
 
 def yours(checker) -> str:

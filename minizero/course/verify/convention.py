@@ -9,13 +9,16 @@ torch's ``DistributedDataParallel(module)``, ``fully_shard(module)``, a student'
 * **accumulation** is switched off by the wrapper's own ``no_sync()`` (torch DDP's, a student's), else by FSDP2's
   ``set_requires_gradient_sync(False)``; a wrapper with neither is verified at K = 1 only, and says so;
 * the **optimizer** is the one the loop built over the model's parameters -- rebuilt by name when wrapping
-  replaced them (FSDP2's DTensors) -- unless ``optimizer`` builds another from it (``ZeroRedundancyOptimizer``);
+  replaced them (FSDP2's DTensors, a ZeRO stage's owned pieces) -- unless ``optimizer`` builds another from it
+  (``ZeroRedundancyOptimizer``);
 * **full parameters** are read from the model as the factory left it, a DTensor's ``full_tensor()`` taken;
   a wrapper that keeps its own shards says how with ``full_parameters``;
 * ``before_step`` runs once a step before the gradients are read -- clipped or stepped (a course's
   ``finish_gradient_synchronization()``);
 * gradients are clipped by ``torch.nn.utils.clip_grad_norm_`` over the model's parameters (DTensors included),
   unless ``clip_grad_norm(max_norm, norm_type)`` clips them otherwise (a wrapper of its own shards);
+* minizero's own stages (``make_stage`` in a factory) are driven through their own ``zero_grad``, clipping and
+  full state dict (:mod:`.minizero_stages`);
 * ``unused_parameters``: the wrapper accepts parameters without a gradient in a step (torch DDP's
   ``find_unused_parameters=True``): then models with such parameters are drawn too.
 """
