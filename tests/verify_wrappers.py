@@ -104,3 +104,54 @@ def zero3_read_from_placeholders(module, group):
     from minizero.stages import make_stage
     stage = make_stage("zero3", module, comm=make_comm("native", group=group))
     return Wrapped(stage, full_parameters=lambda: dict(module.named_parameters()))
+
+
+class HookDDP(nn.Module):
+    """A DDP by hooks, with ``no_sync()``: a synchronising backward averages each gradient once it is accumulated
+    -- ``.grad`` then holds what earlier synchronising backwards averaged plus this rank's gradients since, and the
+    mean of that is their average plus the mean of these.  ``once_per_step``: a student's saving -- a parameter
+    averaged once this step is not averaged again -- which is right while only the last micro-batch synchronises."""
+
+    def __init__(self, module: nn.Module, once_per_step: bool = False):
+        super().__init__()
+        self.module, self.once_per_step = module, once_per_step
+        self.syncing, self.averaged = True, set()
+        for tensor in module.state_dict().values():
+            dist.broadcast(tensor, 0)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._average)
+
+    def _average(self, p: torch.Tensor) -> None:
+        if not self.syncing or (self.once_per_step and id(p) in self.averaged):
+            return
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+        self.averaged.add(id(p))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        wrapper = self
+
+        class _Off:
+            def __enter__(self):
+                wrapper.syncing = False
+
+            def __exit__(self, *exc):
+                wrapper.syncing = True
+        return _Off()
+
+    def new_step(self) -> None:
+        self.averaged.clear()
+
+
+def hook_ddp(module, group):
+    wrapper = HookDDP(module)
+    return Wrapped(wrapper, before_step=wrapper.new_step)
+
+
+def averages_once_per_step(module, group):
+    wrapper = HookDDP(module, once_per_step=True)
+    return Wrapped(wrapper, before_step=wrapper.new_step)

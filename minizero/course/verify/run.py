@@ -87,14 +87,17 @@ def declared(me, spec: str) -> tuple[int, bool] | Raised:
     return (3 if wrapped.no_sync is not None else 1), wrapped.unused_parameters
 
 
-def corners(spec: str, max_accum: int, world_sizes) -> list:
+def corners(spec: str, max_accum: int, world_sizes, unused: bool = False) -> list:
     """Cases tried whatever the draws, after them (a draw that fails is told on its shrunk case first): a
     parameter with an empty shard at N = 2 under an inf-norm clip (a max over nothing), and K = 3 at N = 3 with
-    uneven batches, one rank empty."""
+    uneven batches, one rank empty; for a wrapper that takes unused parameters, the edge model (frozen, unused and
+    zero-size parameters) under the same clip."""
     base = Experiment(stage=Yours.name, task="mlp", model={"sizes": (1, 1)}, optimizer="sgd", lr=0.01, steps=2,
                       dtype="float64", backend="native", clip=(0.02, float("inf")), record_states=False,
                       stages=STAGES, options={"factory": spec})
     cases = [(base, 2), (replace(base, model={"sizes": (3, 4, 2)}, accum=max_accum, rank_sizes=(2, 0, 3), clip=None), 3)]
+    if unused:
+        cases.append((replace(base, task="edge", model={}), 2))
     return [(exp, n) for exp, n in cases if n in world_sizes]
 
 
@@ -114,10 +117,11 @@ def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankP
     max_accum, unused = probed
     tasks = ("mlp", "mlp", "gpt") + (("edge",) if unused else ())
     strategy = experiments(Yours.name, world_sizes=tuple(world_sizes), max_accum=max_accum, backends=("native",),
-                           stages=STAGES, tasks=tasks)
+                           stages=STAGES, tasks=tasks, syncs=max_accum > 1)
     strategy = strategy.map(lambda d: (replace(d[0], options={"factory": spec}, record_states=False), d[1]))
     said = (f"world sizes {', '.join(map(str, world_sizes))}, K up to {max_accum}"
-            + ("" if max_accum > 1 else " (no no_sync() or set_requires_gradient_sync: accumulation not drawn)")
+            + (", backwards inside and outside no_sync() in every order that ends synchronising" if max_accum > 1 else
+               " (no no_sync() or set_requires_gradient_sync: accumulation not drawn)")
             + ", uneven and empty batches, one and two param groups, sgd to adamw, float64 and float32, clipping, "
               "the MLP and a GPT with tied embeddings" + (", frozen and unused parameters" if unused else ""))
     noise = tempfile.TemporaryDirectory(prefix="minizero-verify-")
@@ -136,10 +140,11 @@ def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankP
         why = what_is_wrong(results, reference_of(exp, n), exp, n)
         return (why, results) if why else None
 
-    verdict = Verdict(spec, examples, said + f", then an empty shard under an inf-norm clip and K = {max_accum} at N = 3")
+    verdict = Verdict(spec, examples, said + f", then an empty shard under an inf-norm clip and K = {max_accum} at N = 3"
+                      + (", and the edge model under that clip" if unused else ""))
     try:
         Searcher(examples, shrink_s).search(strategy, examine, describe)
-        for case in corners(spec, max_accum, world_sizes):
+        for case in corners(spec, max_accum, world_sizes, unused):
             try:
                 found = examine(case)
             except Failed as failed:
