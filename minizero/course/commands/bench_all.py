@@ -31,7 +31,8 @@ from ..harness.registry import stage_class
 from ..harness.rounds import METHOD, check_rounds, compare, describe, measure_rounds
 
 WARMUP = 2  # steps skipped before timing, as the other benches do: first-touch allocations, connections
-ONLY_HERE = ("model", "device", "plot", "collectives", "steps", "stages")  # options only ``bench all`` takes
+ONLY_HERE = ("model", "device", "plot", "collectives", "steps", "stages")  # options only ``bench all`` takes...
+ALSO_TAKEN = {"gpu-efficiency": ("model",)}  # ...but for these, which another bench reads too (a GPT's size)
 
 
 def counterpart(shards: Shards) -> str:
@@ -72,7 +73,7 @@ def check_device(device: str) -> None:
 def refuse_elsewhere(args) -> None:
     """Options that only ``bench all`` reads are refused by the other benches, rather than silently ignored."""
     given = [f"--{o}" for o in ONLY_HERE if getattr(args, o, None) is not None
-             and not (args.what == "gpu-efficiency" and o == "model")]  # the GPU's table takes a GPT's size too
+             and o not in ALSO_TAKEN.get(args.what, ())]
     if given and args.what != "all":
         raise ValueError(f"bench {args.what} does not take {', '.join(given)}; only bench all does")
 
