@@ -123,3 +123,22 @@ def test_a_busy_machine_is_flagged_at_either_end_and_says_why():
     text = machine.describe(pressed)
     assert text.startswith("WARNING: the machine was busy") and "2 cores" in text
     assert {"torch", "python", "cores", "before", "after"} <= set(pressed)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 46: the percentile bootstrap of a median is coarse at few rounds -- at "
+                                       "7 rounds (bench all's) the printed 95% interval holds the true median ratio "
+                                       "about 86% of the time; an order-statistic interval is exact at any count")
+def test_the_95_percent_interval_holds_the_true_median_ratio_95_percent_of_the_time():
+    """What the confidence level produces: per-round ratios drawn from a known distribution (lognormal, median
+    exactly 1), the interval computed as every bench computes it, 250 times per round count: it must hold the
+    true median at least 92% of the time (95%, less two standard errors of 250 draws)."""
+    import math
+    import random
+    draws = random.Random(2)
+    for n in (7, 9):
+        held = 0
+        for k in range(250):
+            ratios = [math.exp(draws.gauss(0.0, 0.1)) for _ in range(n)]
+            low, high = bootstrap(ratios, seed=k)
+            held += low <= 1.0 <= high
+        assert held / 250 >= 0.92, f"{n} rounds: the 95% interval held the true median {held / 250:.1%} of the time"
