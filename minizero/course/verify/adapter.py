@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...parts.rebuilt import rebuild
+from ...stages import Stage
 from ..harness.oracle import TorchStage
 from .convention import call_factory, load_factory
 
@@ -17,7 +18,6 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 def own_stage(module) -> bool:
     """Is ``module`` one of minizero's stages (``make_stage(...)`` in a factory)?  Then it is driven through its
     own methods, as a user of it would: its full state dict, its clipping, its ``zero_grad``."""
-    from ...stages import Stage
     return isinstance(module, Stage)
 
 

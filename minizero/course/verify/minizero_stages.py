@@ -29,8 +29,8 @@ def stage_factory(name: str, backend: str = "native", **options):
     return make_wrapper
 
 
-FACTORIES = {name.replace("-", "_"): stage_factory(name, **({"bucket_mb": TINY_BUCKET_MB}
-                                                             if "bucket_mb" in option_names(cls) else {}))
-             for name, cls in STAGES.items()
-             if cls is not Stage and cls.equivalent and not cls.contrast and not getattr(cls, "needs_nodes", False)}
-globals().update(FACTORIES)
+FACTORIES = {factory.__name__: factory for factory in (
+    stage_factory(name, **({"bucket_mb": TINY_BUCKET_MB} if "bucket_mb" in option_names(cls) else {}))
+    for name, cls in STAGES.items()
+    if cls is not Stage and cls.equivalent and not cls.contrast and not getattr(cls, "needs_nodes", False))}
+globals().update(FACTORIES)  # each one importable by name: ``minizero_stages.py:zero2``
