@@ -27,8 +27,9 @@ def test_fsdp2_with_torchs_clip_grad_norm_is_refused_where_a_shard_is_empty(pool
     verdict = verify(f"{TORCH}:fsdp2", examples=8, pools=pools, deadline_s=5.0)
     assert not verdict.ok, verdict
     assert "_foreach_norm cannot compute the infinity norm on an empty tensor" in verdict.failed, verdict
-    # where a shard is empty: never on one rank (the drawn case, shrunk within its time, may keep a third rank)
-    assert "clip (0.02, inf)" in verdict.case and "world size 1," not in verdict.case, verdict
+    # an inf-norm clip where a shard is empty: never on one rank.  Shrinking is time-bounded, so on a busy machine the
+    # case reported may keep a third rank or another max_norm -- any inf-norm clip on several ranks is this finding
+    assert ", inf)" in verdict.case and "world size 1," not in verdict.case, verdict
 
 
 def test_a_students_right_ddp_passes_and_a_missing_division_is_named(pools):
