@@ -57,7 +57,8 @@ def test_a_students_sharded_optimizer_passes_and_one_broadcasting_from_rank_0_is
     broadcast from rank 0 instead of its owner, the others' updates are lost -- and the verdict says so."""
     assert verify(f"{OURS}:student_ddp_sharded_optimizer", examples=6, pools=pools).ok
     verdict = verify(f"{OURS}:sharded_optimizer_broadcasts_from_rank_0", examples=6, pools=pools)
-    assert not verdict.ok and "world size 2" in verdict.case, verdict
+    # on several ranks (on one, rank 0 owns everything); shrinking is time-bounded: not necessarily two of them
+    assert not verdict.ok and "world size 1," not in verdict.case, verdict
     assert "never moved" in verdict.failed or "its update was lost" in verdict.failed, verdict
 
 
