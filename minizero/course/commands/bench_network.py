@@ -1,6 +1,6 @@
 """Benchmarks on a dialled network (``--network``): what overlap, bucket size, prefetch and compression buy,
 measured in rounds (``--rounds``) and set beside the scaling model's prediction (:mod:`minizero.costs.cost_model`):
-the ratio measured/model is the median of the rounds' ratios, with a bootstrap 95% interval
+the ratio measured/model is the median of the rounds' ratios, with its order-statistic interval (95% from 6 rounds)
 (:mod:`minizero.course.harness.rounds`); fp16 compression's step is set against fp32's the same way, run by run.
 
 On loopback these effects drown in the CPU that moving bytes costs; on a dialled network a transfer is a wait
@@ -173,7 +173,7 @@ def bench_servers(world_size: int, network: str, rounds: int = REPEATS) -> list[
 def format_rows(what: str, world_size: int, network: str, rows: list[dict]) -> str:
     lines = [f"{what} on a dialled network ({network}), N={world_size}: median step of {len(rows[0]['runs_ms'])} runs "
              f"(spread = (max-min)/median), beside the scaling model; measured/model: median of the runs' ratios "
-             f"[95% bootstrap interval]",
+             f"[k-th smallest, k-th largest: a 95% interval from 6 rounds]",
              f"  {'':<40}{'measured':>10}{'model':>9}{'spread':>8}{'hidden':>8}{'model':>7}{'exposed':>9}"]
     for r in rows:
         lines.append(f"  {r['name']:<40}{r['value']:>8.1f}ms{r['baseline_value']:>7.1f}ms{r['spread']:>8.1%}"
