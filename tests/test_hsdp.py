@@ -6,10 +6,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import given, settings
 
 from minizero.course.commands.compare import compare
-from minizero.course.harness.experiment import Experiment
+from minizero.course.harness.experiment import Experiment, run_experiment
+from minizero.course.harness.tasks import TASKS
+from minizero.parts.layout import padded_size
+from minizero.parts.unit_plan import assign_parameters, default_units
 from tests.equivalence import covering, examples, experiments, run_and_check
 
 
@@ -81,7 +85,7 @@ def test_hpz_keeps_the_backward_gather_inside_the_node(shape):
         assert row.within_tolerance and row.bytes_match and row.links_match, row
     if m > 1:
         assert hpz.inter_bytes_per_step == pytest.approx(plain.inter_bytes_per_step * 2 / 3, rel=0.02)
-    if g > 1:
+    if g > 1:  # (exact at prefetch 0: test_hpz_adds_the_papers_psi_over_g_to_the_working_set)
         assert hpz.gathered_peak_bytes > plain.gathered_peak_bytes
     assert hpz.sent_bytes_per_step <= plain.sent_bytes_per_step
 
@@ -190,3 +194,23 @@ def test_a_mesh_assumed_with_one_rank_per_node_is_said_on_rank_0(pools, stage, o
                                f"is sharded within a node (G = 1) and every rank holds all the state. Say where the "
                                f"ranks sit: make_comm(..., network='nodes=MxG') (train: --network)"])
         assert said[1:] == [(1, [])] * (n - 1)
+
+
+@pytest.mark.parametrize("shape", ["1x2", "1x3", "2x2"])
+def test_hpz_adds_the_papers_psi_over_g_to_the_working_set(pools, shape):
+    """hpZ's price, exactly (ZeRO++ section 3.2: a secondary copy of the weights sharded within the node): without
+    prefetch, ZeRO-3's working set peaks at the last block's forward -- the root and that block -- and hpZ's at the
+    same moment holds, beside them, its ``1/G`` slice of every unit gathered so far: all of them, Psi/G elements
+    (each unit padded to a multiple of N, as its flat buffer is).  With prefetch the peak moves into backward, where
+    slices already consumed no longer count (``test_hpz_keeps_the_backward_gather_inside_the_node``)."""
+    m, g = map(int, shape.split("x"))
+    n, n_layer = m * g, 2
+    gpt = TASKS["gpt"].make_model(0, torch.float64, n_layer=n_layer)
+    units = [padded_size(sum(p.numel() for _, p in params), n) * 8 for params in assign_parameters(gpt, default_units(gpt))]
+    peaks = {}
+    for stage, options in (("zero3", {}), ("zeropp", {"hpz": True})):
+        exp = Experiment(stage=stage, task="gpt", model={"n_layer": n_layer}, steps=2, dtype="float64",
+                         options={"prefetch": 0, **options}, network=f"nodes={shape}")
+        peaks[stage] = {r.gathered_peak_bytes for r in pools.run(n, run_experiment, exp)}
+    assert peaks["zero3"] == {units[0] + units[1]}, (peaks, units)
+    assert peaks["zeropp"] == {units[0] + units[1] + sum(units) // g}, (peaks, units, g)
