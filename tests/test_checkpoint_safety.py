@@ -290,3 +290,55 @@ def test_a_damaged_rank_file_is_refused_on_every_rank(pools, tmp_path):
     with pytest.raises(RankError) as caught:
         pools.run(2, run_experiment, replace(exp, resume=str(tmp_path), first_step=1))
     assert "rank-00001-of-00002.pt: its SHA-256 differs from the manifest's" in caught.value.remote_traceback
+
+
+def _sharded_save(me, root: str, step: int, value: float, at: int | None = None, victim: int = -1):
+    """Every rank saves zero2's shards of the small MLP (every parameter ``value``) as checkpoint ``step``; rank
+    ``victim`` kill -9s itself at its ``at``-th event.  Each surviving rank returns its count of events and what
+    the directory resolves to *from that rank's process* once its ``save`` has returned."""
+    exp = Experiment(stage="zero2", task="mlp", steps=1, dtype="float32", optimizer="adamw")
+    stage, _, comm, _ = build(me, exp)
+    try:
+        with torch.no_grad():
+            for p in stage.module.parameters():
+                p.fill_(value)
+        kill = (lambda event, args: os.kill(os.getpid(), signal.SIGKILL))
+        with _Events(at if me.rank == victim else -1, kill) as events:
+            checkpoint.save(stage, root, step)
+        return events.count, find_with_notes(root)[0].name
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_at_every_moment_of_a_sharded_save_leaves_a_whole_checkpoint(pools, tmp_path, victim):
+    """Two ranks re-save step 4 over a run that saved steps 2 and 4; rank ``victim`` is killed (kill -9) at each
+    of its moments in turn -- before and inside its file's writes, each fsync, and on rank 0 the manifest, each
+    rename of the publish and ``latest``, the removal of the old step.  Whatever the moment, ``latest`` resolves to
+    a complete checkpoint that loads whole (the old save or the new, never a mix); once the new one is in place it
+    stays; and the next save leaves nothing of the killed one.  A save that returned is complete and in place as
+    seen from another rank's process."""
+    def old_run(root):
+        pools.run(2, _sharded_save, str(root), 2, 0.5)
+        pools.run(2, _sharded_save, str(root), 4, 1.0)
+
+    counts = pools.run(2, _sharded_save, str(tmp_path / "unharmed"), 4, 2.0)
+    assert [name for _, name in counts] == ["step-00000004"] * 2  # returned on each rank: in place for both
+    moments = counts[victim][0]
+    assert moments >= (10 if victim == 0 else 3), f"rank {victim}: only {moments} moments counted"
+    outcomes = []
+    for at in range(moments):
+        root = tmp_path / f"killed-{at}"
+        old_run(root)
+        with pytest.raises(RankError) as ended:
+            pools.run(2, _sharded_save, str(root), 4, 2.0, at=at, victim=victim)
+        assert f"rank {victim}" in str(ended.value), (at, str(ended.value)[:300])
+        found, notes = find_with_notes(root)
+        outcomes.append(_loaded_value(found))
+        pools.run(2, _sharded_save, str(root), 5, 3.0)  # the next save
+        assert _leftovers(root) == [], f"rank {victim} killed at its moment {at}"
+        assert _loaded_value(root) == 3.0
+    assert outcomes[0] == 1.0 and set(outcomes) <= {1.0, 2.0}, outcomes
+    assert outcomes == sorted(outcomes), outcomes  # once the new save is in place, it stays the one loaded
+    if victim == 0:
+        assert outcomes[-1] == 2.0, outcomes  # killed after the publish: the new one resolves
