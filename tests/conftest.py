@@ -84,7 +84,7 @@ BESIDE_THE_LESSONS = {
     "test_activation_checkpointing", "test_step_memory", "test_offload",
     # what the lessons print and draw: structure, names and bytes, never time
     "test_lesson_outputs", "test_production_names", "test_parallelism", "test_lesson_overlap",
-    "test_lesson_ring_pictures", "test_lesson_layout", "test_lesson_debug_flags", "test_lesson_zero2_backward",
+    "test_lesson_ring_pictures", "test_lesson_layout", "test_lesson_prose", "test_lesson_debug_flags", "test_lesson_zero2_backward",
     "test_stage_lifetime", "test_bench_method", "test_efficiency", "test_gpu_run",
     # compression beyond 16 bits: values, bytes and the break-even formulas (compute is timed there, never compared)
     "test_codecs", "test_powersgd", "test_break_even", "test_compress_study", "test_quantized_weights",
