@@ -32,6 +32,16 @@ def test_fsdp2_with_torchs_clip_grad_norm_is_refused_where_a_shard_is_empty(pool
     assert ", inf)" in verdict.case and "world size 1," not in verdict.case, verdict
 
 
+def test_fsdp2_on_a_2d_mesh_trains_as_one_device_and_meets_the_empty_shard_at_n_4(pools):
+    """HSDP: ``fully_shard`` on a ``("replicate", "shard")`` mesh built in the factory.  Its drawn examples are
+    single-device training; at N = 2 its rows are single ranks (no empty shard), so only the fixed case at N = 4,
+    2 x 2, meets torch's finding -- which is why that case is tried at N = 4 too."""
+    verdict = verify(f"{TORCH}:fsdp2_hybrid", examples=3, world_sizes=(2, 4), pools=pools, deadline_s=5.0)
+    assert not verdict.ok, verdict
+    assert "_foreach_norm cannot compute the infinity norm on an empty tensor" in verdict.failed, verdict
+    assert verdict.case.startswith("world size 4,") and verdict.case.endswith("clip (0.02, inf)"), verdict.case
+
+
 def test_a_students_right_ddp_passes_and_a_missing_division_is_named(pools):
     assert verify(f"{OURS}:student_ddp", examples=6, pools=pools).ok
     verdict = verify(f"{OURS}:sums_without_dividing", examples=6, pools=pools)

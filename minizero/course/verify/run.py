@@ -89,13 +89,15 @@ def declared(me, spec: str) -> tuple[int, bool] | Raised:
 
 def corners(spec: str, max_accum: int, world_sizes, unused: bool = False) -> list:
     """Cases tried whatever the draws, after them (a draw that fails is told on its shrunk case first): a
-    parameter with an empty shard at N = 2 under an inf-norm clip (a max over nothing), and K = 3 at N = 3 with
-    uneven batches, one rank empty; for a wrapper that takes unused parameters, the edge model (frozen, unused and
-    zero-size parameters) under the same clip."""
+    parameter with an empty shard under an inf-norm clip (a max over nothing) at N = 2 and again at N = 4 -- where a
+    2-D mesh's rows of two shard what its rows of one at N = 2 did not -- and K = 3 at N = 3 with uneven batches,
+    one rank empty; for a wrapper that takes unused parameters, the edge model (frozen, unused and zero-size
+    parameters) under the same clip."""
     base = Experiment(stage=Yours.name, task="mlp", model={"sizes": (1, 1)}, optimizer="sgd", lr=0.01, steps=2,
                       dtype="float64", backend="native", clip=(0.02, float("inf")), record_states=False,
                       stages=STAGES, options={"factory": spec})
-    cases = [(base, 2), (replace(base, model={"sizes": (3, 4, 2)}, accum=max_accum, rank_sizes=(2, 0, 3), clip=None), 3)]
+    cases = [(base, 2), (base, 4),
+             (replace(base, model={"sizes": (3, 4, 2)}, accum=max_accum, rank_sizes=(2, 0, 3), clip=None), 3)]
     if unused:
         cases.append((replace(base, task="edge", model={}), 2))
     return [(exp, n) for exp, n in cases if n in world_sizes]
@@ -140,7 +142,8 @@ def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankP
         why = what_is_wrong(results, reference_of(exp, n), exp, n)
         return (why, results) if why else None
 
-    verdict = Verdict(spec, examples, said + f", then an empty shard under an inf-norm clip and K = {max_accum} at N = 3"
+    verdict = Verdict(spec, examples, said + f", then an empty shard under an inf-norm clip at N = 2 and 4 and "
+                      f"K = {max_accum} at N = 3"
                       + (", and the edge model under that clip" if unused else ""))
     try:
         Searcher(examples, shrink_s).search(strategy, examine, describe)

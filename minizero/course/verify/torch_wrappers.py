@@ -54,17 +54,40 @@ def zero_redundancy(module, group):
 
 def fsdp2(module, group, reshard_after_forward: bool = True):
     """FSDP2: ``fully_shard`` on the model over a 1-D mesh of every rank; gradient accumulation through
-    ``set_requires_gradient_sync`` (found by itself).  ``fully_shard`` keeps each rank's own values of its shard
-    and, unlike DDP, never broadcasts: ``verify`` builds each rank's model from its own seed, as separate machines
-    would, so the factory starts every rank from rank 0's values first, as an FSDP2 user must (or seed alike)."""
+    ``set_requires_gradient_sync`` (found by itself)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    return fully_shard(_from_rank_0(module, group), mesh=DeviceMesh.from_group(group, _device(module)),
+                       reshard_after_forward=reshard_after_forward)
+
+
+def _from_rank_0(module, group):
+    """Every rank's parameters and buffers set to rank 0's.  ``fully_shard`` keeps each rank's own values of its
+    shard and, unlike DDP, never broadcasts: ``verify`` builds each rank's model from its own seed, as separate
+    machines would, so an FSDP2 factory starts every rank from rank 0's values first, as an FSDP2 user must (or
+    seed alike)."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(tensor, dist.get_global_rank(group, 0), group=group)
-    device = next(iter(module.parameters()), torch.empty(0)).device.type
-    return fully_shard(module, mesh=DeviceMesh.from_group(group, device),
-                       reshard_after_forward=reshard_after_forward)
+    return module
+
+
+def _device(module) -> str:
+    return next(iter(module.parameters()), torch.empty(0)).device.type
+
+
+def fsdp2_hybrid(module, group):
+    """FSDP2 on a 2-D mesh -- HSDP: ``fully_shard(module, mesh=...)`` with a ``("replicate", "shard")`` mesh, the
+    parameters sharded within each row and replicated across rows (2 rows where N is even, else 1: a mesh's
+    shape must divide N; at N = 2 each row is one rank, which shards nothing).  The gradients are reduce-scattered
+    in the row, then all-reduced across rows."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    n = dist.get_world_size(group)
+    rows = 2 if n % 2 == 0 else 1
+    ranks = torch.tensor([dist.get_global_rank(group, r) for r in range(n)]).view(rows, n // rows)
+    mesh = DeviceMesh(_device(module), ranks, mesh_dim_names=("replicate", "shard"))
+    return fully_shard(_from_rank_0(module, group), mesh=mesh)
 
 
 def fsdp2_keep_after_forward(module, group):
