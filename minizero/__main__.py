@@ -23,7 +23,6 @@ from .course.harness.optimizers import OPTIMIZERS
 from .course.harness.option_flags import add_flags
 from .course.harness.rank_verdict import rank_error_verdict
 from .course.harness.registry import LAB_STAGES
-from .course.harness.step_memory import gpu_bytes
 from .course.harness.tasks import TASKS
 from .course.labs.cli import add_commands as add_lab_commands
 from .parts.precision import PRECISIONS, REDUCE_DTYPES
@@ -99,7 +98,7 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
                         help="each block keeps its input only and is replayed in backward (minizero.parts.activations)")
     memory.add_argument("--offload-optimizer", action="store_true",
                         help="the ZeRO stages keep their optimizer states in host memory (ZeRO-Offload, minizero.parts.offload)")
-    memory.add_argument("--gpu", type=gpu_bytes, default=None,
+    memory.add_argument("--gpu", type=preflight.gpu, default=None,
                         help="a GPU's memory, e.g. 80GB: does each stage fit, and if not, the smallest change that does")
     memory.add_argument("--bucket-mb", type=positive_float, default=25.0,
                         help="the bucket cap of ddp-bucketed and ZeRO-2 in MiB (torch DDP's 25): ZeRO-2 holds two at a "

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from minizero.__main__ import main
 from minizero.course.commands.memory_table import MODELS, gpt_shape, measured_activation_bytes, measured_rows, step_peak
 from minizero.course.harness.optimizers import OPTIMIZERS
 from minizero.course.harness.step_memory import (
@@ -64,6 +65,17 @@ def test_gpu_sizes_are_read_in_the_vendors_units_and_nonsense_is_refused():
             gpu_bytes(bad)
     with pytest.raises(ValueError, match="is 80 bytes -- no GPU is that small; give a unit, such as 80GB"):
         gpu_bytes("80")  # read as 80 bytes, once without a word
+
+
+@pytest.mark.parametrize("gpu, said", [("80", "is 80 bytes -- no GPU is that small; give a unit, such as 80GB"),
+                                       ("1e400GB", "give a memory size such as 80GB")])
+def test_the_command_line_says_what_gpu_bytes_refuses_word_for_word(capsys, gpu, said):
+    """``memory --gpu 80`` once printed argparse's "invalid gpu_bytes value: '80'": the reason never reached the user."""
+    with pytest.raises(SystemExit) as ended:
+        main(["memory", "--params", "1e9", "--world-size", "8", "--gpu", gpu])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "invalid" not in err, err
 
 
 #: How far a step's measured peak may be from the prediction: above it by at most 3% (a "fits" must fit); below it by

@@ -45,6 +45,16 @@ def seed(text: str) -> int:
     return value
 
 
+def gpu(text: str) -> float:
+    """``--gpu``: a memory size (:func:`~minizero.course.harness.step_memory.gpu_bytes`), its refusal word for word
+    -- argparse shows only an ``ArgumentTypeError``'s own words (a ``ValueError`` becomes "invalid value")."""
+    from .step_memory import gpu_bytes
+    try:
+        return gpu_bytes(text)
+    except ValueError as refused:
+        raise argparse.ArgumentTypeError(str(refused)) from None
+
+
 def check_lr(lr: float, optimizer: str, dtype: torch.dtype = torch.float32) -> None:
     """The largest step the optimizer would take must be a number in the masters' dtype: torch refuses to form
     Adam's first step ``lr / (1 - beta1)`` beyond float32's range ("value cannot be converted ... overflow")."""
