@@ -42,6 +42,8 @@ def test_presets_and_units_parse():
     assert parse_network("ethernet-100g").bandwidth == 12.5e9 and PRESETS["ethernet-100g"].source
     assert all(p.source for p in PRESETS.values())
     assert parse_network(None) is None
+    cluster = parse_network("nodes=2x2,inter=2ms/50MB/s")
+    assert parse_network("inter=2ms/50MB/s,NODES=2x2") == cluster and parse_network("Nodes=2x2") is not None
 
 
 @pytest.mark.parametrize("spec, words", [
@@ -53,6 +55,9 @@ def test_presets_and_units_parse():
     ("alpha=1ms", "has no bandwidth"),
     ("latency=1ms,bandwidth=1GB/s", "unknown key 'latency'"),
     ("fast", "unknown network preset 'fast'; presets: nvlink, pcie4, ethernet-100g, infiniband-ndr, lesson"),
+    # a cluster is a cluster wherever its nodes= stands (once answered about alpha= and bandwidth=)
+    ("bandwidth=1GB/s,nodes=2x2", "unknown key 'bandwidth' in 'bandwidth=1GB/s,nodes=2x2'; give nodes=MxG"),
+    ("intra=nvlink", "unknown key 'intra' in 'intra=nvlink'; give alpha=TIME,bandwidth=RATE (one wire), or nodes=MxG"),
 ])
 def test_bad_networks_are_refused_in_one_line(spec, words):
     with pytest.raises(ValueError, match=re.escape(words)) as error:

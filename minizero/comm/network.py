@@ -123,7 +123,8 @@ def parse_network(spec: "str | Network | TwoLevel | None") -> "Network | TwoLeve
     if spec is None or isinstance(spec, (Network, TwoLevel)):
         return spec
     text = spec.strip()
-    if text.startswith("nodes="):
+    keys = {part.partition("=")[0].strip().lower() for part in text.split(",")}
+    if "nodes" in keys:  # in any place, in any case: "bandwidth=...,nodes=2x2" is a cluster too, not a flat wire
         return parse_two_level(text)
     if text in PRESETS:
         return PRESETS[text]
@@ -135,7 +136,8 @@ def parse_network(spec: "str | Network | TwoLevel | None") -> "Network | TwoLeve
         key, _, value = part.partition("=")
         key = key.strip().lower()
         if key not in ("alpha", "bandwidth"):
-            raise ValueError(f"network: unknown key {key!r} in {spec!r}; give alpha=TIME,bandwidth=RATE")
+            raise ValueError(f"network: unknown key {key!r} in {spec!r}; give alpha=TIME,bandwidth=RATE (one wire), "
+                             f"or nodes=MxG[,intra=WIRE][,inter=WIRE] (a cluster)")
         if key in values:
             raise ValueError(f"network: {key} given twice in {spec!r}; give each once")
         values[key] = value.strip()
@@ -155,6 +157,8 @@ def parse_two_level(text: str) -> TwoLevel:
         if key in values:
             raise ValueError(f"network: {key} given twice in {text!r}; give each once")
         values[key] = value.strip()
+    if "nodes" not in values:
+        raise ValueError(f"network: {text!r} has no nodes=MxG; give nodes=MxG[,intra=WIRE][,inter=WIRE]")
     return TwoLevel(parse_nodes(values["nodes"]), *(parse_wire(values[k], k) if k in values else None
                                                    for k in ("intra", "inter")))
 
