@@ -214,3 +214,16 @@ def test_hpz_adds_the_papers_psi_over_g_to_the_working_set(pools, shape):
         peaks[stage] = {r.gathered_peak_bytes for r in pools.run(n, run_experiment, exp)}
     assert peaks["zero3"] == {units[0] + units[1]}, (peaks, units)
     assert peaks["zeropp"] == {units[0] + units[1] + sum(units) // g}, (peaks, units, g)
+
+
+def test_hsdp_without_a_network_says_where_it_assumed_the_ranks(capsys):
+    """At N = 2 and every odd N the assumed nodes hold one rank each: HSDP shards nothing (G = 1), once silently."""
+    from minizero.__main__ import main
+    from minizero.course.commands.compare import assumed_nodes_notes
+    assert main(["compare", "--world-size", "2", "--stages", "hsdp", "--steps", "1"]) == 0
+    assert ("(hsdp: no --network, so its ranks were assumed on 2 nodes of 1 rank: G = 1, so nothing is sharded "
+            "within a node and every rank holds all the state; say where they sit: --network nodes=MxG)"
+            in capsys.readouterr().out)
+    assert assumed_nodes_notes(["ddp", "hsdp"], None, 4, None) == [
+        "(hsdp: no --network, so its ranks were assumed on 2 nodes of 2 ranks; say where they sit: --network nodes=MxG)"]
+    assert assumed_nodes_notes(["hsdp"], "nodes=1x4", 4, None) == [] and assumed_nodes_notes(["ddp"], None, 3, None) == []

@@ -18,6 +18,7 @@ from dataclasses import asdict, replace
 import torch.distributed as dist
 
 from ...comm import parse_network
+from ...comm.nodes import assumed_nodes
 from ...parts.precision import Precision
 from ...run.launch import RankError, RankPool, check_world_size
 from ...run.torchrun import init_from_env, under_torchrun
@@ -218,5 +219,18 @@ def main(args) -> tuple[int, str]:
     elif args.compress or getattr(args, "quantized_weights", None):
         lines.append("(compressed stages are compared with a reference applying the same casts; "
                      "'vs exact' is the change compression made)")
+    lines += assumed_nodes_notes(stages, args.network, world_size, getattr(args, "registry", None))
     lines.append(format_table(rows))
     return status, "\n".join(lines)
+
+
+def assumed_nodes_notes(stages: list[str], network: str | None, world_size: int, registry: dict | None) -> list[str]:
+    """A stage whose mesh is the nodes (HSDP), run without ``--network``: where its ranks were assumed to sit,
+    said -- at N = 2 or an odd N that is one rank per node, which shards nothing (its state formula's G = 1)."""
+    if network:
+        return []
+    nodes = assumed_nodes(world_size)
+    alone = ": G = 1, so nothing is sharded within a node and every rank holds all the state" if nodes.per_node == 1 else ""
+    return [f"({name}: no --network, so its ranks were assumed on {nodes.count} nodes of {nodes.per_node} "
+            f"rank{'s' if nodes.per_node > 1 else ''}{alone}; say where they sit: --network nodes=MxG)"
+            for name in stages if getattr(stage_class(name, registry), "needs_nodes", False)]
