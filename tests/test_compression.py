@@ -122,8 +122,10 @@ def test_compression_on_16_bit_gradients_is_refused(pools):
 
 def test_unknown_compression_is_refused():
     from minizero.compress import check_compress
-    with pytest.raises(ValueError, match="compress must be one of none, fp16, bf16"):
+    with pytest.raises(ValueError, match="compress must be one of none, fp16, bf16") as refused:
         check_compress("int16")
+    assert "got 'int16'" in str(refused.value)
+    check_compress("int8")  # a codec: accepted
 
 
 def _finite_on_every_rank_infinite_summed(me):
