@@ -240,7 +240,9 @@ def plot(rows: list[dict], path: str) -> None:
                                                                              "\n(not compared)") for r in rows],
                      fontsize=7, rotation=30, ha="right")
     speed.set_ylabel("step time / torch counterpart's")
-    speed.set_title(f"step time ratio, 95% interval over {rows[0]['rounds']} rounds (below 1: faster)")
+    holds = next((r["held"] for r in rows if r.get("held") is not None), None)  # what each interval holds
+    said = f"{holds:.1%} interval" if holds is not None else "no interval"
+    speed.set_title(f"step time ratio, {said} over {rows[0]['rounds']} rounds (below 1: faster)")
     width = 0.4
     memory.bar([i - width / 2 for i in at], [r["held_bytes"] / 1e6 for r in rows], width, label="minizero")
     memory.bar([i + width / 2 for i in at], [(r["counterpart_held_bytes"] or 0) / 1e6 for r in rows], width,
