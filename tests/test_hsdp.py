@@ -227,3 +227,37 @@ def test_hsdp_without_a_network_says_where_it_assumed_the_ranks(capsys):
     assert assumed_nodes_notes(["ddp", "hsdp"], None, 4, None) == [
         "(hsdp: no --network, so its ranks were assumed on 2 nodes of 2 ranks; say where they sit: --network nodes=MxG)"]
     assert assumed_nodes_notes(["hsdp"], "nodes=1x4", 4, None) == [] and assumed_nodes_notes(["ddp"], None, 3, None) == []
+
+
+def _hpz_slices_through_a_step(me, n_layer: int):
+    """This rank's hpZ slices (their units, their bytes) after forward and after backward."""
+    import torch.nn.functional as F
+    from minizero.course.harness.experiment import build
+    exp = Experiment(stage="zeropp", task="gpt", model={"n_layer": n_layer}, steps=1, dtype="float32",
+                     options={"prefetch": 1, "hpz": True}, network=f"nodes=1x{me.world_size}")
+    stage, _, comm, _ = build(me, exp)
+    try:
+        x, y = TASKS["gpt"].make_batch(4, 0, 0, torch.float32)
+        out = stage(x)
+        held = [(sorted(u for _, u in stage.secondary._slices.values()),
+                 sum(t.numel() * t.element_size() for t in stage.secondary.held()))]
+        F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+        held.append((sorted(u for _, u in stage.secondary._slices.values()),
+                     sum(t.numel() * t.element_size() for t in stage.secondary.held())))
+        return held
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hpz_keeps_one_slice_a_unit_from_forward_and_none_after_backward(pools, world_size):
+    """hpZ's node-local copies are used once: after forward one slice of every unit (root included), 1/G of its
+    padded flat buffer; after backward none -- each consumed by its unit's backward gather.  A copy kept after use
+    (dropped only at the step) would hold up to Psi/G more through every later backward."""
+    n_layer = 3
+    gpt = TASKS["gpt"].make_model(0, torch.float32, n_layer=n_layer)
+    units = [padded_size(sum(p.numel() for _, p in params), world_size) * 4
+             for params in assign_parameters(gpt, default_units(gpt))]
+    for forward, backward in pools.run(world_size, _hpz_slices_through_a_step, n_layer):
+        assert forward == (list(range(n_layer + 1)), sum(units) // world_size), (forward, units)
+        assert backward == ([], 0), backward
