@@ -232,6 +232,7 @@ def test_hsdp_without_a_network_says_where_it_assumed_the_ranks(capsys):
 def _hpz_slices_through_a_step(me, n_layer: int):
     """This rank's hpZ slices (their units, their bytes) after forward and after backward."""
     import torch.nn.functional as F
+
     from minizero.course.harness.experiment import build
     exp = Experiment(stage="zeropp", task="gpt", model={"n_layer": n_layer}, steps=1, dtype="float32",
                      options={"prefetch": 1, "hpz": True}, network=f"nodes=1x{me.world_size}")
