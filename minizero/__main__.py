@@ -12,6 +12,7 @@ import sys
 
 from .comm import BACKENDS, PRESETS
 from .course.commands.bench import BENCHES
+from .course.commands.bench import ROUNDS as BENCH_ROUNDS
 from .course.commands.compress_study import add_parser as add_compress_study
 from .course.commands.memory_table import MODELS as MEMORY_MODELS
 from .course.commands.memory_table import stage_list
@@ -115,10 +116,10 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--world-size", type=positive_int, default=2)
     bench.add_argument("--repeats", type=positive_int, default=5,
                        help="collectives, overlap: calls per timing (the median); each round times once")
-    bench.add_argument("--rounds", type=positive_int, default=6,
+    bench.add_argument("--rounds", type=positive_int, default=BENCH_ROUNDS,
                        help="rounds in which each stage and its counterpart alternate (at least 3): the ratio is "
                             "their median, with the k-th smallest to k-th largest ratio as its interval -- 95%% "
-                            "from 6 rounds (a verdict needs it), narrower from 9")
+                            f"from {BENCH_ROUNDS} rounds (a verdict needs it), narrower from 9")
     bench.add_argument("--network", default=None,
                        help="dial the network: 'alpha=2ms,bandwidth=50MB/s' or a preset (" + ", ".join(PRESETS) + "); "
                             "overlap, buckets, prefetch and compress measure on it (default for the last three: lesson)")

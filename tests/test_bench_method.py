@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from minizero.course.harness import machine, rounds
-from minizero.course.harness.rounds import compare, held, interval, measure_rounds, orders, verdict
+from minizero.course.harness.rounds import FEWEST_ROUNDS, compare, fewest_rounds, held, interval, measure_rounds, orders, verdict
 
 
 def _times(ratios: list[float], base: float = 10.0) -> tuple[list[float], list[float]]:
@@ -50,6 +50,7 @@ def test_the_median_is_the_median_of_per_round_ratios_not_of_times():
 def test_the_interval_is_the_kth_smallest_to_kth_largest_ratio_and_says_what_it_holds():
     """Each bound an order statistic, k chosen by the exact coverage 1 - 2 P(Binomial(n, 1/2) < k) >= 95%."""
     assert held(6, 1) == 1 - 2 / 64 and held(7, 2) == 1 - 2 * 8 / 128 and held(9, 2) == 1 - 2 * 10 / 512
+    assert held(5, 1) < 0.95 <= held(6, 1) and FEWEST_ROUNDS == 6 == fewest_rounds(0.95) and fewest_rounds(0.99) == 8
     ratios = [0.9, 1.1, 1.0, 0.95, 1.2, 0.85]
     assert interval(ratios) == (0.85, 1.2, 1 - 2 / 64)  # 6 rounds: the smallest to the largest, 96.9%
     nine = [1.3, 0.7, 1.0, 0.9, 1.2, 0.8, 1.1, 0.95, 1.05]

@@ -21,7 +21,7 @@ from ..harness.machine import Recorded
 from ..harness.machine import describe as describe_machine
 from ..harness.models import BENCH_GPT
 from ..harness.registry import accepting, sharding
-from ..harness.rounds import METHOD, check_rounds, compare, describe, measure_rounds
+from ..harness.rounds import FEWEST_ROUNDS, METHOD, check_rounds, compare, describe, measure_rounds
 from . import bench_all
 from .bench_network import (
     bench_buckets,
@@ -36,7 +36,7 @@ from .efficiency import bench_efficiency, format_efficiency
 from .gpu_efficiency import GPU_DIAL, bench_gpu_efficiency, format_gpu_efficiency
 
 MB = 1 << 20
-ROUNDS = 6  # the default --rounds: the fewest whose interval holds the median 95% of the time (96.9%)
+ROUNDS = FEWEST_ROUNDS  # the default --rounds: the fewest whose interval holds the median 95% of the time (6)
 STEPS = 6  # steps per run, two of them untimed warm-up
 
 

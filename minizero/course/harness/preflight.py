@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ...stages.options import natural_int, positive_float
+from .step_memory import gpu_bytes
 
 #: A collective that waits less than this for a peer is no evidence of a stall: a healthy peer may still be
 #: building its model or wrapping the stage (the first collectives), or be paused by a busy machine.
@@ -48,7 +49,6 @@ def seed(text: str) -> int:
 def gpu(text: str) -> float:
     """``--gpu``: a memory size (:func:`~minizero.course.harness.step_memory.gpu_bytes`), its refusal word for word
     -- argparse shows only an ``ArgumentTypeError``'s own words (a ``ValueError`` becomes "invalid value")."""
-    from .step_memory import gpu_bytes
     try:
         return gpu_bytes(text)
     except ValueError as refused:
