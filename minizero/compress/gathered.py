@@ -33,12 +33,13 @@ def stream(rank: int, carried: torch.Tensor) -> torch.Generator:
     return torch.Generator().manual_seed(checksum ^ (rank * 0x9E3779B1 & 0xFFFFFFFF))
 
 
-def mean_in_rank_order(decoded: list[torch.Tensor]) -> torch.Tensor:
-    """The decoded messages' mean, added in rank order: what every rank (and the reference) computes."""
-    total = torch.zeros_like(decoded[0])
-    for x in decoded:
-        total += x
-    return total / len(decoded)
+def mean_in_rank_order(codec: Codec, messages, total: torch.Tensor) -> torch.Tensor:
+    """The mean of the messages, decoded and added in rank order into ``total`` (zeroed first, its values
+    overwritten): what every rank (and the reference) computes, bit for bit."""
+    total.zero_()
+    for message in messages:
+        codec.add_decoded(message, total)
+    return total.div_(len(messages))
 
 
 class GatheredWire(KeepsResiduals, RefusesNonFinite):
@@ -67,7 +68,8 @@ class GatheredWire(KeepsResiduals, RefusesNonFinite):
         source, target = (arguments["input"], arguments["output"]) if scatter else (arguments["tensor"],) * 2
         carried = source.reshape(-1).clone()
         self.carry(key, carried, rank)
-        pieces = split(carried.cpu(), n if scatter else 1)  # a reduce-scatter's input is padded to N equal shards
+        flat = carried.cpu()
+        pieces = split(flat, n if scatter else 1)  # a reduce-scatter's input is padded to N equal shards
         messages = [self.codec.encode(p, stream(rank, p) if self.codec.stochastic else None) for p in pieces]
         sent = torch.cat(messages).to(source.device)
         size = pieces[0].numel()
@@ -78,16 +80,16 @@ class GatheredWire(KeepsResiduals, RefusesNonFinite):
             self.comm.all_to_all(received, sent, tag=tag)
         else:
             self.comm.all_gather(received, sent, tag=tag)
-        decoded = [self.codec.decode(m.cpu(), size, carried.dtype) for m in received.chunk(n)]
-        mean = mean_in_rank_order(decoded)
-        finite = bool(torch.isfinite(mean).all())
-        if not finite:  # never written into the weights, the residual kept as it was
+        if self.error_feedback:  # what this rank's messages will deliver, decoded: the rest is carried (if finite)
+            residual = carried - torch.cat([self.codec.decode(m, size, p.dtype)
+                                            for m, p in zip(messages, pieces, strict=True)]).to(carried.device)
+        # what was carried is encoded (and its residual taken): the mean is summed in its place, not in a new buffer
+        mean = mean_in_rank_order(self.codec, received.cpu().chunk(n), flat[:size])
+        if not bool(torch.isfinite(mean).all()):  # never written into the weights, the residual kept as it was
             self.refuse_non_finite(f"rank {rank}: inf/NaN in the {self.codec.name} wire's mean of "
                                    f"{(tag.describe() if tag else 'a gradient buffer')}; the weights were not touched")
-        if self.error_feedback and finite:  # what this rank's messages delivered, decoded: the rest is carried
-            delivered = torch.cat([self.codec.decode(m, size, p.dtype) for m, p in zip(messages, pieces, strict=True)]) \
-                if scatter else decoded[rank]  # (an all-gather brought this rank's own message back: decoded once)
-            self.residuals[key] = carried - delivered.to(carried.device)
+        elif self.error_feedback:
+            self.residuals[key] = residual
         target.reshape(-1).copy_(mean.to(target.device))
 
 

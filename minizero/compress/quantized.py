@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .codec import Codec, as_bytes, from_bytes, parse_arguments
+from .codec import Codec, as_bytes, chunks, from_bytes, parse_arguments
 
 
 class Quantized(Codec):
@@ -40,37 +40,59 @@ class Quantized(Codec):
     def message_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return math.ceil(numel * self.bits / 8) + 4 * self._blocks(numel)
 
+    def _step(self) -> int:
+        """Values per chunk: whole blocks, and an even number of values (int4 packs two to a byte)."""
+        return self.block * (2 if self.bits == 4 and self.block % 2 else 1)
+
     def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        numel, blocks = x.numel(), self._blocks(x.numel())
-        padded = torch.zeros(blocks * self.block, dtype=torch.float64)
-        padded[:numel] = x.detach().reshape(-1).to(torch.float64)
-        rows = padded.view(blocks, self.block)
-        scale = (rows.abs().amax(dim=1) / self.levels).to(torch.float32)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.float64)
-        units = rows / safe[:, None]  # in [-levels, levels]
-        if self.stochastic:
-            low = units.floor()
-            up = torch.rand(units.shape, dtype=torch.float64, generator=generator) < (units - low)
-            codes = low + up.to(torch.float64)
-        else:
-            codes = units.round()
-        codes = codes.clamp(-self.levels, self.levels).to(torch.int8).view(-1)[:numel]
-        if self.bits == 4:  # two codes per byte, offset to 0..14
-            nibbles = (codes + self.levels).to(torch.uint8)
-            if numel % 2:
-                nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
-            packed = nibbles[0::2] | (nibbles[1::2] << 4)
-        else:
-            packed = codes.view(torch.uint8)
+        flat = x.detach().reshape(-1)
+        numel, code_bytes = flat.numel(), math.ceil(flat.numel() * self.bits / 8)
+        packed = torch.empty(code_bytes, dtype=torch.uint8)
+        scale = torch.empty(self._blocks(numel), dtype=torch.float32)
+        work = torch.float64 if flat.dtype == torch.float64 else torch.float32  # a 16-bit gradient's values exactly
+        for start, stop in chunks(numel, self._step()):
+            rows = whole_blocks(flat[start:stop].to(work), self.block)
+            block_scale = (torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()) / self.levels).to(torch.float32)
+            scale[start // self.block:start // self.block + rows.shape[0]] = block_scale
+            safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale)).to(work)
+            units = rows / safe[:, None]  # in [-levels, levels]
+            if self.stochastic:  # rounded up with probability the distance from the code below
+                low = units.floor()
+                units = low.add_(torch.rand(units.shape, dtype=work, generator=generator) < (units - low))
+            codes = units.round_().clamp_(-self.levels, self.levels).to(torch.int8).view(-1)[:stop - start]
+            if self.bits == 4:  # two codes per byte, offset to 0..14
+                nibbles = (codes + self.levels).to(torch.uint8)
+                nibbles = torch.cat([nibbles, nibbles.new_zeros(nibbles.numel() % 2)])
+                packed[start // 2:start // 2 + nibbles.numel() // 2] = nibbles[0::2] | (nibbles[1::2] << 4)
+            else:
+                packed[start:stop] = codes.view(torch.uint8)
         return torch.cat([packed, as_bytes(scale)])
 
-    def decode(self, message: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def add_decoded(self, message: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        numel = total.numel()
         code_bytes = math.ceil(numel * self.bits / 8)
         packed, scale = message[:code_bytes], from_bytes(message[code_bytes:], torch.float32)
-        if self.bits == 4:
-            nibbles = torch.stack([packed & 0xF, packed >> 4], dim=1).view(-1)[:numel]
-            codes = nibbles.to(torch.float64) - self.levels
-        else:
-            codes = packed.clone().view(torch.int8).to(torch.float64)
-        per_value = scale.to(torch.float64).repeat_interleave(self.block)[:numel]
-        return (codes * per_value).to(dtype)
+        # code x scale is exact in float64 and rounded once -- as a float32 product is (correctly rounded); a
+        # 16-bit gradient's would be rounded twice through float32, so it is formed in float64
+        exact = total.dtype if total.dtype in (torch.float32, torch.float64) else torch.float64
+        for start, stop in chunks(numel, self._step()):
+            if self.bits == 4:
+                byte = packed[start // 2:(stop + 1) // 2].to(torch.int32)  # one lookup a byte: its two codes
+                codes = PAIRS.to(exact).index_select(0, byte).view(-1)[:stop - start]
+            else:
+                codes = packed[start:stop].view(torch.int8).to(exact)
+            rows = whole_blocks(codes, self.block)
+            block_scale = scale[start // self.block:start // self.block + rows.shape[0]].to(exact)
+            total[start:stop] += rows.mul_(block_scale[:, None]).view(-1)[:stop - start].to(total.dtype)
+        return total
+
+
+def whole_blocks(values: torch.Tensor, block: int) -> torch.Tensor:
+    """``values`` as rows of ``block``, the last one padded with zeros (which change no block's max)."""
+    if values.numel() % block:
+        values = torch.cat([values, values.new_zeros(-values.numel() % block)])
+    return values.view(-1, block)
+
+
+#: Byte b of an int4 message -> its two codes (the low nibble first), back from 0..14 to -7..7.
+PAIRS = torch.stack([torch.arange(256) & 0xF, torch.arange(256) >> 4], dim=1) - 7.0

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import torch
 
-from .codec import Codec, as_bytes, element_bytes, from_bytes
+from .codec import Codec, as_bytes, chunks, element_bytes, from_bytes
 
 
 class Sign(Codec):
@@ -24,16 +25,25 @@ class Sign(Codec):
 
     def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         flat = x.detach().reshape(-1)
-        scale = flat.abs().mean().reshape(1)
-        bits = (flat >= 0).to(torch.uint8)
-        bits = torch.cat([bits, bits.new_zeros((-bits.numel()) % 8)]).view(-1, 8)
-        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-        packed = (bits * weights).sum(dim=1, dtype=torch.uint8)  # no carries: each bit has its own weight
-        return torch.cat([packed, as_bytes(scale)])
+        packed = numpy.empty(math.ceil(flat.numel() / 8), dtype=numpy.uint8)
+        magnitude = 0.0  # sum |x|, in float64 whatever x's dtype
+        for start, stop in chunks(flat.numel(), 8):
+            piece = flat[start:stop]
+            magnitude += float(piece.abs().sum(dtype=torch.float64))
+            packed[start // 8:math.ceil(stop / 8)] = numpy.packbits((piece >= 0).numpy(), bitorder="little")
+        scale = torch.tensor([magnitude / max(1, flat.numel())], dtype=x.dtype)
+        return torch.cat([torch.from_numpy(packed), as_bytes(scale)])
 
-    def decode(self, message: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def add_decoded(self, message: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        numel = total.numel()
         nbytes = math.ceil(numel / 8)
-        scale = from_bytes(message[nbytes:], dtype)
-        bits = (message[:nbytes, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-        signs = bits.reshape(-1)[:numel].to(dtype) * 2 - 1
-        return signs * scale
+        scale = from_bytes(message[nbytes:], total.dtype)
+        values = SIGNS.to(total.dtype) * scale  # byte b -> its 8 values, +scale or -scale: one lookup a byte
+        for start, stop in chunks(numel, 8):
+            decoded = values.index_select(0, message[start // 8:math.ceil(stop / 8)].to(torch.int32))
+            total[start:stop] += decoded.view(-1)[:stop - start]
+        return total
+
+
+#: Bit j of byte b (numpy's ``bitorder="little"``) is value j's sign: +1 where it is set, -1 where not.
+SIGNS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1) * 2.0 - 1

@@ -74,7 +74,8 @@ def wire_terms(spec: str, shapes, world_size: int, network: Network,
 def compute_s(spec: str, shapes, world_size: int, repeats: int = 3, averages_with: str = "all_reduce") -> float:
     """The compressor's own compute per step on this machine, timed (best of ``repeats``) on at most
     :data:`SAMPLE` elements and scaled to the model's: encode one message and decode N (a gathered codec:
-    one decode timed, times N; through the all-to-all, N decodes of a shard: one of the whole), cast there and
+    one decode timed, times N, each added into the buffer the mean is summed in; through the all-to-all, N decodes
+    of a shard: one of the whole), cast there and
     back (16 bits), or PowerSGD's products and orthogonalizations.
     On a GPU these are far cheaper than on a CPU; the wire-alone break-even leaves them out."""
     wire, psi = parse(spec), numel(shapes)
@@ -100,9 +101,9 @@ def compute_s(spec: str, shapes, world_size: int, repeats: int = 3, averages_wit
     scale = psi / x.numel()
     if isinstance(wire, torch.dtype):
         return _best(lambda: x.to(wire).to(torch.float32), repeats) * scale
-    message = wire.encode(x, torch.Generator().manual_seed(0) if wire.stochastic else None)
+    message, total = wire.encode(x, torch.Generator().manual_seed(0) if wire.stochastic else None), x.clone()
     encode = _best(lambda: wire.encode(x, torch.Generator().manual_seed(0) if wire.stochastic else None), repeats)
-    decode = _best(lambda: wire.decode(message, x.numel(), x.dtype), repeats)
+    decode = _best(lambda: wire.add_decoded(message, total), repeats)  # into the buffer the wire sums in
     return (encode + (1 if averages_with == "reduce_scatter" else world_size) * decode) * scale
 
 

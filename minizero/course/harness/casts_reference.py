@@ -151,17 +151,20 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
         through ``codec`` (or neither); residuals kept by rank and buffer (``key``, the loop's)."""
         count = len(flats)
         if codec is not None:  # every rank's messages decoded and added in rank order (compress.gathered)
-            decoded = []
+            messages = []
             for i, (r, flat) in enumerate(zip(ranks, flats, strict=True)):  # (i: the rank in the collective's group)
                 carried = flat.clone()
                 if error_feedback and (r, key) in residuals:
                     carried += residuals[(r, key)]
                 # a reduce-scatter encodes each shard on its own (qgZ's all-to-all); an all-reduce the whole
-                decoded.append(torch.cat([codec.decode(codec.encode(p, stream(i, p) if codec.stochastic else None),
-                                                       p.numel(), p.dtype) for p in split(carried, count if padded else 1)]))
+                pieces = split(carried, count if padded else 1)
+                messages.append([codec.encode(p, stream(i, p) if codec.stochastic else None) for p in pieces])
                 if error_feedback:
-                    residuals[(r, key)] = carried - decoded[-1]
-            return mean_in_rank_order(decoded)
+                    residuals[(r, key)] = carried - torch.cat([codec.decode(m, p.numel(), p.dtype)
+                                                               for m, p in zip(messages[-1], pieces, strict=True)])
+            size = flats[0].numel() // (count if padded else 1)  # each shard's mean: the one its owner decodes
+            return torch.cat([mean_in_rank_order(codec, [sent[j] for sent in messages], flats[0].new_empty(size))
+                              for j in range(len(messages[0]))])
         if wire is None:
             return ring_sum(flats, shards if padded else None) / count
         # divide by pre and post in the wider of the two dtypes (minizero.compress.Wire)
