@@ -96,3 +96,22 @@ def test_scale_compress_prints_the_table(capsys):
     assert main(["scale", "--params", "1e6"]) == 2  # neither compute nor --compress: refused
     assert "--compute-ms" in capsys.readouterr().err
 
+
+
+def test_bench_codecs_prints_each_codecs_compute_as_its_share_of_the_step(capsys, monkeypatch):
+    """``bench codecs``: each codec's compute (``compute_s``, on every averaging) divided by the fp32 step's -- the
+    figure held equal to its formula; the timings themselves are never compared (they move with the load)."""
+    import minizero.course.commands.codec_compute as codec_compute
+    from minizero.__main__ import main
+    timed = []
+    monkeypatch.setattr(codec_compute, "step_s", lambda model: 0.25)
+    monkeypatch.setattr(codec_compute, "compute_s", lambda spec, shapes, n, averages_with: timed.append(
+        (spec, n, averages_with, sum(s.numel() for _, s in shapes))) or 0.01 * len(timed))
+    rows = codec_compute.bench_codec_compute(3, model="tiny", codecs=("int8", "sign"))
+    psi = sum(p.numel() for p in TASKS["gpt"].make_model(0, torch.float32, **codec_compute.GPT_SIZES["tiny"]).parameters())
+    assert timed == [(spec, 3, via, psi) for spec in ("int8", "sign") for via in ("all_reduce", "reduce_scatter")]
+    assert [r["ratio"] for r in rows] == pytest.approx([0.04, 0.08, 0.12, 0.16])
+    assert [r["value"] for r in rows] == pytest.approx([10, 20, 30, 40]) and rows[0]["step_ms"] == 250
+    assert main(["bench", "codecs", "--world-size", "2", "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "against the tiny GPT's fp32 step (250 ms)" in out and "sign over reduce-scatter: encode 1, decode 2 shards" in out

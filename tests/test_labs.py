@@ -51,7 +51,7 @@ def test_a_blank_skeleton_fails_naming_the_property_the_case_and_what_to_write(p
     assert not report.ok
     assert report.failed == PROPERTIES[LABS[lab].properties[0]][0], report  # the first property after "yours"
     assert report.case.startswith("world size 1"), report.case  # shrunk to the smallest world
-    assert any(f"NotImplementedError: write {method}" in report.why for method in LABS[lab].todo), report.why
+    assert any(f"raised NotImplementedError: write {method}" in report.why for method in LABS[lab].todo), report.why
 
 
 @pytest.mark.parametrize("lab, level", EVERY_LEVEL)

@@ -3,7 +3,7 @@ import torch.distributed as dist
 
 from .base import Comm
 from .collective import ReduceOp, chunk_bounds
-from .fingerprint import KINDS, CollectiveMismatch, Tag
+from .fingerprint import KINDS, CollectiveMismatch, OutOfStep, Tag
 from .hierarchical import HierarchicalComm
 from .ledger import Ledger
 from .native import NativeComm, ring_bytes_sent, ring_messages
@@ -33,6 +33,6 @@ def make_comm(backend: str = "ring", group: dist.ProcessGroup | None = None, che
     return cls(group, check, parse_network(network))
 
 
-__all__ = ["BACKENDS", "INTER", "INTRA", "KINDS", "LINKS", "PRESETS", "CollectiveMismatch", "Comm", "HierarchicalComm",
+__all__ = ["BACKENDS", "INTER", "INTRA", "KINDS", "LINKS", "PRESETS", "CollectiveMismatch", "Comm", "OutOfStep", "HierarchicalComm",
            "Ledger", "Network", "Nodes", "Port", "Tag", "NativeComm", "ReduceOp", "RingComm", "TwoLevel", "Work",
            "chunk_bounds", "make_comm", "parse_network", "parse_nodes", "ring_bytes_sent", "ring_messages"]

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import progress
 from .collective import SUPPORTED_DTYPES, ReduceOp, _tensors
-from .fingerprint import Call, CollectiveMismatch, Tag, exchange
+from .fingerprint import Call, CollectiveMismatch, OutOfStep, Tag, exchange
 from .network import Network, TwoLevel
 from .nodes import Nodes
 from .port import Port
@@ -87,6 +87,7 @@ class Comm(Views):
         self._lock = threading.Lock()
         self._calls = 0  # collectives issued on this Comm: the number in every fingerprint
         self._failed: str | None = None  # a collective that failed part-way: this rank is out of step
+        self._failed_by: BaseException | None = None  # ... and what it raised
 
     # ----------------------------------------------------------- observers
     def add_observer(self, observer: Callable[[str, int], None]) -> None:
@@ -135,9 +136,9 @@ class Comm(Views):
         if getattr(self._local, "kind", None) is not None:  # part of an outer collective: booked there
             return method(**arguments)
         if self._failed is not None:
-            raise RuntimeError(f"rank {self.rank}: no more collectives on this Comm: {self._failed}, so its "
-                               f"messages are out of step with its peers'. Start again with a new Comm, and a new "
-                               f"stage over a fresh model.")
+            raise OutOfStep(f"rank {self.rank}: no more collectives on this Comm: {self._failed}, so its "
+                            f"messages are out of step with its peers'. Start again with a new Comm, and a new "
+                            f"stage over a fresh model.") from self._failed_by
         call = self._describe(kind, arguments, tag or Tag())
         self.board.enter(call)
         start = time.perf_counter()
@@ -154,6 +155,7 @@ class Comm(Views):
             # Part of this collective's messages may have left: a next one would pair with the rest
             # (on gloo, a size mismatch aborts the process).  Stop here, and say why from now on.
             self._failed = f"{call.describe()} failed part-way ({type(error).__name__}: {error})"
+            self._failed_by = error
             raise
         finally:
             self._local.kind = None

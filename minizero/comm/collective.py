@@ -112,6 +112,7 @@ def _over_wire(comm, run, kind: str, arguments: dict, wire: WireProtocol, key, t
         if comm._failed is None:
             comm._failed = (f"the {kind} over a wire for {(tag or Tag()).describe()} failed part-way "
                             f"({type(error).__name__}: {error})")
+            comm._failed_by = error
         raise
 
 

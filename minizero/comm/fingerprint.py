@@ -86,6 +86,12 @@ class CollectiveMismatch(RuntimeError):
     """Ranks were about to run different collectives; raised on every rank, before any data moved."""
 
 
+class OutOfStep(RuntimeError):
+    """A collective refused because an earlier one on this Comm failed part-way.  Its ``__cause__`` is that
+    failure -- the error to show: this one is only where the rank next tried to talk (lesson 15's blank
+    PowerSGD lab once read "RuntimeError: no more collectives" where its cause was "write power_step")."""
+
+
 def digest(text: str) -> float:
     """48 bits of a hash: exactly representable in float64, the dtype fingerprints travel in."""
     return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "big"))

@@ -26,11 +26,12 @@ class Sign(Codec):
     def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         flat = x.detach().reshape(-1)
         packed = numpy.empty(math.ceil(flat.numel() / 8), dtype=numpy.uint8)
-        magnitude = 0.0  # sum |x|, in float64 whatever x's dtype
-        for start, stop in chunks(flat.numel(), 8):
+        magnitude = 0.0  # sum |x|: numpy's pairwise sum in each chunk, the chunks' in float64
+        for start, stop in chunks(flat.numel(), 8):  # (numpy's compare: 7x torch's on a CPU)
             piece = flat[start:stop]
-            magnitude += float(piece.abs().sum(dtype=torch.float64))
-            packed[start // 8:math.ceil(stop / 8)] = numpy.packbits((piece >= 0).numpy(), bitorder="little")
+            values = (piece if piece.dtype in (torch.float32, torch.float64) else piece.float()).numpy()
+            magnitude += float(numpy.abs(values).sum())
+            packed[start // 8:math.ceil(stop / 8)] = numpy.packbits(values >= 0, bitorder="little")
         scale = torch.tensor([magnitude / max(1, flat.numel())], dtype=x.dtype)
         return torch.cat([torch.from_numpy(packed), as_bytes(scale)])
 

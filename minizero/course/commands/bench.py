@@ -32,6 +32,7 @@ from .bench_network import (
     bench_servers,
     format_rows,
 )
+from .codec_compute import bench_codec_compute, format_codec_compute
 from .efficiency import bench_efficiency, format_efficiency
 from .gpu_efficiency import GPU_DIAL, bench_gpu_efficiency, format_gpu_efficiency
 
@@ -212,6 +213,7 @@ BENCHES = {
     "servers": lambda args: bench_servers(args.world_size, _dial(args), rounds=args.rounds),
     "check": lambda args: bench_check(args.world_size, rounds=args.rounds),
     "precision": lambda args: bench_precision(args.world_size, rounds=args.rounds),
+    "codecs": lambda args: bench_codec_compute(args.world_size, model=args.model or "medium"),
     "all": bench_all.main,  # every stage beside its torch counterpart: step, bytes, memory
     "efficiency": lambda args: bench_efficiency(args.world_size, _dial(args), rounds=args.rounds),
     "gpu-efficiency": lambda args: bench_gpu_efficiency(args.network or GPU_DIAL, rounds=args.rounds,
@@ -246,6 +248,8 @@ def format_result(args, rows: list[dict]) -> str:
         return format_efficiency(rows)
     if args.what == "gpu-efficiency":
         return format_gpu_efficiency(rows)
+    if args.what == "codecs":
+        return format_codec_compute(rows)
     if args.what in DIALLED and (args.what != "overlap" or args.network):
         return format_rows(args.what, args.world_size, _dial(args), rows)
     if args.what == "collectives":

@@ -32,7 +32,7 @@ from ..harness.rounds import METHOD, check_rounds, compare, describe, measure_ro
 
 WARMUP = 2  # steps skipped before timing, as the other benches do: first-touch allocations, connections
 ONLY_HERE = ("model", "device", "plot", "collectives", "steps", "stages")  # options only ``bench all`` takes...
-ALSO_TAKEN = {"gpu-efficiency": ("model",)}  # ...but for these, which another bench reads too (a GPT's size)
+ALSO_TAKEN = {"gpu-efficiency": ("model",), "codecs": ("model",)}  # ...but for these, which another bench reads too (a GPT's size)
 
 
 def counterpart(shards: Shards) -> str:

@@ -9,6 +9,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 
+from ...comm import OutOfStep
 from .loading import shown
 
 
@@ -23,7 +24,10 @@ class Raised:
 
     @classmethod
     def now(cls, rank: int, error: BaseException, path: str | None, last_of_yours: str = "") -> "Raised":
-        """``last_of_yours``: the learner's last line that ran, said when the traceback holds none of theirs."""
+        """``last_of_yours``: the learner's last line that ran, said when the traceback holds none of theirs.  A
+        collective refused after an earlier one failed part-way is told by that failure, its cause."""
+        while isinstance(error, OutOfStep) and error.__cause__ is not None:
+            error = error.__cause__
         frames = traceback.extract_tb(error.__traceback__)
         mine = [f for f in frames if path and f.filename == path]
         if not mine and last_of_yours:
