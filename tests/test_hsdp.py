@@ -85,7 +85,7 @@ def test_hpz_keeps_the_backward_gather_inside_the_node(shape):
         assert row.within_tolerance and row.bytes_match and row.links_match, row
     if m > 1:
         assert hpz.inter_bytes_per_step == pytest.approx(plain.inter_bytes_per_step * 2 / 3, rel=0.02)
-    if g > 1:  # (exact at prefetch 0: test_hpz_adds_the_papers_psi_over_g_to_the_working_set)
+    if g > 1:  # (exactly Psi/G more, at every prefetch: test_hpz_adds_the_papers_psi_over_g_to_the_working_set)
         assert hpz.gathered_peak_bytes > plain.gathered_peak_bytes
     assert hpz.sent_bytes_per_step <= plain.sent_bytes_per_step
 
@@ -198,22 +198,28 @@ def test_a_mesh_assumed_with_one_rank_per_node_is_said_on_rank_0(pools, stage, o
 
 @pytest.mark.parametrize("shape", ["1x2", "1x3", "2x2"])
 def test_hpz_adds_the_papers_psi_over_g_to_the_working_set(pools, shape):
-    """hpZ's price, exactly (ZeRO++ section 3.2: a secondary copy of the weights sharded within the node): without
-    prefetch, ZeRO-3's working set peaks at the last block's forward -- the root and that block -- and hpZ's at the
-    same moment holds, beside them, its ``1/G`` slice of every unit gathered so far: all of them, Psi/G elements
-    (each unit padded to a multiple of N, as its flat buffer is).  With prefetch the peak moves into backward, where
-    slices already consumed no longer count (``test_hpz_keeps_the_backward_gather_inside_the_node``)."""
+    """hpZ's price, exactly (ZeRO++ section 3.2: a secondary copy of the weights sharded within the node).  ZeRO-3's
+    working set peaks in forward once its window is full -- the root and ``min(1 + prefetch, L)`` blocks -- and at
+    that moment hpZ holds, beside them, its ``1/G`` slice of every unit started so far: all of them, Psi/G elements
+    (each unit padded to a multiple of N, as its flat buffer is).  Backward only consumes slices, so this is the
+    peak for every prefetch depth.  (A slice is counted from when its gather starts, as its full buffer is: counted
+    when the gather ended, on the communication thread, a prefetched unit's slice raced the main thread's free of
+    the unit before it, and the peak landed anywhere from Psi/G - 3 blocks/G to Psi/G.)"""
     m, g = map(int, shape.split("x"))
-    n, n_layer = m * g, 2
-    gpt = TASKS["gpt"].make_model(0, torch.float64, n_layer=n_layer)
-    units = [padded_size(sum(p.numel() for _, p in params), n) * 8 for params in assign_parameters(gpt, default_units(gpt))]
-    peaks = {}
-    for stage, options in (("zero3", {}), ("zeropp", {"hpz": True})):
-        exp = Experiment(stage=stage, task="gpt", model={"n_layer": n_layer}, steps=2, dtype="float64",
-                         options={"prefetch": 0, **options}, network=f"nodes={shape}")
-        peaks[stage] = {r.gathered_peak_bytes for r in pools.run(n, run_experiment, exp)}
-    assert peaks["zero3"] == {units[0] + units[1]}, (peaks, units)
-    assert peaks["zeropp"] == {units[0] + units[1] + sum(units) // g}, (peaks, units, g)
+    n = m * g
+    for n_layer, prefetch in ((2, 0), (2, 1), (4, 1), (4, 2)):
+        gpt = TASKS["gpt"].make_model(0, torch.float64, n_layer=n_layer)
+        units = [padded_size(sum(p.numel() for _, p in params), n) * 8
+                 for params in assign_parameters(gpt, default_units(gpt))]
+        root, block = units[0], units[1]
+        peaks = {}
+        for stage, options in (("zero3", {}), ("zeropp", {"hpz": True})):
+            exp = Experiment(stage=stage, task="gpt", model={"n_layer": n_layer}, steps=2, dtype="float64",
+                             options={"prefetch": prefetch, **options}, network=f"nodes={shape}")
+            peaks[stage] = {r.gathered_peak_bytes for r in pools.run(n, run_experiment, exp)}
+        zero3 = root + min(1 + prefetch, n_layer) * block
+        assert peaks["zero3"] == {zero3}, (n_layer, prefetch, peaks, units)
+        assert peaks["zeropp"] == {zero3 + sum(units) // g}, (n_layer, prefetch, peaks, units, g)
 
 
 def test_hsdp_without_a_network_says_where_it_assumed_the_ranks(capsys):

@@ -33,13 +33,20 @@ class SecondaryShards:
         self._observe = observe
         self._slices: dict[int, tuple[torch.Tensor, int]] = {}  # id(group) -> (slice, unit)
 
-    def keep(self, group, full: torch.Tensor, unit: int) -> None:
-        """After a forward gather: keep this rank's ``1/G`` of the full buffer (replacing an older one)."""
+    def reserve(self, group, full: torch.Tensor, unit: int) -> None:
+        """When a forward gather is started (on the main thread, where its full buffer is allocated): room for this
+        rank's ``1/G`` of it, replacing an older slice -- counted from now, as the full buffer is.  Counted when the
+        gather completes instead, on the communication thread, a prefetched unit's slice came before or after the
+        main thread freed the unit before it, and the peak with it (issue 46)."""
         self.drop(group)
-        size = full.numel() // self.node.world_size
-        mine = full[self.node.rank * size:(self.node.rank + 1) * size].clone()
+        mine = full.new_empty(full.numel() // self.node.world_size)
         self._slices[id(group)] = (mine, unit)
         self._observe("gather", mine.numel() * mine.element_size(), unit)
+
+    def keep(self, group, full: torch.Tensor) -> None:
+        """After the forward gather (on the communication thread): the slice reserved for it takes its values."""
+        mine, _ = self._slices[id(group)]
+        mine.copy_(full[self.node.rank * mine.numel():(self.node.rank + 1) * mine.numel()])
 
     def holds(self, group) -> bool:
         return id(group) in self._slices

@@ -69,6 +69,9 @@ class ZeROPlusPlus(ZeRO3):
         a training gather as codes (qwZ), a state dict's gather exact; a forward gather keeps the node's slice."""
         tag = self.tag(f"{unit.label} {why} all-gather")
         fulls = [g.full_buffer() for g in unit.groups]  # allocated here, on the main thread; written there
+        if why == "forward" and self.secondary is not None:  # (and hpZ's slices of them)
+            for group, full in zip(unit.groups, fulls, strict=True):
+                self.secondary.reserve(group, full, unit.index)
 
         def all_gather() -> list[torch.Tensor]:
             for group, full in zip(unit.groups, fulls, strict=True):
@@ -79,7 +82,7 @@ class ZeROPlusPlus(ZeRO3):
                 else:  # qwZ: codes travel, every rank computes with the decoded shards
                     self.weight_wire.all_gather(full, group.shard, tag)
                 if why == "forward" and self.secondary is not None:
-                    self.secondary.keep(group, full, unit.index)
+                    self.secondary.keep(group, full)
             return fulls
         return self.comm.submit(all_gather)
 
