@@ -132,3 +132,18 @@ def test_zero2_holds_the_formula_plus_adams_step_scalars_and_its_files_load_with
     pools.run(n, run_experiment, replace(exp, save=str(tmp_path / "c"), consolidated=True))
     state = torch.load(tmp_path / "c" / "step-00000001" / "consolidated.pt")
     assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {1}
+
+
+def test_the_summarys_course_table_is_todays_course():
+    """Lesson 99 prints the course from the folder and the labs' registry (``course_index``): its committed output
+    must be today's table -- a lesson or a lab added since, or a title changed, fails here until 99 is re-run."""
+    import json
+
+    from minizero.course.harness.course_index import LESSONS, course_table, lessons
+    from minizero.course.labs import LABS
+    printed = [o.get("data", {}).get("text/markdown", "") for c in json.loads((LESSONS / "99_summary.ipynb").read_text())[
+        "cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    table = course_table()
+    assert any("".join(p) == table for p in printed), "lesson 99's course table is not today's: re-run the lesson"
+    assert [row.split(" | ")[0].strip("| ") for row in table.splitlines()[2:]] == [name[:2] for name, _ in lessons()]
+    assert all(f"`{lab}`" in table for lab in LABS)
