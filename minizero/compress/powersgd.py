@@ -81,7 +81,7 @@ def power_step(carried: list[torch.Tensor], layout: Layout, q: torch.Tensor, sum
         orthogonalize(p_of(p, mx), epsilon, f"{where}: P of {mx.name}")
     q = sum_over_ranks([back_project(c, layout, p) for c in carried]) / n
     for mx in layout.matrices:
-        torch.mm(p_of(p, mx), q_of(q, mx).t(), out=matrix(out, mx))
+        torch.bmm(p_of(p, mx)[None], q_of(q, mx).t()[None], out=matrix(out, mx)[None])  # torch's bmm, as its hook
     return out, q
 
 
@@ -188,9 +188,9 @@ class PowerSGDWire(KeepsResiduals):
                              f"...]) to cut it into matrices")
         flat = arguments["tensor"].reshape(-1)
         n, element = self.comm.world_size, flat.element_size()
-        if not self.state.compresses(key):  # the first `start` steps: averaged as they are
+        if not self.state.compresses(key):  # the first `start` steps: averaged as they are -- divided first, as
+            flat /= n                        # torch's hook does (default_hooks._allreduce_fut: against fp16 overflow)
             self._sum([flat], tag)
-            flat /= n
             self.formula_by_kind["all_reduce"] += all_reduce_bytes(flat.numel() * element, n)
             return
         carried = flat.clone()

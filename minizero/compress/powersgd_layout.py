@@ -100,7 +100,7 @@ def project(flat: torch.Tensor, layout: Layout, q: torch.Tensor) -> torch.Tensor
     """P = M Q for every matrix (step 3, before the all-reduce)."""
     p = flat.new_empty(layout.p_size)
     for mx in layout.matrices:
-        torch.mm(matrix(flat, mx), q_of(q, mx), out=p_of(p, mx))
+        torch.bmm(matrix(flat, mx)[None], q_of(q, mx)[None], out=p_of(p, mx)[None])  # bmm, as torch's hook: mm rounds otherwise
     return p
 
 
@@ -108,7 +108,7 @@ def back_project(flat: torch.Tensor, layout: Layout, p: torch.Tensor) -> torch.T
     """Q = M^T P for every matrix (step 5, before the all-reduce), P orthonormal."""
     q = flat.new_empty(layout.q_size)
     for mx in layout.matrices:
-        torch.mm(matrix(flat, mx).t(), p_of(p, mx), out=q_of(q, mx))
+        torch.bmm(matrix(flat, mx).t()[None], p_of(p, mx)[None], out=q_of(q, mx)[None])
     return q
 
 

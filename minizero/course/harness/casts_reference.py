@@ -74,8 +74,8 @@ def powersgd_average(state: PowerState, key, flats: list[torch.Tensor], layout, 
     """What the PowerSGD wire leaves on every rank (:mod:`minizero.compress.powersgd`): its own steps, on every
     rank's buffer at once, with the all-reduces emulated in the ring's order; ``residuals`` per (rank, key)."""
     n = len(flats)
-    if not state.compresses(key):
-        return ring_sum(flats) / n
+    if not state.compresses(key):  # divided first, as the wire does
+        return ring_sum([flat / n for flat in flats])
     carried = [flat + residuals[(r, key)] if residuals is not None and (r, key) in residuals else flat.clone()
                for r, flat in enumerate(flats)]
     plan = lay_out(layout, state.settings)
