@@ -58,7 +58,9 @@ def quiet(_):
 def unnamed(report) -> list[str]:
     """What the verdict (``why`` and ``case``) does not name of what it must."""
     verdict = f"{report.why}\n{report.case}"
-    return [what for what, pattern in NAMES.get(report.failed, VALUE) if not re.search(pattern, verdict)]
+    # the answer key called where only a later property's run reaches it: named as "your methods are what runs" does
+    needs = NAMES[planted.YOURS] if "calls minizero's own" in report.why else NAMES.get(report.failed, VALUE)
+    return [what for what, pattern in needs if not re.search(pattern, verdict)]
 
 
 def _param(path):

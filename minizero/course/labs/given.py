@@ -40,10 +40,11 @@ def set_yours(cls_name: str) -> str:
     return f"; set {attribute} = {cls_name} in your {stage} (the stage builds its {cls_name}s from it)"
 
 
-def without(cls: type, *methods: str, name: str | None = None, **given) -> type:
+def without(cls: type, *methods: str, name: str | None = None, delegates: dict | None = None, **given) -> type:
     """A subclass of ``cls`` whose ``methods`` raise ``NotImplementedError("write Class.method ...")``: what a
     learner's file runs for a method it does not write.  ``given``: class attributes set on it (the unit or wire
-    class the stage builds, itself a base with the lab's methods taken out: :data:`BUILT_AS`)."""
+    class the stage builds, itself a base with the lab's methods taken out: :data:`BUILT_AS`).  ``delegates``:
+    ``{method: (function, ...)}``, what the package's method hands all its work to -- the answer too."""
     shown = name or cls.__name__
     instead = f" -- or, if it does, the stage builds the lab's base {shown}, not yours{set_yours(shown)}" \
         if shown in BUILT_AS else ""
@@ -61,6 +62,7 @@ def without(cls: type, *methods: str, name: str | None = None, **given) -> type:
     # The package's own methods taken out -- the answer key: a learner's method that calls one by name is refused
     # (:func:`minizero.course.labs.yours.answer_key`).
     body["__answers__"] = {method: getattr(cls, method) for method in methods}
+    body["__delegates__"] = dict(delegates or {})
     body["__doc__"] = f"The package's {cls.__name__} without {', '.join(methods)}: the lab's part, left to you."
     body["__module__"] = __name__
     body.update(given)
@@ -115,8 +117,10 @@ Reshard = without(PackageReshard, "owned_range", "reshard")
 # Lab powersgd (lesson 15): the PowerSGD step on one rank -- P = M Q, its all-reduce, orthogonalization, Q = M^T P,
 # its all-reduce and mean, M = P Q^T; the wire around it (error feedback, warm start, the layout) is the package's.
 from ...compress import PowerSGDWire as PackagePowerSGDWire  # noqa: E402 -- appended with its lab
+from ...compress.powersgd import power_step as package_power_step  # noqa: E402
 
-PowerSGDWire = without(PackagePowerSGDWire, "power_step")
+# (The package's method is one line: the module's power_step, which the same-steps reference runs too.)
+PowerSGDWire = without(PackagePowerSGDWire, "power_step", delegates={"power_step": (package_power_step,)})
 
 
 class PowerSGDBucketedDDP(PackageBucketedDDP):

@@ -17,7 +17,7 @@ from ..harness.overlap import backward_launches
 from ..harness.tasks import TASKS
 from .loading import Impl
 from .raised import LastOfYours, Raised
-from .yours import probe
+from .yours import CalledTheAnswer, answer_key, probe
 
 
 def import_file(me: Rank, impl: Impl) -> str | Raised:
@@ -32,12 +32,16 @@ def import_file(me: Rank, impl: Impl) -> str | Raised:
 def lab_experiment(me: Rank, impl: Impl, exp):
     """This rank's result of ``exp`` with the learner's stage (``exp.stage`` names it) -- or what it raised, traced
     back to the learner's last line that ran when the error surfaced elsewhere (:class:`LastOfYours`)."""
-    last = LastOfYours(impl.path)
+    last = LastOfYours(impl.path, answer_key(impl) if impl.path else None)
     try:
         with last:
-            return run_experiment(me, replace(exp, stages=impl.stages()))
+            result = run_experiment(me, replace(exp, stages=impl.stages()))
     except Exception as error:  # noqa: BLE001 -- reported to the learner, in words
         return Raised.now(me.rank, error, impl.path, last.where())
+    if last.answered:  # right values, none of them the learner's
+        called = {code: caller.co_qualname for code, caller in last.answered.items()}
+        return Raised.now(me.rank, CalledTheAnswer.of(called, last.answers), impl.path)
+    return result
 
 
 def yours_run(me: Rank, impl: Impl, exp) -> list[str] | Raised | None:

@@ -130,6 +130,8 @@ def answer_key(impl: Impl) -> dict:
             answer = vars(base).get("__answers__", {}).get(method)
             if answer is not None:
                 answers[inspect.unwrap(answer).__code__] = f"{answer.__qualname__}"
+                for function in vars(base).get("__delegates__", {}).get(method, ()):  # where it does its work
+                    answers[inspect.unwrap(function).__code__] = f"{function.__module__.rsplit('.', 1)[-1]}.{function.__qualname__}"
                 break
     return answers
 
