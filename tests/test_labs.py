@@ -120,7 +120,8 @@ STYLES = sorted((SOLUTIONS / "styles").glob("*.py"))
 def test_a_correct_solution_in_another_style_passes(pools, solution):
     """``tests/lab_solutions/styles/<lab>__<style>.py``: correct files written otherwise than the answer keys -- a
     ring with its own step labels, one all-reduce per parameter, the base's word for a bucket and a
-    ``functools.partial`` for a closure.  No correct style may fail (issue 45: a ring labelled "rs" once did)."""
+    ``functools.partial`` for a closure, a tree by bit masks, ``no_sync`` as a class with ``__enter__``, local SGD
+    summing and dividing.  No correct style may fail (issue 45: a ring labelled "rs" once did)."""
     lab = solution.stem.split("__")[0].replace("_", "-")
     assert lab in LABS, f"{solution.name}: name it <lab>__<style>.py, the lab one of {sorted(LABS)}"
     report = check(lab, impl=solution, examples=3, pools=pools, out=quiet)
@@ -128,7 +129,7 @@ def test_a_correct_solution_in_another_style_passes(pools, solution):
 
 
 def test_there_are_solutions_in_other_styles():
-    assert len(STYLES) >= 3, STYLES
+    assert len(STYLES) >= 6, STYLES
 
 
 EQUIVALENCE, BYTES = "equivalence to single-device training", "bytes sent per step against the formula"
