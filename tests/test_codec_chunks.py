@@ -15,7 +15,7 @@ from minizero.compress.topk import SAMPLE, largest
 
 SPECS = ["int8", "int4", "int8:block=3", "int4:block=5", "int8:block=7,stochastic=1", "int4:block=16,stochastic=1",
          "topk:0.01", "topk:0.3", "sign"]
-DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
 def coded(spec: str, x: torch.Tensor, chunk: int, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,3 +87,27 @@ def test_topk_finds_the_k_largest_where_its_sample_sees_them_and_where_it_misses
         index = largest(x_bad, 10)
         assert 5 * stride + 1 in index.tolist(), f"{bad} at an unsampled place is not among the largest"
         assert same_magnitudes(x_bad, index, 10)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_empty_buffer_codes_to_an_empty_one(spec, dtype):
+    codec = parse(spec)
+    x = torch.empty(0, dtype=dtype)
+    message = codec.encode(x, torch.Generator().manual_seed(0) if codec.stochastic else None)
+    assert message.numel() == codec.message_bytes(0, dtype)
+    assert codec.decode(message, 0, dtype).numel() == 0
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_value_that_is_not_finite_never_decodes_to_finite_values_only(spec, bad, monkeypatch):
+    """The wire refuses a mean that is not finite (the weights untouched): a codec that turned an inf or a NaN into
+    finite numbers would make that a silent wrong answer.  In every chunk of a many-chunk buffer."""
+    monkeypatch.setattr(codec_module, "CHUNK", 64)
+    codec = parse(spec)
+    for at in (0, 200, 999):
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(at))
+        x[at] = bad
+        message = codec.encode(x, torch.Generator().manual_seed(1) if codec.stochastic else None)
+        assert not torch.isfinite(codec.decode(message, x.numel(), x.dtype)).all(), f"{spec}: {bad} at {at} lost"

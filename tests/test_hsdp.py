@@ -246,10 +246,10 @@ def _hpz_slices_through_a_step(me, n_layer: int):
     try:
         x, y = TASKS["gpt"].make_batch(4, 0, 0, torch.float32)
         out = stage(x)
-        held = [(sorted(u for _, u in stage.secondary._slices.values()),
+        held = [(sorted(u for _, u, _ in stage.secondary._slices.values()),
                  sum(t.numel() * t.element_size() for t in stage.secondary.held()))]
         F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
-        held.append((sorted(u for _, u in stage.secondary._slices.values()),
+        held.append((sorted(u for _, u, _ in stage.secondary._slices.values()),
                      sum(t.numel() * t.element_size() for t in stage.secondary.held())))
         return held
     finally:

@@ -35,9 +35,10 @@ class Codec:
     dtype) -> x̂``.  ``unbiased``: E[decode(encode(x))] = x (stochastic rounding), so no error feedback is
     needed for the mean to be right; a biased codec (top-k, sign, nearest rounding) needs it to lose nothing.
 
-    A codec writes ``add_decoded(message, total)`` -- ``total += x̂``, value for value -- and ``decode`` is that
-    into zeros: a wire sums N ranks' messages into one buffer without a decoded copy of each (the sum in rank
-    order, :func:`~minizero.compress.gathered.mean_in_rank_order`, is bit for bit the same)."""
+    Tensors on the CPU (the wires bring a message there to code it).  A codec writes ``add_decoded(message,
+    total)`` -- ``total += x̂``, value for value -- and ``decode`` is that into zeros: a wire sums N ranks'
+    messages into one buffer without a decoded copy of each (the sum in rank order,
+    :func:`~minizero.compress.gathered.mean_in_rank_order`, is bit for bit the same)."""
     name = "codec"
     unbiased = False
     stochastic = False  # encode draws random numbers (from the generator it is given)

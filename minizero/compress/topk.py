@@ -66,6 +66,8 @@ def largest(flat: torch.Tensor, k: int) -> torch.Tensor:
     sample = flat[::max(1, flat.numel() // SAMPLE)].abs()
     kept = min(sample.numel(), 2 * math.ceil(k * sample.numel() / flat.numel()) + 8)
     threshold = float(torch.topk(sample, kept, sorted=False).values.min())
+    if not threshold > 0:  # a gradient mostly zeros: every value would be a candidate, indices and all
+        return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
     found = []
     for start, stop in chunks(flat.numel()):  # (numpy's compare and flatnonzero: 4x torch's on a CPU)
         piece = flat[start:stop]

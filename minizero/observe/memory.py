@@ -15,6 +15,7 @@ import ctypes
 import gc
 import os
 import sys
+import threading
 from typing import Callable
 
 import torch
@@ -48,10 +49,12 @@ class GatheredMemory:
 
     def __init__(self):
         self.now = self.peak = 0
+        self._lock = threading.Lock()  # events come from the main thread and the communication thread (hpZ's frees)
 
     def __call__(self, event: str, nbytes: int, source=None) -> None:
-        self.now += nbytes if event == "gather" else -nbytes
-        self.peak = max(self.peak, self.now)
+        with self._lock:
+            self.now += nbytes if event == "gather" else -nbytes
+            self.peak = max(self.peak, self.now)
 
 
 #: torch's memory categories of what a step keeps between steps (and the batch): the rest is the step's own.

@@ -2,8 +2,8 @@
 sharded within the node, so that the backward all-gather never leaves it.
 
 ZeRO-3 gathers every unit twice a step from shards spread over all ``N`` ranks -- before its forward and
-again before its backward -- and on a cluster both gathers cross the slow inter-node link.  hpZ keeps, when a
-unit's forward gather completes, this rank's ``1/G`` slice of the full weights (``G`` ranks per node): the
+again before its backward -- and on a cluster both gathers cross the slow inter-node link.  hpZ keeps, from a
+unit's forward gather, this rank's ``1/G`` slice of the full weights (``G`` ranks per node): the
 node's ``G`` slices together are the whole unit, so the backward gather is an all-gather *inside the node*.
 The price is memory -- up to ``Psi/G`` elements more per rank between forward and backward, where ZeRO-3 keeps
 ``Psi/N`` -- and the prize a third of the step's inter-node bytes (the forward gather and the reduce-scatter
@@ -31,38 +31,38 @@ class SecondaryShards:
         self.nodes = comm.nodes_or_assumed("hpz")
         self.node = comm.over(self.nodes.node_ranks(comm.rank))
         self._observe = observe
-        self._slices: dict[int, tuple[torch.Tensor, int]] = {}  # id(group) -> (slice, unit)
+        self._slices: dict[int, list] = {}  # id(group) -> [slice (None until its gather ends), unit, bytes]
 
     def reserve(self, group, full: torch.Tensor, unit: int) -> None:
-        """When a forward gather is started (on the main thread, where its full buffer is allocated): room for this
-        rank's ``1/G`` of it, replacing an older slice -- counted from now, as the full buffer is.  Counted when the
-        gather completes instead, on the communication thread, a prefetched unit's slice came before or after the
-        main thread freed the unit before it, and the peak with it (issue 46)."""
+        """When a forward gather is started (on the main thread, where its full buffer is counted): this rank's
+        ``1/G`` of it, counted from now, replacing an older slice.  Counted when the gather ended instead, on the
+        communication thread, a prefetched unit's slice came before or after the main thread freed the unit before
+        it, and the peak with it (issue 46).  The slice itself is made by :meth:`keep`, on the communication thread:
+        on a GPU its memory is then the communication stream's, which the backward gather reading it runs on."""
         self.drop(group)
-        mine = full.new_empty(full.numel() // self.node.world_size)
-        self._slices[id(group)] = (mine, unit)
-        self._observe("gather", mine.numel() * mine.element_size(), unit)
+        self._slices[id(group)] = [None, unit, full.numel() // self.node.world_size * full.element_size()]
+        self._observe("gather", self._slices[id(group)][2], unit)
 
     def keep(self, group, full: torch.Tensor) -> None:
-        """After the forward gather (on the communication thread): the slice reserved for it takes its values."""
-        mine, _ = self._slices[id(group)]
-        mine.copy_(full[self.node.rank * mine.numel():(self.node.rank + 1) * mine.numel()])
+        """After the forward gather (on the communication thread): the slice reserved for it, a copy of its part."""
+        size = full.numel() // self.node.world_size
+        self._slices[id(group)][0] = full[self.node.rank * size:(self.node.rank + 1) * size].clone()
 
     def holds(self, group) -> bool:
-        return id(group) in self._slices
+        """Is ``group``'s slice there, with its values (a forward gather that failed left none)?"""
+        return self._slices.get(id(group), [None])[0] is not None
 
     def all_gather(self, full: torch.Tensor, group, tag) -> None:
         """The backward gather: the node's slices into ``full``, inside the node; the slice is used up."""
-        mine, _ = self._slices[id(group)]
-        self.node.all_gather(full, mine, tag=tag)
+        self.node.all_gather(full, self._slices[id(group)][0], tag=tag)
         self.drop(group)
 
     def drop(self, group=None) -> None:
         """Forget ``group``'s slice, or every slice (the optimizer step changes the weights they copy)."""
         for key in [id(group)] if group is not None else list(self._slices):
             if key in self._slices:
-                mine, unit = self._slices.pop(key)
-                self._observe("free", mine.numel() * mine.element_size(), unit)
+                _, unit, nbytes = self._slices.pop(key)
+                self._observe("free", nbytes, unit)
 
     def held(self) -> list[torch.Tensor]:
-        return [mine for mine, _ in self._slices.values()]
+        return [mine for mine, _, _ in self._slices.values() if mine is not None]

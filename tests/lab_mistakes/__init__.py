@@ -60,6 +60,7 @@ EXPECTED: dict[str, str] = {
     "zero3/calls_the_answer_key": YOURS,
     "powersgd/calls_the_answer_function": YOURS,
     "ddp/calls_the_answer_key_but_at_two_ranks": EQUIVALENCE,
+    "compress/calls_no_sync_but_at_two_ranks": EQUIVALENCE,
     "ddp/leaves_the_wire_out": BYTES,  # right values at full width: only the bytes under a wire show it (issue 45)
     "ddp_bucketed/leaves_the_wire_out": BYTES,
     "zero1/leaves_the_wire_out": BYTES,

@@ -3,6 +3,8 @@ error surfaced in torch, far from its cause -- the last line of theirs that ran 
 reports a :class:`Raised` as a value, so the checker can keep its pool when every rank raised alike."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import linecache
 import sys
 import threading
@@ -50,6 +52,25 @@ class Raised:
 
 
 
+#: Frames between a call and the function it reaches: a ``@contextmanager``'s body runs from ``contextlib``'s
+#: ``__enter__``, a ``functools.partial`` from ``functools``.
+PASSING_THROUGH = {contextlib.__file__, functools.__file__}
+
+
+def calling(frame):
+    """The frame that called ``frame``'s function, past :data:`PASSING_THROUGH` (``with no_sync(self):``)."""
+    caller = frame.f_back
+    while caller is not None and caller.f_code.co_filename in PASSING_THROUGH:
+        caller = caller.f_back
+    return caller
+
+
+def handed_back(event: str, arg):
+    """A ``@contextmanager``'s body handed back by a returning frame (``return no_sync(self)``: the caller's ``with``
+    runs it, after that frame is gone), as its code; else None."""
+    return getattr(getattr(arg, "gen", None), "gi_code", None) if event == "return" else None
+
+
 class LastOfYours:
     """The last line of the learner's file that ran, on any thread.  An error raised inside torch's autograd engine
     -- a unit not gathered for backward, a gradient of the wrong size -- has no frame of the learner's in its
@@ -67,15 +88,18 @@ class LastOfYours:
 
     def _trace(self, frame, event, arg):
         if frame.f_code.co_filename != self.path:
-            if frame.f_code in self.answers and frame.f_back is not None \
-                    and frame.f_back.f_code.co_filename == self.path:
-                self.answered.setdefault(frame.f_code, frame.f_back.f_code)
+            caller = calling(frame) if frame.f_code in self.answers else None
+            if caller is not None and caller.f_code.co_filename == self.path:
+                self.answered.setdefault(frame.f_code, caller.f_code)
             return None
         self.frame, self.lineno = frame.f_code, frame.f_lineno
         return self._line
 
     def _line(self, frame, event, arg):
         self.frame, self.lineno = frame.f_code, frame.f_lineno
+        handed = handed_back(event, arg)
+        if handed in self.answers:
+            self.answered.setdefault(handed, frame.f_code)
         return self._line
 
     def __enter__(self):

@@ -14,7 +14,7 @@ import traceback
 
 from .given import set_yours
 from .loading import Impl, load_file, shown
-from .raised import Raised
+from .raised import Raised, calling, handed_back
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -73,12 +73,15 @@ def never_called(impl: Impl, mine: dict, run) -> list[str] | None:
     called, answers, answered = set(), answer_key(impl), {}
 
     def profile(frame, event, arg):
+        handed = handed_back(event, arg) if frame.f_code in mine else None
+        if handed in answers and handed not in answered:
+            answered[handed] = mine[frame.f_code]
         if event != "call":
             return
         if frame.f_code in mine:
             called.add(frame.f_code)
         elif frame.f_code in answers and frame.f_code not in answered:
-            caller = frame.f_back
+            caller = calling(frame)
             answered[frame.f_code] = mine.get(caller.f_code) if caller is not None else None
 
     threading.setprofile(profile)
@@ -129,7 +132,8 @@ def answer_key(impl: Impl) -> dict:
         for base in getattr(getattr(module, owner, None), "__mro__", ()):
             answer = vars(base).get("__answers__", {}).get(method)
             if answer is not None:
-                answers[inspect.unwrap(answer).__code__] = f"{answer.__qualname__}"
+                # named by the package's class, whichever file it takes the method from (Stage's no_sync)
+                answers[inspect.unwrap(answer).__code__] = f"{base.__bases__[0].__name__}.{method}"
                 for function in vars(base).get("__delegates__", {}).get(method, ()):  # where it does its work
                     answers[inspect.unwrap(function).__code__] = f"{function.__module__.rsplit('.', 1)[-1]}.{function.__qualname__}"
                 break
