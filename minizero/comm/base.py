@@ -86,8 +86,7 @@ class Comm(Views):
             self.port.clock = DeviceClock()
         self._lock = threading.Lock()
         self._calls = 0  # collectives issued on this Comm: the number in every fingerprint
-        self._failed: str | None = None  # a collective that failed part-way: this rank is out of step
-        self._failed_by: BaseException | None = None  # ... and what it raised
+        self._failed: tuple[str, BaseException] | None = None  # what failed part-way, and its error: out of step
 
     # ----------------------------------------------------------- observers
     def add_observer(self, observer: Callable[[str, int], None]) -> None:
@@ -136,9 +135,10 @@ class Comm(Views):
         if getattr(self._local, "kind", None) is not None:  # part of an outer collective: booked there
             return method(**arguments)
         if self._failed is not None:
-            raise OutOfStep(f"rank {self.rank}: no more collectives on this Comm: {self._failed}, so its "
-                            f"messages are out of step with its peers'. Start again with a new Comm, and a new "
-                            f"stage over a fresh model.") from self._failed_by
+            what, error = self._failed
+            raise OutOfStep(f"rank {self.rank}: no more collectives on this Comm: {what} failed part-way "
+                            f"({type(error).__name__}: {error}), so its messages are out of step with its peers'. "
+                            f"Start again with a new Comm, and a new stage over a fresh model.") from error
         call = self._describe(kind, arguments, tag or Tag())
         self.board.enter(call)
         start = time.perf_counter()
@@ -154,14 +154,19 @@ class Comm(Views):
         except BaseException as error:
             # Part of this collective's messages may have left: a next one would pair with the rest
             # (on gloo, a size mismatch aborts the process).  Stop here, and say why from now on.
-            self._failed = f"{call.describe()} failed part-way ({type(error).__name__}: {error})"
-            self._failed_by = error
+            self.failed_part_way(call.describe(), error)
             raise
         finally:
             self._local.kind = None
             self.board.leave()
             for observer in self._span_observers:
                 observer(call, start, time.perf_counter(), threading.current_thread().name)
+
+    def failed_part_way(self, what: str, error: BaseException) -> None:
+        """``what`` stopped with ``error`` after some of its messages may have left: this Comm takes no more
+        collectives, each refused (:class:`OutOfStep`) naming the first failure and chained from its error."""
+        if self._failed is None:
+            self._failed = (what, error)
 
     def _describe(self, kind: str, arguments: dict, tag: Tag) -> Call:
         """Check the tensors (naming this rank and the tag) and say what the call is."""

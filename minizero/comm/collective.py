@@ -109,10 +109,7 @@ def _over_wire(comm, run, kind: str, arguments: dict, wire: WireProtocol, key, t
     except (FloatingPointError, CollectiveMismatch):
         raise
     except BaseException as error:
-        if comm._failed is None:
-            comm._failed = (f"the {kind} over a wire for {(tag or Tag()).describe()} failed part-way "
-                            f"({type(error).__name__}: {error})")
-            comm._failed_by = error
+        comm.failed_part_way(f"the {kind} over a wire for {(tag or Tag()).describe()}", error)
         raise
 
 

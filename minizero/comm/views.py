@@ -55,7 +55,7 @@ class Views:
         view = copy.copy(self)
         view._members = [self._members[r] for r in ranks]
         view.rank, view.world_size = ranks.index(self.rank), len(ranks)
-        view._calls, view._failed, view._failed_by = 0, None, None
+        view._calls, view._failed = 0, None
         view.group = self._group_over(view._members)
         return view
 

@@ -61,6 +61,12 @@ class Codec:
         return self.name
 
 
+def as_numpy(piece: torch.Tensor):
+    """``piece`` as a numpy array, for the compares numpy runs 4-7x faster than torch on a CPU: a 16-bit one
+    through float32, exactly (numpy has no bfloat16)."""
+    return (piece if piece.dtype in (torch.float32, torch.float64) else piece.float()).numpy()
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes, flat: how a message carries values of another dtype."""
     return t.contiguous().view(-1).view(torch.uint8)

@@ -33,12 +33,16 @@ def stream(rank: int, carried: torch.Tensor) -> torch.Generator:
     return torch.Generator().manual_seed(checksum ^ (rank * 0x9E3779B1 & 0xFFFFFFFF))
 
 
-def mean_in_rank_order(codec: Codec, messages, total: torch.Tensor) -> torch.Tensor:
+def mean_in_rank_order(codec: Codec, messages, total: torch.Tensor, known: dict | None = None) -> torch.Tensor:
     """The mean of the messages, decoded and added in rank order into ``total`` (zeroed first, its values
-    overwritten): what every rank (and the reference) computes, bit for bit."""
+    overwritten): what every rank (and the reference) computes, bit for bit.  ``known``: ``{i: decoded}`` for
+    messages already decoded (a rank's own, which error feedback decodes anyway), added as they are."""
     total.zero_()
-    for message in messages:
-        codec.add_decoded(message, total)
+    for i, message in enumerate(messages):
+        if known and i in known:
+            total += known[i]
+        else:
+            codec.add_decoded(message, total)
     return total.div_(len(messages))
 
 
@@ -80,11 +84,13 @@ class GatheredWire(KeepsResiduals, RefusesNonFinite):
             self.comm.all_to_all(received, sent, tag=tag)
         else:
             self.comm.all_gather(received, sent, tag=tag)
+        known = {}
         if self.error_feedback:  # what this rank's messages will deliver, decoded: the rest is carried (if finite)
-            residual = carried - torch.cat([self.codec.decode(m, size, p.dtype)
-                                            for m, p in zip(messages, pieces, strict=True)]).to(carried.device)
+            delivered = [self.codec.decode(m, size, p.dtype) for m, p in zip(messages, pieces, strict=True)]
+            residual = carried - torch.cat(delivered).to(carried.device)
+            known = {rank: delivered[rank if scatter else 0]}  # its own message in the sum: decoded once
         # what was carried is encoded (and its residual taken): the mean is summed in its place, not in a new buffer
-        mean = mean_in_rank_order(self.codec, received.cpu().chunk(n), flat[:size])
+        mean = mean_in_rank_order(self.codec, received.cpu().chunk(n), flat[:size], known)
         if not bool(torch.isfinite(mean).all()):  # never written into the weights, the residual kept as it was
             self.refuse_non_finite(f"rank {rank}: inf/NaN in the {self.codec.name} wire's mean of "
                                    f"{(tag.describe() if tag else 'a gradient buffer')}; the weights were not touched")

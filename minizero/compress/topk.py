@@ -14,7 +14,7 @@ import math
 import numpy
 import torch
 
-from .codec import Codec, as_bytes, chunks, element_bytes, from_bytes, parse_arguments
+from .codec import Codec, as_bytes, as_numpy, chunks, element_bytes, from_bytes, parse_arguments
 
 
 class TopK(Codec):
@@ -69,9 +69,8 @@ def largest(flat: torch.Tensor, k: int) -> torch.Tensor:
     if not threshold > 0:  # a gradient mostly zeros: every value would be a candidate, indices and all
         return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
     found = []
-    for start, stop in chunks(flat.numel()):  # (numpy's compare and flatnonzero: 4x torch's on a CPU)
-        piece = flat[start:stop]
-        values = (piece if piece.dtype in (torch.float32, torch.float64) else piece.float()).numpy()
+    for start, stop in chunks(flat.numel()):
+        values = as_numpy(flat[start:stop])
         found.append(torch.from_numpy(numpy.flatnonzero(~(numpy.abs(values) < threshold))) + start)  # NaN is in
     candidates = torch.cat(found)
     if candidates.numel() < k:
