@@ -87,6 +87,21 @@ def test_the_table_covers_every_wire_and_size_and_compute_is_timed():
     assert pays_on(("below", 2.5e9)) == "< 2.5 GB/s" and pays_on(("never", 0.0)) == "never"
 
 
+def test_a_codec_is_timed_once_and_its_compute_read_at_every_world_size(monkeypatch):
+    """The timing does not depend on N: the table times each codec once and reads encode + N decodes (all-gather)
+    or encode + one message's worth of shards (all-to-all) at every N -- the figure equal to its formula."""
+    import minizero.course.commands.break_even as be
+    timed = []
+    monkeypatch.setattr(be, "codec_compute", lambda spec, shapes: timed.append(spec) or be.Compute(0.002, 0.0005))
+    rows = table(["int8", "sign"], 1e6, [1, 2, 8], NET, layers=2)
+    assert timed == ["int8", "sign"]
+    for r in rows:
+        decodes = 0 if r["world_size"] == 1 else 1 if r["averages_with"] == "reduce_scatter" else r["world_size"]
+        want = 0.0 if r["world_size"] == 1 else 0.002 + decodes * 0.0005
+        assert r["compute_ms"] == pytest.approx(want * 1e3), r
+    assert be.Compute(0.5).at(64) == 0.5 and be.Compute(0.1, 0.01).at(4, "reduce_scatter") == pytest.approx(0.11)
+
+
 def test_scale_compress_prints_the_table(capsys):
     from minizero.__main__ import main
     assert main(["scale", "--params", "1e6", "--world-size", "2,4", "--compress", "int8,powersgd:rank=2,start=5",
@@ -99,19 +114,24 @@ def test_scale_compress_prints_the_table(capsys):
 
 
 def test_bench_codecs_prints_each_codecs_compute_as_its_share_of_the_step(capsys, monkeypatch):
-    """``bench codecs``: each codec's compute (``compute_s``, on every averaging) divided by the fp32 step's -- the
-    figure held equal to its formula; the timings themselves are never compared (they move with the load)."""
+    """``bench codecs``: each codec's compute (timed once by ``codec_compute``, read on every averaging) divided by
+    the fp32 step's -- the figure held equal to its formula; the timings themselves are never compared (they move
+    with the load)."""
     import minizero.course.commands.codec_compute as codec_compute
     from minizero.__main__ import main
+    from minizero.course.commands.break_even import Compute
     timed = []
+    terms = {"int8": Compute(0.010, 0.001), "sign": Compute(0.020, 0.004)}
     monkeypatch.setattr(codec_compute, "step_s", lambda model: 0.25)
-    monkeypatch.setattr(codec_compute, "compute_s", lambda spec, shapes, n, averages_with: timed.append(
-        (spec, n, averages_with, sum(s.numel() for _, s in shapes))) or 0.01 * len(timed))
+    monkeypatch.setattr(codec_compute, "codec_compute", lambda spec, shapes: timed.append(
+        (spec, sum(s.numel() for _, s in shapes))) or terms.get(spec, Compute(0.01)))
     rows = codec_compute.bench_codec_compute(3, model="tiny", codecs=("int8", "sign"))
     psi = sum(p.numel() for p in TASKS["gpt"].make_model(0, torch.float32, **codec_compute.GPT_SIZES["tiny"]).parameters())
-    assert timed == [(spec, 3, via, psi) for spec in ("int8", "sign") for via in ("all_reduce", "reduce_scatter")]
-    assert [r["ratio"] for r in rows] == pytest.approx([0.04, 0.08, 0.12, 0.16])
-    assert [r["value"] for r in rows] == pytest.approx([10, 20, 30, 40]) and rows[0]["step_ms"] == 250
+    assert timed == [("int8", psi), ("sign", psi)]  # each codec timed once, for both collectives
+    # all-gather: encode + 3 decodes; all-to-all: encode + one whole message's worth of shards
+    seconds = [0.010 + 3 * 0.001, 0.010 + 0.001, 0.020 + 3 * 0.004, 0.020 + 0.004]
+    assert [r["ratio"] for r in rows] == pytest.approx([t / 0.25 for t in seconds])
+    assert [r["value"] for r in rows] == pytest.approx([t * 1e3 for t in seconds]) and rows[0]["step_ms"] == 250
     assert main(["bench", "codecs", "--world-size", "2", "--model", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "against the tiny GPT's fp32 step (250 ms)" in out and "sign over reduce-scatter: encode 1, decode 2 shards" in out

@@ -22,6 +22,7 @@ backward (``ddp``); overlap hides part of the uncompressed time and moves the br
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -71,16 +72,29 @@ def wire_terms(spec: str, shapes, world_size: int, network: Network,
     return 2 * (n - 1) * alpha * len(sizes), 2 * (n - 1) / n * 4 * sum(sizes), layout.sent_bytes(n, 4)
 
 
-def compute_s(spec: str, shapes, world_size: int, repeats: int = 3, averages_with: str = "all_reduce") -> float:
-    """The compressor's own compute per step on this machine, timed (best of ``repeats``) on at most
-    :data:`SAMPLE` elements and scaled to the model's: encode one message and decode N (a gathered codec:
-    one decode timed, times N, each added into the buffer the mean is summed in; through the all-to-all, N decodes
-    of a shard: one of the whole), cast there and
-    back (16 bits), or PowerSGD's products and orthogonalizations.
-    On a GPU these are far cheaper than on a CPU; the wire-alone break-even leaves them out."""
+@dataclass(frozen=True)
+class Compute:
+    """A compressor's compute per step on this machine, as two timed terms: what a rank does once (encode its
+    message, cast there and back, PowerSGD's products and orthogonalizations) and what it does per message it
+    decodes.  Timed once per codec, then read at every world size (:meth:`at`): the timing does not depend on N."""
+
+    once_s: float
+    per_decode_s: float = 0.0
+
+    def at(self, world_size: int, averages_with: str = "all_reduce") -> float:
+        """Seconds per step at ``world_size``: a gathered codec decodes N messages through the all-gather, and
+        N shards -- one whole message's worth -- through the all-to-all."""
+        return self.once_s + (1 if averages_with == "reduce_scatter" else world_size) * self.per_decode_s
+
+
+def codec_compute(spec: str, shapes, repeats: int = 3) -> Compute:
+    """The compressor's own compute on this machine, timed (best of ``repeats``) on at most :data:`SAMPLE`
+    elements and scaled to the model's: encode one message, decode one into the buffer the mean is summed in
+    (:meth:`Compute.at` counts N of them), cast there and back (16 bits), or PowerSGD's products and
+    orthogonalizations.  On a GPU these are far cheaper than on a CPU; the wire-alone break-even leaves them out."""
     wire, psi = parse(spec), numel(shapes)
     if wire is None:
-        return 0.0
+        return Compute(0.0)
     if isinstance(wire, PowerSGD):  # a slice of the model holding every shape it has (a block), scaled up
         kinds, sample, seen = {tuple(shape) for _, shape in shapes}, [], set()
         for name, shape in shapes:
@@ -91,20 +105,25 @@ def compute_s(spec: str, shapes, world_size: int, repeats: int = 3, averages_wit
         scale, x = psi / numel(sample), torch.randn(numel(sample))
         state = PowerState(wire)
 
-        def step():  # the warm start's orthogonalization of last step's Q, then the step itself
+        def step():  # the warm start's orthogonalization of last step's Q, then the step itself (N only divides)
             layout = lay_out(sample, wire)
             q = state.starting_q(0, layout, x.dtype, x.device, "timing")
-            state.keep(0, power_step([x], layout, q, lambda ts: ts[0], world_size, wire.epsilon, "timing")[1])
+            state.keep(0, power_step([x], layout, q, lambda ts: ts[0], 2, wire.epsilon, "timing")[1])
         step()
-        return _best(step, repeats) * scale
+        return Compute(_best(step, repeats) * scale)
     x = torch.randn(min(psi, SAMPLE))
     scale = psi / x.numel()
     if isinstance(wire, torch.dtype):
-        return _best(lambda: x.to(wire).to(torch.float32), repeats) * scale
+        return Compute(_best(lambda: x.to(wire).to(torch.float32), repeats) * scale)
     message, total = wire.encode(x, torch.Generator().manual_seed(0) if wire.stochastic else None), x.clone()
     encode = _best(lambda: wire.encode(x, torch.Generator().manual_seed(0) if wire.stochastic else None), repeats)
     decode = _best(lambda: wire.add_decoded(message, total), repeats)  # into the buffer the wire sums in
-    return (encode + (1 if averages_with == "reduce_scatter" else world_size) * decode) * scale
+    return Compute(encode * scale, decode * scale)
+
+
+def compute_s(spec: str, shapes, world_size: int, repeats: int = 3, averages_with: str = "all_reduce") -> float:
+    """:func:`codec_compute` at one world size: seconds per step."""
+    return codec_compute(spec, shapes, repeats).at(world_size, averages_with)
 
 
 def _best(work, repeats: int) -> float:
@@ -138,11 +157,12 @@ def table(specs: list[str], params: float, sizes: list[int], network: Network, l
     shapes = gpt_shapes(params, layers)
     rows = []
     for spec in specs:
+        timed = codec_compute(spec, shapes)  # once: the same at every N
         for via in ("all_reduce",) if isinstance(parse(spec), PowerSGD) else ("all_reduce", "reduce_scatter"):
             for n in sizes:
                 base = wire_terms("none", shapes, n, network, via)
                 wire = wire_terms(spec, shapes, n, network, via)
-                compute = compute_s(spec, shapes, n, averages_with=via) if n > 1 else 0.0
+                compute = timed.at(n, via) if n > 1 else 0.0
                 time_of = lambda t, c=0.0: t[0] + c + t[1] / network.bandwidth  # noqa: E731
                 rows.append({"compress": spec, "averages_with": via, "world_size": n, "sent_bytes": wire[2],
                              "fp32_sent_bytes": base[2], "comm_ms": time_of(wire) * 1e3,

@@ -4,7 +4,7 @@ A codec saves bytes and spends compute: encode one message, then decode and add 
 gathered codec; N shards' worth -- one whole buffer -- through ZeRO's all-to-all).  On a GPU that compute is
 small; on a CPU it can be a large part of the step (Agarwal et al., MLSys 2022, found it one reason compression
 seldom pays).  Both are timed here on one thread, as a rank runs: the codec by
-:func:`~minizero.course.commands.break_even.compute_s` (the figure ``scale --compress`` puts into its break-even),
+:func:`~minizero.course.commands.break_even.codec_compute` (the figure ``scale --compress`` puts into its break-even),
 the step as a GPT's forward, backward and AdamW step on one micro-batch of the benches' size.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from ..harness.models import GPT_SIZES
 from ..harness.tasks import TASKS
-from .break_even import compute_s
+from .break_even import codec_compute
 
 #: The codecs the issue that sped them up held to 10% of an fp32 step (issue 48), and int4 beside them.
 CODECS = ("int8", "int4", "topk:0.01", "sign")
@@ -49,8 +49,9 @@ def bench_codec_compute(world_size: int, model: str = "medium", codecs=CODECS) -
         shapes = [(n, p.shape) for n, p in TASKS["gpt"].make_model(0, torch.float32, **GPT_SIZES[model]).named_parameters()]
         rows = []
         for spec in codecs:
+            timed = codec_compute(spec, shapes)  # once, read for both collectives
             for averaging in ("all_reduce", "reduce_scatter"):
-                compute = compute_s(spec, shapes, world_size, averages_with=averaging)
+                compute = timed.at(world_size, averaging)
                 rows.append({"name": f"{spec} over {averaging.replace('_', '-')}: encode 1, decode {world_size}"
                                      + (" shards" if averaging == "reduce_scatter" else ""),
                              "value": compute * 1e3, "unit": "ms", "ratio": compute / step, "step_ms": step * 1e3,
