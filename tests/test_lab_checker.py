@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,26 @@ def test_an_answer_key_with_any_part_deleted_fails_naming_a_method(pools, tmp_pa
         assert [t for t in LABS[lab].todo if t in report.why] and f"set {member} = " in report.why, (todo, report.why)
     else:  # a helper of the learner's own: what raised names it
         assert member in report.why, (todo, report.failed, report.why)
+
+
+
+@pytest.mark.parametrize("slip, said", [
+    # every rank's sizes are gathered before each step: the pair that disagrees is named, on every rank
+    ("all_gather_sends_its_own_chunk", r"rank \d raised RuntimeError: rank \d: all-gather step \d: rank \d sends \d "
+                                       r"elements and rank \d receives into a chunk of \d -- each step's send must be"),
+    # one rank combines chunks of two sizes and raises alone: its error, not its waiting peers' stall, is the verdict
+    ("receives_the_wrong_chunk", r"rank 3 raised RuntimeError: .*shape.*\n    at \S+receives_the_wrong_"
+                                 r"chunk.py:\d+ in _ring_reduce_scatter.*\(rank 3 raised alone: the other ranks")])
+def test_a_ring_step_whose_send_and_receive_differ_in_size_is_named(pools, slip, said):
+    """Chunks of 1, 1, 0 and 0 elements on four ranks: a slip that sends a chunk into a receive of another size was
+    gloo aborting the receiver or a stalled ring, saying neither which step nor which chunk."""
+    from minizero.course.labs.catalogue import LABS
+    from minizero.course.labs.check import Checker
+    from minizero.course.labs.failed import Failed
+    from minizero.course.labs.loading import Impl
+    from minizero.course.labs.ranks import collectives_round
+    path = str(Path(__file__).parent / "lab_mistakes" / "ring" / f"{slip}.py")
+    checker = Checker(LABS["ring"], Impl.of(LABS["ring"], path), pools)
+    with pytest.raises(Failed) as failed:
+        checker.on_ranks(4, collectives_round, checker.impl, 2, "float64", 0)
+    assert re.search(said, failed.value.why, re.S), failed.value.why

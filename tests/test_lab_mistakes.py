@@ -24,6 +24,10 @@ VALUE = [("the parameter", r"\brank \d+'s [\w.]+"), RANK, STEP,
                            r"almost the right length|moved it by|elements are wrong")]
 COLLECTIVE = ("the collective", r"\b(all_reduce|reduce_scatter|all_gather)\b")
 COST = [RANK, STEP, ("the direction", r"too many|too few|too late|ran on the main thread")]
+#: A learner's code that raised: the rank, their line, and what was wrong in words -- the package's own refusal
+#: ("rank N: ...", "rank N's parameter: ..."), or the checker's reading of a bare error (a None: which parameters had no .grad).
+RAISED = [RANK, ("the line of yours", r"\bat tests/lab_mistakes/\S+\.py:\d+ in \w+"),
+          ("what was wrong, in words", r"raised \w+: rank \d+(: |'s )|had no \.grad")]
 #: What a verdict must name, by the property that failed (a value property's words for any other).
 NAMES = {
     planted.COLLECTIVES: [COLLECTIVE, RANK, ("the element", r"\belement \d+"), ("the direction", r"should be")],
@@ -59,7 +63,8 @@ def unnamed(report) -> list[str]:
     """What the verdict (``why`` and ``case``) does not name of what it must."""
     verdict = f"{report.why}\n{report.case}"
     # the answer key called where only a later property's run reaches it: named as "your methods are what runs" does
-    needs = NAMES[planted.YOURS] if "calls minizero's own" in report.why else NAMES.get(report.failed, VALUE)
+    needs = (NAMES[planted.YOURS] if "calls minizero's own" in report.why
+             else RAISED if re.match(r"rank \d+ raised ", report.why) else NAMES.get(report.failed, VALUE))
     return [what for what, pattern in needs if not re.search(pattern, verdict)]
 
 

@@ -118,10 +118,13 @@ STYLES = sorted((SOLUTIONS / "styles").glob("*.py"))
 
 @pytest.mark.parametrize("solution", STYLES, ids=lambda p: p.stem)
 def test_a_correct_solution_in_another_style_passes(pools, solution):
-    """``tests/lab_solutions/styles/<lab>__<style>.py``: correct files written otherwise than the answer keys -- a
-    ring with its own step labels, one all-reduce per parameter, the base's word for a bucket and a
-    ``functools.partial`` for a closure, a tree by bit masks, ``no_sync`` as a class with ``__enter__``, local SGD
-    summing and dividing.  No correct style may fail (issue 45: a ring labelled "rs" once did)."""
+    """``tests/lab_solutions/styles/<lab>__<style>.py``: correct files written otherwise than the answer keys, one
+    lab at least each -- a ring with its own step labels, one all-reduce per parameter, a lambda for the deferred
+    collective, the base's word for a bucket and a ``functools.partial``, a tree by bit masks, ``no_sync`` as a
+    class with ``__enter__``, local SGD summing and dividing, ZeRO-1's shard as a chunk and its flags summed,
+    ZeRO-3's buffers by index, the hierarchical mean divided once at the end, PowerSGD with index tensors and
+    ``out=``, a reshard through the whole group, the mixed-precision duties in a helper.  No correct style may fail
+    (issue 45: a ring labelled "rs" once did)."""
     lab = solution.stem.split("__")[0].replace("_", "-")
     assert lab in LABS, f"{solution.name}: name it <lab>__<style>.py, the lab one of {sorted(LABS)}"
     report = check(lab, impl=solution, examples=3, pools=pools, out=quiet)
@@ -129,7 +132,7 @@ def test_a_correct_solution_in_another_style_passes(pools, solution):
 
 
 def test_there_are_solutions_in_other_styles():
-    assert len(STYLES) >= 6, STYLES
+    assert {p.stem.split("__")[0].replace("_", "-") for p in STYLES} == set(LABS), STYLES  # one for every lab, at least
 
 
 EQUIVALENCE, BYTES = "equivalence to single-device training", "bytes sent per step against the formula"

@@ -172,6 +172,21 @@ def test_a_gathered_buffer_used_after_its_unit_resharded_is_refused(pools):
         assert said.startswith(("rank 0's blocks.0.", "rank 1's blocks.0.")), said
 
 
+def test_a_buffer_of_another_size_or_dtype_handed_to_use_is_refused_naming_the_group():
+    """A unit's gather returns one buffer per group: one handed to the wrong group (a lab's Unit zipping them in
+    reverse) is told so, naming the rank, the parameter and both sizes -- not torch's view error about a shape."""
+    from minizero.parts.unit_groups import ShardedFlatGroup
+    first = nn.Linear(3, 2, dtype=torch.float64)
+    group = ShardedFlatGroup(list(first.named_parameters()), rank=0, world_size=1, group_index=1)
+    for wrong in (torch.zeros(5, dtype=torch.float64), torch.zeros(8, dtype=torch.float32)):
+        with pytest.raises(ValueError, match=r"rank 0's weight \(flat group 1\): use\(\) was handed a buffer of "
+                                             r"\d+ torch.float\d+ elements; this group gathers 8 torch.float64 ones") as said:
+            group.use(wrong)
+        assert "another group's buffer?" in str(said.value)
+    group.use(group.full_buffer())  # its own: taken
+    assert first.weight.shape == (2, 3) and group.gathered
+
+
 def _full_state_dict_loads(me):
     gpt = TinyGPT(seed=me.rank, dtype=torch.float64)
     stage = make_stage("zero3", gpt, torch.optim.SGD(gpt.parameters(), lr=0.1), make_comm("ring"))

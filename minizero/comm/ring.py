@@ -55,7 +55,7 @@ class RingComm(StarExchanges, Comm):
         large message per step is best.)
         """
         if self.world_size == 1:  # gloo's own words would be "Pair is not connected"
-            raise RuntimeError(f"ring step {step} of the {part} on a world of one rank: it would send to itself -- "
+            raise RuntimeError(f"rank 0: ring step {step} of the {part} on a world of one rank: it would send to itself -- "
                                f"a ring of N ranks takes N - 1 steps per phase, none at N = 1")
         right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         self._at(part, step)

@@ -86,6 +86,12 @@ class ShardedFlatGroup(FlatGroup):
                 f"buffer freed when its unit last resharded -- a gather's result used again, whose values, kept, would "
                 f"be the old gather's, never moved by the optimizer steps since. Start a new all-gather for every "
                 f"forward and backward (Unit.unshard: start_gather, then the result, once) and let it go after use()")
+        if full.numel() != self.shard_size * self.world_size or full.dtype != self.shard.dtype:
+            raise ValueError(
+                f"rank {self.rank}'s {self.segments[0].name} (flat group {self.group_index}): use() was handed a "
+                f"buffer of {full.numel()} {full.dtype} elements; this group gathers {self.shard_size * self.world_size} "
+                f"{self.shard.dtype} ones -- another group's buffer? A unit's gather returns one buffer per group, "
+                f"in the groups' order: hand each group its own")
         self.data = full
         for s in self.segments:
             s.param.data = full[s.start:s.stop].view(s.shape)

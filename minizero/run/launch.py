@@ -59,15 +59,17 @@ class RankError(RuntimeError):
     """A rank raised, died or stalled.  ``rank`` is None when none could be blamed.  ``exitcode``: a dead
     rank's; ``stacks``: where each unfinished rank was when a run with a deadline was stopped
     (:meth:`RankPool.run_within`; a list of :class:`~minizero.run.stacks.Frame`, outermost first, or None when the
-    rank did not answer)."""
+    rank did not answer); ``finished``: what the ranks that had finished returned -- a rank that failed alone and
+    returned its error as a value, say, which its waiting peers then stalled on."""
 
     def __init__(self, message: str, rank: int | None = None, remote_traceback: str = "", *,
-                 exitcode: int | None = None, stacks: dict | None = None):
+                 exitcode: int | None = None, stacks: dict | None = None, finished: dict | None = None):
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.exitcode = exitcode
         self.stacks = stacks or {}
+        self.finished = finished or {}  # rank -> what it returned, for the ranks that had finished when it stopped
 
 
 def check_world_size(world_size: int) -> None:
@@ -242,7 +244,7 @@ class RankPool:
                 stacks = sample({r: s for r, s in enumerate(self._stacks) if r not in finished})
             self.close(kill=True)
             raise RankError(message + "\nThe run was stopped.", rank=culprits[0] if len(culprits) == 1 else None,
-                            stacks=stacks)
+                            stacks=stacks, finished=dict(finished))
 
     def _check_deaths(self) -> None:
         for rank, process in enumerate(self._processes):

@@ -172,24 +172,7 @@ HOLES: dict[str, str] = {
 
 #: Planted mistakes caught, but with a verdict that does not yet name all it must (tests/test_lab_mistakes.py says
 #: what is missing): a strict xfail on the words only, so the test says when the verdict improves.
-VAGUE: dict[str, str] = {
-    "zero3/uses_the_buffers_in_reverse": "caught on the checker's explicit corner (two param groups: two flat groups "
-                                         "in a unit) by a view error at the learner's group.use line: the line, not "
-                                         "which group got the other's buffer",
-    "compress/no_sync_never_restores": "the stage's own guard raises (step() after backward passes inside no_sync() "
-                                       "only): true, but not that the learner's no_sync() left synchronisation off",
-    "ddp/every_module_parameter": "an AttributeError on a None .grad: which parameter had none (frozen, unused) is "
-                                  "not said",
-    "ddp_bucketed/returns_the_call_not_a_function": "TypeError: 'NoneType' object is not callable, at pipeline.mark: "
-                                                    "not that deferred_all_reduce returned None instead of a function",
-    "ring/all_gather_sends_its_own_chunk": "gloo aborted a rank (a message of another size than posted): no collective, "
-                                           "element or ring step",
-    "ring/all_gather_takes_n_steps": "gloo's 'Pair is not connected' at N = 1: not that the ring sent to itself, one "
-                                     "step too many",
-    "ring/receives_the_wrong_chunk": "a stall (chunks of different sizes deadlock the ring): no element or value",
-    "zero3/pre_backward_does_nothing": "the stage names the rank, the parameter and the step whose unit was not "
-                                       "gathered for backward, but no value went wrong: there is no direction to name",
-}
+VAGUE: dict[str, str] = {}
 
 #: The properties a value slip fails: searched with :data:`EXAMPLES` drawn examples.
 VALUES = {"equivalence to single-device training", "equivalence to a reference applying the same casts",

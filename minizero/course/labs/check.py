@@ -120,6 +120,11 @@ class Checker(Search):
         try:
             results = self.pools.run_within(self.deadline_s, world_size, stderr_to, self._noise.name, fn, *args)
         except RankError as error:
+            alone = [r for r in error.finished.values() if isinstance(r, Raised)]
+            if alone and error.exitcode is None:  # the cause: a rank raised alone, and its peers waited for it
+                who = " and ".join(f"rank {r.rank}" for r in sorted(alone, key=lambda r: r.rank))
+                raise Failed(f"{alone[0]}\n    ({who} raised alone: the other ranks, waiting in a collective for what "
+                             f"it would have sent, were stopped)", final=True) from None
             if error.exitcode is not None:
                 why = died(error, importing)
             elif error.stacks:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import types
 
+import torch
+import torch.distributed as dist
+
 from ...comm import RingComm
 from ...comm.hierarchical import HierarchicalComm
 from ...compress import Wire as PackageWire
@@ -69,8 +72,28 @@ def without(cls: type, *methods: str, name: str | None = None, delegates: dict |
     return type(shown, (cls,), body)
 
 
+def _sizes_agreed_first(self, send, recv, part: str, step: int) -> None:
+    """The ring's step, checked: first every rank's send and receive sizes are gathered, and a rank whose send is
+    not the size its right neighbour receives into is named, on every rank -- gloo would abort the receiver
+    ("Received data size doesn't match expected size"), or the ring would deadlock, with no word of which step or
+    chunk.  Bookkeeping of the checker's, not the algorithm's: this gather is not in the ledger."""
+    if self.check and self.world_size > 1:
+        n = self.world_size
+        mine = torch.tensor([0 if send is None else send.numel(), 0 if recv is None else recv.numel()])
+        sizes = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(sizes, mine, group=self.group)
+        for k in range(n):
+            sends, receives = int(sizes[k][0]), int(sizes[(k + 1) % n][1])
+            if sends != receives:
+                raise RuntimeError(f"rank {self.rank}: {part} step {step}: rank {k} sends {sends} elements and rank "
+                                   f"{(k + 1) % n} receives into a chunk of {receives} -- each step's send must be "
+                                   f"the chunk its right neighbour receives into")
+    RingComm._send_right_recv_left(self, send, recv, part, step)
+
+
 # One base per class a lab's methods are on (the lab catalogue names the methods: minizero.course.labs.catalogue).
-Ring = without(RingComm, "_ring_reduce_scatter", "_ring_all_gather", name="Ring")
+Ring = without(RingComm, "_ring_reduce_scatter", "_ring_all_gather", name="Ring",
+               _send_right_recv_left=_sizes_agreed_first)
 DDP = without(PackageDDP, "post_backward")
 BucketedDDP = without(PackageBucketedDDP, "post_accumulate_grad", "deferred_all_reduce")
 Wire = without(PackageWire, "encode", "decode")

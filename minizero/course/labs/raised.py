@@ -40,14 +40,32 @@ class Raised:
             return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
         mine = mine or frames[-1:]
         where = f"{shown(mine[-1].filename)}:{mine[-1].lineno} in {mine[-1].name}: {mine[-1].line}" if mine else ""
-        return cls(rank, type(error).__name__, str(error).split("\n")[0], where)
+        message = str(error).split("\n")[0]
+        if isinstance(error, (AttributeError, TypeError)) and "'NoneType' object" in message:
+            message += _without_grad(rank, error, path)
+        return cls(rank, type(error).__name__, message, where)
 
     def __str__(self) -> str:
-        hint = (" (a None where a tensor was expected -- a parameter without a .grad? A frozen parameter never has "
-                "one, an unused one not in this step: the checker's edge model has both)"
-                if self.kind in ("AttributeError", "TypeError") and "'NoneType' object" in self.message else "")
-        return f"rank {self.rank} raised {self.kind}: {self.message}{hint}" + (
-            f"\n    at {self.where}" if self.where else "")
+        return f"rank {self.rank} raised {self.kind}: {self.message}" + (f"\n    at {self.where}" if self.where else "")
+
+
+def _without_grad(rank: int, error: BaseException, path: str | None) -> str:
+    """A None where a tensor was expected, in the learner's method: most often a parameter's ``.grad`` -- which
+    ones had none is read off the module their method was working on (``self.module``) at that moment."""
+    module = None
+    tb = error.__traceback__
+    while tb is not None:
+        if path and tb.tb_frame.f_code.co_filename == path:
+            module = getattr(tb.tb_frame.f_locals.get("self"), "module", module)
+        tb = tb.tb_next
+    names = [] if module is None or not hasattr(module, "named_parameters") else [
+        f"{name} ({'frozen: requires_grad is False' if not p.requires_grad else 'not used in this backward'})"
+        for name, p in module.named_parameters() if p.grad is None]
+    if names:
+        return (f" (a None where a tensor was expected: at that moment rank {rank}'s "
+                f"{', '.join(names)} had no .grad -- skip a parameter whose .grad is None)")
+    return (" (a None where a tensor was expected -- a parameter without a .grad? A frozen parameter never has one, "
+            "an unused one not in this step: the checker's edge model has both)")
 
 
 
