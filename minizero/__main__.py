@@ -1,4 +1,4 @@
-"""Command line: ``python -m minizero train|compare|soak|memory|bench|scale|lab|check|verify ...``.
+"""Command line: ``python -m minizero train|compare|soak|memory|bench|scale|roofline|lab|check|verify ...``.
 
 Numbers are validated where they are parsed: a count must be a positive whole
 number, a size or a rate a finite positive number -- argparse then names the
@@ -16,6 +16,7 @@ from .course.commands.bench import ROUNDS as BENCH_ROUNDS
 from .course.commands.compress_study import add_parser as add_compress_study
 from .course.commands.memory_table import MODELS as MEMORY_MODELS
 from .course.commands.memory_table import stage_list
+from .course.commands.roofline import add_parser as add_roofline
 from .course.commands.train_command import add_parser as add_train_command
 from .course.commands.verify import add_parser as add_verify
 from .course.harness import preflight
@@ -160,6 +161,7 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     add_flags(scale, {n: STAGES[n] for n in distributed()}, leave_out=[o.name for o in WIRE_AND_USE], command=scale.prog)
     add_train_command(sub, positive_int, natural_int, positive_float)
     add_compress_study(sub, positive_int, positive_float)
+    add_roofline(sub, positive_int, positive_float)
     add_lab_commands(sub)
     add_verify(sub)
     return top
@@ -184,6 +186,8 @@ def main(argv=None, stages: dict | None = None) -> int:
             from .course.commands.scale import main as run
         elif args.command == "train":
             from .course.commands.train_command import main as run
+        elif args.command == "roofline":
+            from .course.commands.roofline import main as run
         elif args.command == "compress-study":
             from .course.commands.compress_study import main as run
         elif args.command == "verify":
