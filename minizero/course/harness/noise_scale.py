@@ -18,8 +18,9 @@ from .tasks import TASKS
 
 
 def gradient_norms(me, model: dict, per_rank: int, steps: int, lr: float = 3e-3, seed: int = 0) -> list[tuple]:
-    """Each step's ``(mean over ranks of |g_rank|^2, |g_average|^2)``: g_rank over this rank's ``per_rank``
-    sequences, g_average the ranks' mean (over all N ``per_rank``).  AdamW steps with the average."""
+    """Each step's ``(mean over ranks of |g_rank|^2, |g_average|^2, the loss)``: g_rank over this rank's
+    ``per_rank`` sequences, g_average the ranks' mean (over all N ``per_rank``), the loss the ranks' mean too.
+    AdamW steps with the average."""
     comm = make_comm("ring")
     gpt = TASKS["gpt"].make_model(seed, torch.float32, **model)
     optimizer = torch.optim.AdamW(gpt.parameters(), lr=lr)
@@ -29,12 +30,13 @@ def gradient_norms(me, model: dict, per_rank: int, steps: int, lr: float = 3e-3,
         x, y = TASKS["gpt"].make_batch(me.world_size * per_rank, seed, step, torch.float32, **model)
         mine = slice(me.rank * per_rank, (me.rank + 1) * per_rank)
         logits = gpt(x[mine])
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[mine].reshape(-1)).backward()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[mine].reshape(-1))
+        loss.backward()
         flat = pack([p.grad for p in params])
-        own = flat.square().sum().reshape(1)
-        comm.all_reduce(own, ReduceOp.AVG)  # the mean over ranks of each rank's |g|^2
+        own = torch.stack([flat.square().sum(), loss.detach()])
+        comm.all_reduce(own, ReduceOp.AVG)  # the mean over ranks of each rank's |g|^2, and of its loss
         comm.all_reduce(flat, ReduceOp.AVG)  # DDP's average: the gradient over every rank's examples
-        norms.append((own.item(), flat.square().sum().item()))
+        norms.append((own[0].item(), flat.square().sum().item(), own[1].item()))
         unpack(flat, [p.grad for p in params])
         optimizer.step()
         optimizer.zero_grad()
@@ -45,6 +47,6 @@ def measure(norms: list[tuple], per_rank: int, world_size: int, skip: int = 0) -
     """B_simple (in sequences) from :func:`gradient_norms`' steps after the first ``skip``: each squared norm
     averaged over the steps, then the two estimators."""
     kept = norms[skip:]
-    small = sum(s for s, _ in kept) / len(kept)
-    big = sum(b for _, b in kept) / len(kept)
+    small = sum(step[0] for step in kept) / len(kept)
+    big = sum(step[1] for step in kept) / len(kept)
     return noise_scale(small, big, per_rank, world_size * per_rank)
