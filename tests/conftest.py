@@ -88,8 +88,8 @@ BESIDE_THE_LESSONS = {
     "test_stage_lifetime", "test_bench_method", "test_efficiency", "test_gpu_run",
     # compression beyond 16 bits: values, bytes and the break-even formulas (compute is timed there, never compared)
     "test_codecs", "test_powersgd", "test_break_even", "test_compress_study", "test_quantized_weights",
-    # the roofline: formulas and the noise scale's norms, never time
-    "test_roofline",
+    # the roofline: formulas and the noise scale's norms, never time; ring attention and experts: values and bytes
+    "test_roofline", "test_context_and_expert_parallel",
 }
 
 
