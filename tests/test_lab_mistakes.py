@@ -32,7 +32,9 @@ RAISED = [RANK, ("the line of yours", r"\bat tests/lab_mistakes/\S+\.py:\d+ in \
 NAMES = {
     planted.COLLECTIVES: [COLLECTIVE, RANK, ("the element", r"\belement \d+"), ("the direction", r"should be")],
     planted.RING_COST: [COLLECTIVE, RANK, ("the direction", r"too many|too few")],
-    planted.BYTES: COST, planted.MEMORY: COST, planted.OVERLAP: COST,
+    planted.BYTES: COST, planted.MEMORY: COST, planted.OVERLAP: COST, "one all-reduce per optimizer step, whatever K": COST,
+    # PowerSGD's bytes: every step alike, so the rank and which way
+    "bytes: the rest, then (n + m) r per matrix": [RANK, ("the direction", r"too many|too few")],
     planted.NESTS: [RANK, ("the direction", r"sent gradients|sent nothing")],
     planted.YOURS: [("the answer called, and where it is", r"minizero's own \w+\.\w+ \(\S+:\d+\)")],
     # the tree lab: a collective's result as the ring's; its cost as rounds and bytes, either way off

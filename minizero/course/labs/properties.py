@@ -153,10 +153,12 @@ def ring_cost(checker) -> str:
         steps = (2 if case["kind"] == "all_reduce" else 1) * (n - 1)
         if case["sent"] != want:
             return (f"{name}: rank {rank} sent {case['sent']} bytes of {case['numel']} x {elem}-byte elements; "
-                    f"the ring sends {want} ((N-1)/N of the tensor per phase)")
+                    f"the ring sends {want} ((N-1)/N of the tensor per phase): "
+                    + ("too many -- more than one chunk a step?" if case["sent"] > want else "too few"))
         if case["messages"] > steps or (case["numel"] >= n and case["messages"] != steps):
             return (f"{name}: rank {rank} sent {case['messages']} messages; the ring takes {steps} steps of one "
-                    f"message each -- the latency term that grows with N")
+                    f"message each -- the latency term that grows with N: "
+                    + ("too many" if case["messages"] > steps else "too few"))
         return None
 
     _collectives(checker, wrong)

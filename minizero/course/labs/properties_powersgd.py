@@ -37,13 +37,16 @@ def sent_bytes(checker) -> str:
         exp = Experiment(stage=checker.key, task="gpt", steps=2, dtype="float64",
                          options={"compress": "powersgd:rank=2", "error_feedback": True})
         results = checker.run_case(n, exp)
-        counted = sum(r.sent_by_kind.get("all_reduce", 0) for r in results) / n / exp.steps
         want = results[0].wire_sent_bytes_per_step
+        per_rank = [r.sent_by_kind.get("all_reduce", 0) / exp.steps for r in results]
+        counted = sum(per_rank) / n  # the formula is the ranks' average: a ring's uneven chunks differ by rank
         if abs(counted - want) > 1e-9 * want:
-            raise Failed(f"the ranks sent {counted:,.0f} bytes per step each on average in all-reduces; PowerSGD's "
-                         f"three all-reduces (the uncompressed tensors, n r per matrix for P, m r for Q) carry "
-                         f"{want:,.0f} -- " + ("more: is a whole matrix all-reduced?" if counted > want else
-                                               "fewer: is a factor never all-reduced?"), describe(exp, n))
+            most = max(range(n), key=lambda r: abs(per_rank[r] - want))
+            raise Failed(f"the ranks sent {counted:,.0f} bytes a step each on average in all-reduces (rank {most}: "
+                         f"{per_rank[most]:,.0f}); PowerSGD's three all-reduces (the uncompressed tensors, n r per "
+                         f"matrix for P, m r for Q) carry {want:,.0f}: " +
+                         ("too many -- is a whole matrix all-reduced?" if counted > want else
+                          "too few -- is a factor never all-reduced?"), describe(exp, n))
     return "the ring carries exactly the rest, then n r and m r per matrix (N = 2 and 3)"
 
 
