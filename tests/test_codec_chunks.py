@@ -14,7 +14,7 @@ from minizero.compress.codec import from_bytes
 from minizero.compress.topk import SAMPLE, largest
 
 SPECS = ["int8", "int4", "int8:block=3", "int4:block=5", "int8:block=7,stochastic=1", "int4:block=16,stochastic=1",
-         "topk:0.01", "topk:0.3", "sign"]
+         "fp8", "fp8:format=e5m2,block=5", "topk:0.01", "topk:0.3", "sign"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 

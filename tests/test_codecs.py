@@ -20,7 +20,8 @@ from minizero.course.harness.models import MLP
 from minizero.stages import make_stage
 from tests.equivalence import covering_every_world_size, examples, experiments, run_and_check
 
-CODECS = ["int8", "int4", "int8:block=16,stochastic=1", "int4:block=8,stochastic=1", "topk:0.05", "topk:0.5", "sign"]
+CODECS = ["int8", "int4", "int8:block=16,stochastic=1", "int4:block=8,stochastic=1", "fp8", "fp8:format=e5m2,block=16",
+          "topk:0.05", "topk:0.5", "sign"]
 
 
 def roundtrip(codec, x, generator=None):
@@ -60,6 +61,48 @@ def test_stochastic_rounding_is_unbiased_and_nearest_rounding_is_not(bits):
     assert not looks_unbiased(Quantized(bits, block=8, stochastic=False), x)
 
 
+@pytest.mark.parametrize("fmt, mantissa, smallest_normal", [("e4m3", 3, 2.0 ** -6), ("e5m2", 2, 2.0 ** -14)])
+@pytest.mark.parametrize("numel", [1, 7, 300])
+def test_fp8_is_within_half_its_last_place_of_each_value_in_its_normal_range(fmt, mantissa, smallest_normal, numel):
+    """A value whose scaled magnitude is an FP8 normal is sent to 2^-(mantissa+1) of itself; below, the
+    subnormals' fixed step, half of 2^-(mantissa) of the smallest normal, times the block's scale."""
+    from minizero.compress.float8 import Float8
+    codec = Float8(fmt, block=16)
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, dtype=torch.float64, generator=g) * torch.logspace(-12, 2, numel, dtype=torch.float64)
+    got = roundtrip(codec, x)
+    for a in range(0, numel, 16):
+        block, sent = x[a:a + 16], got[a:a + 16]
+        scale = float(torch.tensor(block.abs().max() / codec.largest, dtype=torch.float32))
+        normal = block.abs() >= smallest_normal * scale
+        bound = torch.where(normal, block.abs() * 2.0 ** -(mantissa + 1), torch.full_like(block, smallest_normal
+                                                                                          * 2.0 ** -(mantissa + 1)
+                                                                                          * scale))
+        assert ((sent - block).abs() <= bound * (1 + 1e-6) + 1e-300).all(), (fmt, a)
+
+
+def test_fp8_keeps_the_small_values_of_a_block_that_int8_rounds_to_zero():
+    """One large gradient in a block: int8's step is max/127 and the rest round to zero; FP8's error is relative,
+    so -3.3 beside 1000 comes back within 2^-4 of itself -- in the same bytes."""
+    x = torch.tensor([1000.0, -3.3, 0.5, 7.0] * 64, dtype=torch.float64)
+    fp8, int8 = parse("fp8"), parse("int8")
+    got_fp8, got_int8 = roundtrip(fp8, x), roundtrip(int8, x)
+    assert fp8.message_bytes(256, torch.float64) == int8.message_bytes(256, torch.float64) == 256 + 4
+    assert (got_int8[1::4] == 0).all() and (got_int8[2::4] == 0).all()  # -3.3 and 0.5 are under half a step
+    assert ((got_fp8[1::4] + 3.3).abs() <= 3.3 / 16).all() and ((got_fp8[2::4] - 0.5).abs() <= 0.5 / 16).all()
+    assert abs(got_fp8[0] - 1000.0) <= 1000.0 * 2.0 ** -23  # the format's largest times the scale: only the float32
+    # rounding of the scale (max / 448) stands between it and the block's max
+
+
+def test_fp8_settings_are_read_and_refused_by_name():
+    assert parse("fp8").spec() == "fp8:format=e4m3,block=256" and parse("fp8:e5m2").spec() == "fp8:format=e5m2,block=256"
+    assert parse("fp8:format=e5m2,block=32").block == 32
+    for bad, said in (("fp8:format=e3m4", "the formats are e4m3, e5m2"), ("fp8:blocks=4", "unknown setting 'blocks'"),
+                      ("fp8:block=0", "at least 1 value")):
+        with pytest.raises(ValueError, match=said):
+            parse(bad)
+
+
 def test_topk_sends_the_k_largest_magnitudes_exactly():
     x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.05, 4.0, -0.01], dtype=torch.float32)
     got = roundtrip(TopK(0.3), x)  # k = ceil(2.4) = 3
@@ -72,7 +115,7 @@ def test_sign_sends_signs_and_the_mean_magnitude():
     assert torch.equal(roundtrip(Sign(), x), torch.where(x >= 0, scale, -scale))
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "topk:0.05", "sign"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "fp8", "topk:0.05", "sign"])
 def test_error_feedback_loses_nothing_it_only_sends_it_later(spec):
     """Over any number of steps: everything decoded plus the residual still held = every gradient given."""
     codec, residual = parse(spec), torch.zeros(257, dtype=torch.float64)
@@ -89,7 +132,7 @@ def test_error_feedback_loses_nothing_it_only_sends_it_later(spec):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("int16", "compress must be one of none, fp16, bf16, int8, int4, topk, sign"),
+    ("int16", "compress must be one of none, fp16, bf16, int8, int4, fp8, topk, sign"),
     ("topk:2", "topk keeps a fraction of each gradient in (0, 1]; got 2.0"),
     ("int8:blk=4", "unknown setting 'blk'; int8 takes block, stochastic"),
     ("topk:lots", "fraction='lots' is not a float"),
@@ -160,11 +203,14 @@ def test_codec_stage_matches_the_same_codec_reference_and_its_byte_formula(pools
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_zero2_with_int8_matches_its_reference(pools, world_size):
-    """A fixed case beside the drawn ones: ZeRO-2's buckets through the all-to-all, error feedback, K = 2."""
+@pytest.mark.parametrize("stage, spec", [("zero2", "int8:block=64"), ("zero2", "fp8:block=64"),
+                                         ("ddp-bucketed", "fp8:format=e5m2")])
+def test_fixed_cases_match_their_references(pools, world_size, stage, spec):
+    """Fixed cases beside the drawn ones: ZeRO-2's buckets through the all-to-all, DDP's through the all-gather,
+    error feedback, K = 2 -- int8, and FP8 in both formats."""
     from minizero.course.harness.experiment import Experiment
-    exp = Experiment(stage="zero2", task="gpt", steps=3, accum=2, dtype="float64", optimizer="adam",
-                     options={"compress": "int8:block=64", "error_feedback": True, "bucket_mb": 0.01})
+    exp = Experiment(stage=stage, task="gpt", steps=3, accum=2, dtype="float64", optimizer="adam",
+                     options={"compress": spec, "error_feedback": True, "bucket_mb": 0.01})
     run_and_check(pools, exp, world_size)
 
 

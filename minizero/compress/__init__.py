@@ -5,7 +5,7 @@ Three kinds of wire, each averaging through one method, ``average`` (:class:`min
 * the **16-bit wire** (``fp16``, ``bf16``; :mod:`.sixteen_bit`, :mod:`.summed`): the gradients are cast, summed *on the way*
   inside the ring all-reduce or reduce-scatter, and cast back -- half the bytes, on every stage;
 * the **gathered wires** (:mod:`.gathered`) of codecs whose messages do not add up: ``int8`` / ``int4``
-  (:mod:`.quantized`), ``topk:FRACTION`` (:mod:`.topk`), ``sign`` (:mod:`.sign`) -- each rank's message
+  (:mod:`.quantized`), ``fp8`` (:mod:`.float8`), ``topk:FRACTION`` (:mod:`.topk`), ``sign`` (:mod:`.sign`) -- each rank's message
   all-gathered (an all-reduce), or its shards' messages sent to their owners (a reduce-scatter: an all-to-all,
   ZeRO++'s qgZ), decoded and added in rank order;
 * **PowerSGD** (``powersgd:rank=R``, :mod:`.powersgd`): each matrix as P Q^T, whose factors *do* add up --
@@ -23,6 +23,7 @@ import torch
 from ..comm import Comm
 from ..parts.precision import REDUCE_DTYPES, Precision
 from .codec import Codec
+from .float8 import Float8
 from .gathered import GatheredWire
 from .powersgd import PowerSGD, PowerSGDWire
 from .quantized import Quantized
@@ -34,6 +35,7 @@ from .topk import TopK
 CODECS = {
     "int8": lambda text: Quantized.from_spec(8, text),
     "int4": lambda text: Quantized.from_spec(4, text),
+    "fp8": Float8.from_spec,
     "topk": TopK.from_spec,
     "sign": lambda text: Sign() if not text else _no_settings("sign", text),
     "powersgd": PowerSGD.from_spec,

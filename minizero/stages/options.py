@@ -140,7 +140,7 @@ def _weights(text):
 #: ``--compress``: a wire minizero.compress can build (``topk:0.01``, ``int8:block=64``); ``--quantized-weights``:
 #: a quantized codec the weights can travel as (``int8``, ``int4:block=64``).
 compress_spec, weights_spec = _checked(_compress, "--compress"), _checked(_weights, "--quantized-weights")
-compress_spec.choices = ("none", "fp16", "bf16", "int8", "int4", "topk:F", "sign", "powersgd:rank=R")  # for --help
+compress_spec.choices = ("none", "fp16", "bf16", "int8", "int4", "fp8", "topk:F", "sign", "powersgd:rank=R")  # for --help
 weights_spec.choices = ("none", "int8", "int4")
 
 
