@@ -28,8 +28,14 @@ from .overflow import RefusesNonFinite
 def stream(rank: int, carried: torch.Tensor) -> torch.Generator:
     """The random numbers a stochastic codec rounds ``carried`` with on rank ``rank``: seeded by the values
     themselves (a checksum of their bytes) and the rank -- so the reference draws the same ones without
-    knowing the stage's buffer names or order, and a resumed run the same ones without a saved counter."""
-    checksum = zlib.crc32(carried.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    knowing the stage's buffer names or order, and a resumed run the same ones without a saved counter.
+    float64 values are checksummed as float32: the stage's backward and the reference's may sum a gradient in
+    another order (another matrix-product path), a last-bit difference that would reseed the whole stream and
+    move values by a code step -- float32's rounding hides it, but at its own boundaries (about 2^-29 a value)."""
+    values = carried.detach().reshape(-1)
+    if values.dtype == torch.float64:
+        values = values.to(torch.float32)
+    checksum = zlib.crc32(values.contiguous().view(torch.uint8).numpy().tobytes())
     return torch.Generator().manual_seed(checksum ^ (rank * 0x9E3779B1 & 0xFFFFFFFF))
 
 
