@@ -31,7 +31,10 @@ def stream(rank: int, carried: torch.Tensor) -> torch.Generator:
     knowing the stage's buffer names or order, and a resumed run the same ones without a saved counter.
     float64 values are checksummed as float32: the stage's backward and the reference's may sum a gradient in
     another order (another matrix-product path), a last-bit difference that would reseed the whole stream and
-    move values by a code step -- float32's rounding hides it, but at its own boundaries (about 2^-29 a value)."""
+    move values by a code step -- float32's rounding hides it, but at its own boundaries (about 2^-29 a value).
+    float32 gradients are checksummed as they are, so there the same difference still draws other numbers
+    (``make test-deep`` finds one: zero2, stochastic int8, a float32 MLP); a stream seeded by the buffer's key and
+    a count of its averages -- kept in checkpoints, as the residuals are -- would not depend on the values at all."""
     values = carried.detach().reshape(-1)
     if values.dtype == torch.float64:
         values = values.to(torch.float32)
