@@ -55,8 +55,8 @@ class RingComm(StarExchanges, Comm):
         large message per step is best.)
         """
         if self.world_size == 1:  # gloo's own words would be "Pair is not connected"
-            raise RuntimeError(f"rank 0: ring step {step} of the {part} on a world of one rank: it would send to itself -- "
-                               f"a ring of N ranks takes N - 1 steps per phase, none at N = 1")
+            raise RuntimeError(f"rank {self.rank}: ring step {step} of the {part} on a world of one rank: it would "
+                               f"send to itself -- a ring of N ranks takes N - 1 steps per phase, none at N = 1")
         right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         self._at(part, step)
         if self._pair_steps:

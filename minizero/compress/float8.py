@@ -22,7 +22,7 @@ import math
 import torch
 
 from .codec import Codec, as_bytes, chunks, from_bytes, parse_arguments
-from .quantized import whole_blocks
+from .quantized import scaled, whole_blocks
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -56,11 +56,9 @@ class Float8(Codec):
         work = torch.float64 if flat.dtype == torch.float64 else torch.float32
         for start, stop in chunks(numel, self.block):
             rows = whole_blocks(flat[start:stop].to(work), self.block)
-            block_scale = (rows.abs().amax(dim=1) / self.largest).to(torch.float32)  # the block's max -> the largest
+            units, block_scale = scaled(rows, rows.abs().amax(dim=1), self.largest)  # the block's max -> the largest
             scale[start // self.block:start // self.block + rows.shape[0]] = block_scale
-            safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale)).to(work)
-            # a float32 scale rounded down could put the max a hair past the largest FP8: clamped, not saturated
-            units = (rows / safe[:, None]).clamp_(-self.largest, self.largest)
+            units.clamp_(-self.largest, self.largest)  # a float32 scale rounded down could put the max a hair past
             codes[start:stop] = units.to(self.dtype).view(-1)[:stop - start].view(torch.uint8)
         return torch.cat([codes, as_bytes(scale)])
 

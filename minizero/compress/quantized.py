@@ -52,10 +52,8 @@ class Quantized(Codec):
         work = torch.float64 if flat.dtype == torch.float64 else torch.float32  # a 16-bit gradient's values exactly
         for start, stop in chunks(numel, self._step()):
             rows = whole_blocks(flat[start:stop].to(work), self.block)
-            block_scale = (torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()) / self.levels).to(torch.float32)
-            scale[start // self.block:start // self.block + rows.shape[0]] = block_scale
-            safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale)).to(work)
-            units = rows / safe[:, None]  # in [-levels, levels]
+            units, block_scale = scaled(rows, torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()), self.levels)
+            scale[start // self.block:start // self.block + rows.shape[0]] = block_scale  # units in [-levels, levels]
             if self.stochastic:  # rounded up with probability the distance from the code below
                 low = units.floor()
                 units = low.add_(torch.rand(units.shape, dtype=work, generator=generator) < (units - low))
@@ -85,6 +83,14 @@ class Quantized(Codec):
             block_scale = scale[start // self.block:start // self.block + rows.shape[0]].to(exact)
             total[start:stop] += rows.mul_(block_scale[:, None]).view(-1)[:stop - start].to(total.dtype)
         return total
+
+
+def scaled(rows: torch.Tensor, magnitude: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block (a row) in units of its scale, and the scales: ``magnitude / top`` as sent, in float32, so the
+    block's largest magnitude lands on the code ``top`` (an all-zero block is divided by 1)."""
+    scale = (magnitude / top).to(torch.float32)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(rows.dtype)
+    return rows / safe[:, None], scale
 
 
 def whole_blocks(values: torch.Tensor, block: int) -> torch.Tensor:

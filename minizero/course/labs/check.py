@@ -124,7 +124,7 @@ class Checker(Search):
             if alone and error.exitcode is None:  # the cause: a rank raised alone, and its peers waited for it
                 who = " and ".join(f"rank {r.rank}" for r in sorted(alone, key=lambda r: r.rank))
                 raise Failed(f"{alone[0]}\n    ({who} raised alone: the other ranks, waiting in a collective for what "
-                             f"it would have sent, were stopped)", final=True) from None
+                             f"{'it' if len(alone) == 1 else 'they'} would have sent, were stopped)", final=True) from None
             if error.exitcode is not None:
                 why = died(error, importing)
             elif error.stacks:
