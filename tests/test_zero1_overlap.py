@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from minizero.comm.network import parse_network
 from minizero.costs.cost_model import StepPlan, predict
-from minizero.course.harness.costs import bytes_problem, memory_problem
+from minizero.course.harness.costs import bytes_problem, memory_problem, overlap_problem
 from minizero.course.harness.experiment import Experiment, run_experiment
-from minizero.course.harness.timelines import timeline_on_rank
+from minizero.course.harness.overlap import backward_launches
 from minizero.stages import STAGES
 from tests.equivalence import examples, experiments, run_and_check
 
@@ -66,21 +66,21 @@ def test_overlap_sends_and_holds_what_zero1_does(pools, world_size):
 
 
 def test_the_reduce_scatters_leave_during_backward(pools):
-    """On a dialled wire the overlapped buckets' reduce-scatters run while backward computes: the first starts before
-    backward ends, on the communication thread; without overlap every one starts after."""
-    exp = Experiment(stage="zero1", task="gpt", model={"n_layer": 4}, steps=3, dtype="float32", optimizer="sgd",
-                     check=False, network="alpha=5ms,bandwidth=200MB/s", options={"bucket_mb": 0.03})
+    """Overlapped, each bucket's reduce-scatter is handed to the communication thread while gradients are still to
+    come, and none runs on the main thread during backward; without overlap none leaves before backward ends.
 
-    def started_in_backward(options):
-        steps = pools.run(2, timeline_on_rank, replace(exp, options={**exp.options, **options}))[0]
-        last = steps[-1]
-        backward_end = max(e for w, _, e in last.compute if w == "backward")
-        starts = [s for w, s, _ in last.comm if w.startswith("reduce_scatter")]
-        return sum(s < backward_end for s in starts), len(starts)
-
-    during, total = started_in_backward({"overlap": True})
-    assert total >= 3 and during >= 1, (during, total)
-    assert started_in_backward({}) == (0, total)
+    Judged by when the main thread *submits* (:func:`~minizero.course.harness.overlap.backward_launches`, the
+    labs' checker's definition), not by when the communication thread starts: on two cores at load, that thread
+    may not be scheduled until backward has ended (0 of 9 started during it, seen once in CI) -- a fact about the
+    machine, where the submission is the stage's."""
+    exp = Experiment(stage="zero1", task="gpt", model={"n_layer": 4}, steps=2, dtype="float32", optimizer="sgd",
+                     check=False, options={"bucket_mb": 0.03})
+    for world_size in (2, 3):
+        overlapped = pools.run(world_size, backward_launches, replace(exp, options={**exp.options, "overlap": True}))
+        assert overlap_problem(overlapped, exp.steps) is None
+        assert all(len(b["launches"]) >= 3 for backwards in overlapped for b in backwards), overlapped
+        serial = pools.run(world_size, backward_launches, exp)
+        assert "no bucket left while backward still had gradients" in overlap_problem(serial, exp.steps)
 
 
 def test_the_cost_model_hides_the_overlapped_reduce_scatters():
