@@ -338,12 +338,14 @@ def test_the_optimizers_hyper_parameters_come_back(pools, tmp_path, stage, preci
 @pytest.mark.parametrize("stage, compress, split, feedback", [
     ("ddp-bucketed", "powersgd:rank=2", 2, True), ("ddp-bucketed", "powersgd:rank=1,start=2", 1, True),
     ("ddp-bucketed", "powersgd:rank=1,warm_start=0", 2, True), ("ddp-bucketed", "int8:stochastic=1", 2, True),
-    ("ddp-bucketed", "topk:0.1", 1, True), ("zero2", "int8", 2, True), ("zeropp", "sign", 1, True),
+    ("zero2", "int4:stochastic=1", 2, False), ("ddp-bucketed", "topk:0.1", 1, True), ("zero2", "int8", 2, True),
+    ("zeropp", "sign", 1, True),
     # without error feedback PowerSGD still keeps its Q, its steps and its seeds (once saved with feedback only)
     ("ddp-bucketed", "powersgd:rank=2", 2, False), ("ddp-bucketed", "powersgd:rank=1,start=3", 2, False)])
 def test_resume_carries_a_codecs_and_powersgds_state(pools, tmp_path, stage, compress, split, feedback):
-    """The residuals, and PowerSGD's warm-start Q, its count of steps (``start``) and its generator of seeds:
-    all are state a resumed run needs -- saved at step 1 (still uncompressed when start=2) or 2, bit for bit;
+    """The residuals, a stochastic codec's count of each buffer's averages (its stream's seed, with error feedback or
+    without), and PowerSGD's warm-start Q, its count of steps (``start``) and its generator of seeds: all are state
+    a resumed run needs -- saved at step 1 (still uncompressed when start=2) or 2, bit for bit;
     on ZeRO (qgZ) each rank's residual of its whole buffer, and ZeRO++ with quantized weights too."""
     options = {"compress": compress, "error_feedback": feedback, "bucket_mb": 0.005}
     if stage == "zeropp":

@@ -183,7 +183,7 @@ def load(stage, path: str | Path) -> dict:
         # (a checkpoint saved before the wires kept more than residuals has "residuals" alone)
         wire.load_state_dict(mine.get("wire") or {"residuals": mine["residuals"]}, next(stage.module.parameters()).device)
     elif wire:  # per-rank state of one layout: it has no meaning in another
-        notes.append("the wire's state (error-feedback residuals; PowerSGD's Q) starts again: " + (
+        notes.append("the wire's state (error-feedback residuals; a stochastic codec's counts; PowerSGD's Q) starts again: " + (
             f"they belong to {manifest['stage']}'s buckets on {manifest['world_size']} ranks" if sharded else
             "a consolidated checkpoint holds no rank's own state (save sharded to resume them exactly)"))
     return {**manifest, "directory": str(directory), "notes": notes}

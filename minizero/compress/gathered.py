@@ -15,6 +15,7 @@ For one buffer (named ``key``) on rank r, one step:
 """
 from __future__ import annotations
 
+import struct
 import zlib
 
 import torch
@@ -25,20 +26,25 @@ from .kept import KeepsResiduals
 from .overflow import RefusesNonFinite
 
 
-def stream(rank: int, carried: torch.Tensor) -> torch.Generator:
-    """The random numbers a stochastic codec rounds ``carried`` with on rank ``rank``: seeded by the values
-    themselves (a checksum of their bytes) and the rank -- so the reference draws the same ones without
-    knowing the stage's buffer names or order, and a resumed run the same ones without a saved counter.
-    float64 values are checksummed as float32: the stage's backward and the reference's may sum a gradient in
-    another order (another matrix-product path), a last-bit difference that would reseed the whole stream and
-    move values by a code step -- float32's rounding hides it, but at its own boundaries (about 2^-29 a value).
-    float32 gradients are checksummed as they are, so there the same difference still draws other numbers
-    (``make test-deep`` finds one: zero2, stochastic int8, a float32 MLP); a stream seeded by the buffer's key and
-    a count of its averages -- kept in checkpoints, as the residuals are -- would not depend on the values at all."""
-    values = carried.detach().reshape(-1)
-    if values.dtype == torch.float64:
-        values = values.to(torch.float32)
-    checksum = zlib.crc32(values.contiguous().view(torch.uint8).numpy().tobytes())
+def stream(rank: int, count: int, piece: int) -> torch.Generator:
+    """The random numbers a stochastic codec rounds a buffer's ``piece`` with (a reduce-scatter's shard, or 0 for
+    a whole buffer) on rank ``rank`` (of the collective's group), the ``count``-th time that buffer is averaged.
+
+    Seeded by where it is, never by the values: the stage's backward and the reference's may sum a gradient in
+    another order (a last-bit difference the tolerance allows), and a stream seeded by the values' bytes then
+    drew other numbers altogether and moved a value by a code step (``make test-deep`` found it twice: float64,
+    then float32).  The count is kept per buffer and saved in checkpoints beside the residuals, so a resumed run
+    draws what the uninterrupted one would.  Buffers of one length averaged as often draw the same numbers on a
+    rank: their rounding errors are alike position by position, each still unbiased; every rank's are its own,
+    so the mean's error still shrinks as 1/N."""
+    return torch.Generator().manual_seed(zlib.crc32(struct.pack("<3I", rank, count, piece)))
+
+
+def stream_of_values(rank: int, values: torch.Tensor) -> torch.Generator:
+    """The stream for ``values`` that must round alike wherever they are encoded -- a weight shard gathered for
+    forward and again for backward (:mod:`.weights`): seeded by a checksum of their bytes, and the rank."""
+    flat = values.detach().reshape(-1).contiguous()
+    checksum = zlib.crc32(flat.view(torch.uint8).numpy().tobytes())
     return torch.Generator().manual_seed(checksum ^ (rank * 0x9E3779B1 & 0xFFFFFFFF))
 
 
@@ -61,12 +67,25 @@ class GatheredWire(KeepsResiduals, RefusesNonFinite):
     def __init__(self, comm: Comm, codec: Codec, error_feedback: bool = False):
         self.comm, self.codec, self.error_feedback = comm, codec, error_feedback
         self.residuals: dict = {}  # key -> what this rank has not yet sent of that buffer
+        self.averages: dict = {}  # key -> how many times that buffer was averaged: a stochastic codec's stream
         self.formula_by_kind: dict = {}  # what the ledger should count, by collective: each message to N-1 ranks
 
     @property
     def wire_dtype(self) -> str:
         """What travels, as a checkpoint records it (a resumed run must use the same codec)."""
         return self.codec.spec()
+
+    @property
+    def keeps_state(self) -> bool:
+        """The residuals, with error feedback; a stochastic codec's count of each buffer's averages."""
+        return self.error_feedback or self.codec.stochastic
+
+    def state_dict(self) -> dict:
+        return {"residuals": dict(self.residuals), "averages": dict(self.averages)}
+
+    def load_state_dict(self, state: dict, device) -> None:
+        super().load_state_dict(state, device)
+        self.averages.update(state.get("averages", {}))  # (saved before the streams were counted: none)
 
     def average(self, comm, collective, kind: str, arguments: dict, key, tag, layout=None) -> None:
         """An all-reduce: every rank's whole message to every rank (all-gather).  A reduce-scatter (ZeRO's):
@@ -83,7 +102,10 @@ class GatheredWire(KeepsResiduals, RefusesNonFinite):
         self.carry(key, carried, rank)
         flat = carried.cpu()
         pieces = split(flat, n if scatter else 1)  # a reduce-scatter's input is padded to N equal shards
-        messages = [self.codec.encode(p, stream(rank, p) if self.codec.stochastic else None) for p in pieces]
+        count = self.averages.get(key, 0)
+        self.averages[key] = count + 1
+        messages = [self.codec.encode(p, stream(rank, count, j) if self.codec.stochastic else None)
+                    for j, p in enumerate(pieces)]
         sent = torch.cat(messages).to(source.device)
         size = pieces[0].numel()
         via = "all_to_all" if scatter else "all_gather"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
-from .gathered import split, stream
+from .gathered import split, stream_of_values
 from .quantized import Quantized
 
 
@@ -34,7 +34,7 @@ def parse_weights(spec: str | None) -> Quantized | None:
 
 def round_like_the_gather(full: torch.Tensor, codec: Quantized, world_size: int) -> torch.Tensor:
     """What every rank's gather of ``full`` (padded to N shards, shard i from rank i) decodes to."""
-    return torch.cat([codec.decode(codec.encode(shard, stream(i, shard) if codec.stochastic else None),
+    return torch.cat([codec.decode(codec.encode(shard, stream_of_values(i, shard) if codec.stochastic else None),
                                    shard.numel(), shard.dtype) for i, shard in enumerate(split(full, world_size))])
 
 
@@ -48,7 +48,7 @@ class QuantizedWeights:
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag) -> None:
         n, rank = self.comm.world_size, self.comm.rank
         on_host = shard.detach().reshape(-1).cpu()
-        message = self.codec.encode(on_host, stream(rank, on_host) if self.codec.stochastic else None)
+        message = self.codec.encode(on_host, stream_of_values(rank, on_host) if self.codec.stochastic else None)
         gathered = message.new_empty(n * message.numel()).to(shard.device)
         self.comm.all_gather(gathered, message.to(shard.device), tag=tag)
         self.formula_by_kind["all_gather"] += (n - 1) * message.numel()

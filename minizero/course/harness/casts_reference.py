@@ -143,6 +143,7 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
     reduction = stage_class.reduction(model, laid_out, n, nodes=network.nodes if isinstance(network, TwoLevel) else None,
                                       **exp.options)
     residuals: dict = {}
+    averages: dict = {}  # (rank, key) -> how many times that buffer was averaged: a stochastic codec's stream
     settling: dict = {}  # under loss scaling, residuals are kept only if the step is taken (Wire.settle)
     weights = parse_weights(exp.options.get("quantized_weights"))  # ZeRO++'s qwZ (zeropp): compute at the decoded weights
     record = RankResult(params=[], losses=[])
@@ -158,7 +159,9 @@ def _run_casts_reference(exp, world_size: int, stage_class) -> RankResult:
                     carried += residuals[(r, key)]
                 # a reduce-scatter encodes each shard on its own (qgZ's all-to-all); an all-reduce the whole
                 pieces = split(carried, count if padded else 1)
-                messages.append([codec.encode(p, stream(i, p) if codec.stochastic else None) for p in pieces])
+                seen = averages[(r, key)] = averages.get((r, key), -1) + 1
+                messages.append([codec.encode(p, stream(i, seen, j) if codec.stochastic else None)
+                                 for j, p in enumerate(pieces)])
                 if error_feedback:
                     residuals[(r, key)] = carried - torch.cat([codec.decode(m, p.numel(), p.dtype)
                                                                for m, p in zip(messages[-1], pieces, strict=True)])
