@@ -65,6 +65,8 @@ EXPECTED: dict[str, str] = {
     "reshard/calls_the_answer_key": YOURS, "mixed_precision/calls_the_answer_key": YOURS,
     # a property of its own each: right values, the cost wrong (issue 46: every property fails some planted mistake)
     "ring/sends_the_whole_buffer": "bytes and messages per rank: the ring's",
+    # right on every collective of small integers (exact in float32), float64 gradients rounded to float32
+    "ring/combines_in_float32": "stages trained over your ring equal single-device training",
     "zero2/reduces_at_the_end": OVERLAP,
     "compress/no_sync_does_nothing": "one all-reduce per optimizer step, whatever K",
     "powersgd/all_reduces_the_whole_buffer": "bytes: the rest, then (n + m) r per matrix",
@@ -131,6 +133,7 @@ EXPECTED: dict[str, str] = {
     "tree/nearest_child_first": "rounds on the critical path and bytes per rank: the tree's",
     "tree/sends_with_dist_send": "rounds on the critical path and bytes per rank: the tree's",
     "tree/star_broadcast": "rounds on the critical path and bytes per rank: the tree's",
+    "tree/combines_in_float32": "stages trained over your tree equal single-device training",
     # planted: mixed-precision
     "mixed_precision/agrees_by_average": "the mixed-precision step on every rank",
     "mixed_precision/checks_nan_only": "the mixed-precision step on every rank",

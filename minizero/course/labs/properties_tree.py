@@ -19,7 +19,7 @@ from ...comm import Ledger, ReduceOp
 from ...comm.tree import tree_bytes_sent, tree_children, tree_rounds
 from ...run.launch import Rank
 from ...stages import DDP, BucketedDDP
-from ..harness.equivalence import judge
+from ..harness.diagnosis import what_is_wrong
 from ..harness.experiment import Experiment, reference_of
 from .failed import Failed, describe
 from .loading import Impl
@@ -202,9 +202,9 @@ def over_your_tree(checker) -> str:
     for stage, n in ((DDP.name, 3), (DDP.name, 4), (BucketedDDP.name, 3)):
         exp = Experiment(stage=stage, task="gpt", steps=2, accum=2, dtype="float64", backend=checker.key)
         results = checker.run_case(n, exp)
-        verdict = judge(results, reference_of(exp, n), exp.dtype)
-        if not verdict.ok:
-            raise Failed(verdict.nonfinite or verdict.violation, describe(exp, n))
+        why = what_is_wrong(results, reference_of(exp, n), exp, n)  # the parameter, rank, step and direction
+        if why:
+            raise Failed(why, describe(exp, n))
     return "ddp (N = 3 and 4) and ddp-bucketed (N = 3, its all-reduces on the communication thread) over your tree"
 
 
