@@ -75,6 +75,7 @@ EXPECTED: dict[str, str] = {
     "ddp/leaves_the_wire_out": BYTES,  # right values at full width: only the bytes under a wire show it (issue 45)
     "ddp_bucketed/leaves_the_wire_out": BYTES,
     "zero1/leaves_the_wire_out": BYTES,
+    "zero1/copies_each_shard_gradient": MEMORY,  # the shard's gradients held twice
     "zero2/leaves_the_wire_out": BYTES,
     "zero2/sets_the_gradient_instead_of_adding": EQUIVALENCE,  # two synchronising backwards in one step (issue 45)
     # which parameters were used, across ranks and micro-batches: the routed model (issue 45)
