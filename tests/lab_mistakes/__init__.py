@@ -146,6 +146,8 @@ EXPECTED: dict[str, str] = {
     "mixed_precision/unscales_in_16_bits": "the mixed-precision step on every rank",
     "mixed_precision/never_tells_the_listeners": "the mixed-precision step on every rank",  # a duty (issue 45)
     "mixed_precision/skips_at_the_floor_too": "the mixed-precision step on every rank",  # a rare branch, explicit
+    # right values on every rank's own tensors; the working views into ZeRO-2's flat buffer left behind
+    "mixed_precision/replaces_the_working_data": "ZeRO-2 with your masters equals the same-recipe reference",
     # planted: reshard
     "reshard/both_moments_from_exp_avg": "every rank's new shard holds exactly its range",
     "reshard/floor_shard_size": "every rank's new shard holds exactly its range",
