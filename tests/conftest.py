@@ -90,6 +90,8 @@ BESIDE_THE_LESSONS = {
     "test_codecs", "test_powersgd", "test_break_even", "test_compress_study", "test_quantized_weights",
     # the roofline: formulas and the noise scale's norms, never time; ring attention and experts: values and bytes
     "test_roofline", "test_context_and_expert_parallel",
+    # 1-bit Adam in one process: values and bytes
+    "test_one_bit_adam",
 }
 
 
