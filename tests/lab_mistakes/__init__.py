@@ -146,6 +146,10 @@ EXPECTED: dict[str, str] = {
     "mixed_precision/unscales_in_16_bits": "the mixed-precision step on every rank",
     "mixed_precision/never_tells_the_listeners": "the mixed-precision step on every rank",  # a duty (issue 45)
     "mixed_precision/skips_at_the_floor_too": "the mixed-precision step on every rank",  # a rare branch, explicit
+    # the rare branches, explicit (issue 45): one halving above the floor, and a scale that grows
+    "mixed_precision/halves_before_refusing": "the mixed-precision step on every rank",
+    "mixed_precision/tells_the_scaler_only_of_overflows": "the mixed-precision step on every rank",
+    "mixed_precision/tells_listeners_a_fixed_factor": "the mixed-precision step on every rank",
     # right values on every rank's own tensors; the working views into ZeRO-2's flat buffer left behind
     "mixed_precision/replaces_the_working_data": "ZeRO-2 with your masters equals the same-recipe reference",
     # planted: reshard

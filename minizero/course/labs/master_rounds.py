@@ -44,6 +44,7 @@ class MasterCase:
     clip_first: bool  # clipping unscales before the step (GradScaler.unscale_, then step)
     outside: bool  # the optimizer built after wrapping: hand_over, the user's step, refresh before the forward
     seed: int
+    window: int = 2000  # clean steps before the scale doubles (torch's growth_interval): 1 makes it grow every step
 
     def describe(self) -> str:
         where = "no inf or NaN" if self.poison is None else (
@@ -53,7 +54,9 @@ class MasterCase:
             "the optimizer at wrap time (step)"
         return (f"world size {self.world_size}, {self.precision}, loss scale {self.loss_scale:g}, working tensors of "
                 f"{list(self.sizes)} element(s), {where}, {self.optimizer}, {order}"
-                + (", clipping first (unscale_ before the step)" if self.clip_first else "") + f", seed {self.seed}")
+                + (", clipping first (unscale_ before the step)" if self.clip_first else "")
+                + (f", the scale doubling after every {self.window} clean step(s)" if self.window != 2000 else "")
+                + f", seed {self.seed}")
 
 
 def _gradient(case: MasterCase, rank: int, step: int, t: int, dtype) -> torch.Tensor | None:
@@ -88,7 +91,7 @@ def _pair(case: MasterCase, rank: int, cls: type, comm, dtype):
     lr = 1e-3 if case.optimizer == "adam" else 0.5
     optimizer = (torch.optim.Adam(masters, lr=lr) if case.optimizer == "adam" else
                  torch.optim.SGD(masters, lr=lr, momentum=0.9 if case.optimizer == "momentum" else 0.0))
-    precision = Precision(case.precision, loss_scale=case.loss_scale)
+    precision = Precision(case.precision, loss_scale=case.loss_scale, loss_scale_window=case.window)
     return working, masters, optimizer, cls(working, masters, precision, comm, optimizer_outside=case.outside)
 
 
@@ -133,7 +136,11 @@ def master_rounds(me, impl: Impl, case: MasterCase) -> list[dict] | Raised:
             record["all_reduces"] = len(calls)
             if want == "raised" or record["raised"]:
                 if want != "raised":
-                    record["problem"] = record["raised"]
+                    record["problem"] = record["raised"] + (
+                        f"\n    (the package skipped this step: at loss scale {before[2]:g} an overflow halves the "
+                        f"scale, to {ref.loss_scale:g}; only one at the minimum is divergence -- decide on the scale "
+                        f"the step began with, before telling the scaler)"
+                        if "FloatingPointError" in record["raised"] and want is False else "")
                 elif not record["raised"]:
                     record["problem"] = (f"step {step + 1}, rank {me.rank}'s step() returned, its masters never moved: "
                                          f"at the minimum loss scale ({case.loss_scale:g}) an overflow is divergence, "

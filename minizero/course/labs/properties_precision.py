@@ -50,6 +50,16 @@ def master_cases(draw) -> MasterCase:
 FLOOR = MasterCase(world_size=2, precision="fp16", loss_scale=1.0, sizes=(2, 3), missing=((), ()),
                    poison=(0, 1, 2, "nan"), optimizer="momentum", clip_first=False, outside=False, seed=3)
 
+#: One halving above the floor: a NaN at scale 2 skips the step and halves the scale to the minimum, 1 -- a step that
+#: refuses there has told the scaler before looking (issue 45's rare branches, explicit).
+ABOVE_FLOOR = MasterCase(world_size=2, precision="fp16", loss_scale=2.0, sizes=(2, 3), missing=((), ()),
+                         poison=(1, 0, 1, "nan"), optimizer="sgd", clip_first=True, outside=False, seed=4)
+
+#: Growth: the scale doubles after every clean step (a window of 1), so the scaler must hear of clean steps too, and
+#: each listener the factor the scale changed by (2) -- torch's window of 2000 steps no draw reaches.
+GROWTH = MasterCase(world_size=2, precision="fp16", loss_scale=2.0 ** 10, sizes=(3, 2), missing=((), ()), poison=None,
+                    optimizer="adam", clip_first=False, outside=False, seed=7, window=1)
+
 #: The second case a known mistake must also match to be named: three ranks, a NaN on the last, Adam, the optimizer
 #: built after wrapping, a piece without elements and one without a gradient in the second step.
 SECOND = MasterCase(world_size=3, precision="fp16", loss_scale=2.0 ** 12, sizes=(4, 0, 3), missing=((), (2,)),
@@ -100,13 +110,15 @@ def mixed_step(checker) -> str:
     except Failed as failed:
         case = failing.get(failed.why)
         raise Failed(failed.why, failed.case, case and _named(checker, case, failed.why), failed.final) from None
-    for case in (AGREEMENT, FLOOR):  # and, whatever was drawn, the case the lab is about, and the rare branch
-        why = _verdict(checker, case)
+    for case in (AGREEMENT, FLOOR, ABOVE_FLOOR, GROWTH):  # and, whatever was drawn, the case the lab is about, and
+        why = _verdict(checker, case)                     # the rare branches: the floor, one above it, growth
         if why:
             raise Failed(why, case.describe(), _named(checker, case, why))
     return (f"an inf on one rank skips the step on every rank; {checker.examples} drawn cases: world sizes 1-4, fp16 "
             f"and bf16, inf or NaN on one rank, the minimum scale, clipping first, the optimizer before or after "
-            f"wrapping -- masters, working copy, loss scale and optimizer state equal the package's, bit for bit")
+            f"wrapping; then a NaN at the floor and one halving above it, and a scale that grows every clean step -- "
+            f"masters, working copy, loss scale, what the listeners hear and optimizer state equal the package's, "
+            f"bit for bit")
 
 
 def _named(checker, case: MasterCase, why: str) -> str | None:
