@@ -46,6 +46,7 @@ EXPECTED: dict[str, str] = {
     "ring/returns_early_on_one_rank": COLLECTIVES,
     "ring/adds_instead_of_combining": COLLECTIVES,
     "ring/reduces_into_its_input": COLLECTIVES,  # right results, the caller's tensor changed (issue 45)
+    "ring/returns_early_on_an_empty_chunk": COLLECTIVES,  # fewer elements than ranks: tried whatever is drawn
     "ddp/forgets_to_unpack": EQUIVALENCE,
     "ddp/divides_twice": EQUIVALENCE,
     "ddp/first_dtype_only": EQUIVALENCE,
