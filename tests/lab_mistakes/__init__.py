@@ -163,6 +163,7 @@ EXPECTED: dict[str, str] = {
     # planted: local-sgd
     "local_sgd/averages_a_copy": "H = 1 with plain SGD is single-device training",
     "local_sgd/averages_at_the_first_step": "every rank, every step, the package's local SGD",
+    "local_sgd/averages_the_frozen_too": "bytes: one all-reduce of the parameters every H steps",  # the edge model's
     "local_sgd/averages_before_the_local_step": "H = 1 with plain SGD is single-device training",
     "local_sgd/averages_in_double": "bytes: one all-reduce of the parameters every H steps",
     "local_sgd/averages_the_gradients": "H = 1 with plain SGD is single-device training",

@@ -121,13 +121,16 @@ def matches_the_package(checker) -> str:
             f"Adam, world sizes 1-4, K up to 3, the edge model -- every rank, every step, the package's local SGD")
 
 
-#: (world size, H, K, outer): the byte cases, each run for 2H steps -- a multiple of H, where the formula is exact.
-BYTE_CASES = [(2, 2, 1, {}), (3, 3, 2, {"outer_lr": 0.7, "outer_momentum": 0.9}), (3, 1, 2, {}), (4, 2, 1, {})]
+#: (world size, H, K, outer, task): the byte cases, each run for 2H steps -- a multiple of H, where the formula is
+#: exact.  The edge model's frozen parameters are not averaged: the same on every rank, they are not Ψ (issue 45).
+MLP = ("mlp", {"sizes": (5, 7, 3)})
+BYTE_CASES = [(2, 2, 1, {}, MLP), (3, 3, 2, {"outer_lr": 0.7, "outer_momentum": 0.9}, MLP), (3, 1, 2, {}, MLP),
+              (4, 2, 1, {}, MLP), (3, 2, 1, {}, ("edge", {}))]
 
 
 def local_sgd_bytes(checker) -> str:
-    for n, every, k, outer in BYTE_CASES:
-        exp = Experiment(stage=checker.key, task="mlp", model={"sizes": (5, 7, 3)}, steps=2 * every, accum=k,
+    for n, every, k, outer, (task, model) in BYTE_CASES:
+        exp = Experiment(stage=checker.key, task=task, model=model, steps=2 * every, accum=k,
                          dtype="float32", optimizer="adam", options={"average_every": every, **outer})
         results = checker.run_case(n, exp)
         formula = LocalSGD.sent_bytes_per_step(results[0].psi, n, results[0].grad_bytes, results[0].param_bytes,
@@ -145,7 +148,8 @@ def local_sgd_bytes(checker) -> str:
                          f"average as {kinds} (rank {rank}'s the most, {results[rank].sent_bytes / exp.steps:,.0f}); "
                          f"the formula -- one all-reduce of the parameters every H = {every} steps -- says "
                          f"{formula:,.0f} as ['all_reduce'] -- {way}", describe(exp, n))
-    return "one all-reduce of the parameters every H steps (N = 2-4, H = 1-3, K = 1 and 2, DiLoCo's too)"
+    return ("one all-reduce of the trainable parameters every H steps (N = 2-4, H = 1-3, K = 1 and 2, DiLoCo's too, "
+            "the edge model's frozen ones left out)")
 
 
 PROPERTIES = {
