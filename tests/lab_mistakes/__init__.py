@@ -200,10 +200,11 @@ VALUES = {"equivalence to single-device training", "equivalence to a reference a
           "every collective's result"}
 
 
-#: Slips only some draws show -- a 16-bit rounding in one order and not the other, a window left open that only the
-#: user's own model.zero_grad() exposes: searched with the checker's default number of examples, as a learner's run
-#: is.  (Every other value slip is caught within :data:`EXAMPLES`: the test would fail if one were not.)
-SUBTLE = {"compress/decode_divides_in_16_bits", "compress/encode_casts_then_divides", "zero1/leaves_the_window_open"}
+#: Slips only some draws show, searched with the checker's default number of examples, as a learner's run is --
+#: none now: a 16-bit rounding in one order and not the other, and a window left open that only the user's own
+#: model.zero_grad() exposes, are tried whatever is drawn.  (Every value slip is caught within :data:`EXAMPLES`: the
+#: test would fail if one were not.)
+SUBTLE: set[str] = set()  # once three; each now caught by a case tried whatever is drawn (issue 45)
 CHECKERS_DEFAULT = 25
 
 

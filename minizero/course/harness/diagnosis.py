@@ -61,8 +61,9 @@ def _explain_one(results, want: dict, before: dict, name: str, step: int, rank: 
     wrong = ((mine - ref).abs() > tol).reshape(-1)
     part = ""
     idx = wrong.nonzero().reshape(-1)
-    if 0 < len(idx) < wrong.numel() and int(idx[-1] - idx[0]) + 1 == len(idx):  # one block, the rest right:
-        # a range's doing (a shard's offset, a piece left out) -- not rounding, which scatters over the tensor
+    if 1 < len(idx) < wrong.numel() and int(idx[-1] - idx[0]) + 1 == len(idx):  # one block, the rest right:
+        # a range's doing (a shard's offset, a piece left out) -- not rounding, which scatters over the tensor (or
+        # lands on one element: a single wrong value is no range)
         part = (f"; {len(idx)} of its {wrong.numel()} elements are wrong (flat indices {int(idx[0])}-"
                 f"{int(idx[-1])}, one block), the others match -- a range left out, or a shard's offset?")
     same = " (the same on every rank)" if len(got) > 1 else ""

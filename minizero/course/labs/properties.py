@@ -72,11 +72,24 @@ def equivalence(checker, compress: bool = False) -> str:
     # arrives outside its bucket, and must be copied in before the bucket can be launched.)
     eager = replace(corner, param_groups=False, eager_launch=True, wrap_first=True, record_states=False, accum=1,
                     options={**corner.options, "bucket_mb": 1e-9})
+    # ... a model of two dtypes at N = 3 (one flat buffer per dtype), and the optimizer built after wrapping with the
+    # model's zero_grad() between steps (an accumulation window left open shows only then): the draws reach each in
+    # a few of 25 examples (issue 45), so both are tried whatever is drawn.
+    mixed = replace(corner, task="mixed", model={}, dtype="float32", optimizer="momentum", param_groups=False,
+                    record_states=False)  # (judged by float32's rule: its first layer is float32, as drawn)
+    zeroed = replace(corner, param_groups=False, wrap_first=True, zero_grad="model", record_states=False)
     declared = getattr(checker.lab.answer, "option_names", lambda: ())()
     unused, buckets = "find_unused_parameters" in declared, "bucket_mb" in declared
-    cases = [(corner, 2)] + [(twice, 2)] * exact_sums + [(edge, 2), (routed, 3)] * unused + [(eager, 2)] * buckets
+    cases = [(corner, 2), (zeroed, 2)] + [(twice, 2), (mixed, 3)] * exact_sums + [(edge, 2), (routed, 3)] * unused \
+        + [(eager, 2)] * buckets
+    if compress:  # the 16-bit wires where the division is split around the sum, N = 4 (pre 2, post 2) and N = 3, on
+        # the GPT: among its 27,584 gradients some are small enough in fp16 that dividing before or after the cast
+        # rounds another way (a draw reached it in some of 25 examples, issue 45)
+        wire = replace(corner, task="gpt", model={}, optimizer="sgd", param_groups=False, record_states=False,
+                       wrap_first=False, options={**corner.options, "compress": "fp16", "error_feedback": False})
+        cases = [(wire, 4), (replace(wire, options={**wire.options, "compress": "bf16"}), 3)]
     for case, n in cases:
-        found = None if compress else examine((case, n))
+        found = examine((case, n))
         if found:
             raise Failed(found[0], describe(case, n), checker.diagnose(case, n, found[1]))
     return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, "
