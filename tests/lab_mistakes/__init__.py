@@ -136,6 +136,7 @@ EXPECTED: dict[str, str] = {
     "tree/sends_with_dist_send": "rounds on the critical path and bytes per rank: the tree's",
     "tree/star_broadcast": "rounds on the critical path and bytes per rank: the tree's",
     "tree/combines_in_float32": "stages trained over your tree equal single-device training",
+    "tree/two_ranks_special_cased": "every all-reduce's result (SUM, AVG, MAX)",  # N = 2, whatever is drawn
     # planted: mixed-precision
     "mixed_precision/agrees_by_average": "the mixed-precision step on every rank",
     "mixed_precision/checks_nan_only": "the mixed-precision step on every rank",
@@ -160,6 +161,7 @@ EXPECTED: dict[str, str] = {
     "reshard/pads_every_saved_shard": "every rank's new shard holds exactly its range",
     "reshard/state_not_resharded": "every rank's new shard holds exactly its range",
     "reshard/step_summed": "every rank's new shard holds exactly its range",
+    "reshard/clamps_start_into_the_group": "every rank's new shard holds exactly its range",  # an all-padding shard
     # planted: local-sgd
     "local_sgd/averages_a_copy": "H = 1 with plain SGD is single-device training",
     "local_sgd/averages_at_the_first_step": "every rank, every step, the package's local SGD",

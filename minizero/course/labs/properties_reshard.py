@@ -164,8 +164,18 @@ def ranges(checker) -> str:
         return None
 
     search_naming(checker, examine, seen)
+    for case in FIXED_RANGES:
+        found = examine(case)
+        if found:
+            raise Failed(found[0], str(case), named(*seen[str(case)]))
     return (f"{checker.examples} drawn examples: saved by N = 1-4 ranks, resharded to M = 1-4 (3 included, uneven "
-            f"shards): each rank's parameters, exp_avg, exp_avg_sq and step exactly its range")
+            f"shards): each rank's parameters, exp_avg, exp_avg_sq and step exactly its range; then a rank whose "
+            f"shard is all padding")
+
+
+#: Tried whatever is drawn (issue 45): 2 -> 4 ranks with two flat groups, of 5 and 3 elements -- at M = 4 the second's
+#: shards are of 1, and rank 3's begins past its end: all padding, zeros to the last element.
+FIXED_RANGES = (Case(saved_by=2, loaded_by=4, hidden=1, saved_after=1, more=1, param_groups=True),)
 
 
 def search_naming(checker, examine, seen: dict) -> None:

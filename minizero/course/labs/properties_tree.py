@@ -122,8 +122,19 @@ def results(checker) -> str:
         return (problem, None) if problem else None
 
     checker.search(strategy, examine, _case)
+    for case in FIXED_RESULTS:  # every world size whatever is drawn: a few draws may miss one (N = 2, issue 45)
+        try:
+            found = examine(case)
+        except Failed as failed:
+            raise Failed(failed.why, _case(*case), final=failed.final) from None
+        if found:
+            raise Failed(found[0], _case(*case))
     return (f"{checker.examples} drawn examples: all-reduce SUM, AVG and MAX give exact results at world sizes 1-4, "
-            f"tensors of 0-40 elements")
+            f"tensors of 0-40 elements; then each world size 1-4 whatever is drawn")
+
+
+#: (world size, elements, dtype, data seed): tried after the draws -- fewer elements than ranks at N = 4.
+FIXED_RESULTS = ((1, 5, "float64", 1), (2, 5, "float32", 2), (3, 7, "float64", 3), (4, 3, "float32", 4))
 
 
 # ------------------------------------------------------------------ rounds and bytes
