@@ -88,10 +88,7 @@ def equivalence(checker, compress: bool = False) -> str:
         wire = replace(corner, task="gpt", model={}, optimizer="sgd", param_groups=False, record_states=False,
                        wrap_first=False, options={**corner.options, "compress": "fp16", "error_feedback": False})
         cases = [(wire, 4), (replace(wire, options={**wire.options, "compress": "bf16"}), 3)]
-    for case, n in cases:
-        found = examine((case, n))
-        if found:
-            raise Failed(found[0], describe(case, n), checker.diagnose(case, n, found[1]))
+    checker.fixed(cases, examine, describe)
     return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, "
             f"SGD/momentum/Adam, float64 and float32, the edge model{', a model of two dtypes' if exact_sums else ''}, "
             f"{'backwards inside and outside no_sync() in every order, ' if exact_sums else ''}"
@@ -144,13 +141,7 @@ def _collectives(checker, examine_case) -> None:
         return None
 
     checker.search(strategy, examine, _described)
-    for case in FEWER_THAN_N:
-        try:
-            found = examine(case)
-        except Failed as failed:
-            raise Failed(failed.why, _described(*case), final=failed.final) from None
-        if found:
-            raise Failed(found[0], _described(*case))
+    checker.fixed(FEWER_THAN_N, examine, _described)
 
 
 def collectives(checker) -> str:

@@ -108,14 +108,7 @@ def matches_the_package(checker) -> str:
         why = departs(results, theirs, exp)
         return (why, results) if why else None
 
-    for exp, n in FIXED:
-        exp = replace(exp, stage=checker.key)
-        try:
-            found = examine((exp, n))
-        except Failed as failed:
-            raise Failed(failed.why, describe(exp, n), final=failed.final) from None
-        if found:
-            raise Failed(found[0], describe(exp, n), checker.diagnose(exp, n, found[1]))
+    checker.fixed([(replace(exp, stage=checker.key), n) for exp, n in FIXED], examine, describe)
     checker.search(local_runs(checker), examine, describe)
     return (f"{checker.examples} drawn runs: H = 1-3, plain averaging and DiLoCo's outer step, SGD, momentum and "
             f"Adam, world sizes 1-4, K up to 3, the edge model -- every rank, every step, the package's local SGD")

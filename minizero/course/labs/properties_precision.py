@@ -174,14 +174,7 @@ def mixed_training(checker) -> str:
         why = what_is_wrong(results, reference, exp, n)
         return (why, results) if why else None
 
-    for exp in OVERFLOW_RUNS:
-        exp = replace(exp, stage=checker.key)
-        try:
-            found = examine((exp, 2))
-        except Failed as failed:
-            raise Failed(failed.why, describe(exp, 2), final=failed.final) from None
-        if found:
-            raise Failed(found[0], describe(exp, 2), checker.diagnose(exp, 2, found[1]))
+    checker.fixed([(replace(exp, stage=checker.key), 2) for exp in OVERFLOW_RUNS], examine, describe)
     checker.search(training_runs(checker), examine, describe)
     return (f"{checker.examples} drawn runs of ZeRO-2 with your masters: fp16 (loss scales that overflow, an inf on "
             f"one rank) and bf16, reduced in 16 or 32 bits, world sizes 1-4, K up to 3, the edge model, clipping, the "

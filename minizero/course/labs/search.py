@@ -69,3 +69,16 @@ class Search:
             case = describe(*drawn)
             mistake = self.diagnose(*drawn, best["results"]) if best["results"] is not None else None
             raise Failed(best["why"], case, mistake, final=best.get("final", False))
+
+    def fixed(self, cases, examine, describe) -> None:
+        """``examine`` each of ``cases`` -- tried whatever is drawn, for the branches a few draws may miss -- and raise
+        :class:`Failed` on the first that fails, not shrunk (it is already small), with its known mistake if
+        ``diagnose`` recognises the numbers."""
+        for case in cases:
+            try:
+                found = examine(case)
+            except Failed as failed:
+                raise Failed(failed.why, describe(*case), final=failed.final) from None
+            if found:
+                why, results = found
+                raise Failed(why, describe(*case), self.diagnose(*case, results) if results is not None else None)

@@ -146,14 +146,9 @@ def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankP
                       f"K = {max_accum} at N = 3"
                       + (", and the edge model under that clip" if unused else ""))
     try:
-        Searcher(examples, shrink_s).search(strategy, examine, describe)
-        for case in corners(spec, max_accum, world_sizes, unused):
-            try:
-                found = examine(case)
-            except Failed as failed:
-                raise Failed(failed.why, describe(*case), final=True) from None
-            if found:
-                raise Failed(found[0], describe(*case))
+        searcher = Searcher(examples, shrink_s)
+        searcher.search(strategy, examine, describe)
+        searcher.fixed(corners(spec, max_accum, world_sizes, unused), examine, describe)
     except Failed as failed:
         verdict.failed, verdict.case, verdict.final = failed.why, failed.case, failed.final
     finally:
