@@ -50,3 +50,13 @@ def test_a_step_on_scaled_gradients_fails_zero2_training_named(pools):
     with pytest.raises(Failed) as failed:
         mixed_training(Checker(lab, Impl.of(lab, NeverUnscales), pools, examples=2, shrink_s=0.5))
     assert "rank 0's" in failed.value.why and failed.value.mistake == NeverUnscales.mistake
+
+
+def test_a_step_that_refuses_one_halving_above_the_floor_is_told_the_package_skipped(pools):
+    """The explicit case at loss scale 2 (issue 45): a step that tells the scaler before looking at the floor raises
+    where the package skips and halves -- told so, with the scale the step began with and the one it halved to."""
+    mistake = Path(__file__).parent / "lab_mistakes" / "mixed_precision" / "halves_before_refusing.py"
+    report = check("mixed-precision", impl=str(mistake), examples=3, pools=pools, out=quiet, shrink_s=0.5)
+    assert report.failed == "the mixed-precision step on every rank", report
+    assert "FloatingPointError" in report.why and "loss scale 2" in report.case
+    assert "the package skipped this step: at loss scale 2 an overflow halves the scale, to 1" in report.why, report.why

@@ -65,8 +65,10 @@ def tokens_to_hide(stage, psi: float, world_size: int, bandwidth: float, peak_fl
                    grad_bytes: int = 2, param_bytes: int = 2, **options) -> Hide:
     """:class:`Hide` for ``stage`` (a stage class: its own bytes formula) on a link of ``bandwidth`` bytes/s per GPU."""
     sent = stage.sent_bytes_per_step(psi, world_size, grad_bytes, param_bytes, **options)
-    # tokens the GPU computes while the bytes travel, at c FLOPs per parameter per token: (S / beta) u P / (c Psi)
-    tokens_at = lambda flops_per_parameter: sent / bandwidth * mfu * peak_flops / (flops_per_parameter * psi)  # noqa: E731
+    def tokens_at(flops_per_parameter: float) -> float:
+        """Tokens the GPU computes while the bytes travel, at c FLOPs per parameter per token: (S / beta) u P / (c Psi)."""
+        return sent / bandwidth * mfu * peak_flops / (flops_per_parameter * psi)
+
     return Hide(sent, tokens_at(BACKWARD_FLOPS), tokens_at(STEP_FLOPS))
 
 

@@ -44,7 +44,7 @@ class MasterCase:
     clip_first: bool  # clipping unscales before the step (GradScaler.unscale_, then step)
     outside: bool  # the optimizer built after wrapping: hand_over, the user's step, refresh before the forward
     seed: int
-    window: int = 2000  # clean steps before the scale doubles (torch's growth_interval): 1 makes it grow every step
+    window: int | None = None  # clean steps before the scale doubles (torch's growth_interval); None: Precision's
 
     def describe(self) -> str:
         where = "no inf or NaN" if self.poison is None else (
@@ -55,7 +55,7 @@ class MasterCase:
         return (f"world size {self.world_size}, {self.precision}, loss scale {self.loss_scale:g}, working tensors of "
                 f"{list(self.sizes)} element(s), {where}, {self.optimizer}, {order}"
                 + (", clipping first (unscale_ before the step)" if self.clip_first else "")
-                + (f", the scale doubling after every {self.window} clean step(s)" if self.window != 2000 else "")
+                + (f", the scale doubling after every {self.window} clean step(s)" if self.window else "")
                 + f", seed {self.seed}")
 
 
@@ -91,7 +91,8 @@ def _pair(case: MasterCase, rank: int, cls: type, comm, dtype):
     lr = 1e-3 if case.optimizer == "adam" else 0.5
     optimizer = (torch.optim.Adam(masters, lr=lr) if case.optimizer == "adam" else
                  torch.optim.SGD(masters, lr=lr, momentum=0.9 if case.optimizer == "momentum" else 0.0))
-    precision = Precision(case.precision, loss_scale=case.loss_scale, loss_scale_window=case.window)
+    window = {"loss_scale_window": case.window} if case.window else {}
+    precision = Precision(case.precision, loss_scale=case.loss_scale, **window)
     return working, masters, optimizer, cls(working, masters, precision, comm, optimizer_outside=case.outside)
 
 
@@ -125,6 +126,7 @@ def master_rounds(me, impl: Impl, case: MasterCase) -> list[dict] | Raised:
             calls.clear()
             before = ([m.detach().clone() for m in masters], [w.detach().clone() for w in working], ref.loss_scale)
             record = {"overflow": overflow, "stepped": None, "raised": None, "problem": None}
+            refused = False  # the learner's step raised FloatingPointError: divergence declared
             try:
                 want = _drive(ref, o_ref, case)
             except FloatingPointError:
@@ -133,6 +135,7 @@ def master_rounds(me, impl: Impl, case: MasterCase) -> list[dict] | Raised:
                 record["stepped"] = _drive(mine, optimizer, case)
             except Exception as error:  # noqa: BLE001 -- what the learner's step raised, in words
                 record["raised"] = str(Raised.now(me.rank, error, impl.path))
+                refused = isinstance(error, FloatingPointError)
             record["all_reduces"] = len(calls)
             if want == "raised" or record["raised"]:
                 if want != "raised":
@@ -140,7 +143,7 @@ def master_rounds(me, impl: Impl, case: MasterCase) -> list[dict] | Raised:
                         f"\n    (the package skipped this step: at loss scale {before[2]:g} an overflow halves the "
                         f"scale, to {ref.loss_scale:g}; only one at the minimum is divergence -- decide on the scale "
                         f"the step began with, before telling the scaler)"
-                        if "FloatingPointError" in record["raised"] and want is False else "")
+                        if refused and want is False else "")
                 elif not record["raised"]:
                     record["problem"] = (f"step {step + 1}, rank {me.rank}'s step() returned, its masters never moved: "
                                          f"at the minimum loss scale ({case.loss_scale:g}) an overflow is divergence, "

@@ -165,7 +165,10 @@ def ranges(checker) -> str:
 
     search_naming(checker, examine, seen)
     for case in FIXED_RANGES:
-        found = examine(case)
+        try:
+            found = examine(case)
+        except Failed as failed:  # a rank raised on it: told with the case
+            raise Failed(failed.why, str(case), final=failed.final) from None
         if found:
             raise Failed(found[0], str(case), named(*seen[str(case)]))
     return (f"{checker.examples} drawn examples: saved by N = 1-4 ranks, resharded to M = 1-4 (3 included, uneven "
