@@ -79,6 +79,77 @@ def test_every_gradient_in_its_full_shape_is_the_single_device_gradient(pools, s
                 assert torch.allclose(got[name], grad, rtol=1e-12, atol=1e-15), (name, (got[name] - grad).abs().max())
 
 
+# ---------------------------------------------------------------------------- param.grad after backward, as FSDP2's
+def _read_as_fsdp2_users_do(me):
+    """A course's FSDP test, unchanged: backward, then each of the *model's* parameters' ``.grad`` --
+    ``full_tensor()``, ``to_local()`` -- and what a loop written for one device would do with them."""
+    model = Blocks()
+    stage = make_stage("zero3", model, torch.optim.SGD(model.parameters(), lr=0.1), make_comm("ring", check=True),
+                       find_unused_parameters=True)
+    (_loss(stage(_batch(me.rank)), TOTAL) * WORLD).backward()
+    seen = {}
+    for name, p in model.named_parameters():  # the same order on every rank: full_tensor() is a collective
+        grad = p.grad
+        seen[name] = None if grad is None else (tuple(grad.shape), grad.full_tensor(), grad.local_range,
+                                                grad.to_local().clone(), repr(grad))
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        refused = ""
+    except TypeError as error:
+        refused = str(error)
+    name, first = next((n, p) for n, p in model.named_parameters() if p.grad is not None)
+    first.grad = None  # FSDP2's: this rank's part is not stepped
+    dropped = (first.grad, [piece.param.grad for piece in stage.pieces() if piece.segment.name == name])
+    held = {piece.segment.name for piece in stage.pieces() if piece.param.grad is not None}
+    stage.zero_grad(set_to_none=False)  # the pieces' gradients zeroed, kept: still stepped, as torch's
+    kept = held == {piece.segment.name for piece in stage.pieces()
+                    if piece.param.grad is not None and not piece.param.grad.any()}
+    model.zero_grad()
+    zeroed = [n for n, p in model.named_parameters() if p.grad is not None]
+    (_loss(stage(_batch(me.rank)), TOTAL) * WORLD).backward()
+    again = {n for n, p in model.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        stage(_batch(me.rank))  # an evaluation between backward and step leaves the gradients shown
+    evaluated = {n for n, p in model.named_parameters() if p.grad is not None}
+    stage(_batch(me.rank))
+    forwarded = [n for n, p in model.named_parameters() if p.grad is not None]
+    return seen, refused, dropped, kept, zeroed, again, evaluated, forwarded
+
+
+def test_zero3_parameters_show_their_gradient_after_backward_as_fsdp2s_do(pools):
+    """After backward, ``param.grad`` of each of the model's parameters is the sharded gradient: its
+    ``full_tensor()`` the single-device gradient, the ranks' ``to_local()`` parts tiling it in rank order, None
+    where no rank has one; torch operations on it are refused, naming the parameter and what to call; it goes at
+    ``zero_grad()`` (``set_to_none=False`` keeping the pieces' zeroed gradients) and at the next forward with autograd on (ZeRO-3's backward reads the real one), not at an
+    evaluation; ``param.grad = None`` drops this rank's part, as FSDP2's does."""
+    want = _single_device_gradients()
+    ranks = pools.run(WORLD, _read_as_fsdp2_users_do)
+    for name, grad in want.items():
+        if grad is None:
+            assert all(seen[name] is None for seen, *_ in ranks), name
+            continue
+        parts = []
+        for seen, *_ in ranks:
+            shape, full, (lo, hi), local, text = seen[name]
+            assert shape == tuple(grad.shape) and name in text, (name, shape, text)
+            assert torch.allclose(full, grad, rtol=1e-12, atol=1e-15), (name, (full - grad).abs().max())
+            assert local.numel() == hi - lo, (name, lo, hi, local.numel())
+            parts.append((lo, hi, local))
+        at = 0
+        for lo, hi, local in sorted(parts, key=lambda part: part[:2]):  # the ranks' parts tile the flat gradient
+            if hi > lo:
+                assert lo == at, (name, parts)
+                assert torch.allclose(local, grad.reshape(-1)[lo:hi], rtol=1e-12, atol=1e-15), name
+                at = hi
+        assert at == grad.numel(), (name, at)
+    for _, refused, (first, pieces), kept, zeroed, again, evaluated, forwarded in ranks:
+        assert kept  # zero_grad(set_to_none=False): every piece's gradient zeroed, none set to None
+        assert "sharded across the ranks" in refused and "full_tensor()" in refused and "blocks.0" in refused, refused
+        assert first is None and all(g is None for g in pieces), pieces
+        assert zeroed == [] and forwarded == [], (zeroed, forwarded)
+        assert again == evaluated == {n for n, g in want.items() if g is not None}, (again, evaluated)
+
+
 # ---------------------------------------------------------------------------- replicated modules inside ZeRO-3
 REPLICATE = ["head", "blocks.1"]
 

@@ -120,6 +120,15 @@ class RingComm(StarExchanges, Comm):
         flat = tensor.view(-1)
         return [flat[a:b] for a, b in chunk_bounds(flat.numel(), self.world_size)]
 
+    def _one_chunk_per_rank(self, chunks: list[torch.Tensor], phase: str) -> None:
+        """A list of chunks that is not one per rank pairs a rank's chunk with the wrong peer's -- or indexes past its
+        end, far from the cause: refused here, saying where such a list comes from."""
+        if len(chunks) != self.world_size:
+            raise ValueError(
+                f"rank {self._root.rank}: the ring's {phase} takes one chunk per rank of its ring ({self.world_size}), "
+                f"empty ones included, and got {len(chunks)} -- torch.chunk and torch.split return fewer pieces than "
+                f"asked for a tensor of few elements; cut with minizero.comm.chunk_bounds (or self._chunks)")
+
     # ------------------------------------------------------ the two phases
     def _ring_reduce_scatter(self, chunks: list[torch.Tensor], out: torch.Tensor, op: ReduceOp) -> None:
         """Leave in ``out`` the sum over ranks of ``chunks[self.rank]``.
@@ -131,6 +140,7 @@ class RingComm(StarExchanges, Comm):
         Step ``s`` sends chunk ``r-s-1`` and receives chunk ``r-s-2``, so the
         last chunk to arrive, at step ``N-2``, is chunk ``r`` itself.
         """
+        self._one_chunk_per_rank(chunks, "reduce-scatter")
         n, r = self.world_size, self.rank
         if n == 1:
             if out is not chunks[r]:
@@ -151,6 +161,7 @@ class RingComm(StarExchanges, Comm):
     def _ring_all_gather(self, chunks: list[torch.Tensor]) -> None:
         """``chunks[rank]`` is complete on every rank; fill in the others.
         Step ``s`` forwards chunk ``r-s`` and receives chunk ``r-s-1``."""
+        self._one_chunk_per_rank(chunks, "all-gather")
         n, r = self.world_size, self.rank
         for step in range(n - 1):
             self._send_right_recv_left(chunks[(r - step) % n], chunks[(r - step - 1) % n], "all-gather", step)

@@ -36,7 +36,7 @@ from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline
 from ..parts.unit_groups import FreedBuffer, ShardedFlatGroup
 from ..parts.unit_plan import ReplicatedGroup, plan_units
 from ..parts.units import Unit, replayed_by_backward
-from . import facts, zero3_facts, zero_state
+from . import facts, sharded_gradient, zero3_facts, zero_state
 from .facts import GradientMemory, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int
 from .zero import ZeRO
@@ -87,6 +87,7 @@ class ZeRO3(ZeRO):
             unit_module.register_forward_pre_hook(lambda m, args, u=u: self.unit_pre_forward(u))
             unit_module.register_forward_hook(lambda m, args, out, u=u: self.unit_post_forward(u, out))
         self.hook_grouped_parameters()
+        sharded_gradient.adopt(self)  # param.grad after backward as FSDP2's: sharded, with full_tensor()
 
     def add_observer(self, observer) -> None:
         self._observers.append(observer)
@@ -107,6 +108,14 @@ class ZeRO3(ZeRO):
                 self.shard_comm.all_gather(full, group.shard, tag=tag)
             return fulls
         return self.comm.submit(all_gather)
+
+    def pre_forward(self) -> None:
+        if torch.is_grad_enabled():  # backward will read and free the real .grad: not the one shown after the last
+            sharded_gradient.withdraw(self)
+
+    def forget_gradients(self, set_to_none: bool) -> None:
+        sharded_gradient.withdraw(self)  # first: zero_grad(set_to_none=False) keeps the pieces' zeroed gradients
+        super().forget_gradients(set_to_none)
 
     def unit_pre_forward(self, u: int) -> None:
         if replayed_by_backward():
@@ -232,6 +241,7 @@ class ZeRO3(ZeRO):
                         self.accumulate(self.groups[index], averaged, used)
             finally:
                 self._used.clear()
+        sharded_gradient.expose(self)
 
     # ------------------------------------------------------------ optimizer
     def step(self) -> None:

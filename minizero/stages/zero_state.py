@@ -17,6 +17,9 @@ from ..parts.part import Part, flat_range
 from . import state as state_module
 from .state import optimizer_tensors
 
+#: What autograd wrote: a ZeRO-3 parameter's ``.grad`` may read as its sharded gradient after backward
+#: (:mod:`minizero.stages.sharded_gradient`), which holds no memory of its own -- its pieces are counted.
+_REAL_GRAD = torch.Tensor.grad
 INSPECTION = "state_dict"  # why a ZeRO-3 unit is gathered outside training: exactly, whatever the training gathers send
 
 
@@ -37,25 +40,33 @@ def full_gradients(self) -> dict[str, torch.Tensor | None]:
     from every rank's pieces; None where no rank holds one.  A collective: every rank calls it, and gets
     all of them (the pieces' dtype; under mixed precision with the optimizer built after wrapping, the
     fp32 masters' gradients, which that optimizer steps)."""
-    outside = self.masters_outside
-    gradients = {}
-    for g, group in enumerate(self.groups):
-        dtype = group.optimizer_dtype if outside else group.dtype
-        mine = torch.zeros(group.shard.numel(), dtype=dtype, device=group.shard.device)  # a worker's: empty
-        held = torch.zeros(len(group.segments), device=group.shard.device)
-        position = {id(s): i for i, s in enumerate(group.segments)}
-        for piece in group.pieces:
-            grad = (self.master.master_of(piece.param) if outside else piece.param).grad
-            if grad is not None:
-                mine[piece.offset:piece.offset + piece.stop - piece.start] = grad
-                held[position[id(piece.segment)]] = 1.0
-        full = mine if group.replicated else mine.new_empty(group.shard_size * group.world_size)
-        if not group.replicated:
-            self.gather(full, mine, tag=self.tag(f"group {g} full gradients"))
-        self.comm.all_reduce(held, ReduceOp.MAX, tag=self.tag(f"group {g} which have a gradient"))
-        for segment, value, anywhere in zip(group.segments, group.unpack_full(full), held.tolist(), strict=True):
-            gradients[segment.name] = value if anywhere else None
-    return gradients
+    return {name: value for g in range(len(self.groups)) for name, value in group_full_gradients(self, g).items()}
+
+
+def piece_gradient(self, piece) -> torch.Tensor | None:
+    """A piece's averaged gradient: its own ``.grad``, or under mixed precision with the optimizer built after
+    wrapping, its fp32 master's (what that optimizer steps)."""
+    return (self.master.master_of(piece.param) if self.masters_outside else piece.param).grad
+
+
+def group_full_gradients(self, g: int) -> dict[str, torch.Tensor | None]:
+    """:meth:`full_gradients` of flat group ``g`` alone (a collective over its ranks, and every rank's flags)."""
+    group = self.groups[g]
+    dtype = group.optimizer_dtype if self.masters_outside else group.dtype
+    mine = torch.zeros(group.shard.numel(), dtype=dtype, device=group.shard.device)  # a worker's: empty
+    held = torch.zeros(len(group.segments), device=group.shard.device)
+    position = {id(s): i for i, s in enumerate(group.segments)}
+    for piece in group.pieces:
+        grad = piece_gradient(self, piece)
+        if grad is not None:
+            mine[piece.offset:piece.offset + piece.stop - piece.start] = grad
+            held[position[id(piece.segment)]] = 1.0
+    full = mine if group.replicated else mine.new_empty(group.shard_size * group.world_size)
+    if not group.replicated:
+        self.gather(full, mine, tag=self.tag(f"group {g} full gradients"))
+    self.comm.all_reduce(held, ReduceOp.MAX, tag=self.tag(f"group {g} which have a gradient"))
+    return {segment.name: value if anywhere else None
+            for segment, value, anywhere in zip(group.segments, group.unpack_full(full), held.tolist(), strict=True)}
 
 
 def held_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -63,7 +74,7 @@ def held_tensors(self) -> dict[str, list[torch.Tensor]]:
     pieces = [piece.param.grad for piece in self.pieces() if piece.param.grad is not None]
     where = HOST_KIND if self.host_copies else ""  # offloaded: in host memory, counted apart
     return {"params": [p for _, p in self.trainable()],
-            "grads": pieces + [p.grad for _, p in self.trainable() if p.grad is not None]
+            "grads": pieces + [g for _, p in self.trainable() if (g := _REAL_GRAD.__get__(p)) is not None]
             + (self.full_grads.buffers if self.full_grads is not None else []),
             where + "master": [group.master for group in self.groups if group.master is not None],
             where + "optimizer": optimizer_tensors(self.optimizer.local if self.optimizer is not None else None),

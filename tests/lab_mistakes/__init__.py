@@ -74,10 +74,10 @@ EXPECTED: dict[str, str] = {
     "ddp/calls_the_answer_key_but_at_two_ranks": EQUIVALENCE,
     "compress/calls_no_sync_but_at_two_ranks": EQUIVALENCE,
     "ddp/leaves_the_wire_out": BYTES,  # right values at full width: only the bytes under a wire show it (issue 45)
-    "ddp_bucketed/leaves_the_wire_out": BYTES,
-    "zero1/leaves_the_wire_out": BYTES,
+    "ddp_bucketed/leaves_the_wire_out": EQUIVALENCE,  # int8 with error feedback shows it (the keyed fixed case)
+    "zero1/leaves_the_wire_out": EQUIVALENCE,  # int8 with error feedback shows it (the keyed fixed case)
     "zero1/copies_each_shard_gradient": MEMORY,  # the shard's gradients held twice
-    "zero2/leaves_the_wire_out": BYTES,
+    "zero2/leaves_the_wire_out": EQUIVALENCE,  # int8 with error feedback shows it (the keyed fixed case)
     "zero2/sets_the_gradient_instead_of_adding": EQUIVALENCE,  # two synchronising backwards in one step (issue 45)
     # which parameters were used, across ranks and micro-batches: the routed model (issue 45)
     "ddp_bucketed/records_use_only_when_syncing": EQUIVALENCE,
@@ -115,6 +115,8 @@ EXPECTED: dict[str, str] = {
     "zero2/reduce_scatters_into_the_parameter_shard": EQUIVALENCE,
     "zero2/forgets_to_record_use": EQUIVALENCE,
     "zero2/waits_outside_the_round": EQUIVALENCE,
+    "zero2/resets_only_when_all_went_well": EQUIVALENCE,  # a bucket failing on every rank, caught: the fixed case
+    "zero2/one_key_for_every_bucket": EQUIVALENCE,  # int8 with error feedback, a bucket a parameter: the fixed case
     # (with two synchronising backwards a step, the kept gradients are averaged twice: wrong values too)
     "zero2/keeps_the_full_gradients": (MEMORY, EQUIVALENCE),
     "zero3/keeps_the_finished_gather": EQUIVALENCE,
@@ -177,12 +179,15 @@ EXPECTED: dict[str, str] = {
     "powersgd/own_p_only": POWERSGD,
     "powersgd/rest_not_averaged": POWERSGD,
     "powersgd/orthogonalizes_before_summing": POWERSGD,
+    "powersgd/qr_result_dropped": POWERSGD,  # rank 3 only: the fixed case, whatever is drawn (issue 45)
+    "powersgd/epsilon_ignored": POWERSGD,  # a nonzero epsilon is never drawn: the fixed case
     # planted: hierarchical
     "hierarchical/avg_divides_by_node_size": HIERARCHICAL_RESULTS,
     "hierarchical/skips_the_across_phase": HIERARCHICAL_RESULTS,
     "hierarchical/gathers_before_across": HIERARCHICAL_RESULTS,
     "hierarchical/divides_at_both_levels": HIERARCHICAL_RESULTS,
-    "hierarchical/divides_the_max_too": HIERARCHICAL_RESULTS,  # named as a divided max, not "added" (issue 45)
+    "hierarchical/divides_the_max_too": HIERARCHICAL_RESULTS,
+    "hierarchical/torch_chunk_columns": HIERARCHICAL_RESULTS,  # fewer elements than G: swept whatever is drawn  # named as a divided max, not "added" (issue 45)
     "hierarchical/averages_across_too": HIERARCHICAL_RESULTS,
     "hierarchical/flat_ring_over_the_world": HIERARCHICAL_LINKS,
     "hierarchical/all_reduces_the_whole_tensor_across": HIERARCHICAL_LINKS,

@@ -31,7 +31,7 @@ from .casts_reference import run_casts_reference
 from .equivalence import DTYPES
 from .models import count_params
 from .optimizers import make_optimizer
-from .poison import poison_gradient
+from .poison import LaunchFailed, failing_launch, poison_gradient
 from .registry import build_stage, stage_class
 from .result import RankResult
 from .tasks import TASKS
@@ -59,6 +59,7 @@ class Experiment:
     network: str | None = None  # a dialled network: "alpha=2ms,bandwidth=50MB/s" or a preset (minizero.comm.network)
     device: str = "cpu"  # where the model and batches live ("cuda": the rank's current CUDA device)
     overflow_at: tuple | None = None  # (step, rank): an inf in one gradient element there (see poison_gradient)
+    launch_fails_at: int | None = None  # that step's first bucket fails on every rank; the step is run again
     options: dict = field(default_factory=dict)  # stage options
     first_step: int = 0  # the data position: step s trains on batch s (a resumed run starts where it stopped)
     resume: str | None = None  # a checkpoint to load before the first step (minizero.checkpoint)
@@ -148,9 +149,15 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                     else shard_step(x, y, 0, 1, 1)
                 start = time.perf_counter()
                 with poison_gradient(model, exp, s, rank, n if me else None):
-                    losses.append(train_step(stage, step, clip=exp.clip, optimizer=optimizer,
-                                             syncs=exp.syncs if me else None,  # the reference: one batch
-                                             zero_grad=model.zero_grad if exp.zero_grad == "model" else None))
+                    def once() -> float:
+                        return train_step(stage, step, clip=exp.clip, optimizer=optimizer,
+                                          syncs=exp.syncs if me else None,  # the reference: one batch
+                                          zero_grad=model.zero_grad if exp.zero_grad == "model" else None)
+                    try:
+                        with failing_launch(stage, exp, s):
+                            losses.append(once())
+                    except LaunchFailed:
+                        losses.append(once())  # caught, as a loop may: the step again, from zero_grad()
                 times.append(time.perf_counter() - start)
             # Right after the step, before any inspection gathers and frees: the observer's count of what is
             # gathered, and what the parameters point into as allocated -- a unit freed (or gathered) without

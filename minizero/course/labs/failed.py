@@ -31,6 +31,8 @@ def describe(exp: Experiment, world_size: int) -> str:
     extras += ["the optimizer built after wrapping (the loop zeroes and steps it)"] if exp.wrap_first else []
     extras += ["the loop zeroes with model.zero_grad()"] if exp.zero_grad == "model" else []
     extras += ["every collective run the moment it is launched, the launcher waiting"] if exp.eager_launch else []
+    extras += [f"in step {exp.launch_fails_at + 1} the first bucket's collective fails on every rank (before any "
+               f"message leaves), the error is caught and the step run again"] if exp.launch_fails_at is not None else []
     return (f"world size {world_size}, K = {exp.accum} micro-batch(es), {exp.optimizer} (lr {exp.lr}), {model}, "
             f"{batch}, {exp.dtype}, {exp.steps} step(s), {exp.backend} collectives"
             + (f", {', '.join(extras)}" if extras else ""))

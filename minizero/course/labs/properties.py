@@ -17,7 +17,7 @@ from ..harness.diagnosis import what_is_wrong
 from ..harness.drawn import experiments
 from ..harness.experiment import Experiment, reference_of
 from .failed import Failed, describe
-from .properties_costs import memory, one_sync_per_step, overlap, sent_bytes
+from .properties_costs import memory, one_sync_per_step, overlap, sent_bytes, takes_a_wire
 from .raised import Raised
 from .ranks import collectives_round, no_sync_probe
 from .ranks import yours_run as yours_run_on_rank
@@ -78,22 +78,41 @@ def equivalence(checker, compress: bool = False) -> str:
     mixed = replace(corner, task="mixed", model={}, dtype="float32", optimizer="momentum", param_groups=False,
                     record_states=False)  # (judged by float32's rule: its first layer is float32, as drawn)
     zeroed = replace(corner, param_groups=False, wrap_first=True, zero_grad="model", record_states=False)
+    # ... and where the learner writes both ends of a backward's round of buckets (the marks and the end), its reset
+    # on an error too: the second step's first bucket fails on every rank, the error is caught and the step run
+    # again -- a pipeline left holding that round's marks and launches launches nothing in the retry.
+    failed = replace(corner, param_groups=False, record_states=False, steps=3, launch_fails_at=1,
+                     options={**corner.options, "bucket_mb": 1e-9})
+    # ... and where the learner's collectives carry the stage's wire, its key under error feedback: each bucket's
+    # residual is its own (the byte cases cannot see a key shared by every bucket -- the bytes are the same).
+    keyed = replace(corner, param_groups=False, record_states=False,
+                    options={**corner.options, "compress": "fp16", "error_feedback": True, "bucket_mb": 1e-9})
     declared = getattr(checker.lab.answer, "option_names", lambda: ())()
     unused, buckets = "find_unused_parameters" in declared, "bucket_mb" in declared
+    rounds = {"post_accumulate_grad", "post_backward"} <= {t.split(".")[-1] for t in checker.lab.todo}
+    keys = buckets and not compress and takes_a_wire(checker)
     cases = [(corner, 2), (zeroed, 2)] + [(twice, 2), (mixed, 3)] * exact_sums + [(edge, 2), (routed, 3)] * unused \
-        + [(eager, 2)] * buckets
+        + [(eager, 2)] * buckets + [(failed, 2)] * rounds + [(keyed, 2)] * keys
     if compress:  # the 16-bit wires where the division is split around the sum, N = 4 (pre 2, post 2) and N = 3, on
         # the GPT: among its 27,584 gradients some are small enough in fp16 that dividing before or after the cast
         # rounds another way (a draw reached it in some of 25 examples, issue 45)
         wire = replace(corner, task="gpt", model={}, optimizer="sgd", param_groups=False, record_states=False,
                        wrap_first=False, options={**corner.options, "compress": "fp16", "error_feedback": False})
         cases = [(wire, 4), (replace(wire, options={**wire.options, "compress": "bf16"}), 3)]
-    checker.fixed(cases, examine, describe)
+    def told(case):
+        found = examine(case)
+        if found and case[0] is keyed:
+            return (f"{found[0]} -- under compress=fp16 with error feedback, each bucket's collective carries the "
+                    f"stage's wire (wire=self.wire) and names its bucket (key=): the residual it keeps", found[1])
+        return found
+    checker.fixed(cases, told, describe)
     return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, "
             f"SGD/momentum/Adam, float64 and float32, the edge model{', a model of two dtypes' if exact_sums else ''}, "
             f"{'backwards inside and outside no_sync() in every order, ' if exact_sums else ''}"
             f"{'parameters used by some ranks and micro-batches only (the routed model), ' if unused else ''}"
             f"{'each bucket reduced the moment it is launched (a race made certain), ' if buckets else ''}"
+            f"{'a bucket that fails on every rank, caught and the step run again, ' if rounds else ''}"
+            f"{'fp16 with error feedback, a residual per bucket, ' if keys else ''}"
             f"the optimizer built before and after wrapping"
             + (", fp16 and bf16 wires" if compress else ""))
 

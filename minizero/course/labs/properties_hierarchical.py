@@ -7,7 +7,8 @@ byte by byte on each link class.
   (computed here, from every rank's input: what the flat ring gives, ``tests/test_hierarchical.py`` proves the
   package's two levels equal to it); AVG is the same exact sum divided by N -- once, as the flat ring does, or by G
   and M in turn, which may round differently: within a tolerance.  Then, whatever the draws, every shape at 7
-  elements -- a slip that shows only with several nodes *and* several ranks per node (2 x 2) is found even on a
+  elements and at 1 -- a slip that shows only with several nodes *and* several ranks per node (2 x 2), or only when
+  a node's ranks outnumber the elements (``torch.chunk`` then returns fewer than G columns), is found even on a
   short search.
 * **link bytes** -- at every shape, each rank's bytes booked under each link class (the ledger knows which link a
   message crossed: :meth:`~minizero.comm.base.Comm._report_sent`) exactly
@@ -36,7 +37,7 @@ SHAPES = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (1, 4), (2, 2), (4, 1))
 OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX)
 #: AVG's tolerance: the exact sum divided by N in one step or two (G, then M) differs in the last bit.
 RTOL = {"float32": 1e-6, "float64": 1e-14}
-SWEPT = 7  # elements at every shape after the search: uneven columns at G = 2, 3, 4
+SWEPT = (7, 1)  # elements at every shape after the search: uneven columns at G = 2, 3, 4; empty ones at G > 1
 
 
 def contribution(rank: int, numel: int, dtype: str, seed: int) -> torch.Tensor:
@@ -175,14 +176,14 @@ def results(checker) -> str:
         if failed.final or "drawn" not in failing:
             raise
         raise Failed(failed.why, failed.case, named(checker, failing["drawn"])) from None
-    for shape in SHAPES:  # whatever the draws: 2 x 2 is one shape in eight
-        drawn = (shape, SWEPT, "float64", 1)
+    # Whatever the draws: 2 x 2 is one shape in eight; and one element, fewer than G ranks share (empty columns).
+    for drawn in [(shape, numel, "float64", 1) for numel in SWEPT for shape in SHAPES]:
         rounds = run(checker, checker.impl, drawn)
         problem = wrong_value(rounds, *drawn)
         if problem:
             raise Failed(problem, case(*drawn), named(checker, drawn, rounds))
-    return (f"{checker.examples} drawn examples and every shape at {SWEPT} elements: SUM and MAX the flat ring's bit for "
-            f"bit, AVG to rounding, on 1-4 nodes of 1-4 ranks, tensors of 0-29 elements")
+    return (f"{checker.examples} drawn examples and every shape at {' and '.join(map(str, SWEPT))} element(s): SUM and "
+            f"MAX the flat ring's bit for bit, AVG to rounding, on 1-4 nodes of 1-4 ranks, tensors of 0-29 elements")
 
 
 # ------------------------------------------------------------------ bytes per link class

@@ -21,7 +21,8 @@ booked with it, each message under the link class it crosses.  ``self.world_size
 The checker's properties, in order:
   1. your method is what runs: it is defined in this file and called by an all-reduce on 2 nodes;
   2. every all-reduce's result: SUM, AVG and MAX on every node shape of up to four ranks (M x G in 1x1, 1x2, 2x1,
-     1x3, 3x1, 1x4, 2x2, 4x1), tensors of 0-29 elements (fewer than ranks included), float32 and float64, integer
+     1x3, 3x1, 1x4, 2x2, 4x1), tensors of 0-29 elements (fewer than ranks included: 1 and 7 at every shape),
+     float32 and float64, integer
      values -- SUM and MAX exactly the flat ring's, element by element on every rank; AVG the exact sum / N, to
      rounding;
   3. bytes per link class, on every shape: each rank sends, inside its node, what a ring all-reduce of the whole

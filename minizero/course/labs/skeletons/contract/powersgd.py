@@ -24,7 +24,8 @@ The checker's properties, in order:
   1. your method is what runs: defined in this file and called in a step (compress="powersgd:rank=2");
   2. equivalence to a reference taking the same PowerSGD steps on the same per-rank buffers, with its sums in
      the ring's order (so sum with ``self.comm.all_reduce``, in place, ``ReduceOp.SUM``): world sizes 1-4, K = 1-3,
-     uneven batches, the edge model and the GPT, rank 1-3, warm start on and off, error feedback on and off;
+     uneven batches, the edge model and the GPT, rank 1-3, warm start on and off, error feedback on and off -- and
+     whatever is drawn, rank 3 (QR) and epsilon = 0.25;
   3. bytes: the ring carries per step exactly three all-reduces -- the uncompressed tensors, every P (n r per
      matrix), every Q (m r per matrix) -- at N = 2 and 3 (an empty one is not sent).
 

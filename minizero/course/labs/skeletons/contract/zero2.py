@@ -38,7 +38,9 @@ The checker's properties, in order:
      world sizes 1-4, K = 1-3 (the first K-1 inside no_sync()), uneven batches, SGD/momentum/Adam, float64 (<= 1e-9)
      and float32 (<= 1e-5), bucket caps from one parameter per bucket to one bucket, two param groups, clipping, the
      edge model, backwards inside and outside no_sync() in every order (their averages add), the routed model (a
-     branch used by some ranks' micro-batches only, or by none), the optimizer built after wrapping;
+     branch used by some ranks' micro-batches only, or by none), the optimizer built after wrapping, a bucket's
+     collective failing on every rank (the error caught, the step run again), int8 with error feedback and one
+     parameter a bucket (each bucket's residual its own: ``key=``);
   3. bytes per step: reduce-scatters of the gradients plus all-gathers of the parameters, 2(N-1)/N x Psi x b, as
      reduce-scatters and all-gathers only (N = 2 and 3); under the fp16 and int8 wires (``compress=``) each rank's
      bytes in each step equal the package's stage's: a collective that averages gradients without the stage's

@@ -1,0 +1,143 @@
+"""A ZeRO-3 parameter's gradient where FSDP2 keeps it: on the model's parameter, sharded.
+
+Between uses a ZeRO-3 parameter is an empty placeholder, and after backward its averaged gradient lives only on the
+stage's pieces -- this rank's 1-D ranges of it, which the optimizer steps.  Code written for FSDP2 reads the model's
+own parameters instead: ``param.grad`` after backward, then ``param.grad.full_tensor()`` (a collective: every rank
+gets the whole gradient) or ``param.grad.to_local()`` (this rank's part).  A test written that way found ``None``
+on every parameter -- and a loop that clips or steps ``model.parameters()`` did nothing, silently.
+
+So after each synchronising backward, every sharded parameter with a gradient on some rank reads its ``.grad`` as a
+:class:`ShardedGradient`: a tensor of the parameter's shape and dtype that holds no storage of its own (the pieces
+hold the values, and are what the memory figures count).  Its two methods are the DTensor ones; any other torch
+operation on it is refused, naming the parameter and what to call -- never a silent wrong number.  How it differs
+from FSDP2's DTensor, said plainly: a rank's part is a range of the *flattened* parameter (ZeRO's flat shard,
+``local_range``), not a block of rows; the gradient shows from the end of a synchronising backward until the next
+forward with autograd on or ``zero_grad()`` (ZeRO-3's backward needs the real ``.grad`` meanwhile); and after the
+optimizer's own ``zero_grad()`` has emptied the pieces, ``full_tensor()`` says no rank holds one any more.
+
+The class swap (:func:`adopt`) is FSDP2's move too: it replaces each parameter with a DTensor parameter.  Here the
+parameter stays the same object, its class a subclass of ``nn.Parameter`` whose ``grad`` reads the real gradient
+whenever there is one -- so ZeRO-3's own hooks, which read and free it during backward, see exactly what they saw.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .zero_state import group_full_gradients, piece_gradient
+
+_REAL_GRAD = torch.Tensor.grad  # the C-level descriptor: the gradient autograd writes
+
+
+class ShardedGradient(torch.Tensor):
+    """``param.grad`` of a ZeRO-3 parameter after backward: its shape and dtype, no storage; ``to_local()`` and
+    ``full_tensor()`` read the stage's pieces when called."""
+
+    @staticmethod
+    def __new__(cls, stage, group: int, segment, dtype: torch.dtype):
+        grad = torch.Tensor._make_wrapper_subclass(cls, segment.shape, dtype=dtype,
+                                                   device=stage.groups[group].shard.device)
+        grad._stage, grad._group, grad._segment = weakref.ref(stage), group, segment
+        return grad
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        named = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGradient))
+        raise TypeError(
+            f"{named._segment.name}'s .grad is sharded across the ranks (ZeRO-3 keeps 1/N of it on each) and holds "
+            f"no values itself, so {func} cannot run on it: call .full_tensor() for the whole gradient (a "
+            f"collective: every rank calls it), or .to_local() for this rank's part; clip with "
+            f"stage.clip_grad_norm_(), and step the optimizer built over stage.parameters()")
+
+    def __repr__(self) -> str:
+        lo, hi = self.local_range
+        return (f"ShardedGradient({self._segment.name}, shape {tuple(self.shape)}, {self.dtype}, this rank's part: "
+                f"elements [{lo}, {hi}) of the flattened parameter)")
+
+    def _pieces(self):
+        return [p for p in self._owner().groups[self._group].pieces if p.segment is self._segment]
+
+    def _owner(self):
+        stage = self._stage()
+        if stage is None:
+            raise RuntimeError(f"{self._segment.name}'s sharded gradient outlived its stage")
+        return stage
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        """``[start, stop)`` of the flattened parameter this rank holds (empty where it holds none of it)."""
+        pieces = self._pieces()
+        return (pieces[0].start, pieces[-1].stop) if pieces else (0, 0)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's part of the averaged gradient, 1-D (``local_range``'s elements): the piece's own
+        ``.grad``, not a copy -- or zeros where the optimizer's ``zero_grad()`` emptied it; empty where this rank
+        owns none of the parameter."""
+        stage, pieces = self._owner(), self._pieces()
+        if not pieces:
+            return torch.zeros(0, dtype=self.dtype, device=self.device)
+        grad = piece_gradient(stage, pieces[0])
+        return grad if grad is not None else torch.zeros(pieces[0].stop - pieces[0].start, dtype=self.dtype,
+                                                          device=self.device)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole averaged gradient, the parameter's shape, on every rank: an all-gather of the parameter's flat
+        group (every rank must call it, in the same order -- as FSDP2's ``full_tensor()``)."""
+        stage = self._owner()
+        full = group_full_gradients(stage, self._group)[self._segment.name]
+        if full is None:
+            raise RuntimeError(f"rank {stage.rank}: no rank holds a gradient for {self._segment.name} any more (the "
+                               f"optimizer's zero_grad() emptied the pieces after backward): read .grad before it")
+        return full
+
+
+class ShardedParameter(nn.Parameter):
+    """A ZeRO-3 parameter: ``.grad`` is the real gradient whenever autograd or the stage left one, else the
+    sharded one the stage exposed after backward (or None)."""
+
+    @property
+    def grad(self):
+        real = _REAL_GRAD.__get__(self)
+        return real if real is not None else self.__dict__.get("_sharded_grad")
+
+    @grad.setter
+    def grad(self, value):
+        sharded = self.__dict__.pop("_sharded_grad", None)
+        if value is None and sharded is not None:  # FSDP2's param.grad = None: this rank's part is not stepped
+            stage = sharded._owner()
+            for piece in sharded._pieces():
+                (stage.master.master_of(piece.param) if stage.masters_outside else piece.param).grad = None
+        _REAL_GRAD.__set__(self, value)
+
+
+def adopt(stage) -> None:
+    """Make each sharded parameter of ``stage`` (exactly ``nn.Parameter``: a subclass of the user's keeps its class,
+    and its ``.grad`` None between uses) a :class:`ShardedParameter`."""
+    for group in stage.groups:
+        for s in [] if group.replicated else group.segments:
+            if type(s.param) is nn.Parameter:
+                s.param.__class__ = ShardedParameter
+
+
+def expose(stage) -> None:
+    """After a synchronising backward: each adopted parameter with a gradient on some rank (``stage._has_grad``,
+    which the ranks agree on) reads its gradient as a :class:`ShardedGradient`."""
+    for g, group in enumerate(stage.groups):
+        dtype = group.optimizer_dtype if stage.masters_outside else group.dtype
+        for s in [] if group.replicated else group.segments:
+            if isinstance(s.param, ShardedParameter):
+                s.param.__dict__["_sharded_grad"] = ShardedGradient(stage, g, s, dtype) \
+                    if id(s.param) in stage._has_grad else None
+
+
+def withdraw(stage) -> None:
+    """Before a forward that backward will follow, and at ``zero_grad()``: the real ``.grad`` only, which ZeRO-3's
+    backward reads and frees."""
+    for group in stage.groups:
+        for s in group.segments:
+            s.param.__dict__.pop("_sharded_grad", None)
+
