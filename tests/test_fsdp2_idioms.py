@@ -120,8 +120,9 @@ def test_zero3_parameters_show_their_gradient_after_backward_as_fsdp2s_do(pools)
     """After backward, ``param.grad`` of each of the model's parameters is the sharded gradient: its
     ``full_tensor()`` the single-device gradient, the ranks' ``to_local()`` parts tiling it in rank order, None
     where no rank has one; torch operations on it are refused, naming the parameter and what to call; it goes at
-    ``zero_grad()`` (``set_to_none=False`` keeping the pieces' zeroed gradients) and at the next forward with autograd on (ZeRO-3's backward reads the real one), not at an
-    evaluation; ``param.grad = None`` drops this rank's part, as FSDP2's does."""
+    ``zero_grad()`` (``set_to_none=False`` keeping the pieces' zeroed gradients) and at the next forward with
+    autograd on (ZeRO-3's backward reads the real one), not at an evaluation; ``param.grad = None`` drops this
+    rank's part, as FSDP2's does."""
     want = _single_device_gradients()
     ranks = pools.run(WORLD, _read_as_fsdp2_users_do)
     for name, grad in want.items():

@@ -186,8 +186,8 @@ EXPECTED: dict[str, str] = {
     "hierarchical/skips_the_across_phase": HIERARCHICAL_RESULTS,
     "hierarchical/gathers_before_across": HIERARCHICAL_RESULTS,
     "hierarchical/divides_at_both_levels": HIERARCHICAL_RESULTS,
-    "hierarchical/divides_the_max_too": HIERARCHICAL_RESULTS,
-    "hierarchical/torch_chunk_columns": HIERARCHICAL_RESULTS,  # fewer elements than G: swept whatever is drawn  # named as a divided max, not "added" (issue 45)
+    "hierarchical/divides_the_max_too": HIERARCHICAL_RESULTS,  # named as a divided max, not "added" (issue 45)
+    "hierarchical/torch_chunk_columns": HIERARCHICAL_RESULTS,  # fewer elements than G: swept whatever is drawn
     "hierarchical/averages_across_too": HIERARCHICAL_RESULTS,
     "hierarchical/flat_ring_over_the_world": HIERARCHICAL_LINKS,
     "hierarchical/all_reduces_the_whole_tensor_across": HIERARCHICAL_LINKS,
