@@ -204,6 +204,36 @@ def test_what_a_collective_cannot_take_is_refused_naming_the_rank(pools, what, m
     assert message in results[0]
 
 
+def _chunk_lists_on_rank(me, phase):
+    """A node's ring (a view over ranks 1 and 2 of 3) handed one chunk where it has two ranks: the hierarchical lab's
+    ``torch.chunk`` of a 1-element tensor."""
+    comm = make_comm("ring")
+    refused = None
+    if me.rank:
+        node = comm.over([1, 2])
+        chunks = list(torch.ones(1).chunk(node.world_size))
+        try:
+            if phase == "reduce-scatter":
+                node._ring_reduce_scatter(chunks, chunks[0], ReduceOp.SUM)
+            else:
+                node._ring_all_gather(chunks)
+        except ValueError as error:
+            refused = str(error)
+    comm.all_reduce(torch.ones(2))  # still in step: nothing had left
+    comm.close()
+    return refused
+
+
+@pytest.mark.parametrize("phase", ["reduce-scatter", "all-gather"])
+def test_a_ring_phase_handed_a_chunk_list_not_one_per_rank_refuses_naming_the_rank(pools, phase):
+    """Before any message leaves (else a rank indexes past the list, or pairs its chunk with the wrong peer's)."""
+    results = pools.run(3, _chunk_lists_on_rank, phase)
+    assert results[0] is None
+    for rank in (1, 2):
+        assert f"rank {rank}: the ring's {phase} takes one chunk per rank of its ring (2)" in results[rank], results
+        assert "and got 1 -- torch.chunk and torch.split return fewer pieces than asked" in results[rank], results
+
+
 def test_each_backend_gets_memory_it_can_move():
     """NCCL takes CUDA memory only; gloo's send/recv take host memory only (a CUDA address there failed on an
     H200 with ``writev ... Bad address``); gloo's own collectives take either."""
