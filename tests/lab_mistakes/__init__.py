@@ -170,6 +170,7 @@ EXPECTED: dict[str, str] = {
     "local_sgd/averages_the_frozen_too": "bytes: one all-reduce of the parameters every H steps",  # the edge model's
     "local_sgd/averages_before_the_local_step": "H = 1 with plain SGD is single-device training",
     "local_sgd/averages_in_double": "bytes: one all-reduce of the parameters every H steps",
+    "local_sgd/one_buffer_of_both_dtypes": "bytes: one all-reduce of the parameters every H steps",  # the two-dtype case
     "local_sgd/averages_the_gradients": "H = 1 with plain SGD is single-device training",
     "local_sgd/fresh_outer_optimizer": "every rank, every step, the package's local SGD",
     "local_sgd/ignores_the_outer_optimizer": "every rank, every step, the package's local SGD",

@@ -141,8 +141,22 @@ def local_sgd_bytes(checker) -> str:
                          f"average as {kinds} (rank {rank}'s the most, {results[rank].sent_bytes / exp.steps:,.0f}); "
                          f"the formula -- one all-reduce of the parameters every H = {every} steps -- says "
                          f"{formula:,.0f} as ['all_reduce'] -- {way}", describe(exp, n))
+    # The model of two dtypes (a float32 layer feeding a float64 one): each parameter averaged in its own dtype, as
+    # the package's stage does.  One flat buffer of both promotes the float32 ones to 8 bytes -- values that pass
+    # float32's tolerance, bytes that do not (a ring's traffic over all ranks is 2(N-1) x the bytes, however cut).
+    exp = Experiment(stage=checker.key, task="mixed", steps=4, dtype="float32", optimizer="adam",
+                     options={"average_every": 2})
+    mine, theirs = checker.run_case(3, exp), checker.package(3, replace(exp, stage=LocalSGD.name))
+    sent, due = (sum(r.sent_bytes for r in results) / (3 * exp.steps) for results in (mine, theirs))
+    if not agrees(sent, due):
+        rank = max(range(3), key=lambda r: mine[r].sent_bytes)
+        raise Failed(f"the ranks' traffic from step 1 to step {exp.steps} on a model of two dtypes: {sent:,.0f} bytes "
+                     f"a step each on average (rank {rank}'s the most, {mine[rank].sent_bytes / exp.steps:,.0f}); the "
+                     f"package's local SGD sends {due:,.0f} -- {sent / due:.3g}x, too "
+                     f"{'large' if sent > due else 'small'}: each parameter is averaged in its own dtype (torch.cat of "
+                     f"a float32 and a float64 tensor is float64: 8 bytes for every float32 element)", describe(exp, 3))
     return ("one all-reduce of the trainable parameters every H steps (N = 2-4, H = 1-3, K = 1 and 2, DiLoCo's too, "
-            "the edge model's frozen ones left out)")
+            "the edge model's frozen ones left out, a model of two dtypes each in its own)")
 
 
 PROPERTIES = {

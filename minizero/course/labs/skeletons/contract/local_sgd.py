@@ -27,7 +27,8 @@ The checker's properties, in order:
      plain averaging and DiLoCo (outer lr 0.7 with momentum 0.9, 1.0 with none, 0.5 with 0.5), SGD, momentum and
      Adam -- the replicas agree right after each combination, and only then;
   4. bytes: one all-reduce of the parameters every H steps, 2(N-1)/N x Psi x b / H per step (N = 2, 3; K = 1, 2;
-     the outer step sends nothing more).
+     the outer step sends nothing more; the edge model's frozen parameters not averaged; a model of two dtypes,
+     each parameter averaged in its own).
 
 Check it:   python -m minizero check local-sgd --impl THIS_FILE
 """
