@@ -154,6 +154,7 @@ EXPECTED: dict[str, str] = {
     "mixed_precision/halves_before_refusing": "the mixed-precision step on every rank",
     "mixed_precision/tells_the_scaler_only_of_overflows": "the mixed-precision step on every rank",
     "mixed_precision/tells_listeners_a_fixed_factor": "the mixed-precision step on every rank",
+    "mixed_precision/unscales_what_was_handed_over": "the mixed-precision step on every rank",  # OUTSIDE, explicit
     # right values on every rank's own tensors; the working views into ZeRO-2's flat buffer left behind
     "mixed_precision/replaces_the_working_data": "ZeRO-2 with your masters equals the same-recipe reference",
     # planted: reshard

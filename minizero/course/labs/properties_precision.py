@@ -60,6 +60,11 @@ ABOVE_FLOOR = MasterCase(world_size=2, precision="fp16", loss_scale=2.0, sizes=(
 GROWTH = MasterCase(world_size=2, precision="fp16", loss_scale=2.0 ** 10, sizes=(3, 2), missing=((), ()), poison=None,
                     optimizer="adam", clip_first=False, outside=False, seed=7, window=1)
 
+#: The optimizer built after wrapping, clipping first: the gradients were handed over, unscaled, at the end of backward,
+#: so clipping's ``unscale_`` must change nothing -- a branch only the draws reached, a few times in 25 (issue 45).
+OUTSIDE = MasterCase(world_size=3, precision="fp16", loss_scale=2.0 ** 10, sizes=(3, 0, 2), missing=((), (2,)),
+                     poison=None, optimizer="adam", clip_first=True, outside=True, seed=11)
+
 #: The second case a known mistake must also match to be named: three ranks, a NaN on the last, Adam, the optimizer
 #: built after wrapping, a piece without elements and one without a gradient in the second step.
 SECOND = MasterCase(world_size=3, precision="fp16", loss_scale=2.0 ** 12, sizes=(4, 0, 3), missing=((), (2,)),
@@ -110,13 +115,14 @@ def mixed_step(checker) -> str:
     except Failed as failed:
         case = failing.get(failed.why)
         raise Failed(failed.why, failed.case, case and _named(checker, case, failed.why), failed.final) from None
-    for case in (AGREEMENT, FLOOR, ABOVE_FLOOR, GROWTH):  # and, whatever was drawn, the case the lab is about, and
-        why = _verdict(checker, case)                     # the rare branches: the floor, one above it, growth
+    for case in (AGREEMENT, FLOOR, ABOVE_FLOOR, GROWTH, OUTSIDE):  # and, whatever was drawn, the case the lab is
+        why = _verdict(checker, case)  # about, and the rare branches: the floor, one above it, growth, handed over
         if why:
             raise Failed(why, case.describe(), _named(checker, case, why))
     return (f"an inf on one rank skips the step on every rank; {checker.examples} drawn cases: world sizes 1-4, fp16 "
             f"and bf16, inf or NaN on one rank, the minimum scale, clipping first, the optimizer before or after "
-            f"wrapping; then a NaN at the floor and one halving above it, and a scale that grows every clean step -- "
+            f"wrapping; then a NaN at the floor and one halving above it, a scale that grows every clean step, and "
+            f"clipping with the optimizer built after wrapping (the gradients already handed over) -- "
             f"masters, working copy, loss scale, what the listeners hear and optimizer state equal the package's, "
             f"bit for bit")
 

@@ -27,8 +27,10 @@ The checker's properties, in order:
   2. the step on every rank, against the package's on the same gradients, bit for bit: first an inf in rank 1's
      gradient only (every rank must skip), then drawn cases -- world sizes 1-4, fp16 and bf16, loss scales, an
      inf or NaN in one element of one rank's gradient, the minimum scale, clipping first, the optimizer before or
-     after wrapping, tensors without a gradient or without elements.  Masters, working copy, loss scale, skipped
-     steps and optimizer state must equal the package's; the fp32 gradients freed; at most one all-reduce a step;
+     after wrapping, tensors without a gradient or without elements -- and then, whatever was drawn, a NaN at the
+     minimum scale, one a halving above it, a scale that grows every clean step, and clipping with the optimizer
+     built after wrapping.  Masters, working copy, loss scale, skipped steps and optimizer state must equal the
+     package's; the fp32 gradients freed; at most one all-reduce a step;
   3. ZeRO-2 training with your masters equals the same-recipe reference (the same 16-bit arithmetic on one
      device): fp16 whose scale overflows and an inf on one rank, bf16, world sizes 1-4, K up to 3, the edge
      model, clipping, the optimizer before and after wrapping -- the same skipped steps and scales on every rank.
