@@ -102,3 +102,31 @@ def test_every_lab_has_five_planted_mistakes_the_checker_catches():
     for path in planted.planted():
         per_lab[lab_of(path)] = per_lab.get(lab_of(path), 0) + (key_of(path) not in planted.HOLES)
     assert per_lab and all(n >= 5 for n in per_lab.values()), per_lab
+
+
+#: Properties no planted mistake can fail first, each with the reason it is kept: what it shows the learner, and why
+#: an earlier property always sees the mistake first (issue 46: a property earns its place by a mistake of its own,
+#: or is said to be redundant as a judge).
+DEMONSTRATIONS = {
+    ("reshard", "resumed on M ranks"): "the ranges property compares every field of every shard exactly, so a run "
+    "resumed from shards that pass it is single-device training; shown to the learner, and a judge on its own "
+    "(tests/test_lab_reshard.py: alone it names a restarted step count)",
+    ("compress", "compressed bytes"): "the ring sums in the encoded tensor's dtype, so a wire sent wider than its 16 "
+    "bits rounds its sums otherwise and fails the same-casts equivalence first (compress/"
+    "encode_rounds_but_sends_full_width); the halved bytes are the lesson's figure",
+}
+
+
+def test_every_property_of_every_lab_is_the_first_failure_of_some_planted_mistake():
+    """For every lab's every property, a planted mistake that fails it first -- or the property is a demonstration,
+    said so with its reason."""
+    from minizero.course.labs.catalogue import LABS
+    from minizero.course.labs.property_table import PROPERTIES
+    first: dict[str, set] = {}
+    for key in planted.EXPECTED:
+        first.setdefault(key.split("/")[0].replace("_", "-"), set()).update(planted.expected(key))
+    unearned = [(lab.name, name) for lab in LABS.values() for name in lab.properties
+                if PROPERTIES[name][0] not in first.get(lab.name, set()) and (lab.name, name) not in DEMONSTRATIONS]
+    assert not unearned, f"properties no planted mistake fails first: {unearned}"
+    stale = [pair for pair in DEMONSTRATIONS if PROPERTIES[pair[1]][0] in first.get(pair[0], set())]
+    assert not stale, f"a planted mistake now fails these first: take them out of DEMONSTRATIONS: {stale}"
