@@ -8,8 +8,9 @@ sends in turn, the parameter server's push (the server's port or the worker's se
 that collective's measured time is held to its formula: at least 0.97 of it (a dialled port holds each message
 ``alpha + bytes/bandwidth``; load only adds time), at most 1.3x plus 15 ms (a barrier's skew, the loopback).
 :func:`~minizero.costs.cluster_cost.collective_s` on a flat network must agree with :func:`ring_s` exactly: the
-two places the ring's formula is written.  Mutants of each formula (N for N-1, the shard's ``1/N`` dropped, the
-push's max taken as a sum, the root's inbound latencies not overlapped) each fail a row here.
+two places the ring's formula is written.  Six mutants of the formulas each fail a row here (seen): the ring's N for
+N-1, its shard's ``1/N`` dropped, the push's max taken as a sum, the root's inbound latencies not overlapped, the
+pull's N-1 messages as N, and a worker's sends counted as S where every rank serves (its own shard stays).
 """
 from __future__ import annotations
 
