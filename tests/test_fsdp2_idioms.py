@@ -151,6 +151,35 @@ def test_zero3_parameters_show_their_gradient_after_backward_as_fsdp2s_do(pools)
         assert again == evaluated == {n for n, g in want.items() if g is not None}, (again, evaluated)
 
 
+def _shown_against_full_gradients(me, stage_name, options):
+    model = Blocks()
+    optimizer = None if options.get("precision") else torch.optim.SGD(model.parameters(), lr=0.1)
+    stage = make_stage(stage_name, model, optimizer, make_comm("ring", check=True), find_unused_parameters=True,
+                       **options)
+    if optimizer is None:  # FSDP2's order under mixed precision: the optimizer over the fp32 masters, after wrapping
+        optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    (_loss(stage(_batch(me.rank)), TOTAL) * WORLD).backward()
+    shown = {n: None if p.grad is None else (p.grad.full_tensor(), p.grad.dtype) for n, p in model.named_parameters()}
+    return shown, stage.full_gradients()
+
+
+@pytest.mark.parametrize("stage, options", [("zero3", {"precision": "bf16"}), ("zero3", {"replicate": ["head"]}),
+                                            ("hsdp", {}), ("zeropp", {})], ids=["zero3-bf16", "zero3-replicate",
+                                                                               "hsdp", "zeropp"])
+def test_the_gradient_shown_is_the_stages_full_gradient_in_every_zero3_form(pools, stage, options):
+    """Under mixed precision (the masters' fp32 gradients, which the optimizer built after wrapping steps), with a
+    replicated module (whose parameters keep their own, real ``.grad``), under HSDP and ZeRO++: each parameter's
+    ``.grad.full_tensor()`` is, bit for bit, what ``full_gradients()`` gathers."""
+    for shown, full in pools.run(WORLD, _shown_against_full_gradients, stage, options):
+        assert shown.keys() == full.keys()
+        for name, want in full.items():
+            if want is None:
+                assert shown[name] is None, name
+            else:
+                got, dtype = shown[name]
+                assert dtype == want.dtype and torch.equal(got, want), (name, dtype, want.dtype)
+
+
 # ---------------------------------------------------------------------------- replicated modules inside ZeRO-3
 REPLICATE = ["head", "blocks.1"]
 

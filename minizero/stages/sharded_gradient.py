@@ -40,6 +40,7 @@ class ShardedGradient(torch.Tensor):
         grad = torch.Tensor._make_wrapper_subclass(cls, segment.shape, dtype=dtype,
                                                    device=stage.groups[group].shard.device)
         grad._stage, grad._group, grad._segment = weakref.ref(stage), group, segment
+        grad._replicated = stage.groups[group].replicated  # (a module the stage keeps whole: one piece, all of it)
         return grad
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -47,11 +48,12 @@ class ShardedGradient(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         named = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGradient))
+        kept = "kept whole on every rank, on the stage's pieces" if named._replicated else \
+            "sharded across the ranks (ZeRO-3 keeps 1/N of it on each)"
         raise TypeError(
-            f"{named._segment.name}'s .grad is sharded across the ranks (ZeRO-3 keeps 1/N of it on each) and holds "
-            f"no values itself, so {func} cannot run on it: call .full_tensor() for the whole gradient (a "
-            f"collective: every rank calls it), or .to_local() for this rank's part; clip with "
-            f"stage.clip_grad_norm_(), and step the optimizer built over stage.parameters()")
+            f"{named._segment.name}'s .grad is {kept} and holds no values itself, so {func} cannot run on it: call "
+            f".full_tensor() for the whole gradient (a collective: every rank calls it), or .to_local() for this "
+            f"rank's part; clip with stage.clip_grad_norm_(), and step the optimizer built over stage.parameters()")
 
     def __repr__(self) -> str:
         lo, hi = self.local_range
@@ -115,10 +117,11 @@ class ShardedParameter(nn.Parameter):
 
 
 def adopt(stage) -> None:
-    """Make each sharded parameter of ``stage`` (exactly ``nn.Parameter``: a subclass of the user's keeps its class,
-    and its ``.grad`` None between uses) a :class:`ShardedParameter`."""
+    """Make each grouped parameter of ``stage`` -- sharded, or a replicated module's, whose gradient also lives on the
+    stage's pieces -- a :class:`ShardedParameter`.  Only an exact ``nn.Parameter``: a subclass of the user's keeps its
+    class, and its ``.grad`` None between uses."""
     for group in stage.groups:
-        for s in [] if group.replicated else group.segments:
+        for s in group.segments:
             if type(s.param) is nn.Parameter:
                 s.param.__class__ = ShardedParameter
 
@@ -128,7 +131,7 @@ def expose(stage) -> None:
     which the ranks agree on) reads its gradient as a :class:`ShardedGradient`."""
     for g, group in enumerate(stage.groups):
         dtype = group.optimizer_dtype if stage.masters_outside else group.dtype
-        for s in [] if group.replicated else group.segments:
+        for s in group.segments:
             if isinstance(s.param, ShardedParameter):
                 s.param.__dict__["_sharded_grad"] = ShardedGradient(stage, g, s, dtype) \
                     if id(s.param) in stage._has_grad else None
