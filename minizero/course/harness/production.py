@@ -137,6 +137,12 @@ ROWS: tuple[Row, ...] = (
         "shards each parameter of the module on dim 0 as a DTensor (Shard(0), padded); the module is one unit",
         "zero3: a unit's parameters end to end in one flat buffer, cut in N equal shards; a parameter may "
         "straddle two ranks", (Torch(f"{_FSDP}.fully_shard", "shard_placement_fn", None),), (Ours(ZeRO3, "units"),)),
+    Row("FSDP2 param.grad after backward",
+        "a DTensor sharded as its parameter: full_tensor() all-gathers the whole gradient, to_local() is this rank's "
+        "rows", "zero3: param.grad a sharded gradient with full_tensor() and to_local() (a range of the flattened "
+        "parameter); stage.full_gradients() gathers them all",
+        (Torch("torch.distributed.tensor.DTensor.full_tensor"), Torch("torch.distributed.tensor.DTensor.to_local")),
+        (Ours(ZeRO3, method="full_gradients"),)),
     Row("fully_shard(reshard_after_forward=True)",
         "frees gathered parameters after forward, all-gathers again in backward: 3Ψ bytes per step. "
         "Default None: True except for the root",
