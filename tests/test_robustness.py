@@ -345,3 +345,22 @@ def test_a_gradient_from_an_earlier_micro_batch_counts(pools, stage):
     not use it: no refusal, and the same training as ddp."""
     _assert_same(pools.run(2, _c_in_the_first_micro_batch_only, stage),
                  pools.run(2, _c_in_the_first_micro_batch_only, "ddp"))
+
+
+# ---------------------------------------------------------------------------- a bucket that fails, caught, the step again
+@pytest.mark.parametrize("stage, options", [("ddp-bucketed", {}), ("zero1", {"overlap": True}), ("zero2", {}),
+                                            ("zero3", {}), ("zero3", {"prefetch": 0})])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_bucket_that_fails_on_every_rank_then_the_step_again_is_single_device_training(pools, stage, options,
+                                                                                         world_size):
+    """Step 2's first bucket raises on the communication thread in place of its collective, on every rank, before
+    any message leaves (``Experiment.launch_fails_at``); the loop catches it and runs the step again from
+    ``zero_grad()``.  The run must equal single-device training: the failed round's marks and launches forgotten
+    (``BucketPipeline.round``), its packed gradients and queued synchronisation let go, nothing stepped twice."""
+    from minizero.course.harness.experiment import Experiment
+    from tests.equivalence import run_and_check
+    units = stage == "zero3"  # a bucket a unit: the GPT's blocks; the others' buckets, one parameter each
+    exp = Experiment(stage=stage, task="gpt" if units else "mlp", model={} if units else {"sizes": (3, 5, 4, 2)},
+                     optimizer="adam", steps=3, accum=2, dtype="float64", launch_fails_at=1,
+                     options=options if units else {**options, "bucket_mb": 1e-9})
+    run_and_check(pools, exp, world_size)
