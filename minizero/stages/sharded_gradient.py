@@ -15,9 +15,10 @@ from FSDP2's DTensor, said plainly: a rank's part is a range of the *flattened* 
 forward with autograd on or ``zero_grad()`` (ZeRO-3's backward needs the real ``.grad`` meanwhile); and after the
 optimizer's own ``zero_grad()`` has emptied the pieces, ``full_tensor()`` says no rank holds one any more.
 
-The class swap (:func:`adopt`) is FSDP2's move too: it replaces each parameter with a DTensor parameter.  Here the
-parameter stays the same object, its class a subclass of ``nn.Parameter`` whose ``grad`` reads the real gradient
-whenever there is one -- so ZeRO-3's own hooks, which read and free it during backward, see exactly what they saw.
+The class swap (:meth:`~minizero.stages.zero3.ZeRO3.show_gradients`) is FSDP2's move too: it replaces each parameter
+with a DTensor parameter.  Here the parameter stays the same object, and its class is a subclass of ``nn.Parameter``
+only while the gradient is shown -- so ZeRO-3's forward and backward, which read and free the real ``.grad``, run no
+code of this file (and a step's reading load is not raised by it: ``tests/test_targets.py``).
 """
 from __future__ import annotations
 
@@ -98,49 +99,29 @@ class ShardedGradient(torch.Tensor):
 
 
 class ShardedParameter(nn.Parameter):
-    """A ZeRO-3 parameter: ``.grad`` is the real gradient whenever autograd or the stage left one, else the
-    sharded one the stage exposed after backward (or None)."""
+    """A ZeRO-3 parameter between the end of a synchronising backward and the next forward with autograd on (or
+    ``zero_grad()``): :meth:`~minizero.stages.zero3.ZeRO3.show_gradients` swaps its class, and back -- so in forward
+    and backward, where ZeRO-3 reads and frees the real ``.grad``, no code of this file runs.  ``.grad`` is the real
+    gradient if autograd left one (inside ``no_sync()``), else the sharded one."""
 
     @property
     def grad(self):
         real = _REAL_GRAD.__get__(self)
-        return real if real is not None else self.__dict__.get("_sharded_grad")
+        if real is not None:
+            return real
+        stage, group, segment = self.zero3_shown
+        return ShardedGradient(stage(), group, segment, _dtype(stage(), group))
 
     @grad.setter
     def grad(self, value):
-        sharded = self.__dict__.pop("_sharded_grad", None)
-        if value is None and sharded is not None:  # FSDP2's param.grad = None: this rank's part is not stepped
-            stage = sharded._owner()
-            for piece in sharded._pieces():
-                (stage.master.master_of(piece.param) if stage.masters_outside else piece.param).grad = None
+        if value is None:  # FSDP2's param.grad = None: this rank's part is not stepped
+            stage, group, segment = self.zero3_shown
+            for piece in ShardedGradient(stage(), group, segment, _dtype(stage(), group))._pieces():
+                (stage().master.master_of(piece.param) if stage().masters_outside else piece.param).grad = None
+            self.__class__ = nn.Parameter
         _REAL_GRAD.__set__(self, value)
 
 
-def adopt(stage) -> None:
-    """Make each grouped parameter of ``stage`` -- sharded, or a replicated module's, whose gradient also lives on the
-    stage's pieces -- a :class:`ShardedParameter`.  Only an exact ``nn.Parameter``: a subclass of the user's keeps its
-    class, and its ``.grad`` None between uses."""
-    for group in stage.groups:
-        for s in group.segments:
-            if type(s.param) is nn.Parameter:
-                s.param.__class__ = ShardedParameter
-
-
-def expose(stage) -> None:
-    """After a synchronising backward: each adopted parameter with a gradient on some rank (``stage._has_grad``,
-    which the ranks agree on) reads its gradient as a :class:`ShardedGradient`."""
-    for g, group in enumerate(stage.groups):
-        dtype = group.optimizer_dtype if stage.masters_outside else group.dtype
-        for s in group.segments:
-            if isinstance(s.param, ShardedParameter):
-                s.param.__dict__["_sharded_grad"] = ShardedGradient(stage, g, s, dtype) \
-                    if id(s.param) in stage._has_grad else None
-
-
-def withdraw(stage) -> None:
-    """Before a forward that backward will follow, and at ``zero_grad()``: the real ``.grad`` only, which ZeRO-3's
-    backward reads and frees."""
-    for group in stage.groups:
-        for s in group.segments:
-            s.param.__dict__.pop("_sharded_grad", None)
-
+def _dtype(stage, group: int) -> torch.dtype:
+    """The gradient's dtype: what the optimizer steps (the fp32 masters' under mixed precision, optimizer outside)."""
+    return stage.groups[group].optimizer_dtype if stage.masters_outside else stage.groups[group].dtype

@@ -27,18 +27,20 @@ the units, instead of pairing one unit's bytes with another's.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp, Work
-from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline
 from ..parts.unit_groups import FreedBuffer, ShardedFlatGroup
 from ..parts.unit_plan import ReplicatedGroup, plan_units
 from ..parts.units import Unit, replayed_by_backward
-from . import facts, sharded_gradient, zero3_facts, zero_state
+from . import zero3_facts, zero_state
 from .facts import GradientMemory, Shards
 from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int
+from .sharded_gradient import ShardedParameter
 from .zero import ZeRO
 
 
@@ -87,7 +89,6 @@ class ZeRO3(ZeRO):
             unit_module.register_forward_pre_hook(lambda m, args, u=u: self.unit_pre_forward(u))
             unit_module.register_forward_hook(lambda m, args, out, u=u: self.unit_post_forward(u, out))
         self.hook_grouped_parameters()
-        sharded_gradient.adopt(self)  # param.grad after backward as FSDP2's: sharded, with full_tensor()
 
     def add_observer(self, observer) -> None:
         self._observers.append(observer)
@@ -109,12 +110,23 @@ class ZeRO3(ZeRO):
             return fulls
         return self.comm.submit(all_gather)
 
+    # ------------------------------------------------------------ param.grad after backward, as FSDP2's
+    def show_gradients(self, shown: bool) -> None:
+        """Shown: each parameter with a gradient on some rank reads its ``.grad`` as FSDP2's (:mod:`.sharded_gradient`);
+        not (before a forward with autograd on, at ``zero_grad()``): plain, its real ``.grad`` for backward to free."""
+        for g, group in enumerate(self.groups):
+            for s in group.segments:
+                if shown and type(s.param) is nn.Parameter and id(s.param) in self._has_grad:
+                    s.param.__class__, s.param.zero3_shown = ShardedParameter, (weakref.ref(self), g, s)
+                elif not shown and type(s.param) is ShardedParameter:
+                    s.param.__class__ = nn.Parameter
+
     def pre_forward(self) -> None:
-        if torch.is_grad_enabled():  # backward will read and free the real .grad: not the one shown after the last
-            sharded_gradient.withdraw(self)
+        if torch.is_grad_enabled():
+            self.show_gradients(False)
 
     def forget_gradients(self, set_to_none: bool) -> None:
-        sharded_gradient.withdraw(self)  # first: zero_grad(set_to_none=False) keeps the pieces' zeroed gradients
+        self.show_gradients(False)  # first: zero_grad(set_to_none=False) keeps the pieces' zeroed gradients
         super().forget_gradients(set_to_none)
 
     def unit_pre_forward(self, u: int) -> None:
@@ -241,7 +253,7 @@ class ZeRO3(ZeRO):
                         self.accumulate(self.groups[index], averaged, used)
             finally:
                 self._used.clear()
-        sharded_gradient.expose(self)
+        self.show_gradients(True)
 
     # ------------------------------------------------------------ optimizer
     def step(self) -> None:
@@ -256,32 +268,11 @@ class ZeRO3(ZeRO):
     full_state_dict = zero_state.full_state_dict_of_units  # each unit gathered in turn, exactly
     state_dict = zero_state.state_dict_refused  # nn.Module's would hold the placeholders: 0-element tensors
 
-    # ------------------------------------------------------------------ facts
-    @classmethod
-    def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, nodes=None, **options) -> float:
-        return sum(cls.sent_bytes_by_link(psi, world_size, grad_bytes, param_bytes, nodes, **options).values())
-
-    @classmethod
-    def sent_bytes_by_link(cls, psi, world_size, grad_bytes, param_bytes, nodes=None, hierarchical: bool = False,
-                           reshard_after_forward: bool = True, **options) -> dict[str, float]:
-        """All-gather before forward and (if resharded after it) again before backward; reduce-scatter -- split
-        as rings split (:func:`minizero.stages.facts.sent_bytes_by_link`)."""
-        gathers = 2 if reshard_after_forward else 1
-        world = reduce_scatter_bytes(psi * grad_bytes, world_size) + gathers * all_gather_bytes(psi * param_bytes,
-                                                                                                world_size)
-        return facts.split_by_link(world, world_size, nodes, hierarchical)
-
+    # ------------------------------------------------------------------ facts (minizero.stages.zero3_facts)
+    sent_bytes_per_step = classmethod(zero3_facts.sent_bytes_per_step)
+    sent_bytes_by_link = classmethod(zero3_facts.sent_bytes_by_link)
     shard_span = "world"  # the ranks the scaling model gathers and reduce-scatters among (HSDP: a node's)
-
-    @classmethod
-    def gather_span(cls, when: str, **options) -> str:
-        """The ranks a unit's ``when`` (forward or backward) all-gather runs among, in the scaling model."""
-        return cls.shard_span
-
-    @classmethod
-    def schedule_reduction(cls, s, key, numel: float) -> None:
-        """A unit's gradients, averaged in the scaling model: one reduce-scatter."""
-        s.launch(key, "reduce_scatter", numel, s.plan.grad_bytes)
-
+    gather_span = classmethod(zero3_facts.gather_span)
+    schedule_reduction = classmethod(zero3_facts.schedule_reduction)
     schedule = classmethod(zero3_facts.schedule)
     reduction = classmethod(zero3_facts.reduction)

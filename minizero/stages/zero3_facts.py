@@ -6,8 +6,34 @@
 """
 from __future__ import annotations
 
+from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.unit_plan import plan_units
+from . import facts
 from .facts import Reduction
+
+
+def sent_bytes_per_step(cls, psi, world_size, grad_bytes, param_bytes, nodes=None, **options) -> float:
+    return sum(cls.sent_bytes_by_link(psi, world_size, grad_bytes, param_bytes, nodes, **options).values())
+
+
+def sent_bytes_by_link(cls, psi, world_size, grad_bytes, param_bytes, nodes=None, hierarchical: bool = False,
+                       reshard_after_forward: bool = True, **options) -> dict[str, float]:
+    """All-gather before forward and (if resharded after it) again before backward; reduce-scatter -- split as rings
+    split (:func:`minizero.stages.facts.sent_bytes_by_link`)."""
+    gathers = 2 if reshard_after_forward else 1
+    world = reduce_scatter_bytes(psi * grad_bytes, world_size) + gathers * all_gather_bytes(psi * param_bytes,
+                                                                                            world_size)
+    return facts.split_by_link(world, world_size, nodes, hierarchical)
+
+
+def gather_span(cls, when: str, **options) -> str:
+    """The ranks a unit's ``when`` (forward or backward) all-gather runs among, in the scaling model."""
+    return cls.shard_span
+
+
+def schedule_reduction(cls, s, key, numel: float) -> None:
+    """A unit's gradients, averaged in the scaling model: one reduce-scatter."""
+    s.launch(key, "reduce_scatter", numel, s.plan.grad_bytes)
 
 
 def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:
