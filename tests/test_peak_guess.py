@@ -19,6 +19,7 @@ MEASURED = 10_400_000.0
     (4_000_000, "too small -- it is the model states alone: the activations backward keeps come on top"),
     (5_100_000, "too small -- it is the activations alone: the model states the stage keeps come on top"),
     (9_000_000, "too small -- it is the model states and the activations, nothing of the moment"),
+    (9_750_000, "too small"),  # 6% under: what lesson 17's model states and activations alone came to
     (10.4, "too small -- it reads as megabytes: give bytes"),
     (30_000_000, "too large"),
 ])
@@ -29,9 +30,9 @@ def test_a_wrong_or_missing_prediction_fails_saying_what_is_wrong(predicted, wor
 
 @pytest.mark.parametrize("predicted", [MEASURED, MEASURED * (1 + WITHIN) * 0.999, MEASURED * (1 - WITHIN) * 1.001,
                                        PARTS["total"]])
-def test_a_prediction_within_ten_percent_of_the_measurement_passes(predicted):
+def test_a_prediction_within_five_percent_of_the_measurement_passes(predicted):
     ok, verdict = judge_peak(predicted, PARTS, MEASURED)
-    assert ok and "within 10%" in verdict and f"{MEASURED:,.0f} B" in verdict, verdict
+    assert ok and "within 5%" in verdict and f"{MEASURED:,.0f} B" in verdict, verdict
 
 
 def test_just_outside_the_share_fails():

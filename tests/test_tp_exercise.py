@@ -71,12 +71,24 @@ def test_a_right_tensor_parallel_mlp_passes():
     assert ok and "one all-reduce forward (g) and one backward (f)" in verdict, verdict
 
 
+def alone_without_communication(xs, ranks, ledger):
+    """Right: at t = 1 there is no one to all-reduce with, so f and g are skipped there."""
+    if len(ranks) == 1:
+        w = ranks[0]
+        return [F.gelu(xs[0] @ w["fc"].T + w["fc_bias"]) @ w["out"].T + w["out_bias"]]
+    return right(xs, ranks, ledger)
+
+
+def test_a_right_mlp_that_skips_communication_alone_passes():
+    assert judge_tensor_parallel_mlp(alone_without_communication)[0]
+
+
 @pytest.mark.parametrize("fn, words", [
     (blank, "write my_tensor_parallel_mlp"),
     (bias_on_every_rank, "t = 2: rank 0's output holds out's bias 2 times"),
     (no_all_reduce, "t = 2: rank 0's output is its own partial sum"),
     (summed_by_hand, "t = 2: rank 0's input gradient is 2 times the whole one: the ranks' outputs share one summed"),
-    (plain_sum_per_rank, "t = 1: the values are right, but 0 all-reduce(s) were counted forward"),
+    (plain_sum_per_rank, "t = 2: the values are right, but 0 all-reduce(s) were counted forward"),
     (no_f, "t = 2: rank 0's input gradient is not the whole one -- hand the input to the ranks with CopyToRanks"),
     (concatenated, "t = 1: rank 0's output has shape (2, 3, 32)"),
 ])

@@ -53,8 +53,11 @@ def test_a_right_reading_passes():
     (totals_subtracted, "subtract only where they overlap"),
     (each_collective_alone, "too large -- more than the communication's union: two collectives at once count once"),
     (lambda compute, comm: None, "return seconds, a number: got None"),
+    (lambda compute, comm: right(compute, comm) * 1e3, "it reads as milliseconds: return seconds"),
+    (lambda compute, comm: min(s for s, _ in comm) * 0 + right(compute, comm), "your function raised ValueError"),
+    (lambda compute, comm: float("nan"), "a finite number: got nan"),
 ])
 def test_each_slip_fails_on_a_small_trace_naming_it(fn, words):
     ok, verdict = judge_exposed(fn)
     assert not ok and words in verdict, verdict
-    assert "you said" in verdict or "write" in verdict or "return" in verdict
+    assert any(word in verdict for word in ("you said", "write", "return", "raised")), verdict

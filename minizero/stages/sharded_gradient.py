@@ -26,6 +26,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .zero_state import group_full_gradients, piece_gradient
 
@@ -48,10 +49,11 @@ class ShardedGradient(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        named = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGradient))
+        # A RuntimeError, not a TypeError: torch turns a TypeError under ``g * 2`` into "unsupported operand".
+        named = next(a for a in tree_leaves((args, kwargs or {})) if isinstance(a, ShardedGradient))
         kept = "kept whole on every rank, on the stage's pieces" if named._replicated else \
             "sharded across the ranks (ZeRO-3 keeps 1/N of it on each)"
-        raise TypeError(
+        raise RuntimeError(
             f"{named._segment.name}'s .grad is {kept} and holds no values itself, so {func} cannot run on it: call "
             f".full_tensor() for the whole gradient (a collective: every rank calls it), or .to_local() for this "
             f"rank's part; clip with stage.clip_grad_norm_(), and step the optimizer built over stage.parameters()")
@@ -93,16 +95,17 @@ class ShardedGradient(torch.Tensor):
         stage = self._owner()
         full = group_full_gradients(stage, self._group)[self._segment.name]
         if full is None:
-            raise RuntimeError(f"rank {stage.rank}: no rank holds a gradient for {self._segment.name} any more (the "
-                               f"optimizer's zero_grad() emptied the pieces after backward): read .grad before it")
+            raise RuntimeError(f"rank {stage.rank}: no rank holds a gradient for {self._segment.name}: the optimizer's "
+                               f"zero_grad() emptied the pieces after backward (read .grad before it), or fp16 found "
+                               f"an overflow and this step is skipped (every master's .grad set to None)")
         return full
 
 
 class ShardedParameter(nn.Parameter):
     """A ZeRO-3 parameter between the end of a synchronising backward and the next forward with autograd on (or
-    ``zero_grad()``): :meth:`~minizero.stages.zero3.ZeRO3.show_gradients` swaps its class, and back -- so in forward
-    and backward, where ZeRO-3 reads and frees the real ``.grad``, no code of this file runs.  ``.grad`` is the real
-    gradient if autograd left one (inside ``no_sync()``), else the sharded one."""
+    ``zero_grad()``, or a backward run again): :meth:`~minizero.stages.zero3.ZeRO3.show_gradients` swaps its class, and
+    back -- so in forward and backward, where ZeRO-3 reads and frees the real ``.grad``, no code of this file runs.
+    ``.grad`` is the real gradient if autograd left one (inside ``no_sync()``), else the sharded one."""
 
     @property
     def grad(self):
@@ -114,11 +117,11 @@ class ShardedParameter(nn.Parameter):
 
     @grad.setter
     def grad(self, value):
-        if value is None:  # FSDP2's param.grad = None: this rank's part is not stepped
-            stage, group, segment = self.zero3_shown
+        if value is None and _REAL_GRAD.__get__(self) is None:  # FSDP2's param.grad = None: this rank's part is
+            stage, group, segment = self.zero3_shown            # not stepped (clearing a real one drops nothing)
             for piece in ShardedGradient(stage(), group, segment, _dtype(stage(), group))._pieces():
                 (stage().master.master_of(piece.param) if stage().masters_outside else piece.param).grad = None
-            self.__class__ = nn.Parameter
+        self.__class__ = nn.Parameter  # set by hand: shown no longer
         _REAL_GRAD.__set__(self, value)
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 
-#: How close a prediction must come to the measured peak: the package's own is within 1-5% (lesson 17).
-WITHIN = 0.10
+#: How close a prediction must come to the measured peak: the package's own is within 1% for ZeRO-2 (lesson 17), and
+#: the model states and activations without the moment's own come 6% under it -- a slip this share must catch.
+WITHIN = 0.05
 
 
 def _is_near(value: float, target: float, share: float) -> bool:

@@ -22,7 +22,7 @@ TOLERANCE = 1e-9
 
 
 def _spans(draw_from=st.integers(0, 40)):
-    """Spans on a grid of 0.25 ms: exact in binary, so any right reading is exact too."""
+    """Spans on a grid of 0.25 ms, 0 to 3 ms long (zero-length ones included); any right reading agrees to 1e-9 s."""
     return st.lists(st.tuples(draw_from, st.integers(0, 12)).map(lambda s: (s[0] * 2.5e-4, (s[0] + s[1]) * 2.5e-4)),
                     max_size=6)
 
@@ -35,7 +35,9 @@ def exposed_s(compute: list[tuple[float, float]], comm: list[tuple[float, float]
 def _words(compute, comm, said, want) -> str:
     shown = lambda spans: "[" + ", ".join(f"({s * 1e3:g}, {e * 1e3:g})" for s, e in spans) + "]"  # noqa: E731
     hint = ""
-    if math.isclose(said, length(union(comm)), abs_tol=TOLERANCE):
+    if want > 0 and math.isclose(said, want * 1e3, rel_tol=1e-9):
+        hint = " -- it reads as milliseconds: return seconds"
+    elif math.isclose(said, length(union(comm)), abs_tol=TOLERANCE):
         hint = " -- that is all the communication: the part during which something computed is hidden"
     elif said > length(union(comm)):
         hint = " -- more than the communication's union: two collectives at once count once"
@@ -61,12 +63,19 @@ def judge_exposed(fn, examples: int = EXAMPLES) -> tuple[bool, str]:
         except NotImplementedError:
             found[:] = ["write my_exposed: it still raises NotImplementedError"]
             raise AssertionError from None
+        except Exception as error:  # noqa: BLE001 -- the learner's error, in words, on the smallest trace
+            found[:] = [f"on the trace compute {compute}, communication {comm} (seconds) your function raised "
+                        f"{type(error).__name__}: {error}"]
+            raise AssertionError from None
         try:
             said = float(said)
         except (TypeError, ValueError):
             found[:] = [f"return seconds, a number: got {said!r}"]
             raise AssertionError from None
-        if not (math.isfinite(said) and abs(said - want) <= TOLERANCE):
+        if not math.isfinite(said):
+            found[:] = [f"return seconds, a finite number: got {said!r} on compute {compute}, communication {comm}"]
+            raise AssertionError
+        if abs(said - want) > TOLERANCE:
             found[:] = [_words(compute, comm, said, want)]  # the last failure seen is the shrunk one
             raise AssertionError
 

@@ -102,8 +102,9 @@ def equivalence(checker, compress: bool = False) -> str:
     def told(case):
         found = examine(case)
         if found and case[0] is keyed:
-            return (f"{found[0]} -- under compress=fp16 with error feedback, each bucket's collective carries the "
-                    f"stage's wire (wire=self.wire) and names its bucket (key=): the residual it keeps", found[1])
+            return (f"{found[0]} -- only under compress=fp16 with error feedback (every case before it passed): "
+                    f"does each bucket's collective carry the stage's wire (wire=self.wire) and name its bucket (key=), "
+                    f"the residual it keeps?", found[1])
         return found
     checker.fixed(cases, told, describe)
     return (f"{checker.examples} drawn examples: world sizes 1-4 (3 included), K up to 3, uneven batches, "

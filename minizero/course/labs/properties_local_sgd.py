@@ -153,8 +153,9 @@ def local_sgd_bytes(checker) -> str:
         raise Failed(f"the ranks' traffic from step 1 to step {exp.steps} on a model of two dtypes: {sent:,.0f} bytes "
                      f"a step each on average (rank {rank}'s the most, {mine[rank].sent_bytes / exp.steps:,.0f}); the "
                      f"package's local SGD sends {due:,.0f} -- {sent / due:.3g}x, too "
-                     f"{'large' if sent > due else 'small'}: each parameter is averaged in its own dtype (torch.cat of "
-                     f"a float32 and a float64 tensor is float64: 8 bytes for every float32 element)", describe(exp, 3))
+                     f"{'large' if sent > due else 'small'}: each parameter is averaged in its own dtype" +
+                     (" (torch.cat of a float32 and a float64 tensor is float64: 8 bytes for every float32 element)"
+                      if sent > due else " (the float64 ones at 8 bytes: not cast down)"), describe(exp, 3))
     return ("one all-reduce of the trainable parameters every H steps (N = 2-4, H = 1-3, K = 1 and 2, DiLoCo's too, "
             "the edge model's frozen ones left out, a model of two dtypes each in its own)")
 

@@ -33,7 +33,7 @@ The checker's properties, in order:
      float32 (<= 1e-5), bucket caps of one parameter per bucket up to one bucket, the edge model, backwards inside
      and outside no_sync() in every order (their averages add), the routed model (a branch used by some ranks'
      micro-batches only, or by none), the optimizer built after wrapping -- whose ``zero_grad()`` sets every
-     ``.grad`` to None behind the stage -- and int8 with error feedback, one parameter a bucket (each bucket's
+     ``.grad`` to None behind the stage -- and fp16 with error feedback, one parameter a bucket (each bucket's
      residual its own: ``key=``);
   3. bytes per step: one ring all-reduce of every gradient, 2(N-1)/N x Psi x b, as all-reduces only; under the fp16
      and int8 wires (``compress=``) each rank's bytes in each step equal the package's stage's: a collective that

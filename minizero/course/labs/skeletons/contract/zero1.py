@@ -38,7 +38,7 @@ The checker's properties, in order:
      world sizes 1-4, K = 1-3, uneven batches, SGD/momentum/Adam, float64 (<= 1e-9) and float32 (<= 1e-5), two param
      groups, clipping, the edge model, backwards inside and outside no_sync() in every order (their averages add),
      the routed model (a branch used by some ranks' micro-batches only, or by none), the optimizer built after
-     wrapping, int8 with error feedback and one parameter a group (each group's residual its own: ``key=``);
+     wrapping, fp16 with error feedback and one parameter a group (each group's residual its own: ``key=``);
   3. bytes per step: a reduce-scatter of the gradients plus an all-gather of the parameters, 2(N-1)/N x Psi x b --
      exactly DDP's -- as reduce-scatters and all-gathers only (N = 2 and 3); under the fp16 and int8 wires
      (``compress=``) each rank's bytes in each step equal the package's stage's: a collective that averages

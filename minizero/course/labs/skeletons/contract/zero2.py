@@ -39,7 +39,7 @@ The checker's properties, in order:
      and float32 (<= 1e-5), bucket caps from one parameter per bucket to one bucket, two param groups, clipping, the
      edge model, backwards inside and outside no_sync() in every order (their averages add), the routed model (a
      branch used by some ranks' micro-batches only, or by none), the optimizer built after wrapping, a bucket's
-     collective failing on every rank (the error caught, the step run again), int8 with error feedback and one
+     collective failing on every rank (the error caught, the step run again), fp16 with error feedback and one
      parameter a bucket (each bucket's residual its own: ``key=``);
   3. bytes per step: reduce-scatters of the gradients plus all-gathers of the parameters, 2(N-1)/N x Psi x b, as
      reduce-scatters and all-gathers only (N = 2 and 3); under the fp16 and int8 wires (``compress=``) each rank's
