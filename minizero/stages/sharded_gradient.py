@@ -103,9 +103,10 @@ class ShardedGradient(torch.Tensor):
 
 class ShardedParameter(nn.Parameter):
     """A ZeRO-3 parameter between the end of a synchronising backward and the next forward with autograd on (or
-    ``zero_grad()``, or a backward run again): :meth:`~minizero.stages.zero3.ZeRO3.show_gradients` swaps its class, and
-    back -- so in forward and backward, where ZeRO-3 reads and frees the real ``.grad``, no code of this file runs.
-    ``.grad`` is the real gradient if autograd left one (inside ``no_sync()``), else the sharded one."""
+    ``zero_grad()``): :meth:`~minizero.stages.zero3.ZeRO3.show_gradients` swaps its class, and back -- so a step's
+    forward and backward, where ZeRO-3 reads and frees the real ``.grad``, run no code of this file.  ``.grad`` is the
+    real gradient whenever autograd left one (a backward run again without a forward), else the sharded one; setting
+    it ends the showing, and drops this rank's pieces only when it clears the sharded one."""
 
     @property
     def grad(self):

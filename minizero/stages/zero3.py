@@ -162,7 +162,6 @@ class ZeRO3(ZeRO):
                                     or not torch.is_grad_enabled())
 
     def unit_pre_backward(self, u: int) -> None:
-        self.show_gradients(False)  # a backward run again without a forward: its real .grad, not the shown one
         self._unit_moment(u, "backward", self.units[u].pre_backward)
         self._prefetch_after(u, -1)
 
