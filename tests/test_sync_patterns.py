@@ -6,11 +6,14 @@ instead of adding to it passes every other property.)"""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minizero.comm import make_comm
 from minizero.course.harness.experiment import Experiment
 from minizero.run.train import Step, train_step
+from minizero.stages import make_stage
 from tests.equivalence import examples, experiments, run_and_check
 
 #: The stages whose backward synchronises (local-sgd and ps-async are other algorithms: they have their own).
@@ -40,3 +43,76 @@ def test_a_pattern_must_end_synchronising():
         train_step(None, Step([(None, None)] * 2, 1), syncs=(True, False))
     with pytest.raises(ValueError, match=r"one per micro-batch \(3\)"):
         train_step(None, Step([(None, None)] * 3, 1), syncs=(True, True))
+
+
+# ------------------------------------------------------------ backwards not each after its own forward
+class _Blocks(torch.nn.Module):
+    """Three units (a ModuleList's elements), a head, and a spare head used by nothing: frozen, or left to
+    ``find_unused_parameters``."""
+
+    def __init__(self, frozen_spare: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 7), torch.nn.Linear(7, 5), torch.nn.Linear(5, 5)])
+        self.head, self.spare = torch.nn.Linear(5, 2), torch.nn.Linear(5, 2)
+        self.double()
+        self.spare.requires_grad_(not frozen_spare)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _rows(rank: int, micro: int) -> torch.Tensor:
+    return torch.randn(3 + rank, 4, generator=torch.Generator().manual_seed(10 * micro + rank), dtype=torch.float64)
+
+
+_WORLD, _TOTAL = 3, sum(3 + r for r in range(3))
+
+
+def _backwards(model, batches: list, order: str, ranks: int = 1) -> None:
+    """``forwards then backwards``: every micro-batch's forward, then each one's backward, oldest first;
+    ``retained``: one forward, its backward twice (``retain_graph=True``) -- the gradient counted twice."""
+    losses = [model(x).pow(2).sum() / _TOTAL * ranks for x in batches]  # a stage averages over the ranks
+    for loss in losses:
+        loss.backward(retain_graph=order == "retained")
+        if order == "retained":
+            loss.backward()
+
+
+def _single_device(order: str, frozen_spare: bool, micro: int) -> dict[str, torch.Tensor]:
+    model = _Blocks(frozen_spare)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        optimizer.zero_grad()
+        _backwards(model, [torch.cat([_rows(r, 10 * step + m) for r in range(_WORLD)]) for m in range(micro)], order)
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _on_the_stage(me, stage_name: str, order: str, frozen_spare: bool, micro: int) -> dict[str, torch.Tensor]:
+    model = _Blocks(frozen_spare)
+    stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                       make_comm("ring", check=True), find_unused_parameters=not frozen_spare)
+    for step in range(2):
+        stage.zero_grad()
+        _backwards(stage, [_rows(me.rank, 10 * step + m) for m in range(micro)], order, _WORLD)
+        stage.step()
+    return {n: p.detach().clone() for n, p in stage.full_state_dict().items() if n in dict(model.named_parameters())}
+
+
+@pytest.mark.parametrize("frozen_spare", [True, False], ids=["frozen", "find_unused"])
+@pytest.mark.parametrize("order, micro", [("forwards then backwards", 2), ("retained", 1)], ids=["ffbb", "retained"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_backwards_run_after_all_forwards_or_again_on_a_retained_graph(pools, stage, order, micro, frozen_spare):
+    """Two forwards and then their two backwards, or one backward run twice on a retained graph, are two
+    synchronising backwards with no forward between: each adds its average, as ``.grad`` adds on one device.
+    (Once ZeRO-1 and the parameter server lost (N-1)/N of the first -- the second reduction took the owner's
+    average as its local gradient -- and ZeRO-3 skipped every unit in the second: no forward since the first.)"""
+    want = _single_device(order, frozen_spare, micro)
+    for rank, got in enumerate(pools.run(_WORLD, _on_the_stage, stage, order, frozen_spare, micro)):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.isfinite(got[name]).all() and torch.allclose(got[name], value, rtol=0, atol=1e-12), (
+                f"{stage}, rank {rank}, {name}: off by {(got[name] - value).abs().max().item():.3g}")

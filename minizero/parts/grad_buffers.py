@@ -48,6 +48,13 @@ class FullGradients:
                         piece.param.grad = carried[piece.offset:piece.offset + piece.stop - piece.start]
             owned.zero_()
 
+    def open_before_backward(self) -> None:
+        """A backward after the window closed, with no forward between (two forwards, then two backwards; a
+        retained graph): it opens a window too -- else the owner's averaged shard would go into the next mean
+        as its own gradient, and (N-1)/N of it would be lost."""
+        if not self.window_open:
+            self.open_window()
+
     def take_averaged(self, index: int, used: set[int]) -> None:
         """Group ``index``'s shard of its buffer now holds the mean: it becomes the pieces' ``.grad`` (plus what
         they carried); the other shards are zeroed -- what accumulates next is new."""

@@ -16,9 +16,8 @@ from .unit_groups import ShardedFlatGroup
 
 
 def replayed_by_backward() -> bool:
-    """Is this forward a replay of a checkpointed block (:mod:`minizero.parts.activations`) -- run by autograd's
-    engine, inside a backward?  (``torch.utils.checkpoint`` tells its own replays apart the same way: the engine's
-    graph task is set only while it runs one.)"""
+    """Is this forward a checkpointed block's replay (:mod:`minizero.parts.activations`), run by autograd's engine in a
+    backward?  (``torch.utils.checkpoint`` tells its replays apart so too: the engine's graph task is set only then.)"""
     return torch._C._current_graph_task_id() != -1
 
 

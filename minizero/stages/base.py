@@ -5,7 +5,7 @@ A stage is an ``nn.Module`` wrapping a model (and, if given one, its optimizer),
 (:mod:`minizero.run.train`) or a loop written for torch's DDP.  The single-device reference is :class:`Stage`
 itself, so a learner can diff any two.  The lifecycle, named as FSDP2 names it:
 
-* :meth:`Stage.pre_forward` -- before the wrapped model computes (ZeRO-1 opens its accumulation window there);
+* :meth:`Stage.pre_forward` / :meth:`Stage.pre_backward` -- before the model computes / a backward's gradients (ZeRO-1's window);
 * :meth:`Stage.post_accumulate_grad` -- one parameter's ``.grad`` holds its final value for this backward;
 * :meth:`Stage.post_backward` -- the whole backward has finished: where a stage averages its gradients.  The
   output's gradient hook queues a callback that autograd runs after the *whole* pass, as torch's DDP reducer
@@ -158,6 +158,9 @@ class Stage(nn.Module):
     def pre_forward(self) -> None:
         """Before the wrapped model computes, with or without autograd.  Nothing, for most stages."""
 
+    def pre_backward(self) -> None:
+        """A backward reached the output, before its gradients (one run again without a forward too).  Nothing, mostly."""
+
     def post_accumulate_grad(self, param: nn.Parameter) -> None:
         """``param.grad`` holds this backward's final value (registered by the stages that act on it)."""
 
@@ -178,6 +181,7 @@ class Stage(nn.Module):
     def _hook_backward(self, output, syncing: bool) -> None:
         def on_backward(grad):
             self.backwards += 1
+            self.pre_backward()
             if not syncing:
                 self._local_grads = True
             elif not self._sync_queued:  # two forwards, one backward: synchronise once

@@ -81,6 +81,9 @@ class ParameterServer(ZeRO):
         return build_groups(self.param_groups(), self.rank, self.servers, self.names())
 
     # ------------------------------------------------------------ backward: ZeRO-1's, with a push
+    def pre_backward(self) -> None:
+        self.full_grads.open_before_backward()
+
     def post_accumulate_grad(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
         self.full_grads.keep(param)

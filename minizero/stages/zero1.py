@@ -72,6 +72,9 @@ class ZeRO1(ZeRO):
         if torch.is_grad_enabled() and not self.full_grads.window_open:
             self.full_grads.open_window()
 
+    def pre_backward(self) -> None:
+        self.full_grads.open_before_backward()
+
     def post_accumulate_grad(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
         self.full_grads.keep(param)

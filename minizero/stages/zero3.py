@@ -162,13 +162,13 @@ class ZeRO3(ZeRO):
                                     or not torch.is_grad_enabled())
 
     def unit_pre_backward(self, u: int) -> None:
+        self._called.add(u)  # a backward run again without a forward (two forwards, two backwards) reduces it too
         self._unit_moment(u, "backward", self.units[u].pre_backward)
         self._prefetch_after(u, -1)
 
     def _unit_moment(self, u: int, why: str, moment) -> None:
-        """A unit's pre-forward or pre-backward moment, then a check that it left the unit gathered: its layers
-        are about to compute, and what autograd saved of a freed buffer has no storage (the step named, which the
-        group cannot know)."""
+        """A unit's pre-forward or pre-backward moment, then a check that it left the unit gathered: its layers are
+        about to compute, and what autograd saved of a freed buffer has no storage (the step named: the group can't)."""
         unit = self.units[u]
         try:
             moment()
@@ -233,12 +233,10 @@ class ZeRO3(ZeRO):
 
     def post_backward(self) -> None:
         """Backward has finished: the last reduce-scatters launched, each piece given its averaged gradient.
-
-        The groups of a unit not called since the last synchronisation are skipped: not reduced, not
-        stepped.  Every rank called the same units -- ZeRO-3 gathers each as it is called, and the
-        fingerprint check names a rank that did otherwise -- so every rank skips the same groups; a unit
-        called but left without a gradient on some rank is named (or, with find_unused_parameters, agreed
-        on), never skipped on some ranks only.  With find_unused_parameters nothing is skipped."""
+        The groups of a unit neither called nor reached by a backward since the last synchronisation are skipped:
+        not reduced, not stepped.  Every rank called the same units (the fingerprint check names a rank that did
+        otherwise), so every rank skips the same groups; a unit called but left without a gradient on some rank is
+        named (or, with find_unused_parameters, agreed on: then nothing is skipped), never skipped on some only."""
         self._skipped = set() if self.find_unused_parameters else {
             g for g, unit in enumerate(self._unit_of) if unit is not None and unit.index not in self._called}
         self._called = set()
