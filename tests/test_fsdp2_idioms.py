@@ -197,8 +197,8 @@ def _backward_twice(me):
 def test_a_backward_run_again_while_gradients_are_shown_keeps_the_pieces(pools):
     """ZeRO-3 frees each real ``.grad`` after packing it (``param.grad = None``); with the gradient shown, that
     assignment must not be taken for FSDP2's "drop this rank's part" -- once it was, and every gradient was lost.
-    (Only that: what two forwards then two backwards give under ZeRO-3 is not single-device training, before this
-    change as after -- a pattern the suite does not draw.)"""
+    (That the two backwards then give single-device training's gradients, on every stage, is
+    ``tests/test_sync_patterns.py::test_backwards_run_after_all_forwards_or_again_on_a_retained_graph``.)"""
     for got in pools.run(WORLD, _backward_twice):
         assert got.keys() == {n for n, _ in Blocks().named_parameters()} and all(g is not None for g in got.values()), got
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import given, settings
 
 from minizero.__main__ import main
 from minizero.course.verify import verify
+from minizero.course.verify.declared_wire import SLACK
+from minizero.course.verify.run import drawn_for
 
 HERE = os.path.dirname(__file__)
 TORCH = os.path.join(HERE, "..", "minizero", "course", "verify", "torch_wrappers.py")
@@ -109,3 +112,76 @@ def test_a_ddp_that_averages_once_a_step_is_caught_only_by_synchronising_twice(p
     assert not verdict.ok, verdict
     assert "backwards synchronising: micro-batch(es) [" in verdict.case, verdict  # two or more of them
     assert "every order that ends synchronising" in verdict.declared, verdict.declared
+
+
+def test_a_declared_16_bit_wire_is_judged_against_the_same_casts(pools):
+    """torch's DDP with its ``fp16_compress_hook``, and a bf16 hook written out (torch's own refuses gloo), declare
+    their wires and pass at N = 1-4 against the reference that applies the same casts -- exact training is 1e-3 of
+    lr away, far outside float64's 1e-9.  The bound is the wire's: forgetting the division is thousands of times
+    over it, rounding to bf16 while declaring fp16 tens of times."""
+    for factory, wire in ((f"{TORCH}:ddp_fp16_hook", "fp16"), (f"{OURS}:bf16_hook", "bf16")):
+        verdict = verify(factory, examples=12, pools=pools)
+        assert verdict.ok, verdict
+        assert f"on its declared {wire} wire" in verdict.declared and "sgd to nesterov" in verdict.declared, verdict
+    verdict = verify(f"{OURS}:fp16_hook_without_division", examples=12, pools=pools)
+    assert not verdict.ok and "the sum over ranks, not the mean?" in verdict.failed, verdict
+    assert "x what the fp16 wire may change in this step" in verdict.failed, verdict
+    verdict = verify(f"{OURS}:bf16_hook_declared_fp16", examples=12, pools=pools, world_sizes=(3, 4))  # no one-order case
+    assert not verdict.ok and "differs from the same-casts (fp16) reference" in verdict.failed, verdict
+    assert f"over the {SLACK:g}x it is allowed" in verdict.failed, verdict
+
+
+def test_where_a_wire_has_one_order_of_rounding_it_is_judged_bit_for_bit(pools):
+    """At N = 1 and 2 a 16-bit wire rounds in one order (one sum; halving is exact): torch's hook, dividing before
+    the cast, equals minizero's same-casts reference bit for bit there.  A wrapper that rounds each gradient to
+    fp16 but sums in fp32 -- never rounding the sum -- is within the bound of the drawn examples, and not the
+    wire it declares: the fixed cases find it at N = 2."""
+    verdict = verify(f"{TORCH}:ddp_fp16_hook", examples=2, pools=pools, world_sizes=(1, 2))
+    assert verdict.ok and "three steps of a thin MLP at N = 1 and 2, bit for bit" in verdict.declared, verdict
+    verdict = verify(f"{OURS}:rounds_to_fp16_but_sums_in_fp32", examples=12, pools=pools)
+    assert not verdict.ok and "the wire has one order of rounding" in verdict.failed, verdict
+    assert verdict.case.startswith("world size 2,"), verdict.case
+
+
+def test_the_same_wire_undeclared_fails_against_exact_training_and_a_wrong_one_is_refused(pools):
+    """What declaring buys: the fp16 hook judged as a full-width wrapper fails on float64's tolerance (the wire's
+    rounding is not a bug, but verify cannot know it was meant); an int8 declaration is refused in words."""
+    verdict = verify(f"{OURS}:fp16_hook_undeclared", examples=12, pools=pools)
+    assert not verdict.ok and "another precision, or a cast in between?" in verdict.failed, verdict
+    verdict = verify(f"{OURS}:declares_an_int8_wire", examples=2, pools=pools)
+    assert "Wrapped(compress='int8'): declare the dtype" in verdict.failed, verdict
+
+
+@settings(max_examples=60, derandomize=True, database=None)
+@given(on_a_wire=drawn_for("f.py:f", (1, 2, 3, 4), 3, False, "fp16")[0], full_width=drawn_for("f.py:f", (1, 2, 3, 4), 3,
+                                                                                               False, None)[0])
+def test_on_a_declared_wire_only_the_sgd_family_and_one_reduction_a_step_are_drawn(on_a_wire, full_width):
+    """Adam turns a gradient element near zero, rounded in another order, into a whole lr either way: on a wire
+    verify draws SGD, momentum and Nesterov, and the last micro-batch alone synchronising (the same-casts reference
+    rounds one reduction a step); a full-width wrapper gets Adam and every order of synchronising backwards."""
+    assert on_a_wire[0].optimizer in ("sgd", "momentum", "nesterov") and on_a_wire[0].syncs is None, on_a_wire[0]
+    _drawn_without_a_wire.add((full_width[0].optimizer, full_width[0].syncs is None))
+
+
+_drawn_without_a_wire: set = set()
+
+
+def test_without_a_wire_adam_and_synchronising_orders_were_drawn():
+    """(The other half of the test above: what it drew for a full-width wrapper, Adam and patterns among it.)"""
+    test_on_a_declared_wire_only_the_sgd_family_and_one_reduction_a_step_are_drawn()
+    assert {"adam", "adamw"} & {optimizer for optimizer, _ in _drawn_without_a_wire}, _drawn_without_a_wire
+    assert (False in {plain for _, plain in _drawn_without_a_wire}), _drawn_without_a_wire
+
+
+def test_where_the_same_casts_happen_to_round_as_exact_training_the_wire_still_may_round(pools):
+    """One Nesterov step of a one-weight MLP at N = 3 (a clip that scales): minizero's roundings happen to cancel --
+    its same-casts reference is 51x closer to exact training than torch's fp16 hook, which divides before the cast.
+    What the wire *may* change -- its unit roundoff times the step's update -- is what bounds the hook there."""
+    from minizero.course.harness.experiment import Experiment
+    from minizero.course.verify.declared_wire import what_is_wrong_on_the_wire
+    from minizero.course.verify.run import STAGES, yours_on_rank
+    spec = f"{TORCH}:ddp_fp16_hook"
+    exp = Experiment(stage="yours", task="mlp", model={"sizes": (1, 1)}, optimizer="nesterov", lr=0.001, steps=1,
+                     micro_batch=2, seed=1, clip=(0.05, 2.0), backend="native", stages=STAGES, options={"factory": spec})
+    results = pools.run(3, yours_on_rank, exp, TORCH)
+    assert what_is_wrong_on_the_wire(results, exp, 3, "fp16") is None

@@ -155,3 +155,63 @@ def hook_ddp(module, group):
 def averages_once_per_step(module, group):
     wrapper = HookDDP(module, once_per_step=True)
     return Wrapped(wrapper, before_step=wrapper.new_step)
+
+
+# ---------------------------------------------------------------- 16-bit wires, declared (docs/verify.md)
+def _sixteen_bit_hook(dtype: torch.dtype, divide: bool, summed_wide: bool = False):
+    """torch's compress hook, written out: cast the bucket to ``dtype``, divide by N there (unless ``divide`` is
+    False: the planted slip), all-reduce, copy back into the bucket.  ``summed_wide``: rounded to ``dtype`` but
+    sent and summed in the bucket's own dtype (another slip)."""
+    def hook(group, bucket):
+        n = dist.get_world_size(group)
+        wire = bucket.buffer().to(dtype)
+        if summed_wide:
+            wire = wire.to(bucket.buffer().dtype)
+        if divide:
+            wire.div_(n)
+        work = dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+        def back(fut):
+            out = bucket.buffer()
+            out.copy_(fut.value()[0])
+            return out
+        return work.then(back)
+    return hook
+
+
+def _ddp_with_hook(module, group, hook, declared: str):
+    from torch.nn.parallel import DistributedDataParallel
+    wrapped = DistributedDataParallel(module, process_group=group)
+    wrapped.register_comm_hook(group, hook)
+    return Wrapped(wrapped, compress=declared)
+
+
+def fp16_hook_without_division(module, group):
+    """Declares fp16, casts to fp16, forgets to divide by N: the sum, not the mean."""
+    return _ddp_with_hook(module, group, _sixteen_bit_hook(torch.float16, divide=False), "fp16")
+
+
+def bf16_hook_declared_fp16(module, group):
+    """Declares fp16 and rounds to bfloat16: every gradient 8x coarser than the wire it says it has."""
+    return _ddp_with_hook(module, group, _sixteen_bit_hook(torch.bfloat16, divide=True), "fp16")
+
+
+def declares_an_int8_wire(module, group):
+    from torch.nn.parallel import DistributedDataParallel
+    return Wrapped(DistributedDataParallel(module, process_group=group), compress="int8")
+
+
+def bf16_hook(module, group):
+    """torch's ``bf16_compress_hook``, written out: torch's own refuses gloo (it requires CUDA and NCCL)."""
+    return _ddp_with_hook(module, group, _sixteen_bit_hook(torch.bfloat16, divide=True), "bf16")
+
+
+def fp16_hook_undeclared(module, group):
+    """torch's fp16 hook, its wire not declared: judged against exact training."""
+    return Wrapped(_ddp_with_hook(module, group, _sixteen_bit_hook(torch.float16, divide=True), "fp16").module)
+
+
+def rounds_to_fp16_but_sums_in_fp32(module, group):
+    """Declares fp16; rounds each gradient to fp16, but sends and sums it at full width -- the sum is never rounded to 16
+    bits: within a few roundings of the fp16 wire everywhere, and not it (at N = 2, one sum apart)."""
+    return _ddp_with_hook(module, group, _sixteen_bit_hook(torch.float16, divide=True, summed_wide=True), "fp16")

@@ -20,7 +20,10 @@ torch's ``DistributedDataParallel(module)``, ``fully_shard(module)``, a student'
 * minizero's own stages (``make_stage`` in a factory) are driven through their own ``zero_grad``, clipping and
   full state dict (:mod:`.minizero_stages`);
 * ``unused_parameters``: the wrapper accepts parameters without a gradient in a step (torch DDP's
-  ``find_unused_parameters=True``): then models with such parameters are drawn too.
+  ``find_unused_parameters=True``): then models with such parameters are drawn too;
+* ``compress``: the 16-bit dtype its gradients cross the wire in (``"fp16"``, ``"bf16"``: torch's
+  ``fp16_compress_hook``, ``bf16_compress_hook``): then it is judged against the reference that applies the same
+  casts, within twice the wire's own effect (:mod:`.declared_wire`).
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from .declared_wire import check_wire
 
 #: The factory's name in a file when ``verify path.py`` names none.
 DEFAULT_FACTORY = "make_wrapper"
@@ -47,6 +52,7 @@ class Wrapped:
     before_step: Callable[[], None] | None = None
     clip_grad_norm: Callable[[float, float], torch.Tensor] | None = None
     unused_parameters: bool = False
+    compress: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.module, nn.Module):
@@ -54,6 +60,7 @@ class Wrapped:
                             f"module (or minizero.course.verify.Wrapped(module, ...))")
         if self.no_sync is None:
             self.no_sync = accumulation_switch(self.module)
+        check_wire(self.compress)
 
 
 def accumulation_switch(module: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:

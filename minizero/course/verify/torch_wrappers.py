@@ -37,6 +37,15 @@ def ddp_static_graph(module, group):
     return DistributedDataParallel(module, process_group=group, static_graph=True)
 
 
+def ddp_fp16_hook(module, group):
+    """DDP with torch's ``fp16_compress_hook``: each bucket cast to fp16, divided by N there, all-reduced in fp16
+    and copied back -- declared, so it is judged against the same casts (:mod:`.declared_wire`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    wrapped = DistributedDataParallel(module, process_group=group)
+    wrapped.register_comm_hook(group, fp16_compress_hook)
+    return Wrapped(wrapped, compress="fp16")
+
+
 def zero_redundancy(module, group):
     """DDP with ``ZeroRedundancyOptimizer``: each rank steps the parameters it owns, then broadcasts them."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
