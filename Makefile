@@ -55,7 +55,7 @@ lint: install
 # ranks and the lessons' kernels on two cores are oversubscribed already, and torch's threads would contend
 # (measured: lessons 7, 8 and 17 together 41 s against 49 s).  Each phase prints its slowest tests: where the
 # minutes go (the suite is over its 12-minute budget on two cores).  A lesson's cell may take 900 s there -- a guard
-# against a hang, not a measure of speed: lessons once ran 10-20 times slower there than alone (lesson 05: 21 s alone,
+# against a hang, not a measure of speed: lessons once ran 10-20 times slower there than alone (lesson 09: 21 s alone,
 # 456 s beside two workers), mostly because idle process groups leaked into the pools -- 736 gloo loop threads, each
 # waking every 10 ms (minizero.comm.native.subgroup now makes each group once); now about 2-4 times.
 # Lessons are named before tests: xdist hands out the xdist_group bundles first, then single tests in the order

@@ -118,21 +118,21 @@ Unit = without(PackageUnit, "unshard", "pre_forward", "post_forward", "pre_backw
 ZeRO3 = without(PackageZeRO3, unit_class=Unit)  # its methods are the package's; its units are the learner's
 
 
-# Lab mixed-precision (lesson 5): the step through the fp32 masters is the learner's; the stage around it is ZeRO-2's,
+# Lab mixed-precision (lesson 9): the step through the fp32 masters is the learner's; the stage around it is ZeRO-2's,
 # whose ranks each see only their shard of the averaged gradient -- an inf in one rank's gradient lands in one
 # rank's shard, so only an overflow verdict agreed across ranks skips the step everywhere.
 MasterWeights = without(PackageMasterWeights, "unscale_", "_agree_on_overflow", "step", "refresh")
 MixedZeRO2 = without(PackageZeRO2, name="ZeRO2", master_class=MasterWeights,
                      __doc__="The package's ZeRO-2, whole: its masters are the learner's MasterWeights "
                              "(``master_class``), as ZeRO-3's units are its ``unit_class``.")
-# Lab local-sgd (lesson 11): when to average, and the average itself (DiLoCo's outer step when outer_lr is given).
+# Lab local-sgd (lesson 12): when to average, and the average itself (DiLoCo's outer step when outer_lr is given).
 LocalSGD = without(PackageLocalSGD, "step", "average")
 # Lab tree (lesson 1): the binomial tree's two phases; the all-reduce that calls them, and every other collective
 # (the ring's), are given.
 from ...comm.tree import TreeComm  # noqa: E402 -- appended with its lab
 
 Tree = without(TreeComm, "_tree_reduce", "_tree_broadcast", name="Tree")
-# Lab reshard (lesson 10): a rank's range of the flat layout at M, and its shards built from the N saved; the
+# Lab reshard (lesson 11): a rank's range of the flat layout at M, and its shards built from the N saved; the
 # driver over the flat groups (reshard_all) is given.
 from ...checkpoint.reshard import Reshard as PackageReshard  # noqa: E402 -- appended with its lab
 
