@@ -45,7 +45,7 @@ lint: install
 	$(PY) -m ruff check minizero tests
 
 # First, alone, the tests that compare durations (tests/conftest.py marks them `alone`: the dialled network,
-# overlap, the cost model, the mutants) and those that sample malloc (lesson 17, the predicted peak).  Then everything else with the lessons, two at a time on two cores
+# overlap, the cost model, the mutants) and those that sample malloc (lesson 18, the predicted peak).  Then everything else with the lessons, two at a time on two cores
 # (pytest-xdist): nothing there is asserted on timing but the bounded waits -- stall timeouts, deadlines, launches
 # that end -- which hold seconds of margin.  Two workers, not three: the suite is CPU-bound (user + sys = 1.95 cores
 # with three), and a third worker's ranks only add context switches -- gloo's every message wakes its loop thread
@@ -53,9 +53,9 @@ lint: install
 # 2-core machine: three workers 1383 s wall, 2702 s CPU; two 1244 s, 2339 s.
 # One intra-op thread per process there (OMP_NUM_THREADS=1; the pools' ranks set their own): two workers, their
 # ranks and the lessons' kernels on two cores are oversubscribed already, and torch's threads would contend
-# (measured: lessons 7, 8 and 17 together 41 s against 49 s).  Each phase prints its slowest tests: where the
+# (measured: lessons 8, 9 and 18 together 41 s against 49 s).  Each phase prints its slowest tests: where the
 # minutes go (the suite is over its 12-minute budget on two cores).  A lesson's cell may take 900 s there -- a guard
-# against a hang, not a measure of speed: lessons once ran 10-20 times slower there than alone (lesson 09: 21 s alone,
+# against a hang, not a measure of speed: lessons once ran 10-20 times slower there than alone (lesson 10: 21 s alone,
 # 456 s beside two workers), mostly because idle process groups leaked into the pools -- 736 gloo loop threads, each
 # waking every 10 ms (minizero.comm.native.subgroup now makes each group once); now about 2-4 times.
 # Lessons are named before tests: xdist hands out the xdist_group bundles first, then single tests in the order

@@ -108,7 +108,7 @@ SHARING_A_TORCHRUN_LAUNCH = {"test_launch", "test_train_command"}
 #: Lessons run alone, first: 17 measures every stage's step as malloc sees it (three spawned ranks sampling the heap after
 #: every operator) -- 22 s on two idle cores, past its cell's 300 s beside two other workers; 99 times every stage on a
 #: dialled wire (the overlap each one wins) -- 25 s alone, past 300 s in one cell beside them.
-LESSONS_ALONE = {"17_will_it_fit.ipynb", "99_summary.ipynb"}
+LESSONS_ALONE = {"18_will_it_fit.ipynb", "99_summary.ipynb"}
 
 
 def pytest_configure(config):

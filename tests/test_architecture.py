@@ -119,7 +119,7 @@ def test_each_zero_stage_derives_only_from_the_common_base():
         assert stage.__bases__ == (ZeRO,), (stage, stage.__bases__)
 
 
-#: Stages allowed a longer chain, and why.  ps-async is ps with stale pulls: lesson 12 reads it as a diff against ps;
+#: Stages allowed a longer chain, and why.  ps-async is ps with stale pulls: lesson 13 reads it as a diff against ps;
 #: hsdp is ZeRO-3 on a 2-D mesh: its file holds the mesh and the two-level reduction, the rest is ZeRO-3's; zeropp is
 #: ZeRO-3 with ZeRO++'s gathers: its file holds how they travel (qwZ, hpZ), the rest is ZeRO-3's.
 LONGER_CHAIN = {"ps-async": 4, "hsdp": 4, "zeropp": 4}

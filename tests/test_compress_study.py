@@ -1,6 +1,6 @@
 """``compress-study``: the same training under each wire.  The case error feedback exists for -- PowerSGD at rank 1
 without it stops learning (its loss flat over the second half) while with it the loss keeps falling -- is held by
-lesson 15, which runs exactly those 100 steps and asserts it under the table it prints."""
+lesson 16, which runs exactly those 100 steps and asserts it under the table it prints."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Beyond data parallelism, proven (lesson 14): ring attention equals attention, and a mixture-of-experts layer
+"""Beyond data parallelism, proven (lesson 15): ring attention equals attention, and a mixture-of-experts layer
 split one expert per rank -- its tokens carried by the package's all-to-all -- equals the layer in one process."""
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def course_order(lab: str) -> tuple[int, int]:
 def test_no_helper_a_skeleton_names_sits_beside_a_later_labs_answer(skeleton):
     """A skeleton names helpers by method as well as by module -- ``self.tag(...)``, ``start_gather`` -- and each
     must read without meeting the answer of a lab still ahead in the course (the base's ``tag``, once beside
-    lesson 5's ``no_sync``, read by the labs of lessons 2 and 3).  Its own lab's file is the stage it completes
+    lesson 6's ``no_sync``, read by the labs of lessons 3 and 4).  Its own lab's file is the stage it completes
     (the answer, read after the lab), an earlier lab's answer is already the learner's, and a helper that *is* a
     later lab's answer is given to this one whole."""
     lab = next(name for name in LABS if name.replace("-", "_") == skeleton.stem)

@@ -96,7 +96,7 @@ def test_a_skeleton_says_how_to_check_it_and_dictates_no_call(lab, level):
 def test_the_answer_key_passes_every_property(pools, lab):
     """``check LAB`` without ``--impl`` judges the package's own class: a stage's and a backend's here.  Every lab's
     properties are shown to pass correct code by its two solutions (below), and the package's stages are proven
-    by the suite itself; lesson 11 checks the reshard lab's answer key."""
+    by the suite itself; lesson 12 checks the reshard lab's answer key."""
     report = check(lab, examples=3, pools=pools, out=quiet)
     assert report.ok, (report.failed, report.why, report.case)
     assert len(report.passed) == 1 + len(LABS[lab].properties)  # "your methods are what runs" first
@@ -210,7 +210,7 @@ def test_bad_input_is_named(pools, tmp_path, capsys):
 
 
 def test_a_lab_is_checked_in_mixed_precision_too(pools):
-    """Lesson 9's exercise: the learner's ZeRO in the paper's setting, against the same-recipe reference -- in fp16
+    """Lesson 10's exercise: the learner's ZeRO in the paper's setting, against the same-recipe reference -- in fp16
     too, whose first steps overflow at torch's initial loss scale (the memory is measured on a step taken)."""
     for precision in ("bf16", "fp16"):
         report = check("zero2", precision=precision, examples=3, pools=pools, out=quiet)

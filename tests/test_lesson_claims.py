@@ -1,11 +1,11 @@
 """Claims the lessons make that no other test pins down.
 
-* Lesson 7: reducing every micro-batch (``syncs`` all True, no ``no_sync()``) is the same update as
+* Lesson 8: reducing every micro-batch (``syncs`` all True, no ``no_sync()``) is the same update as
   accumulating locally, for K reduce-scatters per step; between micro-batches a ZeRO-2 rank then holds only
   its gradient shard.
-* Lesson 5: minizero's split of the division by N around a 16-bit sum is not FSDP2's -- checked against
+* Lesson 6: minizero's split of the division by N around a 16-bit sum is not FSDP2's -- checked against
   torch's own ``_get_gradient_divide_factors`` -- and accumulation equals a large batch only without BatchNorm.
-* Lesson 11: what a ZeRO-2 rank holds beyond the formula is Adam's ``step`` scalars, and a checkpoint's files
+* Lesson 12: what a ZeRO-2 rank holds beyond the formula is Adam's ``step`` scalars, and a checkpoint's files
   load with ``torch.load``'s defaults.
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _fsdp2_factors(n: int) -> tuple[float, float]:
 
 
 def test_the_split_division_is_not_fsdp2s():
-    """Lesson 5: both split N around the fp16 sum with a power of two near sqrt(N); FSDP2 rounds up."""
+    """Lesson 6: both split N around the fp16 sum with a power of two near sqrt(N); FSDP2 rounds up."""
     same = [n for n in (2, 3, 4, 8, 16, 32, 64, 256) if split_division(n)[0] == _fsdp2_factors(n)[0]]
     assert same == [4, 16, 64, 256]
     assert _fsdp2_factors(2) == (2, 1.0) and split_division(2) == (1, 2.0)
@@ -118,7 +118,7 @@ def test_accumulation_equals_the_large_batch_only_without_batch_norm(batch_norm)
 
 
 def test_zero2_holds_the_formula_plus_adams_step_scalars_and_its_files_load_with_torch_load(pools, tmp_path):
-    """Lesson 11: a ZeRO-2 rank holds 4Ψ + 12Ψ/N plus Adam's ``step``, a float32 scalar per parameter it holds
+    """Lesson 12: a ZeRO-2 rank holds 4Ψ + 12Ψ/N plus Adam's ``step``, a float32 scalar per parameter it holds
     part of (one per part of its checkpoint file) -- the whole excess when Ψ divides by N; and a checkpoint's
     files, sharded and consolidated, load with ``torch.load``'s defaults (``weights_only=True``)."""
     n = 2

@@ -1,4 +1,4 @@
-"""Lesson 10's waits-for picture is drawn from the board: its arrows and its culprit are the watchdog's, not typed.
+"""Lesson 11's waits-for picture is drawn from the board: its arrows and its culprit are the watchdog's, not typed.
 
 No processes: a board of four rows as the stall in the lesson leaves it (rank 1 in no collective, ranks 0 and 2
 waiting for it, rank 3 waiting for rank 2), built with the board's own writer."""

@@ -1,7 +1,7 @@
-"""Lessons 6 and 9 draw the layout of model states from the package: the drawings must say what the package does.
+"""Lessons 7 and 10 draw the layout of model states from the package: the drawings must say what the package does.
 
-* Lesson 9 (where the masters live): each stage's kinds of state, whole or sharded, add up to its own formula.
-* Lesson 6 (the flat layout): the pieces the ranks own cover every parameter exactly once, shards are equal,
+* Lesson 10 (where the masters live): each stage's kinds of state, whole or sharded, add up to its own formula.
+* Lesson 7 (the flat layout): the pieces the ranks own cover every parameter exactly once, shards are equal,
   the padding is less than N, and a parameter cut between ranks is reported as straddling.
 """
 from __future__ import annotations

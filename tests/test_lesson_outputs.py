@@ -100,7 +100,7 @@ def test_the_checks_can_fail(tmp_path):
     assert next(printed_sources(path))[3][1].startswith("def show_source(")
 
 
-#: ``lesson 6, "Bytes: the same as DDP, by measurement"`` -- how the summary points at a section of a lesson.
+#: ``lesson 7, "Bytes: the same as DDP, by measurement"`` -- how the summary points at a section of a lesson.
 SECTION = re.compile(r'lesson (\d+), (?:"([^"]+)"|“([^”]+)”)')
 
 
@@ -122,4 +122,4 @@ def test_the_summary_points_at_sections_that_exist():
     summary = "".join("".join(c["source"]) for c in _cells(LESSONS[-1]) if c["cell_type"] == "markdown")
     assert LESSONS[-1].name.startswith("99_") and len(SECTION.findall(summary)) >= 10
     assert missing_sections(summary) == []
-    assert missing_sections('lesson 6, "A heading nobody wrote"') == ['lesson 6, "A heading nobody wrote"']
+    assert missing_sections('lesson 7, "A heading nobody wrote"') == ['lesson 7, "A heading nobody wrote"']

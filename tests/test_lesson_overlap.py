@@ -1,4 +1,4 @@
-"""Lesson 3's structural claims about the dialled-wire picture, which hold in every run.
+"""Lesson 4's structural claims about the dialled-wire picture, which hold in every run.
 
 The lesson draws one step of ``ddp-bucketed`` (1 MiB buckets on the bench GPT) and says, without quoting any
 timing: four buckets; the first holds the last layers and is complete before backward ends, so it *can* start
@@ -33,7 +33,7 @@ def test_the_first_bucket_completes_during_backward_and_the_embeddings_bucket_la
 
 
 def test_at_0_05_mib_each_block_weight_matrix_is_a_bucket_of_its_own():
-    """Lesson 3's bucket sweep: at 0.05 MiB every block's weight matrix is alone in its bucket, 29 buckets in all
+    """Lesson 4's bucket sweep: at 0.05 MiB every block's weight matrix is alone in its bucket, 29 buckets in all
     (the small vectors between them, and the two embeddings with blocks.0.ln1, share)."""
     model = TASKS["gpt"].make_model(0, torch.float32, **BENCH_GPT)
     buckets = assign_buckets(list(model.named_parameters()), 0.05)

@@ -1,4 +1,4 @@
-"""Lessons 1 and 2's pictures: drawn from what the code did, and the reading of it right."""
+"""Lessons 1 and 3's pictures: drawn from what the code did, and the reading of it right."""
 from __future__ import annotations
 
 import matplotlib

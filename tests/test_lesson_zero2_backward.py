@@ -1,4 +1,4 @@
-"""Lesson 7's picture of ZeRO-2's backward says what the stage does: each bucket's full gradients are freed when
+"""Lesson 8's picture of ZeRO-2's backward says what the stage does: each bucket's full gradients are freed when
 its reduce-scatter is queued, no full gradient outlives the step, only the shards remain after backward -- and
 ddp-bucketed holds all its buckets throughout.  Bytes only: nothing here depends on how long anything took."""
 from minizero.course.figures.zero2_backward import record_backward, summary

@@ -1,4 +1,4 @@
-"""1-bit Adam as lesson 15 shows it (``minizero/course/harness/one_bit_adam.py``), against a one-process replay of the
+"""1-bit Adam as lesson 16 shows it (``minizero/course/harness/one_bit_adam.py``), against a one-process replay of the
 paper's update (Tang et al. 2021, arXiv:2102.02888, Algorithm 1): the warm-up is Adam, the frozen phase is momentum
 with Adam's variance fixed, and error feedback loses nothing of the momentum it compresses."""
 from __future__ import annotations

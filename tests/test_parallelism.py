@@ -1,4 +1,4 @@
-"""Lesson 14's simulations: tensor parallelism computes the same block, the pipeline replay gives the known
+"""Lesson 15's simulations: tensor parallelism computes the same block, the pipeline replay gives the known
 bubble, the ZeRO-3 / tensor-parallel crossover sits at 4.5·h tokens, the warm-up is torch's LinearLR."""
 from __future__ import annotations
 

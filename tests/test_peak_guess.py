@@ -1,4 +1,4 @@
-"""Lesson 17's exercise judges a predicted peak as a lab judges a file: the blank fails saying what to write, a wrong
+"""Lesson 18's exercise judges a predicted peak as a lab judges a file: the blank fails saying what to write, a wrong
 number says which way and what part it left out, a right one passes -- each verdict seen here."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ MEASURED = 10_400_000.0
     (4_000_000, "too small -- it is the model states alone: the activations backward keeps come on top"),
     (5_100_000, "too small -- it is the activations alone: the model states the stage keeps come on top"),
     (9_000_000, "too small -- it is the model states and the activations, nothing of the moment"),
-    (9_750_000, "too small"),  # 6% under: what lesson 17's model states and activations alone came to
+    (9_750_000, "too small"),  # 6% under: what lesson 18's model states and activations alone came to
     (10.4, "too small -- it reads as megabytes: give bytes"),
     (30_000_000, "too large"),
 ])

@@ -1,4 +1,4 @@
-"""Lesson 13's table of production names is right about the installed torch, and its check can fail."""
+"""Lesson 14's table of production names is right about the installed torch, and its check can fail."""
 from __future__ import annotations
 
 import pytest

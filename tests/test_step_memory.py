@@ -100,7 +100,7 @@ def test_the_predicted_peak_holds_the_measured_one_for_every_stage():
     moments.  Checkpointed, the stages peak at three of them (DDP and the parameter server after backward, the rest
     in it, ZeRO-2 and -3 beside a bucket).  Fails when the gradients zero_grad() frees are counted at backward's
     start, when DDP's flat copy, backward's working memory or ZeRO-2's packed buckets are left out.  (Blocks stored,
-    every stage peaks at backward's start, within 1.3%: lesson 17's first measurement, ``memory --model bench-gpt``.)"""
+    every stage peaks at backward's start, within 1.3%: lesson 18's first measurement, ``memory --model bench-gpt``.)"""
     n, micro_batch, bucket_mb, checkpointed = 3, 8, 1.0, True
     shape, equivalent = gpt_shape("bench-gpt"), [s for s in distributed() if STAGES[s].equivalent]
     rows = measured_rows("bench-gpt", n, "fp32", "adamw", timeout_s=120.0, stages=equivalent, steps=2,

@@ -1,4 +1,4 @@
-"""Lesson 14's exercise is an exam: a right tensor-parallel MLP passes, the blank and each slip below fail, the
+"""Lesson 15's exercise is an exam: a right tensor-parallel MLP passes, the blank and each slip below fail, the
 verdict naming the rank, the degree and the likely slip (each seen)."""
 from __future__ import annotations
 

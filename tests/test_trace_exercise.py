@@ -1,4 +1,4 @@
-"""Lesson 4's exercise is an exam: a right reading of a trace passes, the blank and each slip fail on a small drawn
+"""Lesson 5's exercise is an exam: a right reading of a trace passes, the blank and each slip fail on a small drawn
 trace, the verdict saying what was said, what is right and the likely slip (each seen)."""
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ def test_memory_is_16_psi_over_n(pools, world_size):
 def test_gathered_peak_is_the_root_plus_the_units_prefetch_implies(pools, prefetch, world_size):
     """Exactly, counted by the gathered-memory observer: outside accumulation the root unit (gathered for the whole
     forward and backward) and the block computing with the ``prefetch`` blocks gathering behind it -- each unit's
-    flat buffer padded to a multiple of N elements (3 shards unevenly) -- as ``memory`` and lesson 17 predict
+    flat buffer padded to a multiple of N elements (3 shards unevenly) -- as ``memory`` and lesson 18 predict
     (:func:`minizero.course.harness.step_memory.gathered_unit_bytes`).  Across accumulation's micro-batches every
     unit stays gathered until the micro-batch that synchronises: the whole padded model."""
     n_layer = 4

@@ -1,6 +1,6 @@
 """A ZeRO checkpoint as DeepSpeed writes one -- each rank's flat shards -- and resharding it from N ranks to M.
 
-minizero's own checkpoints store *parts*, ranges of the parameters, which any stage at any N reads (lesson 11).
+minizero's own checkpoints store *parts*, ranges of the parameters, which any stage at any N reads (lesson 12).
 DeepSpeed's ZeRO checkpoints store what each rank holds: its shard of each flat group (the parameters of one
 param group end to end, padded with zeros to a multiple of N, rank r owning ``[r*S, (r+1)*S)``, ``S = ceil(numel
 / N)``) and the optimizer's state for exactly that shard.  Such a checkpoint fits only the N that wrote it; on

@@ -88,7 +88,7 @@ class CollectiveMismatch(RuntimeError):
 
 class OutOfStep(RuntimeError):
     """A collective refused because an earlier one on this Comm failed part-way.  Its ``__cause__`` is that
-    failure -- the error to show: this one is only where the rank next tried to talk (lesson 15's blank
+    failure -- the error to show: this one is only where the rank next tried to talk (lesson 16's blank
     PowerSGD lab once read "RuntimeError: no more collectives" where its cause was "write power_step")."""
 
 

@@ -173,7 +173,7 @@ class PowerSGDWire(KeepsResiduals):
 
     def power_step(self, carried: torch.Tensor, plan: Layout, q: torch.Tensor, tag) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 2-6 on this rank's ``carried`` buffer from the starting ``q``: the approximated mean and the new Q
-        (lesson 15's lab writes this one).  Each all-reduce sums one tensor over the ranks, in place."""
+        (lesson 16's lab writes this one).  Each all-reduce sums one tensor over the ranks, in place."""
         return power_step([carried], plan, q, lambda ts: self._sum(ts, tag), self.comm.world_size,
                           self.settings.epsilon, f"rank {self.comm.rank}")
 

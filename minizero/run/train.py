@@ -67,7 +67,7 @@ def train_step(stage, step: Step, loss_fn: Callable = sum_loss, clip: tuple[floa
     ``clip=(max_norm, norm_type)`` clips the averaged gradient by its global
     norm before the step, as ``torch.nn.utils.clip_grad_norm_`` would on one device.
     ``syncs``: whether each micro-batch's backward synchronises (outside ``no_sync()``); None: the last only,
-    torch's idiom -- one reduction per step.  Every one synchronising (lesson 7: under ZeRO-2 a rank then never
+    torch's idiom -- one reduction per step.  Every one synchronising (lesson 8: under ZeRO-2 a rank then never
     holds full gradients between micro-batches) adds each average to the averaged gradient: the same update, K
     reductions; so does any order that ends synchronising -- a gradient synchronised twice adds, as ``.grad`` does.
     ``optimizer``: one built *after* wrapping, over ``stage.parameters()`` (FSDP2's order), which the loop

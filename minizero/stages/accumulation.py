@@ -1,9 +1,9 @@
 """``no_sync()``: gradient accumulation's switch, torch DDP's idiom, the one context manager every stage shares.
 
 Inside the block a backward synchronises nothing -- the gradients add up locally -- and the first backward outside
-averages the sums: K micro-batches, one synchronisation per optimizer step (lesson 5).  A stage reads the switch,
+averages the sums: K micro-batches, one synchronisation per optimizer step (lesson 6).  A stage reads the switch,
 ``require_backward_grad_sync`` (torch's name), at each forward.  :class:`~minizero.stages.base.Stage` takes it as
-its method.  It has a file of its own because it is the answer to lesson 5's lab (``compress``), while the helpers
+its method.  It has a file of its own because it is the answer to lesson 6's lab (``compress``), while the helpers
 of :mod:`minizero.stages.base` -- ``tag``, ``stepping``, ``trainable`` -- are what the labs before it send their
 readers to (issue 45).
 """

@@ -49,7 +49,7 @@ class Stage(nn.Module):
     #: Takes the same step as single-device training.  False for the designs the lessons set beside DDP
     #: and ZeRO to show what breaks it (stale gradients, local steps): compare measures how far they go.
     equivalent = True
-    #: A design set beside DDP and ZeRO to contrast with them (lesson 12: parameter server, async, local SGD),
+    #: A design set beside DDP and ZeRO to contrast with them (lesson 13: parameter server, async, local SGD),
     #: not one of the stages the summary weighs against each other.
     contrast = False
     options = (PRECISION,)
@@ -220,7 +220,7 @@ class Stage(nn.Module):
         self._has_grad.update(anywhere)
         return anywhere
 
-    no_sync = accumulation.no_sync  # (in a file of its own: lesson 5's lab answer, which base's helpers must not show)
+    no_sync = accumulation.no_sync  # (in a file of its own: lesson 6's lab answer, which base's helpers must not show)
 
     # ------------------------------------------------------------------ the optimizer
     def step(self) -> None:

@@ -12,7 +12,7 @@ clipping: each rank clips its own gradient):
 Anything else breaks it: with ``H > 1`` each rank's later gradients are
 taken at its own parameters, and with momentum or Adam each rank's state
 sees only its own gradients (those states are never averaged here, as in
-DiLoCo).  ``compare`` measures how far a run goes; lesson 12 plots it
+DiLoCo).  ``compare`` measures how far a run goes; lesson 13 plots it
 against ``H``.
 
 **DiLoCo** (Douillard et al., arXiv:2311.08105) adds an *outer optimizer*:

@@ -22,7 +22,7 @@ step; it just receives an older version).  So:
 
 * ``staleness=0`` *is* ``ps``, bit for bit (tested);
 * for ``s > 0`` the run departs from single-device training, by an amount
-  that grows with ``s`` -- measured by ``compare`` and plotted in lesson 12
+  that grows with ``s`` -- measured by ``compare`` and plotted in lesson 13
   against ``s``.
 
 Memory: a server keeps its current shard apart from the copy its own worker

@@ -57,7 +57,7 @@ class ZeRO3(ZeRO):
                Option("replicate", None, "submodules (or their names) kept whole on every rank and all-reduced, not "
                       "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: d.replicable),
                *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
-    unit_class = Unit  # what gathers and frees a unit's parameters (lesson 8's lab writes its own)
+    unit_class = Unit  # what gathers and frees a unit's parameters (lesson 9's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None, **common):

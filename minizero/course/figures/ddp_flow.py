@@ -1,4 +1,4 @@
-"""Lesson 2's picture: what DDP does in one optimizer step -- replicate, split the batch, average, step alike.
+"""Lesson 3's picture: what DDP does in one optimizer step -- replicate, split the batch, average, step alike.
 
 The split is not drawn by hand: :func:`draw_ddp_flow` takes each rank's micro-batch sizes as the training loop's
 :func:`minizero.run.train.shard_step` cut them from a real global batch, and the bytes label from the stage's own

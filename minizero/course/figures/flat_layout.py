@@ -1,4 +1,4 @@
-"""Lesson 6's picture: ZeRO's flat layout, and who owns which shard.
+"""Lesson 7's picture: ZeRO's flat layout, and who owns which shard.
 
 The layout is not redrawn from a description: :func:`layout` builds :mod:`minizero.parts.layout`'s own flat groups for
 a model and its optimizer, once per rank, exactly as ZeRO-1 builds them (``build_groups``).  :func:`draw` then

@@ -1,4 +1,4 @@
-"""The GPU's streams in one dialled step, from a ``torch.profiler`` trace: lesson 4's schematic, measured.
+"""The GPU's streams in one dialled step, from a ``torch.profiler`` trace: lesson 5's schematic, measured.
 
 Each lane is a CUDA stream; each bar a kernel the profiler saw on it (CUPTI's device times).  Three kinds:
 the compute kernels of forward, backward and the step; NCCL's own kernels; and the dial's spins

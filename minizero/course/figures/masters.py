@@ -1,4 +1,4 @@
-"""Lesson 9's picture: where each byte of mixed-precision Adam lives, per stage and per rank.
+"""Lesson 10's picture: where each byte of mixed-precision Adam lives, per stage and per rank.
 
 A learner reads ``4Ψ + 12Ψ/N`` more easily as a drawing: for each stage, one row per rank, one column per kind
 of model state (16-bit parameters, 16-bit gradients, fp32 master, Adam's m and v), each column as wide as its

@@ -1,4 +1,4 @@
-"""Lesson 14's pictures, each drawn from what :mod:`minizero.course.harness.parallelism` computes -- not typed by hand.
+"""Lesson 15's pictures, each drawn from what :mod:`minizero.course.harness.parallelism` computes -- not typed by hand.
 
 * :func:`pipeline` draws the replayed GPipe and 1F1B schedules, so the bubble a learner sees is the one the
   replay measured;

@@ -1,4 +1,4 @@
-"""Lesson 4's picture: the CPU timeline measured here, beside a GPU timeline drawn as a schematic.
+"""Lesson 5's picture: the CPU timeline measured here, beside a GPU timeline drawn as a schematic.
 
 The top panel is data: intervals the lesson timed with ``time.perf_counter`` on this machine (the main thread's
 compute, minizero's communication thread holding the dialled wire, a gloo ``Work`` waited on); a call too short to

@@ -1,4 +1,4 @@
-"""Lesson 10's picture: the waits-for graph of a stall, drawn from the progress board.
+"""Lesson 11's picture: the waits-for graph of a stall, drawn from the progress board.
 
 A stall verdict is a walk along arrows ("rank a waits for rank b") to the rank
 that is not there.  The text of the verdict lists every row; the picture shows

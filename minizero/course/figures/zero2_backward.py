@@ -1,5 +1,5 @@
 """ZeRO-2's backward, watched from outside: when each bucket's reduce-scatter leaves, and the gradient bytes a
-rank holds meanwhile -- ZeRO-2's headline, drawn for lesson 7 beside ``ddp-bucketed``, whose buckets hold every
+rank holds meanwhile -- ZeRO-2's headline, drawn for lesson 8 beside ``ddp-bucketed``, whose buckets hold every
 gradient all the time.
 
 Nothing here is computed from a formula.  :func:`record_backward` trains an experiment on one rank with a

@@ -1,6 +1,6 @@
-"""Context parallelism, small enough to run in one process (lesson 14): ring attention.
+"""Context parallelism, small enough to run in one process (lesson 15): ring attention.
 
-Lesson 17's activation wall is the attention scores, a s^2 per sample: quadratic in the sequence.  Context
+Lesson 18's activation wall is the attention scores, a s^2 per sample: quadratic in the sequence.  Context
 parallelism splits the *sequence* across ``t`` ranks, each holding its own block of queries, keys and values.
 Attention needs every key, so the key/value blocks travel round a ring: in step ``s`` rank ``i`` holds the block of
 rank ``i - s``, scores its queries against it, and passes it on (Liu et al. 2023, "Ring Attention with Blockwise

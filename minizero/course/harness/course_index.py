@@ -2,7 +2,7 @@
 
 The summary lesson prints its table of the course from here, not from a list typed once and left behind: a
 lesson or a lab added later appears in it without anyone remembering to (issue 47 found the typed table ending
-at lesson 14 and its sentence on the labs missing two).
+at lesson 15 and its sentence on the labs missing two).
 """
 from __future__ import annotations
 

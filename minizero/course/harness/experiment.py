@@ -47,7 +47,7 @@ class Experiment:
     steps: int = 3
     micro_batch: int = 4  # samples per rank per micro-batch
     accum: int = 1  # K micro-batches per optimizer step
-    syncs: tuple | None = None  # which micro-batches' backwards synchronise (None: the last; all: lesson 7)
+    syncs: tuple | None = None  # which micro-batches' backwards synchronise (None: the last; all: lesson 8)
     dtype: str = "float64"
     seed: int = 0
     backend: str = "ring"  # ring (send/recv) or native (torch collectives)

@@ -1,4 +1,4 @@
-"""Expert parallelism on real ranks (lesson 14): a mixture-of-experts layer, one expert per rank, its tokens sent
+"""Expert parallelism on real ranks (lesson 15): a mixture-of-experts layer, one expert per rank, its tokens sent
 to their expert and back by the package's ``all_to_all``.
 
 A mixture-of-experts layer replaces one MLP by E of them and a *gate* that sends each token to one (top-1 routing:

@@ -1,7 +1,7 @@
-"""Beyond data parallelism, small enough to run in one process (lesson 14).
+"""Beyond data parallelism, small enough to run in one process (lesson 15).
 
 Data parallelism splits the batch; the other axes of "3-D parallelism" split the model.  minizero builds none
-of them as a stage.  This module holds what lesson 14 runs to make each one concrete without spawning ranks:
+of them as a stage.  This module holds what lesson 15 runs to make each one concrete without spawning ranks:
 
 * **tensor parallelism** (Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053): a transformer block's matrices
   split across ``t`` simulated ranks -- column-parallel then row-parallel -- with Megatron's two operators,

@@ -1,4 +1,4 @@
-"""Lesson 17's exercise: predict a step's peak, then measure it -- the learner's number judged against the measurement.
+"""Lesson 18's exercise: predict a step's peak, then measure it -- the learner's number judged against the measurement.
 
 A prediction is judged as a lab is: it must be a number of bytes, within a stated share of what the allocator saw;
 when it is not, the verdict says which way it is off and, where the number matches a part of the step alone (the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-#: How close a prediction must come to the measured peak: the package's own is within 1% for ZeRO-2 (lesson 17), and
+#: How close a prediction must come to the measured peak: the package's own is within 1% for ZeRO-2 (lesson 18), and
 #: the model states and activations without the moment's own come 6% under it -- a slip this share must catch.
 WITHIN = 0.05
 

@@ -1,4 +1,4 @@
-"""Production names and knobs, mapped to minizero's -- as data that checks itself (lesson 13).
+"""Production names and knobs, mapped to minizero's -- as data that checks itself (lesson 14).
 
 A practitioner meets DDP and ZeRO through torch's and DeepSpeed's names: ``fully_shard``,
 ``reshard_after_forward``, ``bucket_cap_mb``, ``overlap_comm``.  Each :class:`Row` says what a name does,
@@ -223,7 +223,7 @@ ROWS: tuple[Row, ...] = (
     Row("DeepSpeed overlap_comm", "overlaps gradient reduction with backward. Default None: True at "
         "stage 3, else False",
         "ddp-bucketed, zero2, zero3 overlap on the communication thread: on a CPU; on a GPU only the host's "
-        "launches (lesson 4); ddp, zero1 never", ours=(Ours(BucketedDDP), Ours(ZeRO2), Ours(ZeRO3)), deepspeed=True),
+        "launches (lesson 5); ddp, zero1 never", ours=(Ours(BucketedDDP), Ours(ZeRO2), Ours(ZeRO3)), deepspeed=True),
     Row("DeepSpeed reduce_bucket_size", "elements reduced at a time (default 5e8)",
         "bucket_mb, in MiB not elements", ours=(Ours(ZeRO2, "bucket_mb"),), deepspeed=True),
     Row("DeepSpeed allgather_bucket_size",

@@ -7,7 +7,7 @@ Three targets keep the library readable as it grows (issue 44), each measured he
 * no run of :data:`MIN_RUN` lines repeated anywhere in the library -- written once, called by name;
 * following one training step of a stage opens at most :data:`STEP_LINES` library lines: the whole files the
   step runs a line of (:mod:`minizero.course.harness.step_trace`), outside ``comm/`` (read once, in lesson 1)
-  and the training loop (read once, in lesson 2).
+  and the training loop (read once, in lesson 3).
 
 "The library" is ``minizero/`` without ``course/``: what a learner reads and a user imports.
 """

@@ -1,6 +1,6 @@
 """Run an experiment with a :class:`~minizero.observe.timeline.Timeline` on every rank, and draw one step.
 
-Lessons 3, 5 and 8 and the overlap tests use it on a dialled network
+Lessons 4, 6 and 9 and the overlap tests use it on a dialled network
 (``Experiment(network=...)``): each rank returns its steps' spans, the caller
 reads hidden fractions, overlaps and waits from them, or plots them."""
 from __future__ import annotations

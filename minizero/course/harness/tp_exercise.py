@@ -1,4 +1,4 @@
-"""Lesson 14's exercise: a tensor-parallel MLP, judged against the unsplit one -- values, gradients and all-reduces.
+"""Lesson 15's exercise: a tensor-parallel MLP, judged against the unsplit one -- values, gradients and all-reduces.
 
 The learner writes the MLP of a transformer block as ``t`` simulated ranks run it (Megatron-LM, arXiv:1909.08053):
 ``fc`` split column-parallel (each rank a block of its rows), GeLU on each rank's own columns, ``out`` split

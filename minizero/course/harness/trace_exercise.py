@@ -1,4 +1,4 @@
-"""Lesson 4's exercise: read a trace -- how much of a step's communication nothing hid.
+"""Lesson 5's exercise: read a trace -- how much of a step's communication nothing hid.
 
 A profiler's trace, minizero's timeline (:class:`~minizero.observe.timeline.StepTimeline`) and the figure of lesson
 12 all say the same thing: spans of compute on one stream or thread, spans of communication on another.  What a

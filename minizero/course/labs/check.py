@@ -51,7 +51,7 @@ class Checker(Search):
     pools: RankPools
     examples: int = 25
     shrink_s: float = SHRINK_S
-    precision: str = "fp32"  # mixed precision for every example: the stage in the ZeRO paper's setting (lesson 9)
+    precision: str = "fp32"  # mixed precision for every example: the stage in the ZeRO paper's setting (lesson 10)
     deadline_s: float = DEADLINE_S
     stages: dict = field(init=False)
     _imported: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)  # pools that loaded the file

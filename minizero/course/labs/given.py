@@ -118,26 +118,26 @@ Unit = without(PackageUnit, "unshard", "pre_forward", "post_forward", "pre_backw
 ZeRO3 = without(PackageZeRO3, unit_class=Unit)  # its methods are the package's; its units are the learner's
 
 
-# Lab mixed-precision (lesson 9): the step through the fp32 masters is the learner's; the stage around it is ZeRO-2's,
+# Lab mixed-precision (lesson 10): the step through the fp32 masters is the learner's; the stage around it is ZeRO-2's,
 # whose ranks each see only their shard of the averaged gradient -- an inf in one rank's gradient lands in one
 # rank's shard, so only an overflow verdict agreed across ranks skips the step everywhere.
 MasterWeights = without(PackageMasterWeights, "unscale_", "_agree_on_overflow", "step", "refresh")
 MixedZeRO2 = without(PackageZeRO2, name="ZeRO2", master_class=MasterWeights,
                      __doc__="The package's ZeRO-2, whole: its masters are the learner's MasterWeights "
                              "(``master_class``), as ZeRO-3's units are its ``unit_class``.")
-# Lab local-sgd (lesson 12): when to average, and the average itself (DiLoCo's outer step when outer_lr is given).
+# Lab local-sgd (lesson 13): when to average, and the average itself (DiLoCo's outer step when outer_lr is given).
 LocalSGD = without(PackageLocalSGD, "step", "average")
-# Lab tree (lesson 1): the binomial tree's two phases; the all-reduce that calls them, and every other collective
+# Lab tree (lesson 2): the binomial tree's two phases; the all-reduce that calls them, and every other collective
 # (the ring's), are given.
 from ...comm.tree import TreeComm  # noqa: E402 -- appended with its lab
 
 Tree = without(TreeComm, "_tree_reduce", "_tree_broadcast", name="Tree")
-# Lab reshard (lesson 11): a rank's range of the flat layout at M, and its shards built from the N saved; the
+# Lab reshard (lesson 12): a rank's range of the flat layout at M, and its shards built from the N saved; the
 # driver over the flat groups (reshard_all) is given.
 from ...checkpoint.reshard import Reshard as PackageReshard  # noqa: E402 -- appended with its lab
 
 Reshard = without(PackageReshard, "owned_range", "reshard")
-# Lab powersgd (lesson 15): the PowerSGD step on one rank -- P = M Q, its all-reduce, orthogonalization, Q = M^T P,
+# Lab powersgd (lesson 16): the PowerSGD step on one rank -- P = M Q, its all-reduce, orthogonalization, Q = M^T P,
 # its all-reduce and mean, M = P Q^T; the wire around it (error feedback, warm start, the layout) is the package's.
 from ...compress import PowerSGDWire as PackagePowerSGDWire  # noqa: E402 -- appended with its lab
 from ...compress.powersgd import power_step as package_power_step  # noqa: E402

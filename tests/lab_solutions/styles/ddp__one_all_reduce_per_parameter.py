@@ -1,4 +1,4 @@
-"""Lab ``ddp`` as lesson 2's first exercise writes it: one all-reduce per parameter, no flat buffer.  The bytes are
+"""Lab ``ddp`` as lesson 3's first exercise writes it: one all-reduce per parameter, no flat buffer.  The bytes are
 one ring all-reduce of every gradient, as the contract asks; the messages, one per parameter per ring step, are not
 judged (the contract says so)."""
 from __future__ import annotations

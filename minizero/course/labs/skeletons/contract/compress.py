@@ -1,4 +1,4 @@
-"""Lab 5 -- accumulation with ``no_sync()``, and the 16-bit wire (lessons/05_accumulation_and_compression.ipynb).
+"""Lab 6 -- accumulation with ``no_sync()``, and the 16-bit wire (lessons/06_accumulation_and_compression.ipynb).
 
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it: ``python -m minizero lab compress FILE --level guided``.)

@@ -1,4 +1,4 @@
-"""Lab 2 -- DDP's gradient synchronisation (lessons/02_ddp_allreduce.ipynb).
+"""Lab 3 -- DDP's gradient synchronisation (lessons/03_ddp_allreduce.ipynb).
 
 Contract level: the method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it: ``python -m minizero lab ddp FILE --level guided``.)

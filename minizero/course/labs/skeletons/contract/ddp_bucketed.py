@@ -1,4 +1,4 @@
-"""Lab 3 -- buckets launched during backward (lessons/03_bucketing_and_overlap.ipynb).
+"""Lab 4 -- buckets launched during backward (lessons/04_bucketing_and_overlap.ipynb).
 
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it:

@@ -1,4 +1,4 @@
-"""Lab hierarchical -- the two-level all-reduce, on a cluster of nodes (lessons/16_topology.ipynb).
+"""Lab hierarchical -- the two-level all-reduce, on a cluster of nodes (lessons/17_topology.ipynb).
 
 Contract level: the method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says how the three phases go and which parts exist: ``python -m minizero lab hierarchical FILE

@@ -1,4 +1,4 @@
-"""Lab local-sgd -- local SGD and DiLoCo's outer step (lessons/12_parameter_server_async_local_sgd.ipynb).
+"""Lab local-sgd -- local SGD and DiLoCo's outer step (lessons/13_parameter_server_async_local_sgd.ipynb).
 
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it: ``python -m minizero lab local-sgd FILE --level guided``.)

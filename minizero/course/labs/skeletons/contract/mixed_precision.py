@@ -1,4 +1,4 @@
-"""Lab mixed-precision -- the step through fp32 master weights (lessons/09_mixed_precision.ipynb).
+"""Lab mixed-precision -- the step through fp32 master weights (lessons/10_mixed_precision.ipynb).
 
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it:

@@ -1,4 +1,4 @@
-"""Lab 15 -- the PowerSGD step (lessons/15_when_compression_pays.ipynb).
+"""Lab 16 -- the PowerSGD step (lessons/16_when_compression_pays.ipynb).
 
 Contract level: the method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it: ``python -m minizero lab powersgd FILE --level guided``.)

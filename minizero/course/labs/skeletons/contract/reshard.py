@@ -1,4 +1,4 @@
-"""Lab reshard -- a ZeRO checkpoint saved by N ranks, loaded by M (lessons/11_training_runs.ipynb, its end).
+"""Lab reshard -- a ZeRO checkpoint saved by N ranks, loaded by M (lessons/12_training_runs.ipynb, its end).
 
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says how: ``python -m minizero lab reshard FILE --level guided``.)

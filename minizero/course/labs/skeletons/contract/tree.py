@@ -1,4 +1,4 @@
-"""Lab tree -- an all-reduce on a binomial tree, from send/recv (lessons/01_collectives_from_send_recv.ipynb, its end).
+"""Lab tree -- an all-reduce on a binomial tree, from send/recv (lessons/02_latency_and_scale.ipynb, its end).
 
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says how the tree is laid out and which parts exist: ``python -m minizero lab tree FILE

@@ -1,4 +1,4 @@
-"""Lab 6 -- ZeRO-1's step: reduce-scatter, step the owned shard, all-gather (lessons/06_zero1.ipynb).
+"""Lab 7 -- ZeRO-1's step: reduce-scatter, step the owned shard, all-gather (lessons/07_zero1.ipynb).
 
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it: ``python -m minizero lab zero1 FILE --level guided``.)

@@ -1,4 +1,4 @@
-"""Lab 7 -- ZeRO-2's per-bucket reduce-scatter during backward (lessons/07_zero2.ipynb).
+"""Lab 8 -- ZeRO-2's per-bucket reduce-scatter during backward (lessons/08_zero2.ipynb).
 
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it: ``python -m minizero lab zero2 FILE --level guided``.)

@@ -1,4 +1,4 @@
-"""Lab 8 -- ZeRO-3: gather a unit's parameters around its forward and backward, free them after (lessons/08_zero3.ipynb).
+"""Lab 9 -- ZeRO-3: gather a unit's parameters around its forward and backward, free them after (lessons/09_zero3.ipynb).
 
 Contract level: each method states what must hold after it runs and what the checker holds it to -- not how.
 (The guided level says which parts of minizero exist for it: ``python -m minizero lab zero3 FILE --level guided``.)

@@ -1,4 +1,4 @@
-"""Lab 5 -- accumulation with ``no_sync()``, and the 16-bit wire (lessons/05_accumulation_and_compression.ipynb).
+"""Lab 6 -- accumulation with ``no_sync()``, and the 16-bit wire (lessons/06_accumulation_and_compression.ipynb).
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: DDP, whose ``post_backward`` averages each flat gradient buffer over the

@@ -1,4 +1,4 @@
-"""Lab 2 -- DDP's gradient synchronisation (lessons/02_ddp_allreduce.ipynb).
+"""Lab 3 -- DDP's gradient synchronisation (lessons/03_ddp_allreduce.ipynb).
 Guided level: the method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: wrapping (rank 0's parameters broadcast to all), the hook that calls

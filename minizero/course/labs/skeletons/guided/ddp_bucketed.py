@@ -1,4 +1,4 @@
-"""Lab 3 -- buckets launched during backward (lessons/03_bucketing_and_overlap.ipynb).
+"""Lab 4 -- buckets launched during backward (lessons/04_bucketing_and_overlap.ipynb).
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: the buckets (``self.buckets``: flat buffers filled last layer first, each

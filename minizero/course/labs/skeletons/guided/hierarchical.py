@@ -1,4 +1,4 @@
-"""Lab hierarchical -- the two-level all-reduce, on a cluster of nodes (lessons/16_topology.ipynb).
+"""Lab hierarchical -- the two-level all-reduce, on a cluster of nodes (lessons/17_topology.ipynb).
 Guided level: the method says what to do and which parts exist; the contract level states only what must hold.
 
 N = M x G ranks sit on M nodes of G ranks; inside a node the link is fast, and each node's one slow link is shared

@@ -1,4 +1,4 @@
-"""Lab local-sgd -- local SGD and DiLoCo's outer step (lessons/12_parameter_server_async_local_sgd.ipynb).
+"""Lab local-sgd -- local SGD and DiLoCo's outer step (lessons/13_parameter_server_async_local_sgd.ipynb).
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: the stage (``minizero.course.labs.given.LocalSGD``: the package's, wrapped and broadcast, nothing done after

@@ -1,4 +1,4 @@
-"""Lab mixed-precision -- the step through fp32 master weights (lessons/09_mixed_precision.ipynb).
+"""Lab mixed-precision -- the step through fp32 master weights (lessons/10_mixed_precision.ipynb).
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: ZeRO-2 in mixed precision (``MixedZeRO2``: the package's, building its masters from
@@ -8,7 +8,7 @@ in fp16 multiplied by the loss scale) / ``self.masters[i]`` (fp32 ``nn.Parameter
 ``self._overflow`` (the verdict of this step, None until decided), ``self.optimizer_outside``,
 ``self._refreshed`` (each master's ``_version`` when last rounded), ``self._refuse_overflow_at_the_floor()`` and
 ``hand_over()`` (the optimizer-outside path's end of backward; it calls your ``_agree_on_overflow``).
-Yours: unscale, agree on overflow, step, refresh -- lesson 9's recipe.
+Yours: unscale, agree on overflow, step, refresh -- lesson 10's recipe.
 
 Check it:   python -m minizero check mixed-precision --impl THIS_FILE
 The checker first drives your class alone on every rank beside the package's (an inf on one rank must skip the

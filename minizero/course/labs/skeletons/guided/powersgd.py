@@ -1,4 +1,4 @@
-"""Lab 15 -- the PowerSGD step (lessons/15_when_compression_pays.ipynb).
+"""Lab 16 -- the PowerSGD step (lessons/16_when_compression_pays.ipynb).
 Guided level: the method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: the package's ddp-bucketed stage and the PowerSGD wire around your step -- it adds the error-feedback

@@ -1,4 +1,4 @@
-"""Lab reshard -- a ZeRO checkpoint saved by N ranks, loaded by M (lessons/11_training_runs.ipynb, its end).
+"""Lab reshard -- a ZeRO checkpoint saved by N ranks, loaded by M (lessons/12_training_runs.ipynb, its end).
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 A ZeRO checkpoint in DeepSpeed's layout holds what each rank owned: for each flat group (one param group's

@@ -1,4 +1,4 @@
-"""Lab tree -- an all-reduce on a binomial tree, from send/recv (lessons/01_collectives_from_send_recv.ipynb, its end).
+"""Lab tree -- an all-reduce on a binomial tree, from send/recv (lessons/02_latency_and_scale.ipynb, its end).
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 The ring all-reduce moves few bytes per rank but takes 2(N-1) steps, one after another, and each step pays a

@@ -1,4 +1,4 @@
-"""Lab 6 -- ZeRO-1's step: reduce-scatter, step the owned shard, all-gather (lessons/06_zero1.ipynb).
+"""Lab 7 -- ZeRO-1's step: reduce-scatter, step the owned shard, all-gather (lessons/07_zero1.ipynb).
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: the flat sharded layout (``self.groups``: one ``FlatGroup`` per optimizer

@@ -1,4 +1,4 @@
-"""Lab 7 -- ZeRO-2's per-bucket reduce-scatter during backward (lessons/07_zero2.ipynb).
+"""Lab 8 -- ZeRO-2's per-bucket reduce-scatter during backward (lessons/08_zero2.ipynb).
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: buckets that are flat sharded groups of their own (``self.buckets``, last

@@ -1,4 +1,4 @@
-"""Lab 8 -- ZeRO-3: gather a unit's parameters around its forward and backward, free them after (lessons/08_zero3.ipynb).
+"""Lab 9 -- ZeRO-3: gather a unit's parameters around its forward and backward, free them after (lessons/09_zero3.ipynb).
 Guided level: each method says what to do and which parts exist; the contract level states only what must hold.
 
 Given: the stage: one sharded flat group per unit, param group and dtype (each
