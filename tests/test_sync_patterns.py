@@ -5,6 +5,8 @@ what every other property draws; the labs draw these patterns too, and a ZeRO-2 
 instead of adding to it passes every other property.)"""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -71,10 +73,18 @@ def _rows(rank: int, micro: int) -> torch.Tensor:
 _WORLD, _TOTAL = 3, sum(3 + r for r in range(3))
 
 
-def _backwards(model, batches: list, order: str, ranks: int = 1) -> None:
+def _backwards(model, batches: list, order: str, ranks: int = 1, no_sync=contextlib.nullcontext) -> None:
     """``forwards then backwards``: every micro-batch's forward, then each one's backward, oldest first;
-    ``retained``: one forward, its backward twice (``retain_graph=True``) -- the gradient counted twice."""
-    losses = [model(x).pow(2).sum() / _TOTAL * ranks for x in batches]  # a stage averages over the ranks
+    ``retained``: one forward, its backward twice (``retain_graph=True``) -- the gradient counted twice;
+    ``inside, then outside``: the first forward inside ``no_sync()``, the second outside, then both backwards --
+    the first accumulates, the second synchronises (decided at each one's forward, as torch does);
+    ``both in one backward``: the same two forwards, one backward of their sum."""
+    losses = []
+    for k, x in enumerate(batches):
+        with no_sync() if order in ("inside, then outside", "both in one backward") and k == 0 else contextlib.nullcontext():
+            losses.append(model(x).pow(2).sum() / _TOTAL * ranks)  # a stage averages over the ranks
+    if order == "both in one backward":
+        losses = [sum(losses)]
     for loss in losses:
         loss.backward(retain_graph=order == "retained")
         if order == "retained":
@@ -91,28 +101,39 @@ def _single_device(order: str, frozen_spare: bool, micro: int) -> dict[str, torc
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _on_the_stage(me, stage_name: str, order: str, frozen_spare: bool, micro: int) -> dict[str, torch.Tensor]:
+def _on_the_stage(me, stage_name: str, options: dict, order: str, frozen_spare: bool, micro: int) -> dict:
     model = _Blocks(frozen_spare)
     stage = make_stage(stage_name, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                       make_comm("ring", check=True), find_unused_parameters=not frozen_spare)
+                       make_comm("ring", check=True), find_unused_parameters=not frozen_spare, **options)
     for step in range(2):
         stage.zero_grad()
-        _backwards(stage, [_rows(me.rank, 10 * step + m) for m in range(micro)], order, _WORLD)
+        _backwards(stage, [_rows(me.rank, 10 * step + m) for m in range(micro)], order, _WORLD, stage.no_sync)
         stage.step()
     return {n: p.detach().clone() for n, p in stage.full_state_dict().items() if n in dict(model.named_parameters())}
 
 
+#: Every stage, and the ones whose reductions leave during backward bucket by bucket (one parameter a bucket).
+_STAGES = [(s, {}) for s in STAGES] + [("ddp-bucketed", {"bucket_mb": 1e-9}), ("zero2", {"bucket_mb": 1e-9}),
+                                       ("zero1", {"overlap": True, "bucket_mb": 1e-9})]
+
+
 @pytest.mark.parametrize("frozen_spare", [True, False], ids=["frozen", "find_unused"])
-@pytest.mark.parametrize("order, micro", [("forwards then backwards", 2), ("retained", 1)], ids=["ffbb", "retained"])
-@pytest.mark.parametrize("stage", STAGES)
-def test_backwards_run_after_all_forwards_or_again_on_a_retained_graph(pools, stage, order, micro, frozen_spare):
+@pytest.mark.parametrize("order, micro", [("forwards then backwards", 2), ("retained", 1), ("inside, then outside", 2),
+                                          ("both in one backward", 2)],
+                         ids=["ffbb", "retained", "inside-then-outside", "both-in-one"])
+@pytest.mark.parametrize("stage, options", _STAGES, ids=[s + ("-" + "-".join(o) if o else "") for s, o in _STAGES])
+def test_backwards_run_after_all_forwards_or_again_on_a_retained_graph(pools, stage, options, order, micro,
+                                                                       frozen_spare):
     """Two forwards and then their two backwards, or one backward run twice on a retained graph, are two
-    synchronising backwards with no forward between: each adds its average, as ``.grad`` adds on one device.
-    (Once ZeRO-1 and the parameter server lost (N-1)/N of the first -- the second reduction took the owner's
-    average as its local gradient -- and ZeRO-3 skipped every unit in the second: no forward since the first.)"""
+    synchronising backwards with no forward between: each adds its average, as ``.grad`` adds on one device.  A
+    forward inside ``no_sync()`` and one outside, their backwards after both: the first accumulates, the second
+    synchronises the sum.  (Once ZeRO-1 and the parameter server lost (N-1)/N of the first of two backwards -- the
+    second reduction took the owner's average as its local gradient -- and ZeRO-3 skipped every unit in the
+    second: no forward since the first.  And ZeRO-2 and ZeRO-3 reduced the backward of the forward inside
+    ``no_sync()``, because the latest forward, not that one, decided whether a backward synchronises.)"""
     want = _single_device(order, frozen_spare, micro)
-    for rank, got in enumerate(pools.run(_WORLD, _on_the_stage, stage, order, frozen_spare, micro)):
+    for rank, got in enumerate(pools.run(_WORLD, _on_the_stage, stage, options, order, frozen_spare, micro)):
         assert got.keys() == want.keys()
         for name, value in want.items():
             assert torch.isfinite(got[name]).all() and torch.allclose(got[name], value, rtol=0, atol=1e-12), (
-                f"{stage}, rank {rank}, {name}: off by {(got[name] - value).abs().max().item():.3g}")
+                f"{stage} {options}, rank {rank}, {name}: off by {(got[name] - value).abs().max().item():.3g}")

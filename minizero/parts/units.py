@@ -80,8 +80,7 @@ class Unit:
             self._gathering = None
 
     def drop_prefetch(self) -> None:
-        """A prefetch nobody used (the order came from the last forward): wait for it, then free it --
-        after the optimizer step it would hold stale weights."""
+        """A prefetch nobody used (the order came from the last forward): wait, then free it -- stale after a step."""
         if self._gathering is not None:
             self._gathering.wait()
             self._gathering = None

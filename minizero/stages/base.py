@@ -58,7 +58,7 @@ class Stage(nn.Module):
     #: every stage that takes single-device training's step can be saved.
     why_not_checkpointable: str | None = None
 
-    _syncing = False  # does the backward of the latest forward synchronise?
+    _syncing = False  # does the backward now running (else: of the latest forward) synchronise?
     _sync_queued = False
     _failed_backward = False
     _loss_scaled = False
@@ -181,6 +181,7 @@ class Stage(nn.Module):
     def _hook_backward(self, output, syncing: bool) -> None:
         def on_backward(grad):
             self.backwards += 1
+            self._syncing = syncing or self._sync_queued  # this backward's forward decided, not the latest forward
             self.pre_backward()
             if not syncing:
                 self._local_grads = True
