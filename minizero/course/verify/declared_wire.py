@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from ...stages import DDP
 from ...stages import STAGES as PACKAGE_STAGES
 from ..harness.casts_reference import run_casts_reference
 from ..harness.diagnosis import explain, initial_parameters
@@ -48,8 +49,8 @@ def check_wire(compress) -> str | None:
 def references(exp, world_size: int, wire: str):
     """(the same-casts reference, exact single-device training) for ``exp`` on a ``wire`` -- the casts laid out
     as minizero's ``ddp`` lays out its buffers: per element, one division, one cast, one sum, as any DDP."""
-    plain = replace(exp, stage="ddp", options={}, stages=PACKAGE_STAGES)
-    return (run_casts_reference(replace(plain, options={"compress": wire}), world_size, PACKAGE_STAGES["ddp"]),
+    plain = replace(exp, stage=DDP.name, options={}, stages=PACKAGE_STAGES)
+    return (run_casts_reference(replace(plain, options={"compress": wire}), world_size, DDP),
             exact_reference_of(plain, world_size))
 
 
