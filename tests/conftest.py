@@ -93,6 +93,8 @@ BESIDE_THE_LESSONS = {
     "test_roofline", "test_context_and_expert_parallel",
     # 1-bit Adam in one process: values and bytes
     "test_one_bit_adam",
+    # orders of forwards and backwards, routed branches, policies as objects, the reading targets: values and lines
+    "test_sync_patterns", "test_routed", "test_policies", "test_targets",
 }
 
 
