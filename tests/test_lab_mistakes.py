@@ -24,9 +24,10 @@ VALUE = [("the parameter", r"\brank \d+'s [\w.]+"), RANK, STEP,
                            r"almost the right length|moved it by|elements are wrong")]
 COLLECTIVE = ("the collective", r"\b(all_reduce|reduce_scatter|all_gather)\b")
 COST = [RANK, STEP, ("the direction", r"too many|too few|too late|ran on the main thread")]
-#: A learner's code that raised: the rank, their line, and what was wrong in words -- the package's own refusal
+#: A learner's code that raised: the rank, their line (a lambda's too: a deferred collective is launched from one),
+#: and what was wrong in words -- the package's own refusal
 #: ("rank N: ...", "rank N's parameter: ..."), or the checker's reading of a bare error (a None: which parameters had no .grad).
-RAISED = [RANK, ("the line of yours", r"\bat tests/lab_mistakes/\S+\.py:\d+ in \w+"),
+RAISED = [RANK, ("the line of yours", r"\bat tests/lab_mistakes/\S+\.py:\d+ in (\w+|<lambda>)"),
           ("what was wrong, in words", r"raised \w+: rank \d+(: |'s )|had no \.grad")]
 #: What a verdict must name, by the property that failed (a value property's words for any other).
 NAMES = {
