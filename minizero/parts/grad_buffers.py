@@ -48,10 +48,10 @@ class FullGradients:
                         piece.param.grad = carried[piece.offset:piece.offset + piece.stop - piece.start]
             owned.zero_()
 
-    def open_before_backward(self) -> None:
-        """A backward after the window closed, with no forward between (two forwards, then two backwards; a
-        retained graph): it opens a window too -- else the owner's averaged shard would go into the next mean
-        as its own gradient, and (N-1)/N of it would be lost."""
+    def open_if_closed(self) -> None:
+        """At a forward with autograd on, and again as a backward begins: a backward may follow no forward since
+        the window closed (two forwards, then two backwards; a retained graph), and it opens a window too -- else
+        the owner's averaged shard would go into the next mean as its own gradient, and (N-1)/N of it be lost."""
         if not self.window_open:
             self.open_window()
 

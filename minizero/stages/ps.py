@@ -82,15 +82,15 @@ class ParameterServer(ZeRO):
 
     # ------------------------------------------------------------ backward: ZeRO-1's, with a push
     def pre_backward(self) -> None:
-        self.full_grads.open_before_backward()
+        self.full_grads.open_if_closed()
 
     def post_accumulate_grad(self, param: nn.Parameter) -> None:
         self._used.add(id(param))
         self.full_grads.keep(param)
 
     def pre_forward(self) -> None:
-        if torch.is_grad_enabled() and not self.full_grads.window_open:  # (workers never step outside: no share)
-            self.full_grads.open_window()
+        if torch.is_grad_enabled():  # (workers never step outside: no share)
+            self.full_grads.open_if_closed()
 
     def post_backward(self) -> None:
         """Push: server j gets the mean of shard j of every rank's gradients (over the wire, if compressed)."""

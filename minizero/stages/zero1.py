@@ -69,11 +69,11 @@ class ZeRO1(ZeRO):
     def pre_forward(self) -> None:
         if self.stepped_outside():  # an optimizer built over stage.parameters() stepped: share it first
             self.all_gather_parameters()
-        if torch.is_grad_enabled() and not self.full_grads.window_open:
-            self.full_grads.open_window()
+        if torch.is_grad_enabled():
+            self.full_grads.open_if_closed()
 
     def pre_backward(self) -> None:
-        self.full_grads.open_before_backward()
+        self.full_grads.open_if_closed()
 
     def post_accumulate_grad(self, param: nn.Parameter) -> None:
         self._used.add(id(param))

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .declared_wire import check_wire
+from .declared_wire import check_declared_wire
 
 #: The factory's name in a file when ``verify path.py`` names none.
 DEFAULT_FACTORY = "make_wrapper"
@@ -60,7 +60,7 @@ class Wrapped:
                             f"module (or minizero.course.verify.Wrapped(module, ...))")
         if self.no_sync is None:
             self.no_sync = accumulation_switch(self.module)
-        check_wire(self.compress)
+        check_declared_wire(self.compress)
 
 
 def accumulation_switch(module: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:

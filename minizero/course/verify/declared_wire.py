@@ -38,7 +38,7 @@ UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 WIRES = ("fp16", "bf16")
 
 
-def check_wire(compress) -> str | None:
+def check_declared_wire(compress) -> str | None:
     if compress is not None and compress not in WIRES:
         raise ValueError(f"Wrapped(compress={compress!r}): declare the dtype the wrapper's gradients cross the wire in, "
                          f"one of {', '.join(map(repr, WIRES))} (torch's fp16_compress_hook, bf16_compress_hook), or "
