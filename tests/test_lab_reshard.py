@@ -64,7 +64,7 @@ def test_a_file_that_leaves_a_method_to_the_package_fails_naming_it(pools, tmp_p
 
 @pytest.mark.parametrize("mistake", RESHARD_MISTAKES, ids=lambda m: m.name)
 def test_a_known_mistake_is_named(pools, mistake):
-    report = check("reshard", impl=mistake, examples=5, pools=pools, out=quiet, shrink_s=1.0)
+    report = check("reshard", impl=mistake, examples=5, pools=pools, out=quiet, shrink_s=0)
     assert report.failed == RANGES and report.mistake == mistake.mistake, report
 
 
@@ -72,7 +72,7 @@ def test_resumed_training_alone_catches_a_restarted_step_count(pools):
     """The second property is no echo of the first: run alone, it fails a resharder whose tensors are right and
     whose Adam step restarts -- on the parameters after the first step on M ranks -- and names the mistake."""
     lab = LABS["reshard"]
-    checker = Checker(lab, Impl.of(lab, StepRestarted), pools, examples=3, shrink_s=1.0)
+    checker = Checker(lab, Impl.of(lab, StepRestarted), pools, examples=3, shrink_s=0)
     with pytest.raises(Failed) as failed:
         PROPERTIES["resumed on M ranks"][1](checker)
     assert "steps counted from the reshard" in failed.value.why and failed.value.mistake == StepRestarted.mistake

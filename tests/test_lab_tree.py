@@ -59,6 +59,6 @@ def test_the_binomial_trees_shape_and_bytes():
 
 @pytest.mark.parametrize("mistake", TREE_MISTAKES, ids=lambda m: m.name)
 def test_a_known_mistake_is_named_with_its_rounds(pools, mistake):
-    report = check("tree", impl=mistake, examples=3, pools=pools, out=quiet, shrink_s=1.0)
+    report = check("tree", impl=mistake, examples=3, pools=pools, out=quiet, shrink_s=0)
     assert report.failed == COST and report.mistake == mistake.mistake, report
     assert "world size 4" in report.case and "6 rounds on the critical path" in report.why, report

@@ -17,11 +17,13 @@ HERE = Path(__file__).parent
 #: How hard the checker looks at each planted mistake.  A slip in the values is searched for as a learner's run
 #: searches (the checker's default number of drawn examples: the search stops at the first failure, so this costs
 #: only when the slip needs a rarer draw); a slip in a later property (bytes, memory, overlap, nesting) needs the
-#: properties before it to pass, which is not what is tested here, so they draw few.  Shrinking is kept short: the
-#: verdict names where from any failing case, the smallest one found in half a second included.
+#: properties before it to pass, which is not what is tested here, so they draw few.  No shrinking: the verdict must
+#: name where from any failing case, and the first drawn one is the same on every machine -- shrinking bounded in
+#: seconds reported whichever smaller case a busy machine reached in time, so the words judged here changed with
+#: the load (a CI run once failed on it).  Shrinking is what a learner runs for a smaller case, not what is judged here.
 EXAMPLES = 10
 FEW = 3
-SHRINK_S = 0.5
+SHRINK_S = 0.0
 
 EQUIVALENCE = "equivalence to single-device training"
 SAME_CASTS = "equivalence to a reference applying the same casts"
