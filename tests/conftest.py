@@ -75,7 +75,7 @@ BESIDE_THE_LESSONS = {
     "test_lesson_claims", "test_new_stage", "test_optimizer_semantics", "test_oracle", "test_precision", "test_stall",
     "test_torch_conventions", "test_train_loop", "test_zero", "test_zero3", "test_wrapped_optimizer_state", "test_codec_chunks",
     "test_clip_and_dropout_resume", "test_checkpoint_safety", "test_stage_options", "test_fsdp2_idioms", "test_peak_guess",
-    "test_tp_exercise", "test_trace_exercise",
+    "test_tp_exercise", "test_trace_exercise", "test_search",
     # the labs' checker: its verdicts are words about values, bytes and calls, never about how long anything took
     "test_lab_checker", "test_lab_mistakes", "test_lab_tree", "test_lab_reshard", "test_lab_mixed_precision",
     "test_lab_local_sgd", "test_lab_hierarchical", "test_lab_reading",

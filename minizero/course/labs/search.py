@@ -2,9 +2,10 @@
 
 Hypothesis draws examples, derandomized -- the same examples every run, so a failure replays -- and each is run
 by ``examine``; the first that fails is shrunk towards the simplest case that still fails, within ``shrink_s``
-(each example is a distributed run: shrinking is paid in seconds).  A run whose ranks were stopped or died is
-final: it is not replayed, nor shrunk.  The verdict is :class:`~minizero.course.labs.failed.Failed`: what went
-wrong, on which case, and -- where ``diagnose`` recognises the numbers -- which known mistake it is.
+(each example is a distributed run: shrinking is paid in seconds).  A failing case is run once: hypothesis's
+replays of it are answered with the verdict it gave.  A run whose ranks were stopped or died is final: not
+shrunk.  The verdict is :class:`~minizero.course.labs.failed.Failed`: what went wrong, on which case, and -- where
+``diagnose`` recognises the numbers -- which known mistake it is.
 
 Derandomized means seeded from the drawing function's own source (hypothesis's ``function_digest``): the text of
 ``prop`` below is the seed of every lab's examples -- change a character and each lab draws other cases.
@@ -22,6 +23,16 @@ class _Falsified(Exception):
     """Raised from one line only: hypothesis then sees one bug, not several, and shrinks it."""
 
 
+def _run_once(examine, best: dict):
+    """``examine``, but the case that failed last is answered with its verdict, not run again: hypothesis replays
+    the failure it reports, and each run is a distributed one (a second of a lab's check, or more)."""
+    def once(drawn):
+        if best and repr(drawn) == best["key"]:
+            return best["why"], best["results"]
+        return examine(drawn)
+    return once
+
+
 class Search:
     """Mixed into what searches: it has ``examples`` (how many to draw), ``shrink_s`` (how long shrinking may
     take) and ``diagnose(exp, world_size, results)`` (a known mistake's name, or None)."""
@@ -35,6 +46,7 @@ class Search:
     def search(self, strategy, examine, describe) -> None:
         """Draw examples until ``examine(drawn)`` returns ``(why, results)``; shrink; raise :class:`Failed`."""
         best: dict = {}
+        examine = _run_once(examine, best)  # (not in prop: its text seeds every lab's draws)
 
         @settings(max_examples=self.examples, derandomize=True, database=None, deadline=None, print_blob=False,
                   report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
