@@ -107,7 +107,7 @@ BESIDE_THE_LESSONS = {
 BOUNDED_WAITS = {"test_faults", "test_check_bounded", "test_launch", "test_robustness", "test_torchrun_shutdown",
                  "test_verdicts", "test_train_command", "test_verify"}
 SHARING_A_TORCHRUN_LAUNCH = {"test_launch", "test_train_command"}
-#: Lessons run alone, first: 17 measures every stage's step as malloc sees it (three spawned ranks sampling the heap after
+#: Lessons run alone, first: 18 measures every stage's step as malloc sees it (three spawned ranks sampling the heap after
 #: every operator) -- 22 s on two idle cores, past its cell's 300 s beside two other workers; 99 times every stage on a
 #: dialled wire (the overlap each one wins) -- 25 s alone, past 300 s in one cell beside them.
 LESSONS_ALONE = {"18_will_it_fit.ipynb", "99_summary.ipynb"}

@@ -49,9 +49,10 @@ class FullGradients:
             owned.zero_()
 
     def open_if_closed(self) -> None:
-        """At a forward with autograd on, and again as a backward begins: a backward may follow no forward since
-        the window closed (two forwards, then two backwards; a retained graph), and it opens a window too -- else
-        the owner's averaged shard would go into the next mean as its own gradient, and (N-1)/N of it be lost."""
+        """A new window unless one is open: called at a forward with autograd on, and as a backward begins -- a
+        backward may follow no forward since the window closed (two forwards, then two backwards; a retained
+        graph), and it needs a window too, else the owner's averaged shard would go into the next mean as its
+        own gradient, and (N-1)/N of it would be lost."""
         if not self.window_open:
             self.open_window()
 
