@@ -215,3 +215,36 @@ def rounds_to_fp16_but_sums_in_fp32(module, group):
     """Declares fp16; rounds each gradient to fp16, but sends and sums it at full width -- the sum is never rounded to 16
     bits: within a few roundings of the fp16 wire everywhere, and not it (at N = 2, one sum apart)."""
     return _ddp_with_hook(module, group, _sixteen_bit_hook(torch.float16, divide=True, summed_wide=True), "fp16")
+
+
+def fsdp2_bf16_summing(module, group):
+    """FSDP2 under ``MixedPrecisionPolicy(bf16, fp32)`` whose reduced gradients are multiplied back by N before the
+    step: the sum over ranks, not the mean (``set_gradient_divide_factor(1.0)`` says the same, on NCCL only)."""
+    from minizero.course.verify.torch_wrappers import fsdp2_bf16_local_clip
+    wrapped = fsdp2_bf16_local_clip(module, group)
+
+    def summed():
+        for p in wrapped.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(dist.get_world_size(group))
+    wrapped.before_step = summed
+    return wrapped
+
+
+def fsdp2_fp32_declared_bf16(module, group):
+    """FSDP2 computing in fp32, declaring bf16 compute: within the bound of the drawn examples (it rounds nothing),
+    not the casts it declares."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from minizero.course.verify.torch_wrappers import clipping_local_shards, fsdp2
+    wrapped = fsdp2(module, group)
+    return Wrapped(wrapped, precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                   clip_grad_norm=clipping_local_shards(wrapped, group))
+
+
+def fsdp2_bf16_undeclared(module, group):
+    """FSDP2 under ``MixedPrecisionPolicy(bf16, fp32)`` with the policy not declared: judged as full-width training."""
+    from minizero.course.verify.torch_wrappers import fsdp2_bf16_local_clip
+    wrapped = fsdp2_bf16_local_clip(module, group)
+    wrapped.precision = None
+    return wrapped

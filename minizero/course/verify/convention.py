@@ -22,8 +22,9 @@ torch's ``DistributedDataParallel(module)``, ``fully_shard(module)``, a student'
 * ``unused_parameters``: the wrapper accepts parameters without a gradient in a step (torch DDP's
   ``find_unused_parameters=True``): then models with such parameters are drawn too;
 * ``compress``: the 16-bit dtype its gradients cross the wire in (``"fp16"``, ``"bf16"``: torch's
-  ``fp16_compress_hook``, ``bf16_compress_hook``): then it is judged against the reference that applies the same
-  casts, within twice the wire's own effect (:mod:`.declared_wire`).
+  ``fp16_compress_hook``, ``bf16_compress_hook``); ``precision``: its mixed precision (``"bf16"``, or the
+  ``MixedPrecisionPolicy`` given to FSDP2's ``fully_shard``).  Either is judged against the reference that applies
+  the same casts, within a few times their own effect (:mod:`.declared_casts`).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .declared_wire import check_declared_wire
+from .declared_casts import Casts, declared_casts
 
 #: The factory's name in a file when ``verify path.py`` names none.
 DEFAULT_FACTORY = "make_wrapper"
@@ -53,6 +54,7 @@ class Wrapped:
     clip_grad_norm: Callable[[float, float], torch.Tensor] | None = None
     unused_parameters: bool = False
     compress: str | None = None
+    precision: object = None  # "bf16", or torch's MixedPrecisionPolicy as given to fully_shard
 
     def __post_init__(self):
         if not isinstance(self.module, nn.Module):
@@ -60,7 +62,12 @@ class Wrapped:
                             f"module (or minizero.course.verify.Wrapped(module, ...))")
         if self.no_sync is None:
             self.no_sync = accumulation_switch(self.module)
-        check_declared_wire(self.compress)
+        declared_casts(self.compress, self.precision)  # refused here, in words, if it cannot be judged
+
+    @property
+    def casts(self) -> Casts | None:
+        """What the wrapper rounds on purpose, as the reference that rounds the same way."""
+        return declared_casts(self.compress, self.precision)
 
 
 def accumulation_switch(module: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:

@@ -27,7 +27,7 @@ from ..labs.search import Search
 from ..labs.verdicts import stopped
 from .adapter import Yours
 from .convention import call_factory, load_factory, split_spec
-from .declared_wire import SLACK, what_is_wrong_on_the_wire
+from .declared_casts import SLACK, Casts, what_is_wrong_against_the_casts
 
 STAGES = {**PACKAGE_STAGES, Yours.name: Yours}  # the reference is the package's own
 SHRINK_S = 20.0
@@ -49,7 +49,7 @@ class Verdict:
     failed: str | None = None  # what went wrong, in words
     case: str = ""
     final: bool = False  # the ranks were stopped or died: the first case that did it, not shrunk
-    against: str = "single-device training"  # on a declared wire: the reference that applies its casts
+    against: str = "single-device training"  # on declared casts: the reference that applies them
 
     @property
     def ok(self) -> bool:
@@ -78,23 +78,23 @@ def yours_on_rank(me, exp, path: str):
         raise RaisedOnRank(str(Raised.now(me.rank, error, path))) from None
 
 
-def declared(me, spec: str) -> tuple[int, bool, str | None] | Raised:
-    """On one rank: (the most micro-batches a step may take, whether unused parameters are drawn, the wire's
-    16-bit dtype or None), from what the factory returns for a small model -- or what it raised."""
+def declared(me, spec: str) -> tuple[int, bool, Casts | None] | Raised:
+    """On one rank: (the most micro-batches a step may take, whether unused parameters are drawn, the casts it
+    declares or None), from what the factory returns for a small model -- or what it raised."""
     path, _ = split_spec(spec)
     try:
         wrapped = call_factory(load_factory(spec), torch.nn.Linear(2, 2), torch.distributed.group.WORLD)
     except Exception as error:  # noqa: BLE001 -- told in words
         return Raised.now(me.rank, error, path)
-    return (3 if wrapped.no_sync is not None else 1), wrapped.unused_parameters, wrapped.compress
+    return (3 if wrapped.no_sync is not None else 1), wrapped.unused_parameters, wrapped.casts
 
 
-def corners(spec: str, max_accum: int, world_sizes, unused: bool = False, wire: str | None = None) -> list:
+def corners(spec: str, max_accum: int, world_sizes, unused: bool = False, casts: Casts | None = None) -> list:
     """Cases tried whatever the draws, after them (a draw that fails is told on its shrunk case first): a
     parameter with an empty shard under an inf-norm clip (a max over nothing) at N = 2 and again at N = 4 -- where a
     2-D mesh's rows of two shard what its rows of one at N = 2 did not -- and K = 3 at N = 3 with uneven batches,
     one rank empty; for a wrapper that takes unused parameters, the edge model (frozen, unused and zero-size
-    parameters) under the same clip.  On a declared wire, first :func:`one_order` cases, judged bit for bit."""
+    parameters) under the same clip.  On declared casts, first :func:`one_order` cases, judged bit for bit."""
     base = Experiment(stage=Yours.name, task="mlp", model={"sizes": (1, 1)}, optimizer="sgd", lr=0.01, steps=2,
                       dtype="float64", backend="native", clip=(0.02, float("inf")), record_states=False,
                       stages=STAGES, options={"factory": spec})
@@ -102,41 +102,42 @@ def corners(spec: str, max_accum: int, world_sizes, unused: bool = False, wire: 
              (replace(base, model={"sizes": (3, 4, 2)}, accum=max_accum, rank_sizes=(2, 0, 3), clip=None), 3)]
     if unused:
         cases.append((replace(base, task="edge", model={}), 2))
-    if wire:
-        cases = one_order(spec) + cases
+    if casts:
+        cases = one_order(spec, casts) + cases
     return [(exp, n) for exp, n in cases if n in world_sizes]
 
 
-def one_order(spec: str) -> list:
+def one_order(spec: str, casts: Casts) -> list:
     """Three SGD steps of a thin MLP at N = 1 and 2, where a 16-bit wire has one order of rounding -- one sum of
     two, and halving is exact outside the subnormals -- so a wrapper that casts as it declares is the same-casts
     reference bit for bit, whether it divides before the cast (torch's hook) or after (minizero's wire).  Exact
-    training is up to 5 wire roundings of an update away there (measured): only the casts tell them apart."""
+    training is up to 5 wire roundings of an update away there (measured): only the casts tell them apart.  Under
+    bf16 compute with an fp32 reduction, N = 1 only (:attr:`Casts.one_order`)."""
     thin = Experiment(stage=Yours.name, task="mlp", model={"sizes": (1, 2, 1, 1)}, optimizer="sgd", lr=0.1, steps=3,
                       seed=1, dtype="float64", backend="native", record_states=False, stages=STAGES,
                       options={"factory": spec})
-    return [(thin, 1), (thin, 2)]
+    return [(thin, n) for n in casts.one_order]
 
 
-def drawn_for(spec: str, world_sizes: tuple, max_accum: int, unused: bool, wire: str | None):
-    """What ``verify`` draws for a factory that declared ``max_accum``, ``unused`` and ``wire``, and those draws in
-    words.  On a declared wire, one rounded reduction a step (the same-casts reference rounds one): the last
+def drawn_for(spec: str, world_sizes: tuple, max_accum: int, unused: bool, casts: Casts | None):
+    """What ``verify`` draws for a factory that declared ``max_accum``, ``unused`` and ``casts``, and those draws in
+    words.  On declared casts, one rounded reduction a step (the same-casts reference rounds one): the last
     micro-batch synchronises, as torch's idiom has it; and the SGD family only -- Adam's first step is lr * sign(g),
     so a gradient element near zero, rounded in another order, moves a whole lr either way (0.00997 at lr 0.01, a
-    bf16 hook against the same casts): verify a wrapper's optimizer side without the wire."""
+    bf16 hook against the same casts): verify a wrapper's optimizer side without the casts."""
     tasks = ("mlp", "mlp", "gpt") + (("edge",) if unused else ())
     strategy = experiments(Yours.name, world_sizes=world_sizes, max_accum=max_accum, backends=("native",),
-                           stages=STAGES, tasks=tasks, syncs=max_accum > 1 and wire is None, sgd_family=wire is not None)
+                           stages=STAGES, tasks=tasks, syncs=max_accum > 1 and casts is None, sgd_family=casts is not None)
     strategy = strategy.map(lambda d: (replace(d[0], options={"factory": spec}, record_states=False), d[1]))
     said = (f"world sizes {', '.join(map(str, world_sizes))}, K up to {max_accum}"
-            + ((", backwards inside and outside no_sync() in every order that ends synchronising" if wire is None else
+            + ((", backwards inside and outside no_sync() in every order that ends synchronising" if casts is None else
                 ", the last micro-batch synchronising") if max_accum > 1 else
                " (no no_sync() or set_requires_gradient_sync: accumulation not drawn)")
-            + f", uneven and empty batches, one and two param groups, {'sgd to nesterov' if wire else 'sgd to adamw'}, "
+            + f", uneven and empty batches, one and two param groups, {'sgd to nesterov' if casts else 'sgd to adamw'}, "
               "float64 and float32, clipping, "
               "the MLP and a GPT with tied embeddings" + (", frozen and unused parameters" if unused else "")
-            + (f"; on its declared {wire} wire, within {SLACK:g}x the wire's own effect of the same-casts reference"
-               if wire else ""))
+            + (f"; on its declared {casts.said}, within {SLACK:g}x their own effect of the same-casts reference"
+               if casts else ""))
     return strategy, said
 
 
@@ -153,8 +154,8 @@ def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankP
         if own:
             pools.close()
         return Verdict(spec, examples, "nothing: the factory raised on one rank", str(probed), "world size 1")
-    max_accum, unused, wire = probed
-    strategy, said = drawn_for(spec, tuple(world_sizes), max_accum, unused, wire)
+    max_accum, unused, casts = probed
+    strategy, said = drawn_for(spec, tuple(world_sizes), max_accum, unused, casts)
     noise = tempfile.TemporaryDirectory(prefix="minizero-verify-")
 
     def examine(drawn):
@@ -168,20 +169,21 @@ def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankP
             why = why.replace("the checker's deadline", "verify's deadline")
             words = gloo_words(noise.name)
             raise Failed(why + (f"\n    gloo's own words, {words}" if words else ""), final=True) from None
-        why = (what_is_wrong(results, reference_of(exp, n), exp, n) if wire is None else
-               what_is_wrong_on_the_wire(results, exp, n, wire, bit_for_bit=(exp, n) in one_order(spec)))
+        why = (what_is_wrong(results, reference_of(exp, n), exp, n) if casts is None else
+               what_is_wrong_against_the_casts(results, exp, n, casts, (exp, n) in one_order(spec, casts)))
         return (why, results) if why else None
 
-    verdict = Verdict(spec, examples, said + (", then three steps of a thin MLP at N = 1 and 2, bit for bit" if wire else "")
+    at = " and ".join(map(str, casts.one_order)) if casts else ""
+    verdict = Verdict(spec, examples, said + (f", then three steps of a thin MLP at N = {at}, bit for bit" if casts else "")
                       + f", then an empty shard under an inf-norm clip at N = 2 and 4 and "
                       f"K = {max_accum} at N = 3"
                       + (", and the edge model under that clip" if unused else ""))
-    if wire:
-        verdict.against = f"single-device training with the same {wire} casts"
+    if casts:
+        verdict.against = f"single-device training with the same casts ({casts.said})"
     try:
         searcher = Searcher(examples, shrink_s)
         searcher.search(strategy, examine, describe)
-        searcher.fixed(corners(spec, max_accum, world_sizes, unused, wire), examine, describe)
+        searcher.fixed(corners(spec, max_accum, world_sizes, unused, casts), examine, describe)
     except Failed as failed:
         verdict.failed, verdict.case, verdict.final = failed.why, failed.case, failed.final
     finally:

@@ -39,7 +39,7 @@ def ddp_static_graph(module, group):
 
 def ddp_fp16_hook(module, group):
     """DDP with torch's ``fp16_compress_hook``: each bucket cast to fp16, divided by N there, all-reduced in fp16
-    and copied back -- declared, so it is judged against the same casts (:mod:`.declared_wire`)."""
+    and copied back -- declared, so it is judged against the same casts (:mod:`.declared_casts`)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     wrapped = DistributedDataParallel(module, process_group=group)
     wrapped.register_comm_hook(group, fp16_compress_hook)
@@ -61,13 +61,13 @@ def zero_redundancy(module, group):
     return Wrapped(DistributedDataParallel(module, process_group=group), optimizer=sharded)
 
 
-def fsdp2(module, group, reshard_after_forward: bool = True):
+def fsdp2(module, group, reshard_after_forward: bool = True, **options):
     """FSDP2: ``fully_shard`` on the model over a 1-D mesh of every rank; gradient accumulation through
     ``set_requires_gradient_sync`` (found by itself)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     return fully_shard(_from_rank_0(module, group), mesh=DeviceMesh.from_group(group, _device(module)),
-                       reshard_after_forward=reshard_after_forward)
+                       reshard_after_forward=reshard_after_forward, **options)
 
 
 def _from_rank_0(module, group):
@@ -109,7 +109,11 @@ def fsdp2_clipping_local_shards(module, group):
     does): ``clip_grad_norm_(..., norm_type=inf)`` raises on a rank whose shard of some parameter is empty
     (torch >= 2.11: ``_foreach_norm`` has no identity for the max of nothing) -- see docs/verify.md."""
     wrapped = fsdp2(module, group)
+    return Wrapped(wrapped, clip_grad_norm=clipping_local_shards(wrapped, group))
 
+
+def clipping_local_shards(wrapped, group):
+    """``clip(max_norm, norm_type)`` over an FSDP2 module's local gradient shards, an empty shard adding nothing."""
     def clip(max_norm: float, norm_type: float) -> torch.Tensor:
         grads = [p.grad.to_local() for p in wrapped.parameters() if p.grad is not None]
         local = [g for g in grads if g.numel()]  # an empty shard adds nothing to a max or a sum
@@ -125,4 +129,25 @@ def fsdp2_clipping_local_shards(module, group):
         for g in local:
             g.mul_(coefficient)
         return total
-    return Wrapped(wrapped, clip_grad_norm=clip)
+    return clip
+
+
+def fsdp2_bf16(module, group, reduce_dtype=torch.float32, local_clip: bool = False):
+    """FSDP2 under mixed precision: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` -- bf16 compute,
+    the gradients reduced in fp32, the optimizer stepping the fp32 shards.  The policy is declared, so it is judged
+    against the same casts (:mod:`.declared_casts`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    wrapped = fsdp2(module, group, mp_policy=policy)
+    return Wrapped(wrapped, precision=policy, clip_grad_norm=clipping_local_shards(wrapped, group) if local_clip else None)
+
+
+def fsdp2_bf16_local_clip(module, group):
+    """As :func:`fsdp2_bf16`, clipped from each rank's local shards (finding 1 aside)."""
+    return fsdp2_bf16(module, group, local_clip=True)
+
+
+def fsdp2_bf16_reduced_in_bf16_local_clip(module, group):
+    """``MixedPrecisionPolicy(param_dtype=bf16)`` as it comes -- the gradients reduced in bf16 too -- clipped from
+    each rank's local shards."""
+    return fsdp2_bf16(module, group, reduce_dtype=None, local_clip=True)
