@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from minizero.comm import make_comm
 from minizero.course.harness.experiment import Experiment
+from minizero.run.orders import ORDERS, train_step_in_order
 from minizero.run.train import Step, train_step
 from minizero.stages import make_stage
 from tests.equivalence import examples, experiments, run_and_check
@@ -29,6 +30,59 @@ def test_any_order_of_synchronising_backwards_is_one_device_training(pools, stag
     """Drawn as the suite draws (world sizes 1-4, models, batches, optimizers), with a pattern every time."""
     exp, world_size = data.draw(experiments(stage, max_accum=3, syncs=True).filter(lambda d: d[0].syncs is not None))
     run_and_check(pools, exp, world_size)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@settings(max_examples=examples(3))
+@given(data=st.data())
+def test_backwards_in_other_orders_drawn_through_the_loop_are_one_device_training(pools, stage, data):
+    """The orders of :mod:`minizero.run.orders` -- forwards then backwards, a backward twice on a retained graph,
+    forwards inside and outside ``no_sync()`` before every backward, one backward of their sum -- drawn as the
+    suite draws, through the loop ``verify --every-order`` runs."""
+    exp, world_size = data.draw(experiments(stage, max_accum=3, orders=True).filter(lambda d: d[0].order is not None))
+    run_and_check(pools, exp, world_size)
+
+
+class _Recording:
+    """A one-device stand-in for a stage: what the loop asks of one, the gradients kept at ``step()``."""
+
+    world_size = 1
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.model, self.syncing, self.seen = torch.nn.Linear(3, 2).double(), [], []
+
+    def __call__(self, x):
+        return self.model(x)
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+
+    def scale_loss(self, loss):
+        return loss
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.syncing.append(len(self.seen))
+        yield
+
+    def step(self):
+        self.seen.append([p.grad.clone() for p in self.model.parameters()])
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_each_order_on_one_device_is_the_idioms_gradient_and_retained_counts_it_twice(order):
+    """The loop's orders themselves, on one device, against torch's idiom (``train_step``): the same gradient,
+    twice it for ``retained`` -- the reference runs the same loop, so a slip here would slip past it."""
+    rows = torch.randn(6, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    step = Step([(rows[:2], rows[:2, :2]), (rows[2:], rows[2:, :2])], global_count=12)
+    idiom, ordered = _Recording(), _Recording()
+    train_step(idiom, step)
+    train_step_in_order(ordered, step, order)
+    for want, got in zip(idiom.seen[0], ordered.seen[0], strict=True):
+        assert torch.allclose(got, want * (2 if order == "retained" else 1), rtol=1e-12, atol=0), (order, got, want)
+    if order in ("inside, then outside", "both in one backward", "retained"):  # micro-batch 1's forward inside
+        assert ordered.syncing == [0], ordered.syncing
 
 
 @pytest.mark.parametrize("pattern", [(True, True), (True, False, True), (False, True, True), (True, True, True)])

@@ -174,6 +174,18 @@ def test_fsdp2s_mixed_precision_declared_is_judged_against_the_same_casts(pools)
     assert verdict.case.startswith("world size 1,"), verdict.case
 
 
+def test_every_order_draws_backwards_that_torch_ddp_gets_wrong_and_minizeros_stages_do_not(pools):
+    """``--every-order`` draws the backwards of :mod:`minizero.run.orders` too: torch's DDP fails on forwards then
+    backwards (finding 3, pytorch#47260: the ranks drift apart), minizero's zero3 through the same factory passes.
+    Without it, torch's DDP passes (the other tests): the orders are opt-in."""
+    verdict = verify(f"{TORCH}:ddp", examples=12, pools=pools, every_order=True)
+    assert not verdict.ok and "backwards in the order '" in verdict.case, verdict
+    assert "the ranks disagree" in verdict.failed, verdict
+    stages = os.path.join(HERE, "..", "minizero", "course", "verify", "minizero_stages.py")
+    verdict = verify(f"{stages}:zero3", examples=12, pools=pools, every_order=True)
+    assert verdict.ok and "backwards in other orders" in verdict.declared, verdict
+
+
 def test_a_precision_verify_cannot_judge_is_refused_in_words():
     """fp16 compute (it needs a loss scaler verify does not drive), outputs cast to another dtype, and a wire and a
     precision declared together are refused, saying what can be declared; fp32 compute with a bf16 reduction is a

@@ -16,6 +16,10 @@ def add_parser(sub) -> None:
     p.add_argument("factory", help="path/to/file.py:make_wrapper (the name defaults to make_wrapper)")
     p.add_argument("--examples", type=positive_int, default=25, help="drawn examples (derandomized: a failure replays)")
     p.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes to draw from")
+    p.add_argument("--every-order", action="store_true",
+                   help="also draw backwards that do not each follow their own forward: forwards then backwards, a "
+                        "backward twice on a retained graph, forwards inside and outside no_sync() before both "
+                        "backwards, one backward of their sum (torch's DDP fails three: docs/verify.md, finding 3)")
     p.add_argument("--deadline", type=positive_float, default=DEADLINE_S, metavar="SECONDS",
                    help=f"stop an example whose ranks run this long, and say where each was (default {DEADLINE_S:g})")
 
@@ -33,7 +37,8 @@ def world_sizes(text: str) -> tuple[int, ...]:
 def main(args) -> tuple[int, str]:
     sizes = world_sizes(args.world_sizes)
     try:
-        verdict = verify(args.factory, examples=args.examples, world_sizes=sizes, deadline_s=args.deadline)
+        verdict = verify(args.factory, examples=args.examples, world_sizes=sizes, deadline_s=args.deadline,
+                         every_order=args.every_order)
     except FileNotFoundError as error:
         raise ValueError(str(error)) from None
     return (0 if verdict.ok else 1), str(verdict)

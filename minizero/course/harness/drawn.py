@@ -10,6 +10,7 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from ...parts.precision import Precision
+from ...run.orders import ORDERS
 from ...stages import DEFAULT_STAGE
 from ...stages.options import BUCKET_MB_DRAWN, Drawing
 from .experiment import Experiment
@@ -99,7 +100,7 @@ assert sorted(SIMPLEST_FIRST) == sorted(OPTIMIZERS)
 def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_accum: int = 3, compress: bool = False,
                 backends=("ring", "native"), stages: dict | None = None, precision: bool = False,
                 tasks=("mlp", "mlp", "edge", "gpt"), wrap_first: bool = False, nodes: bool = False,
-                syncs: bool = False, sgd_family: bool = False):
+                syncs: bool = False, sgd_family: bool = False, orders: bool = False):
     """An experiment and its world size: model shape, batch split, optimizer, dtype...  With ``wrap_first``,
     half the draws build the optimizer after wrapping, over ``stage.parameters()``, and the loop zeroes and steps
     it itself (FSDP2's order: ``optimizer.zero_grad()`` sets every ``.grad`` to None behind the stage's back); and
@@ -109,7 +110,8 @@ def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_
     synchronise more than the last micro-batch's backward -- in every order that ends synchronising -- so a gradient
     synchronised twice before a step must add, as ``.grad`` does (not the same-casts reference's: one rounding a step).
     With ``sgd_family``, only the optimizers whose update is linear in the gradient (a wire rounding in an order of
-    its own: see below)."""
+    its own: see below).  With ``orders``, the backwards in one of :data:`~minizero.run.orders.ORDERS` or
+    torch's idiom, where the synchronising pattern is the idiom's."""
     world_size = draw(st.sampled_from(world_sizes))
     network = None
     if nodes or getattr(stage_class(stage, stages), "needs_nodes", False):
@@ -164,4 +166,6 @@ def experiments(draw, stage: str = DEFAULT_STAGE, world_sizes=(1, 2, 3, 4), max_
         # None first: a failure shrinks to torch's idiom, the last micro-batch synchronising alone
         pattern = draw(st.none() | st.tuples(*[st.booleans()] * (accum - 1)).map(lambda head: (*head, True)))
         exp = replace(exp, syncs=pattern if pattern != (False,) * (accum - 1) + (True,) else None)
+    if orders and exp.syncs is None:  # drawn after the rest, None first: a failure shrinks to torch's idiom
+        exp = replace(exp, order=draw(st.sampled_from((None, *ORDERS))))
     return exp, world_size

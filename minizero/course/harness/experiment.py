@@ -25,6 +25,7 @@ from ...observe.memory import CudaStepPeaks, GatheredMemory, HostStepPeaks, held
 from ...parts.activations import checkpoint_blocks
 from ...parts.precision import Precision
 from ...run.launch import Rank
+from ...run.orders import train_step_in_order
 from ...run.train import shard_step, train_step
 from ...stages import DEFAULT_STAGE, REFERENCE, Stage
 from .casts_reference import run_casts_reference
@@ -48,6 +49,7 @@ class Experiment:
     micro_batch: int = 4  # samples per rank per micro-batch
     accum: int = 1  # K micro-batches per optimizer step
     syncs: tuple | None = None  # which micro-batches' backwards synchronise (None: the last; all: lesson 8)
+    order: str | None = None  # backwards not each after its own forward (minizero.run.orders; syncs None)
     dtype: str = "float64"
     seed: int = 0
     backend: str = "ring"  # ring (send/recv) or native (torch collectives)
@@ -150,6 +152,9 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                 start = time.perf_counter()
                 with poison_gradient(model, exp, s, rank, n if me else None):
                     def once() -> float:
+                        if exp.order:  # the reference too: .grad adds whatever the order
+                            return train_step_in_order(stage, step, exp.order, clip=exp.clip, optimizer=optimizer,
+                                                       zero_grad=model.zero_grad if exp.zero_grad == "model" else None)
                         return train_step(stage, step, clip=exp.clip, optimizer=optimizer,
                                           syncs=exp.syncs if me else None,  # the reference: one batch
                                           zero_grad=model.zero_grad if exp.zero_grad == "model" else None)

@@ -27,6 +27,7 @@ def describe(exp: Experiment, world_size: int) -> str:
     extras += [f"clip {exp.clip}"] if exp.clip else []
     extras += [f"backwards synchronising: micro-batch(es) {[k + 1 for k, s in enumerate(exp.syncs) if s]} of "
                f"{exp.accum} (the rest inside no_sync())"] if exp.syncs else []
+    extras += [f"backwards in the order '{exp.order}'"] if exp.order else []
     extras += ["two param groups"] if exp.param_groups else []
     extras += ["the optimizer built after wrapping (the loop zeroes and steps it)"] if exp.wrap_first else []
     extras += ["the loop zeroes with model.zero_grad()"] if exp.zero_grad == "model" else []

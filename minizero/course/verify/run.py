@@ -119,20 +119,26 @@ def one_order(spec: str, casts: Casts) -> list:
     return [(thin, n) for n in casts.one_order]
 
 
-def drawn_for(spec: str, world_sizes: tuple, max_accum: int, unused: bool, casts: Casts | None):
+def drawn_for(spec: str, world_sizes: tuple, max_accum: int, unused: bool, casts: Casts | None,
+              every_order: bool = False):
     """What ``verify`` draws for a factory that declared ``max_accum``, ``unused`` and ``casts``, and those draws in
     words.  On declared casts, one rounded reduction a step (the same-casts reference rounds one): the last
     micro-batch synchronises, as torch's idiom has it; and the SGD family only -- Adam's first step is lr * sign(g),
     so a gradient element near zero, rounded in another order, moves a whole lr either way (0.00997 at lr 0.01, a
-    bf16 hook against the same casts): verify a wrapper's optimizer side without the casts."""
+    bf16 hook against the same casts): verify a wrapper's optimizer side without the casts.  ``every_order``: the
+    backwards in :data:`~minizero.run.orders.ORDERS` too (not on declared casts: the same-casts reference rounds
+    the idiom's one reduction)."""
     tasks = ("mlp", "mlp", "gpt") + (("edge",) if unused else ())
     strategy = experiments(Yours.name, world_sizes=world_sizes, max_accum=max_accum, backends=("native",),
-                           stages=STAGES, tasks=tasks, syncs=max_accum > 1 and casts is None, sgd_family=casts is not None)
+                           stages=STAGES, tasks=tasks, syncs=max_accum > 1 and casts is None, sgd_family=casts is not None,
+                           orders=every_order and casts is None)
     strategy = strategy.map(lambda d: (replace(d[0], options={"factory": spec}, record_states=False), d[1]))
     said = (f"world sizes {', '.join(map(str, world_sizes))}, K up to {max_accum}"
             + ((", backwards inside and outside no_sync() in every order that ends synchronising" if casts is None else
                 ", the last micro-batch synchronising") if max_accum > 1 else
                " (no no_sync() or set_requires_gradient_sync: accumulation not drawn)")
+            + (", backwards in other orders (forwards then backwards, retained, inside then outside no_sync(), "
+               "both in one backward)" if every_order and casts is None else "")
             + f", uneven and empty batches, one and two param groups, {'sgd to nesterov' if casts else 'sgd to adamw'}, "
               "float64 and float32, clipping, "
               "the MLP and a GPT with tied embeddings" + (", frozen and unused parameters" if unused else "")
@@ -142,9 +148,10 @@ def drawn_for(spec: str, world_sizes: tuple, max_accum: int, unused: bool, casts
 
 
 def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankPools | None = None,
-           shrink_s: float = SHRINK_S, deadline_s: float = DEADLINE_S) -> Verdict:
+           shrink_s: float = SHRINK_S, deadline_s: float = DEADLINE_S, every_order: bool = False) -> Verdict:
     """Draw ``examples`` experiments, run each with the wrapper ``spec`` names (``"path.py:factory"``) and with
-    single-device training; the first that differs, shrunk, is the verdict."""
+    single-device training; the first that differs, shrunk, is the verdict.  ``every_order``: backwards that do
+    not each follow their own forward are drawn too (:mod:`minizero.run.orders`)."""
     path, _ = split_spec(spec)
     load_factory(spec)  # a missing file or name is refused here, before any rank starts
     own = pools is None
@@ -155,7 +162,7 @@ def verify(spec: str, examples: int = 25, world_sizes=(1, 2, 3, 4), pools: RankP
             pools.close()
         return Verdict(spec, examples, "nothing: the factory raised on one rank", str(probed), "world size 1")
     max_accum, unused, casts = probed
-    strategy, said = drawn_for(spec, tuple(world_sizes), max_accum, unused, casts)
+    strategy, said = drawn_for(spec, tuple(world_sizes), max_accum, unused, casts, every_order)
     noise = tempfile.TemporaryDirectory(prefix="minizero-verify-")
 
     def examine(drawn):
