@@ -50,9 +50,10 @@ class _Recording:
 
     def __init__(self):
         torch.manual_seed(0)
-        self.model, self.syncing, self.seen = torch.nn.Linear(3, 2).double(), [], []
+        self.model, self.inside, self.seen, self.forwards = torch.nn.Linear(3, 2).double(), [], [], 0
 
     def __call__(self, x):
+        self.forwards += 1
         return self.model(x)
 
     def zero_grad(self):
@@ -63,7 +64,7 @@ class _Recording:
 
     @contextlib.contextmanager
     def no_sync(self):
-        self.syncing.append(len(self.seen))
+        self.inside.append(self.forwards)  # the micro-batch whose forward runs inside (0-based)
         yield
 
     def step(self):
@@ -74,15 +75,32 @@ class _Recording:
 def test_each_order_on_one_device_is_the_idioms_gradient_and_retained_counts_it_twice(order):
     """The loop's orders themselves, on one device, against torch's idiom (``train_step``): the same gradient,
     twice it for ``retained`` -- the reference runs the same loop, so a slip here would slip past it."""
-    rows = torch.randn(6, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    step = Step([(rows[:2], rows[:2, :2]), (rows[2:], rows[2:, :2])], global_count=12)
+    rows = torch.randn(7, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    step = Step([(rows[:2], rows[:2, :2]), (rows[2:5], rows[2:5, :2]), (rows[5:], rows[5:, :2])], global_count=14)
     idiom, ordered = _Recording(), _Recording()
     train_step(idiom, step)
     train_step_in_order(ordered, step, order)
     for want, got in zip(idiom.seen[0], ordered.seen[0], strict=True):
         assert torch.allclose(got, want * (2 if order == "retained" else 1), rtol=1e-12, atol=0), (order, got, want)
-    if order in ("inside, then outside", "both in one backward", "retained"):  # micro-batch 1's forward inside
-        assert ordered.syncing == [0], ordered.syncing
+    # micro-batches 1..K-1 forward inside no_sync() (forwards then backwards: none); every forward once
+    assert ordered.inside == ([] if order == "forwards then backwards" else [0, 1]), (order, ordered.inside)
+    assert ordered.forwards == 3, ordered.forwards
+
+
+def test_an_order_with_a_pattern_an_unknown_order_or_a_same_casts_reference_is_refused():
+    """An order runs torch's idiom of synchronising, so a pattern beside it is refused; the same-casts reference rounds
+    the idiom's one reduction, so an order under a wire has none; an order not in ORDERS is named."""
+    from minizero.course.harness.experiment import reference_of
+    from minizero.course.verify.declared_casts import declared_casts
+    from minizero.course.verify.run import drawn_for
+    with pytest.raises(ValueError, match="set one of the two"):
+        Experiment(order="retained", syncs=(True, True), accum=2)
+    with pytest.raises(ValueError, match="has no same-casts reference"):
+        reference_of(Experiment(order="retained", options={"compress": "fp16"}), 2)
+    with pytest.raises(ValueError, match="order='sideways': one of 'forwards then backwards'"):
+        train_step_in_order(None, Step([], 1), "sideways")
+    said = drawn_for("f.py:f", (1, 2), 3, False, declared_casts("fp16"), every_order=True)[1]
+    assert "not in other orders: the same-casts reference rounds the idiom's one reduction" in said, said
 
 
 @pytest.mark.parametrize("pattern", [(True, True), (True, False, True), (False, True, True), (True, True, True)])

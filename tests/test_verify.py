@@ -159,13 +159,14 @@ def test_fsdp2s_mixed_precision_declared_is_judged_against_the_same_casts(pools)
     reduces it as declared -- within the casts' bound, and bit for bit at N = 1 (and N = 2 where the reduction is
     bf16's too).  Undeclared, the same wrapper fails against exact training.  A sum for the mean is hundreds of
     times the bound; fp32 compute declared as bf16 is within it, and caught bit for bit at N = 1."""
-    for factory, reduced in ((f"{TORCH}:fsdp2_bf16_local_clip", "fp32"),
-                             (f"{TORCH}:fsdp2_bf16_reduced_in_bf16_local_clip", "bf16")):
+    for factory, reduced, one_order in ((f"{TORCH}:fsdp2_bf16_local_clip", "fp32", "N = 1,"),
+                                        (f"{TORCH}:fsdp2_bf16_reduced_in_bf16_local_clip", "bf16", "N = 1 and 2,")):
         verdict = verify(factory, examples=6, pools=pools)
         assert verdict.ok, verdict
         assert f"on its declared bf16 compute, gradients reduced in {reduced}" in verdict.declared, verdict.declared
+        assert f"three steps of a thin MLP at {one_order} bit for bit" in verdict.declared, verdict.declared
     verdict = verify(f"{OURS}:fsdp2_bf16_undeclared", examples=6, pools=pools)
-    assert not verdict.ok and "x the reference's" in verdict.failed, verdict  # 1.003x: a bf16 rounding, not a bug
+    assert not verdict.ok and "its update is 1.00" in verdict.failed, verdict  # 1.003x: a bf16 rounding, not a bug
     verdict = verify(f"{OURS}:fsdp2_bf16_summing", examples=6, pools=pools)
     assert not verdict.ok and "the sum over ranks, not the mean?" in verdict.failed, verdict
     assert f"over the {SLACK:g}x it is allowed" in verdict.failed, verdict
@@ -199,9 +200,24 @@ def test_a_precision_verify_cannot_judge_is_refused_in_words():
         declared_casts("fp16", "bf16")
     with pytest.raises(TypeError, match="declare 'bf16', or the MixedPrecisionPolicy"):
         declared_casts(precision=16)
-    assert declared_casts(precision=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)).said == "bf16 wire"
+    for fp32 in ({"reduce_dtype": torch.float32}, {"param_dtype": torch.float32},
+                 {"param_dtype": torch.float32, "reduce_dtype": torch.bfloat16}):  # fp32 rounds verify's float64 models
+        with pytest.raises(ValueError, match="fp32 rounds the float64 models verify draws"):
+            declared_casts(precision=MixedPrecisionPolicy(**fp32))
+    with pytest.raises(ValueError, match=r"reduction in fp16 or bf16 \(a 16-bit wire\)"):
+        declared_casts(precision=MixedPrecisionPolicy(reduce_dtype=torch.float64))
+    with pytest.raises(ValueError, match="bf16 compute with the gradients reduced in bf16 or fp32"):
+        declared_casts(precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16))
+    for wire, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        casts = declared_casts(precision=MixedPrecisionPolicy(reduce_dtype=dtype))
+        assert (casts.said, casts.options, casts.one_order) == (f"{wire} wire", {"compress": wire}, (1, 2))
     assert declared_casts(precision=MixedPrecisionPolicy()) is None
-    assert declared_casts(precision="bf16").said == "bf16 compute, gradients reduced in bf16"
+    casts = declared_casts(precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert (casts.said, casts.options["precision"].reduce_dtype, casts.one_order) == (
+        "bf16 compute, gradients reduced in fp32", "fp32", (1,))
+    casts = declared_casts(precision="bf16")
+    assert (casts.said, casts.options["precision"].reduce_dtype, casts.one_order) == (
+        "bf16 compute, gradients reduced in bf16", None, (1, 2))
 
 
 @settings(max_examples=60, derandomize=True, database=None)

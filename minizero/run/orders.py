@@ -5,11 +5,12 @@ backward, the last one synchronising.  Real loops also run
 
 * ``forwards then backwards``: every micro-batch's forward (each outside ``no_sync()``), then each backward,
   oldest first -- K synchronising backwards with no forward between them;
-* ``retained``: each backward run twice on a retained graph (``retain_graph=True``) -- its gradient counted
-  twice, as on one device;
+* ``retained``: torch's idiom (micro-batches 1..K-1 forward and backward inside ``no_sync()``), each backward run
+  twice on a retained graph (``retain_graph=True``) -- its gradient counted twice, as on one device;
 * ``inside, then outside``: the forwards of micro-batches 1..K-1 inside ``no_sync()``, the last outside, then
-  every backward -- whether a backward synchronises is decided at *its* forward, as torch does, so the first
-  K-1 accumulate and the last synchronises the sum;
+  every backward -- whether a backward synchronises is decided at *its own* forward, as on one device where the
+  sum is what counts (minizero's stages decide so; torch's DDP decides at the latest forward: finding 3), so the
+  first K-1 accumulate and the last synchronises the sum;
 * ``both in one backward``: the same forwards, one backward of the sum of their losses.
 
 Single-device training is the same in each (``.grad`` adds whatever the order; ``retained`` doubles it), so the

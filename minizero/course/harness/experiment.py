@@ -74,6 +74,11 @@ class Experiment:
     host_step_peaks: bool = False  # on the CPU, malloc's bytes as each step begins and the most during it (sampled)
     eager_launch: bool = False  # each submitted collective run at once, its submitter waiting: an order race shows always
 
+    def __post_init__(self):
+        if self.order is not None and self.syncs is not None:
+            raise ValueError(f"order={self.order!r} with syncs={self.syncs}: an order runs torch's idiom of "
+                             f"synchronising (the last micro-batch); set one of the two")
+
     def global_batch(self, world_size: int) -> int:
         return sum(self.rank_sizes) if self.rank_sizes else self.micro_batch * self.accum * world_size
 
@@ -256,6 +261,8 @@ def reference_of(exp: Experiment, world_size: int) -> RankResult:
     """Single-device training on the global batch -- or, for a compressed run, the
     reference that applies the same casts (:mod:`minizero.course.harness.casts_reference`)."""
     if rounds(exp):
+        if exp.order is not None:  # it rounds the idiom's one reduction, each backward after its own forward
+            raise ValueError(f"order={exp.order!r} has no same-casts reference; compare it with exact_reference_of")
         if exp.syncs is not None and sum(exp.syncs) > 1:  # the same-casts reference rounds one reduction a step
             raise ValueError(f"syncs={exp.syncs} has no same-casts reference: it rounds {sum(exp.syncs)} reductions "
                              f"per step; compare it with exact_reference_of")

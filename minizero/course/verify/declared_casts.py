@@ -84,16 +84,9 @@ def _policy(precision) -> "Precision | str | None":
             raise ValueError(f"Wrapped(precision={precision!r}): declare 'bf16', or the MixedPrecisionPolicy given "
                              f"to fully_shard")
     elif all(hasattr(precision, k) for k in ("param_dtype", "reduce_dtype", "output_dtype")):
-        compute, reduce = precision.param_dtype, precision.reduce_dtype
-        if precision.output_dtype is not None:
-            raise ValueError(f"MixedPrecisionPolicy(output_dtype={precision.output_dtype}): verify judges the "
-                             f"outputs in the compute dtype (output_dtype=None, FSDP2's default)")
-        if compute is None:  # fp32 compute: only the reduction rounds -- a 16-bit wire, or nothing
-            return None if reduce in (None, torch.float32) else _NAMES.get(reduce, str(reduce))
-        if compute not in _NAMES or reduce not in (None, compute, torch.float32):
-            raise ValueError(f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}): verify judges "
-                             f"bf16 compute with gradients reduced in bf16 or fp32")
-        policy = Precision(_NAMES[compute], reduce_dtype="fp32" if reduce == torch.float32 else None)
+        policy = _from_torch(precision)
+        if not isinstance(policy, Precision):
+            return policy  # nothing, or a 16-bit wire
     else:
         raise TypeError(f"Wrapped(precision={precision!r}): declare 'bf16', or the MixedPrecisionPolicy given to "
                         f"fully_shard")
@@ -101,6 +94,25 @@ def _policy(precision) -> "Precision | str | None":
         raise ValueError("Wrapped(precision=fp16): fp16 compute needs a loss scaler (torch's ShardedGradScaler), which "
                          "verify does not drive; declare bf16 compute")
     return policy if policy is None or policy.mixed else None
+
+
+def _from_torch(policy) -> "Precision | str | None":
+    """torch's ``MixedPrecisionPolicy``, field by field.  fp32 is a cast too: ``verify`` draws float64 models, which
+    an fp32 compute or reduction rounds -- a rounding it has no reference for, so such a policy is refused."""
+    compute, reduce = policy.param_dtype, policy.reduce_dtype
+    said = f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}, output_dtype={policy.output_dtype})"
+    if policy.output_dtype is not None:
+        raise ValueError(f"{said}: verify judges the outputs in the compute dtype (output_dtype=None, FSDP2's default)")
+    if compute == torch.float32 or compute is None and reduce == torch.float32:
+        raise ValueError(f"{said}: fp32 rounds the float64 models verify draws, a cast it has no reference for; "
+                         f"on an fp32 model the policy rounds nothing -- declare none, or bf16 compute")
+    if compute is None:  # the model's own dtype computes: only the reduction rounds -- a 16-bit wire, or nothing
+        if reduce not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(f"{said}: verify judges a reduction in fp16 or bf16 (a 16-bit wire) or bf16 compute")
+        return None if reduce is None else _NAMES[reduce]
+    if compute not in (torch.float16, torch.bfloat16) or reduce not in (None, compute, torch.float32):
+        raise ValueError(f"{said}: verify judges bf16 compute with the gradients reduced in bf16 or fp32")
+    return Precision(_NAMES[compute], reduce_dtype="fp32" if reduce == torch.float32 else None)
 
 
 def references(exp, world_size: int, casts: Casts):

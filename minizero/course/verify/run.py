@@ -137,8 +137,9 @@ def drawn_for(spec: str, world_sizes: tuple, max_accum: int, unused: bool, casts
             + ((", backwards inside and outside no_sync() in every order that ends synchronising" if casts is None else
                 ", the last micro-batch synchronising") if max_accum > 1 else
                " (no no_sync() or set_requires_gradient_sync: accumulation not drawn)")
-            + (", backwards in other orders (forwards then backwards, retained, inside then outside no_sync(), "
-               "both in one backward)" if every_order and casts is None else "")
+            + ((", backwards in other orders (forwards then backwards, retained, inside then outside no_sync(), "
+                "both in one backward)" if casts is None else " (not in other orders: the same-casts reference "
+                "rounds the idiom's one reduction)") if every_order else "")
             + f", uneven and empty batches, one and two param groups, {'sgd to nesterov' if casts else 'sgd to adamw'}, "
               "float64 and float32, clipping, "
               "the MLP and a GPT with tied embeddings" + (", frozen and unused parameters" if unused else "")
