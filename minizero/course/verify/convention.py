@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ...parts.precision import Precision
 from .declared_casts import Casts, declared_casts
 
 #: The factory's name in a file when ``verify path.py`` names none.
@@ -54,7 +55,7 @@ class Wrapped:
     clip_grad_norm: Callable[[float, float], torch.Tensor] | None = None
     unused_parameters: bool = False
     compress: str | None = None
-    precision: object = None  # "bf16", or torch's MixedPrecisionPolicy as given to fully_shard
+    precision: "str | Precision | None" = None  # "bf16", a Precision, or the MixedPrecisionPolicy given to fully_shard
 
     def __post_init__(self):
         if not isinstance(self.module, nn.Module):
