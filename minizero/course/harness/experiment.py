@@ -157,12 +157,13 @@ def run_experiment(me: Rank | None, exp: Experiment, world_size: int | None = No
                 start = time.perf_counter()
                 with poison_gradient(model, exp, s, rank, n if me else None):
                     def once() -> float:
+                        zero_grad = model.zero_grad if exp.zero_grad == "model" else None
                         if exp.order:  # the reference too: .grad adds whatever the order
                             return train_step_in_order(stage, step, exp.order, clip=exp.clip, optimizer=optimizer,
-                                                       zero_grad=model.zero_grad if exp.zero_grad == "model" else None)
+                                                       zero_grad=zero_grad)
                         return train_step(stage, step, clip=exp.clip, optimizer=optimizer,
                                           syncs=exp.syncs if me else None,  # the reference: one batch
-                                          zero_grad=model.zero_grad if exp.zero_grad == "model" else None)
+                                          zero_grad=zero_grad)
                     try:
                         with failing_launch(stage, exp, s):
                             losses.append(once())

@@ -39,7 +39,7 @@ SLACK = 6.0
 UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 #: What a wrapper may declare as its wire: the 16-bit dtypes of minizero's ``compress=`` and torch's two hooks.
 WIRES = ("fp16", "bf16")
-_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def declared_casts(compress=None, precision=None) -> Casts | None:
         return Casts(f"{compress} wire", compress, {"compress": compress})
     if policy is None:
         return None
-    if isinstance(policy, str):  # fp32 compute, its gradients reduced in 16 bits: a wire
+    if isinstance(policy, str):  # the model computes in its own dtype, its gradients reduced in 16 bits: a wire
         return declared_casts(policy)
     reduced = "in fp32" if policy.reduce_dtype else "in bf16"
     # FSDP2 keeps the fp32 mean; minizero rounds it back into the bf16 gradient: equal bit for bit at N = 1 only
