@@ -87,14 +87,94 @@ def test_the_delay_is_per_message_once_and_costs_no_cpu(pool3, backend):
         assert d["cpu"] < 0.25 * expected, f"rank {r} used {d['cpu']:.3f} s of CPU waiting {expected:.3f} s"
 
 
+def _late(me, backend: str, network, numel: int, kind: str, late_s: float):
+    comm = make_comm(backend, network=network)
+    tensor = torch.ones(numel)
+    try:
+        getattr(comm, kind)(tensor.clone())  # warm-up: connections
+        torch.distributed.barrier()
+        if me.rank == 1:
+            time.sleep(late_s)  # rank 1 joins late: the wire cannot start before it does
+        start = time.perf_counter()  # the machine's monotonic clock, the same in every rank
+        getattr(comm, kind)(tensor)
+        return start, time.perf_counter()
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("backend", ["ring", "native"])
+@pytest.mark.parametrize("kind", ["all_reduce", "root_all_reduce"])
+def test_a_collective_starts_on_the_wire_when_its_last_rank_joins(pool3, backend, kind):
+    """The dial waits for what the wire would do, not for what loopback did: rank 1 joins 150 ms late, and no rank
+    finishes before rank 1's start plus the collective's time on the wire.  (A receiver that did not wait for its
+    sender's deadline -- or a native wait counted from the rank's own start -- finishes early.)"""
+    network, numel = parse_network(WIRE), 30_000
+    expected = (sum(network.message_s(b) for b in ring_messages("all_reduce", numel, 4, 3, 0)) if kind == "all_reduce"
+                else root_all_reduce_s(numel * 4, 3, network) - network.message_s(numel * 4))  # rank 1's share
+    spans = pool3.run(_late, backend, network, numel, kind, 0.150)
+    last_join = max(start for start, _ in spans)
+    for r, (_, end) in enumerate(spans):
+        assert 0.95 * expected <= end - last_join < 1.6 * expected + 0.05, (backend, kind, r, end - last_join, expected)
+
+
 def test_each_message_holds_its_sender_for_alpha_plus_bytes_over_bandwidth():
+    """Out of one port the messages go one after another, each ``alpha + bytes/bandwidth`` on the wire; a port
+    with nobody to read its deadlines (no mailbox) waits for each on the sending side."""
     from minizero.comm import Port
     port = Port(Network(0.004, 1e6), record=True)
+    waited = []
     for nbytes in (0, 2000, 8000):
+        began = time.perf_counter()
         port.send(nbytes, "all_reduce")
-    held = [end - start for start, end, *_ in port.messages]
-    for h, want in zip(held, (0.004, 0.006, 0.012), strict=True):
-        assert want <= h < want + 0.03  # never less; more only by what a busy machine adds to a wake-up
+        waited.append(time.perf_counter() - began)
+    spans = [(start, end) for start, end, *_ in port.messages]
+    assert [end - start for start, end in spans] == pytest.approx([0.004, 0.006, 0.012], abs=1e-9)
+    assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:], strict=False))  # one after another
+    for w, want in zip(waited, (0.004, 0.006, 0.012), strict=True):
+        assert want <= w < want + 0.03  # never less; more only by what a busy machine adds to a wake-up
+
+
+def _receive_after(mailbox_path: str, transfer_s: float, sent, queue) -> None:
+    from minizero.comm.port import Mailbox, Port
+    port = Port(Network(0.200, 1e12), rank=1, mailbox=Mailbox(mailbox_path, 2))
+    t0 = sent.get(timeout=30)  # "the bytes left" at t0 ...
+    time.sleep(transfer_s)  # ... and loopback took this long to deliver them
+    port.arrive(8, source=0)
+    port.settle()
+    queue.put(time.perf_counter() - t0)
+
+
+def test_the_receiver_waits_for_the_senders_deadline_and_the_transfer_runs_under_it(tmp_path):
+    """The dial is faithful: a message leaves at once and arrives ``alpha + n/beta`` after it left, however long
+    loopback took underneath (as long as that is less).  A 200 ms wire under a 150 ms transfer: the receiver has
+    it at 200 ms -- never earlier, and not at 350 ms, as a dial waiting on top of the transfer would say."""
+    import multiprocessing as mp
+
+    from minizero.comm.port import Mailbox, Port
+    context = mp.get_context("fork")
+    path, sent, queue = str(tmp_path / "mailbox"), context.Queue(), context.Queue()
+    receiver = context.Process(target=_receive_after, args=(path, 0.150, sent, queue))
+    receiver.start()
+    port = Port(Network(0.200, 1e12), rank=0, mailbox=Mailbox(path, 2))
+    t0 = time.perf_counter()
+    deadline = port.depart(8, "all_reduce", to=1)
+    sent.put(t0)
+    took = queue.get(timeout=30)
+    receiver.join(timeout=30)
+    assert deadline == pytest.approx(t0 + 0.200, abs=0.01)
+    assert 0.200 <= took < 0.330, took  # on top of the transfer: 0.350
+
+
+def test_a_message_whose_arrival_nobody_waited_for_is_an_error_not_a_guess(tmp_path):
+    from minizero.comm.port import Mailbox
+    sender, receiver = Mailbox(str(tmp_path / "m"), 3), Mailbox(str(tmp_path / "m"), 3)
+    sender.post(2, 0, 1.5)
+    sender.post(2, 0, 2.5)
+    assert receiver.take(2, 0) == 1.5
+    assert receiver.take(2, 0) == 2.5
+    with pytest.raises(RuntimeError, match="rank 0: the dialled network expected message 3 from rank 2, and its "
+                                           "mailbox holds message 0"):
+        receiver.take(2, 0)
 
 
 def test_a_port_takes_in_bandwidth_bytes_a_second_at_most():
@@ -103,7 +183,8 @@ def test_a_port_takes_in_bandwidth_bytes_a_second_at_most():
     port = Port(Network(0.0, 1e6))
     start = time.perf_counter()
     for _ in range(3):
-        port.receive(5000)  # 5 ms each on the wire: the first is in when it arrives, the others queue
+        port.arrive(5000)  # 5 ms each on the wire: the first is in when it arrives, the others queue
+    port.settle()
     assert 0.010 <= time.perf_counter() - start < 0.05
 
 

@@ -75,7 +75,8 @@ class Comm(Views):
         self._members = list(range(self.world_size))  # this Comm's ranks as ranks of the whole Comm (a view's: some)
         self._root = self  # the whole Comm a view was cut from: its thread and port serve every view
         # a dialled network (see .network), or none
-        self.port = Port(network, rank=self.rank, links=self._node_links(network)) if network is not None else None
+        self.port = Port(network, rank=self.rank, links=self._node_links(network),
+                         mailbox=self._mailbox(network)) if network is not None else None
         self._local = threading.local()
         self._thread: CommThread | CommStream | None = None
         # Under NCCL the collectives go on a CUDA stream of their own (.stream); False keeps the thread, whose
@@ -104,14 +105,15 @@ class Comm(Views):
         self._wait_observers.append(lambda start, end: observer(None, start, end, threading.current_thread().name))
 
     def _leaving(self, nbytes: int, to: int) -> None:
-        """A message of ``nbytes`` to rank ``to`` is about to leave this rank: a dialled network holds it first."""
+        """A message of ``nbytes`` to rank ``to`` is about to leave this rank: a dialled port says when it will have
+        arrived (its receiver takes it in then; this rank's collective ends after it)."""
         if self.port is not None:
-            self.port.send(nbytes, getattr(self._local, "kind", None) or "exchange", self._members[to])
+            self.port.depart(nbytes, getattr(self._local, "kind", None) or "exchange", self._members[to])
 
     def _arrived(self, nbytes: int, source: int) -> None:
-        """A message of ``nbytes`` arrived from one peer (not a ring step): a dialled port takes it in."""
+        """A message of ``nbytes`` arrived from rank ``source``: a dialled port waits until the wire has it in."""
         if self.port is not None:
-            self.port.receive(nbytes, self._members[source])
+            self.port.arrive(nbytes, self._members[source])
 
     def _report_sent(self, nbytes: int, to: int) -> None:
         """Tell the observers (the byte ledger) what left for rank ``to``: on a cluster of nodes, with the
@@ -148,7 +150,10 @@ class Comm(Views):
                 self._at("fingerprint exchange")
                 exchange(self, call, _tensors(arguments)[0].device)
             self._local.kind = kind
-            return method(**arguments)
+            result = method(**arguments)
+            if self.port is not None:  # a dialled network: the collective ends when its messages would have
+                self.port.settle()
+            return result
         except CollectiveMismatch:
             raise  # every rank raised at the same call, before any data moved: still in step
         except BaseException as error:

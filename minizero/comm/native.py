@@ -72,10 +72,24 @@ def subgroup(parent: dist.ProcessGroup, ranks: list[int]) -> dist.ProcessGroup:
 class NativeComm(StarExchanges, Comm):
     name = "native"
 
-    def _in_torch(self):
-        """Inside torch's collective we cannot see the steps: blocked on every peer until it returns."""
+    def _in_torch(self, tensor: torch.Tensor | None = None, src: int | None = None):
+        """Inside torch's collective we cannot see the steps: blocked on every peer until it returns.  On a dialled
+        network the first of a collective's torch calls marks this rank's start, posted to the peers that count
+        from it (every peer; in a broadcast, the source's start only): the collective starts on the wire when its
+        last rank joins, and torch's transfer runs under the wait that follows (:meth:`_report_modelled`).  Not
+        for an empty ``tensor``: torch returns at once, without its peers, and nothing goes on the wire."""
         self._at("torch collective")
+        if self.port is not None and tensor is not None and tensor.numel() > 0 and \
+                getattr(self._local, "began", None) is None:
+            self._local.began = self.port.join(self._starts(src, posted=True))
         return self.board.waiting_for(ANYONE)
+
+    def _starts(self, src: int | None, posted: bool) -> list[int]:
+        """The global ranks this rank posts its start to (``posted``), or reads theirs from."""
+        others = [self._members[r] for r in range(self.world_size) if r != self.rank]
+        if src is None:
+            return others
+        return (others if self.rank == src else []) if posted else ([] if self.rank == src else [self._members[src]])
 
     def __init__(self, group: dist.ProcessGroup | None = None, check: bool = False, network=None):
         super().__init__(group, check, network)
@@ -95,9 +109,12 @@ class NativeComm(StarExchanges, Comm):
                              f"nodes only, not ranks {members}") from None
 
     def _report_modelled(self, kind: str, tensor: torch.Tensor, src: int = 0) -> None:
-        """Book the ring version's bytes; on a dialled network, wait as the ring version would (after torch's
-        transfer: the step's wall time is the same, and torch's collective cannot be paused half-way).  Each
-        message goes to the right neighbour; the root all-reduce's, between the root and each rank."""
+        """Book the ring version's bytes; on a dialled network, wait as the ring version would, counted from the
+        start of torch's collective, whose transfer ran under the wait (as the ring's runs under its messages').
+        Each message goes to the right neighbour; the root all-reduce's, between the root and each rank."""
+        began, self._local.began = getattr(self._local, "began", None), None
+        if self.port is not None and began is not None:
+            began = self.port.started(began, self._starts(src if kind == "broadcast" else None, posted=False))
         if self.port is not None and self.world_size == 1 and self.port.stands_for > 1:
             # One GPU standing for a ring of N: hold what rank 0 of N would send (bench gpu-efficiency's dial).
             for nbytes in ring_messages(kind, tensor.numel(), tensor.element_size(), self.port.stands_for, 0, src):
@@ -108,11 +125,12 @@ class NativeComm(StarExchanges, Comm):
         to = ([dst for dst in range(1, n)] if self.rank == 0 else [0]) if kind == "root_all_reduce" \
             else [(self.rank + 1) % n] * len(messages)
         if self.port is not None:
-            self._wait_like_the_ring(kind, tensor, src, list(zip(messages, to, strict=True)))
+            self._wait_like_the_ring(kind, tensor, src, list(zip(messages, to, strict=True)), began)
         for nbytes, dst in zip(messages, to, strict=True):
             self._report_sent(nbytes, dst)
 
-    def _wait_like_the_ring(self, kind: str, tensor: torch.Tensor, src: int, messages: list[tuple[int, int]]) -> None:
+    def _wait_like_the_ring(self, kind: str, tensor: torch.Tensor, src: int, messages: list[tuple[int, int]],
+                            began: float | None) -> None:
         """In a ring step every rank sends one message and waits for one, so each rank's own messages are its
         time.  The root all-reduce and the chain broadcast are not symmetric: a rank's time is where it
         sits on the critical path (the root: N-1 tensors in through one port, N-1 out in turn; position p
@@ -124,49 +142,50 @@ class NativeComm(StarExchanges, Comm):
             return
         if kind == "root_all_reduce" and n > 1:
             gathered = net.alpha + (n - 1) * nbytes / net.bandwidth
-            self.port.hold(gathered + (self.rank if self.rank else n - 1) * net.message_s(nbytes), kind)
+            self.port.hold(gathered + (self.rank if self.rank else n - 1) * net.message_s(nbytes), kind, since=began)
         elif kind == "broadcast" and n > 1:
             position = (self.rank - src) % n
             chain = ring_messages(kind, tensor.numel(), tensor.element_size(), n, src, src)
             hops = [net.message_s(b) for b in chain]
             if hops:
-                self.port.hold(position * hops[0] + sum(hops) - (hops[-1] if position == n - 1 else 0.0), kind)
-        else:
+                self.port.hold(position * hops[0] + sum(hops) - (hops[-1] if position == n - 1 else 0.0), kind,
+                               since=began)
+        else:  # modelled messages, one after another out of this port from the collective's start: nobody reads them
             for message, dst in messages:
-                self._leaving(message, dst)
+                self.port.depart(message, kind, self._members[dst], now=began, post=False)
 
     @collective("all_reduce")
     @on_device
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        with self._in_torch():
+        with self._in_torch(tensor):
             dist.all_reduce(tensor, op=_TORCH_OP[op], group=self.group)
         self._report_modelled("all_reduce", tensor)
 
     @collective("reduce_scatter")
     @on_device
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        with self._in_torch():
+        with self._in_torch(input):
             _reduce_scatter_flat(output, input, op=_TORCH_OP[op], group=self.group)
         self._report_modelled("reduce_scatter", input)
 
     @collective("all_gather")
     @on_device
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        with self._in_torch():
+        with self._in_torch(output):
             _all_gather_flat(output, input, group=self.group)
         self._report_modelled("all_gather", output)
 
     @collective("broadcast")
     @on_device
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        with self._in_torch():
+        with self._in_torch(tensor, src):
             dist.broadcast(tensor, self.peer(src), group=self.group)
         self._report_modelled("broadcast", tensor, src)
 
     @collective("root_all_reduce")
     @on_device
     def root_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        with self._in_torch():
+        with self._in_torch(tensor):
             dist.reduce(tensor, self.peer(0), op=dist.ReduceOp.MAX if op is ReduceOp.MAX else dist.ReduceOp.SUM,
                         group=self.group)
         if op is ReduceOp.AVG and self.rank == 0:

@@ -6,18 +6,21 @@ communication, run to run, and nobody can tell what a stage would do over a
 100 Gb/s network.  Real links are described by the Hockney model that NCCL's
 tuning and the ZeRO paper's reasoning use: a message of ``n`` bytes costs a
 latency ``alpha`` plus ``n / beta``.  A :class:`Network` puts exactly that on
-every message, on top of the real transfer:
+every message, with the real transfer running under it:
 
-* **per message, once.**  The sender's port holds each message for
-  ``alpha + n/beta`` before it leaves (so the receiver cannot have it
-  earlier).  A ring step is one message per port each way, so a ring
-  all-reduce of ``S`` bytes costs ``2(N-1) * (alpha + S/(N beta))``, the
-  textbook figure.  Where a rank receives from one peer at a time
-  (:meth:`RingComm._recv`: the parameter server's root, the broadcast
-  chain), its port also takes in at most ``beta`` bytes a second: ``N-1``
-  messages arriving together at the root stream in one after another, as
-  they would through one NIC (in the chain the messages already arrive that
-  far apart, so the rule adds nothing there).
+* **per message, once, as the wire says.**  A message leaves at once and
+  arrives ``alpha + n/beta`` later; out of one port the messages go one
+  after another.  Its sender posts that moment in a mailbox the ranks share
+  (:class:`~minizero.comm.port.Mailbox`), its receiver takes it once loopback
+  has delivered the bytes, and nothing sent afterwards leaves before it
+  (:mod:`.port`): loopback's transfer runs under the dial's wait, so a message
+  costs the larger of the two, not their sum.  A ring step is one message
+  per port each way, so a ring all-reduce of ``S`` bytes costs
+  ``2(N-1) * (alpha + S/(N beta))``, the textbook figure.  Where a rank
+  receives from one peer at a time (:meth:`RingComm._recv`: the parameter
+  server's root, the broadcast chain), its port also takes in at most
+  ``beta`` bytes a second: ``N-1`` messages arriving together at the root
+  stream in one after another, as they would through one NIC.
 * **no CPU.**  The wait is ``time.sleep`` on whichever thread runs the
   collective -- the communication thread, for the overlapped ones -- which
   releases the GIL: backward goes on computing, exactly as it would while a
@@ -25,7 +28,8 @@ every message, on top of the real transfer:
 * **outside the algorithms.**  A port (:mod:`.port`) is attached to a
   :class:`~minizero.comm.base.Comm` like the byte ledger; no stage and no ring
   step knows it is there.  With the native backend, torch's collective runs
-  and then the port waits as the ring version would have: its messages
+  under the wait the ring version would have, counted from the moment its
+  last rank joined: its messages
   (:func:`~minizero.comm.native.ring_messages`), or for the root all-reduce
   and the broadcast chain, the rank's place on their critical path.
 
@@ -60,7 +64,8 @@ class Network:
             raise ValueError(f"network bandwidth must be a finite rate > 0 bytes/s, got {self.bandwidth!r}")
 
     def message_s(self, nbytes: float) -> float:
-        """Seconds one message of ``nbytes`` holds its sender: the Hockney model."""
+        """Seconds one message of ``nbytes`` takes from leaving its sender to being in at its receiver: the Hockney
+        model."""
         return self.alpha + nbytes / self.bandwidth
 
     def describe(self) -> str:

@@ -68,6 +68,7 @@ class RingComm(StarExchanges, Comm):
         if recv is not None and recv.numel() > 0:
             with self.board.waiting_for(self.peer(left)):  # the board is indexed by global rank
                 dist.recv(recv, self.peer(left), group=self.group)
+            self._arrived(recv.numel() * recv.element_size(), left)
         if request is not None:
             with self.board.waiting_for(self.peer(right)):
                 request.wait()

@@ -142,7 +142,7 @@ class StarExchanges:
         sends = [(t, dst) for t, dst in sends if t.numel() > 0]
         recvs = [(i, t, src) for i, (t, src) in enumerate(recvs) if t.numel() > 0]
         start = time.perf_counter()  # a dialled port receives while it sends (full duplex): see below
-        for tensor, dst in sends:  # a dialled network holds each message before it leaves: the sender's port
+        for tensor, dst in sends:  # on a dialled network they leave one after another, through one port
             self._leaving(tensor.numel() * tensor.element_size(), dst)
         if self._nccl:
             ops = [dist.P2POp(dist.isend, t, self.peer(dst), group=self.group) for t, dst in sends]

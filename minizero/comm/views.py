@@ -7,12 +7,13 @@ collectives run in the one order all ranks issue them, and their messages never 
 the other observers, the dialled port, the progress board.  torch's own collectives need a process group of the
 view's ranks, made once at construction (:class:`~minizero.comm.native.NativeComm`); the ring's point-to-point
 messages name their peers by global rank in the whole group.  The nodes' shared links, for a dialled cluster, are
-opened here too: one file per run, its path agreed at construction.
+opened here too -- and a dialled network's mailbox: one file each per run, its path agreed at construction.
 """
 from __future__ import annotations
 
 import copy
 import os
+import socket
 import tempfile
 import warnings
 import weakref
@@ -21,26 +22,42 @@ import torch.distributed as dist
 
 from .network import TwoLevel
 from .nodes import Nodes, assumed_nodes
-from .port import NodeLinks
+from .port import Mailbox, NodeLinks
 
 
 class Views:
     """What :class:`~minizero.comm.base.Comm` offers for nodes: :meth:`over`, and its construction's shared links."""
 
     def _node_links(self, network) -> NodeLinks | None:
-        """The nodes' shared links, for a cluster with a dialled inter-node wire: one file every rank opens
-        (its path chosen by rank 0 and broadcast -- a collective, at construction, as torch's groups are)."""
+        """The nodes' shared links, for a cluster with a dialled inter-node wire."""
         if not isinstance(network, TwoLevel) or network.inter is None or network.nodes.count == 1:
             return None
-        path = [None]
+        return NodeLinks(self._agreed_file("minizero-links-"), network.nodes.count)
+
+    def _mailbox(self, network) -> Mailbox | None:
+        """Where a dialled network's senders post each message's arrival time for its receiver (:mod:`.port`).
+        None under NCCL, where a dialled wait is a kernel on the device instead, and for one rank."""
+        if network is None or self._nccl or self.world_size == 1:
+            return None
+        return Mailbox(self._agreed_file("minizero-mailbox-"), self.world_size)
+
+    def _agreed_file(self, prefix: str) -> str:
+        """A file every rank opens: its path chosen by rank 0 and broadcast -- a collective, at construction, as
+        torch's groups are.  A dialled network is simulated on one machine; a rank on another host is refused,
+        since the file would not reach it."""
+        agreed = [None]
         if self.rank == 0:
-            handle, path[0] = tempfile.mkstemp(prefix="minizero-links-")
+            handle, path = tempfile.mkstemp(prefix=prefix)
             os.close(handle)
-        dist.broadcast_object_list(path, src=self.peer(0), group=self.group)
-        links = NodeLinks(path[0], network.nodes.count)
-        if self.rank == 0:  # unlinked when rank 0's Comm goes: the other ranks' open handles keep it readable
-            weakref.finalize(self, os.unlink, path[0])
-        return links
+            agreed[0] = (path, socket.gethostname())
+            weakref.finalize(self, os.unlink, path)  # when rank 0's Comm goes: the others' open handles keep it
+        dist.broadcast_object_list(agreed, src=self.peer(0), group=self.group)
+        path, host = agreed[0]
+        if host != socket.gethostname():
+            raise ValueError(f"rank {self.rank}: a dialled network runs its ranks on one machine (each message's "
+                             f"arrival time is shared through a file), but this rank is on {socket.gethostname()!r} "
+                             f"and rank 0 on {host!r}; drop --network, or run the ranks on one host")
+        return path
 
     def over(self, ranks: list[int]) -> "Views":
         """A Comm over some of this one's ranks (``ranks``, which include this rank), in that order: a

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 
@@ -24,7 +23,7 @@ from ..harness.optimizers import make_optimizer
 from ..harness.registry import accepting, build_stage, sharding, stage_class
 from ..harness.rounds import check_rounds, compare, describe, measure_rounds
 from ..harness.tasks import TASKS
-from .scale import model_against_measured
+from .scale import model_against_measured, with_loopback
 
 REPEATS = 3
 
@@ -133,9 +132,9 @@ def bench_codecs(world_size: int, network: str, rounds: int = REPEATS, specs=COD
         dialled = parse_network(network)
 
         def averaging_s(spec: str, run: dict) -> float:
-            """The wire's averaging on the dial, each message also paying what loopback cost per message in that
-            run's own undialled step (PowerSGD's small messages cost loopback less than fp32's large ones)."""
-            net = replace(dialled, alpha=dialled.alpha + run["loopback_ms_per_message"] / 1e3)
+            """The wire's averaging on the dial, each message's latency at least what loopback cost per message in
+            that run's own undialled step (PowerSGD's small messages cost loopback less than fp32's large ones)."""
+            net = with_loopback(dialled, run["loopback_ms_per_message"] / 1e3)
             latency, nbytes, _ = wire_terms(spec, shapes, world_size, net)
             return latency + nbytes / net.bandwidth
 

@@ -13,9 +13,11 @@ measured and parts derived, never from the run it is compared with:
   replayed by :func:`minizero.costs.cost_model.predict` on that compute and the dial's alpha and beta exactly
   (the plan of the model's own units and buckets: :func:`minizero.course.commands.scale.measured_plan`).
 
-Unlike :func:`minizero.course.commands.scale.model_against_measured`, whose prediction adds the loopback's measured cost
-per message to alpha (to *predict* the step), the bound leaves loopback out: on a real NIC a transfer
-costs no CPU, so what loopback adds is time beyond the bound, and each row says how much of it went where.
+Unlike :func:`minizero.course.commands.scale.model_against_measured`, whose prediction takes a message's latency as the
+larger of alpha and loopback's measured cost per message (to *predict* the step), the bound leaves loopback out: on
+a real NIC a transfer costs no CPU, so what loopback adds is time beyond the bound, and each row says how much of it
+went where.  The dial runs loopback's transfer under its wait (:mod:`minizero.comm.port`), so what is left beyond
+the bound is the CPU each message still costs the ranks: the ring's Python, the thread's wake-ups, the reduction.
 
 ``fraction = bound / measured`` is 1 when the stage hides everything its schedule lets it hide and adds
 nothing of its own; below 1 is the time lost.  Above 1 would mean the step beat the wire -- impossible on

@@ -174,13 +174,14 @@ def measured_plan(exp: Experiment, world_size: int, network: Network, forward_s:
 
 
 def with_loopback(network, loopback_s: float):
-    """The dial plus the loopback's own cost per message, on every wire the dial has (a wire left out of a
-    cluster's dial still costs the loopback)."""
+    """The dial as a message costs on this machine: loopback's own transfer runs under the dial's wait
+    (:mod:`minizero.comm.port`), so a message's latency is the larger of the dial's alpha and loopback's cost per
+    message -- on every wire the dial has (a wire left out of a cluster's dial costs the loopback alone)."""
     if not isinstance(network, TwoLevel):
-        return replace(network, alpha=network.alpha + loopback_s)
+        return replace(network, alpha=max(network.alpha, loopback_s))
     free = Network(0.0, 1e30, "free")
-    return replace(network, intra=replace(network.intra or free, alpha=(network.intra or free).alpha + loopback_s),
-                   inter=replace(network.inter or free, alpha=(network.inter or free).alpha + loopback_s))
+    return replace(network, intra=replace(network.intra or free, alpha=max((network.intra or free).alpha, loopback_s)),
+                   inter=replace(network.inter or free, alpha=max((network.inter or free).alpha, loopback_s)))
 
 
 def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeats: int = 1) -> dict:
@@ -188,8 +189,8 @@ def model_against_measured(pool: RankPool, exp: Experiment, network: str, repeat
     undialled run.
 
     From the undialled run: forward, backward and optimizer-step compute (the slowest rank's median), and
-    the loopback's own cost per ring message -- the dial waits *on top of* the real transfer, so the
-    model's latency is the dial's alpha plus loopback's (measured, not assumed).  Each dialled run gives
+    the loopback's own cost per ring message -- the transfer runs under the dial's wait, so the model's latency
+    is the larger of the dial's alpha and loopback's (measured, not assumed).  Each dialled run gives
     its step time and hidden fraction (the slowest rank's median over steps after the first); ``steps``
     is rank 0's timeline of the last run, to draw."""
     if exp.accum != 1:
