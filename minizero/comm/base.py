@@ -132,8 +132,10 @@ class Comm(Views):
         self.board.at("fingerprint exchange" if getattr(self._local, "kind", None) == "check" else part, step)
 
     # ----------------------------------------------------------- one collective
-    def _run(self, kind: str, method, arguments: dict, tag: Tag | None):
-        """Validate, fingerprint, run and book one collective (on whichever thread runs it)."""
+    def _run(self, kind: str, method, arguments: dict, tag: Tag | None, deferred: bool = False):
+        """Validate, fingerprint, run and book one collective (on whichever thread runs it).  On a dialled network
+        it ends when the wire has its messages in; ``deferred`` (an ``async_op`` collective on the communication
+        thread) leaves that wait to whoever waits for it, and returns the moment instead (:class:`DueWork`)."""
         if getattr(self._local, "kind", None) is not None:  # part of an outer collective: booked there
             return method(**arguments)
         if self._failed is not None:
@@ -143,7 +145,7 @@ class Comm(Views):
                             f"Start again with a new Comm, and a new stage over a fresh model.") from error
         call = self._describe(kind, arguments, tag or Tag())
         self.board.enter(call)
-        start = time.perf_counter()
+        start = due = time.perf_counter()
         try:
             if self.check and self.world_size > 1:
                 self._local.kind = "check"
@@ -152,8 +154,10 @@ class Comm(Views):
             self._local.kind = kind
             result = method(**arguments)
             if self.port is not None:  # a dialled network: the collective ends when its messages would have
-                self.port.settle()
-            return result
+                due = self.port.due()
+                if not deferred:
+                    self.port.settle()
+            return due if deferred else result
         except CollectiveMismatch:
             raise  # every rank raised at the same call, before any data moved: still in step
         except BaseException as error:
@@ -165,7 +169,7 @@ class Comm(Views):
             self._local.kind = None
             self.board.leave()
             for observer in self._span_observers:
-                observer(call, start, time.perf_counter(), threading.current_thread().name)
+                observer(call, start, max(due, time.perf_counter()), threading.current_thread().name)
 
     def failed_part_way(self, what: str, error: BaseException) -> None:
         """``what`` stopped with ``error`` after some of its messages may have left: this Comm takes no more

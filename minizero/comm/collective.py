@@ -14,6 +14,7 @@ import inspect
 import torch
 
 from .fingerprint import DTYPES, CollectiveMismatch, Tag
+from .thread import DueWork
 from .wire import WireProtocol
 
 
@@ -80,6 +81,8 @@ def collective(kind: str):
                                      f"call (comm.submit) to overlap it")
                 return _over_wire(self, wrapper, kind, bound.arguments, wire, key, tag, layout)
             runner = self._root._thread
+            if async_op and self.port is not None and self.port.clock is None:  # a dialled wire on the host
+                return DueWork(self._background().submit(self._run, kind, method, bound.arguments, tag, True))
             if async_op or runner is not None and runner.runs_elsewhere and not runner.here:
                 work = self._background().submit(self._run, kind, method, bound.arguments, tag)
                 if async_op:

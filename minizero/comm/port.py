@@ -138,10 +138,14 @@ class Port:
             return began
         return max([began, *(self.mailbox.take(peer, self.rank) for peer in peers)])
 
+    def due(self) -> float:
+        """When this rank's last message out has arrived and every message to it is in (``time.perf_counter``)."""
+        return max(self._outbound_done, self._in_by)
+
     def settle(self) -> None:
-        """The collective ends: wait, on this thread and without the CPU, until this rank's last message has
-        arrived and every message to it is in -- the moment a real link would have finished it."""
-        _sleep_until(max(self._outbound_done, self._in_by))
+        """The collective ends: wait, on this thread and without the CPU, until :meth:`due` -- the moment a real
+        link would have finished it."""
+        sleep_until(self.due())
 
     def send(self, nbytes: int, kind: str, to: int | None = None) -> None:
         """One message, and its wait: what a collective of one message to ``to`` costs its sender."""
@@ -219,7 +223,7 @@ class NodeLinks:
         os.close(self._fd)
 
 
-def _sleep_until(deadline: float) -> None:
+def sleep_until(deadline: float) -> None:
     """Sleep, without using the CPU, until ``deadline`` (``time.perf_counter``)."""
     while (left := deadline - time.perf_counter()) > 0:
         time.sleep(left)

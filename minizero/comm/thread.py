@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from .port import sleep_until
+
 
 class Work:
     """Handle of an asynchronous collective; ``wait()`` re-raises its error.
@@ -47,6 +49,30 @@ class Work:
             return self._future.result()
         finally:
             for observer in self._waits:
+                observer(start, time.perf_counter())
+
+
+class DueWork(Work):
+    """An ``async_op`` collective on a dialled network.  Its function returns once this rank's messages are through
+    on loopback, with the moment the wire has them in; ``wait()`` sleeps until then, and ``done()`` is False before.
+    Meanwhile the thread goes on to the next collective, whose messages leave at that moment at the earliest (the
+    port chains them): queued collectives run back to back on the wire, as on a CUDA stream, with no wake-up of the
+    host between them.  Its function does nothing after the collective, so nothing computes ahead of the wire."""
+
+    def __init__(self, work: Work):
+        super().__init__(work._future, work._waits)
+
+    def done(self) -> bool:
+        if not self._future.done():
+            return False
+        return self._future.exception() is not None or time.perf_counter() >= self._future.result()
+
+    def result(self) -> None:
+        due = super().result()
+        if time.perf_counter() < due:
+            start = time.perf_counter()
+            sleep_until(due)
+            for observer in self._waits or ():
                 observer(start, time.perf_counter())
 
 
@@ -111,6 +137,16 @@ class CommThread:
         """Finish what was submitted, then stop."""
         self.stop()
         self._thread.join()
+
+
+def wait_all(works: list[Work]) -> None:
+    """Wait for every one of ``works`` in order; after an error, for the rest too (nothing left running into the
+    next step), then raise the first."""
+    try:
+        for work in works:
+            work.wait()
+    finally:
+        drain(works)
 
 
 def drain(works: list[Work]) -> None:

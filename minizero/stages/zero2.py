@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, ReduceOp
+from ..comm.thread import wait_all
 from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline, check_bucket_mb
 from ..parts.layout import build_groups
@@ -98,9 +99,12 @@ class ZeRO2(ZeRO):
                 self.all_gather_parameters()
 
     def all_gather_parameters(self) -> None:
-        """Everyone gets everyone's updated shard, bucket by bucket."""
-        for b, bucket in self.stepped_groups():
-            self.comm.all_gather(bucket.data, bucket.shard.detach().clone(), tag=self.tag(f"bucket {b} parameters after step"))
+        """Everyone gets everyone's updated shard, bucket by bucket: every all-gather issued before any is waited
+        for, as ZeRO-1 does (:meth:`~minizero.stages.zero1.ZeRO1.all_gather_parameters`)."""
+        works = [self.comm.all_gather(bucket.data, bucket.shard.detach().clone(), async_op=True,
+                                      tag=self.tag(f"bucket {b} parameters after step"))
+                 for b, bucket in self.stepped_groups()]
+        wait_all(works)
         self.remember_shared()
 
     # ------------------------------------------------------------------ facts
