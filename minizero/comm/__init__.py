@@ -11,7 +11,7 @@ from .network import PRESETS, Network, TwoLevel, parse_network
 from .nodes import INTER, INTRA, LINKS, Nodes, parse_nodes
 from .port import Port
 from .ring import RingComm
-from .thread import Work
+from .thread import AllOf, Work
 
 BACKENDS = {"ring": RingComm, "native": NativeComm, "hierarchical": HierarchicalComm}
 
@@ -33,6 +33,6 @@ def make_comm(backend: str = "ring", group: dist.ProcessGroup | None = None, che
     return cls(group, check, parse_network(network))
 
 
-__all__ = ["BACKENDS", "INTER", "INTRA", "KINDS", "LINKS", "PRESETS", "CollectiveMismatch", "Comm", "OutOfStep", "HierarchicalComm",
-           "Ledger", "Network", "Nodes", "Port", "Tag", "NativeComm", "ReduceOp", "RingComm", "TwoLevel", "Work",
-           "chunk_bounds", "make_comm", "parse_network", "parse_nodes", "ring_bytes_sent", "ring_messages"]
+__all__ = ["AllOf", "BACKENDS", "INTER", "INTRA", "KINDS", "LINKS", "PRESETS", "CollectiveMismatch", "Comm", "OutOfStep",
+           "HierarchicalComm", "Ledger", "Network", "Nodes", "Port", "Tag", "NativeComm", "ReduceOp", "RingComm", "TwoLevel",
+           "Work", "chunk_bounds", "make_comm", "parse_network", "parse_nodes", "ring_bytes_sent", "ring_messages"]

@@ -139,6 +139,24 @@ class CommThread:
         self._thread.join()
 
 
+class AllOf:
+    """Several collectives as one handle: done when every one is; ``result()`` waits for them all (in order, the
+    first error raised once none is left running) and returns ``value`` -- what they wrote into."""
+
+    def __init__(self, works: list, value=None):
+        self._works, self._value = works, value
+
+    def done(self) -> bool:
+        return all(work.done() for work in self._works)
+
+    def wait(self) -> None:
+        wait_all(self._works)
+
+    def result(self):
+        self.wait()
+        return self._value
+
+
 def wait_all(works: list[Work]) -> None:
     """Wait for every one of ``works`` in order; after an error, for the rest too (nothing left running into the
     next step), then raise the first."""

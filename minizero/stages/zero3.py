@@ -32,7 +32,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..comm import Comm, ReduceOp, Work
+from ..comm import AllOf, Comm, ReduceOp
 from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline
 from ..parts.unit_groups import FreedBuffer, ShardedFlatGroup
 from ..parts.unit_plan import ReplicatedGroup, plan_units
@@ -98,17 +98,12 @@ class ZeRO3(ZeRO):
             observer(event, nbytes, unit)
 
     # ------------------------------------------------------------ gather and free around a unit
-    def all_gather(self, unit: Unit, why: str) -> Work:
-        """Start ``unit``'s all-gather on the communication thread (now, or as a prefetch): one full buffer
-        per flat group, from every rank's shard -- not yet pointed to; :meth:`Unit.unshard` does that."""
-        tag = self.tag(f"{unit.label} {why} all-gather")
-        fulls = [g.full_buffer() for g in unit.groups]  # allocated here, on the main thread; written there
-
-        def all_gather() -> list[torch.Tensor]:
-            for group, full in zip(unit.groups, fulls, strict=True):
-                self.shard_comm.all_gather(full, group.shard, tag=tag)
-            return fulls
-        return self.comm.submit(all_gather)
+    def all_gather(self, unit: Unit, why: str) -> AllOf:
+        """Start ``unit``'s all-gather (now, or as a prefetch), ``async_op``: one full buffer per flat group, from every
+        rank's shard -- not yet pointed to; :meth:`Unit.unshard` does that, once it waited for them."""
+        fulls, tag = [g.full_buffer() for g in unit.groups], self.tag(f"{unit.label} {why} all-gather")  # on the main thread
+        return AllOf([self.shard_comm.all_gather(full, group.shard, async_op=True, tag=tag)
+                      for group, full in zip(unit.groups, fulls, strict=True)], fulls)
 
     # ------------------------------------------------------------ param.grad after backward, as FSDP2's
     def show_gradients(self, shown: bool) -> None:
@@ -144,8 +139,7 @@ class ZeRO3(ZeRO):
             self._recording.append(u)
         if torch.is_grad_enabled():
             self._called.add(u)
-        self._unit_moment(u, "forward", self.units[u].pre_forward)
-        self._prefetch_after(u, +1)
+        self._unit_moment(u, "forward", self.units[u].pre_forward, +1)
 
     def unit_post_forward(self, u: int, output) -> None:
         if replayed_by_backward():  # (see unit_pre_forward)
@@ -163,13 +157,17 @@ class ZeRO3(ZeRO):
 
     def unit_pre_backward(self, u: int) -> None:
         self._called.add(u)  # a backward run again without a forward (two forwards, two backwards) reduces it too
-        self._unit_moment(u, "backward", self.units[u].pre_backward)
-        self._prefetch_after(u, -1)
+        self._unit_moment(u, "backward", self.units[u].pre_backward, -1)
 
-    def _unit_moment(self, u: int, why: str, moment) -> None:
+    def _unit_moment(self, u: int, why: str, moment, direction: int = 0) -> None:
         """A unit's pre-forward or pre-backward moment, then a check that it left the unit gathered: its layers are
-        about to compute, and what autograd saved of a freed buffer has no storage (the step named: the group can't)."""
+        about to compute, and what autograd saved of a freed buffer has no storage (the step named: the group can't).
+        The next units' prefetch (``direction`` +1 forward, -1 backward) is queued first where this unit's own
+        all-gather is on its way -- back to back on the wire while this rank waits, as FSDP2 does -- else after."""
         unit = self.units[u]
+        if direction and unit._gathering is not None:  # (the work Unit.start_gather left in flight)
+            self._prefetch_after(u, direction)
+            direction = 0
         try:
             moment()
         except FreedBuffer as error:
@@ -180,6 +178,8 @@ class ZeRO3(ZeRO):
                                   f"{self.steps_taken} is about to compute, and its flat group {group.group_index} is "
                                   f"not gathered -- its full buffer, freed at reshard, holds no values for the layers "
                                   f"(nor for what autograd saved of it). Gather the unit here (Unit.unshard).")
+        if direction:
+            self._prefetch_after(u, direction)
 
     def _prefetch_after(self, u: int, direction: int) -> None:
         """Start gathering the next ``prefetch`` units in (reverse, for backward) call order."""

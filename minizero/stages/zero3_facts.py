@@ -37,8 +37,8 @@ def schedule_reduction(cls, s, key, numel: float) -> None:
 
 
 def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **options) -> None:
-    """Units in call order, as ZeRO3.unit_pre_forward and unit_pre_backward run them: a unit waits
-    for its all-gather, then starts the next ``prefetch`` ones, then computes.  The root (unit 0) is
+    """Units in call order, as ZeRO3.unit_pre_forward and unit_pre_backward run them: a unit's all-gather, the next
+    ``prefetch`` ones queued behind it, the wait for its own, then its compute.  The root (unit 0) is
     gathered first; its compute is half before the blocks (embeddings) and half after (the head), and
     in backward the reverse; its backward hook fires first and prefetches nothing; each unit's
     reduce-scatter leaves when its backward is done, the root's last.  (With find_unused_parameters
@@ -53,10 +53,10 @@ def schedule(cls, s, prefetch: int = 1, reshard_after_forward: bool = True, **op
     def run(order: list[int], when: str, compute, after=None) -> None:
         for i, u in enumerate(order):
             gather(u, when)
-            s.wait((when, u))
             for k in range(1, min(prefetch, len(order)) + 1):
                 if i + k < len(order) and (u != 0 or when == "forward"):  # the root's hook prefetches only forward
                     gather(order[i + k], when)
+            s.wait((when, u))
             compute(u)
             if after:
                 after(u)
