@@ -163,7 +163,7 @@ class ZeRO3(ZeRO):
         """A unit's pre-forward or pre-backward moment, then a check that it left the unit gathered: its layers are
         about to compute, and what autograd saved of a freed buffer has no storage (the step named: the group can't).
         The next units' prefetch (``direction`` +1 forward, -1 backward) is queued first where this unit's own
-        all-gather is on its way -- back to back on the wire while this rank waits, as FSDP2 does -- else after."""
+        all-gather is on its way -- back to back on the wire while this rank waits (FSDP2's wait is a stream's) -- else after."""
         unit = self.units[u]
         if direction and unit._gathering is not None:  # (the work Unit.start_gather left in flight)
             self._prefetch_after(u, direction)
