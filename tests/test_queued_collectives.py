@@ -65,3 +65,23 @@ def test_queued_collectives_leave_at_the_moment_the_last_one_ended_and_are_waite
                 assert collectives[rank][k][0][0] == before, (
                     f"rank {rank}: collective {k} left {1e3 * (collectives[rank][k][0][0] - before):+.3f} ms after "
                     f"collective {k - 1} ended on the wire")
+
+
+def test_waiting_for_all_waits_for_every_one_and_raises_the_first_error():
+    """A failed all-gather among a step's queued ones: the rest are still waited for (nothing left running into the
+    next step), and the error raised is the first one's."""
+    from minizero.comm.thread import wait_all
+
+    class Fake:
+        def __init__(self, error=None):
+            self.error, self.waited = error, 0
+
+        def wait(self):
+            self.waited += 1
+            if self.error is not None:
+                raise self.error
+
+    works = [Fake(), Fake(ValueError("the first")), Fake(RuntimeError("the second")), Fake()]
+    with pytest.raises(ValueError, match="the first"):
+        wait_all(works)
+    assert [w.waited > 0 for w in works] == [True, True, True, True]

@@ -163,8 +163,9 @@ def wait_all(works: list[Work]) -> None:
     try:
         for work in works:
             work.wait()
-    finally:
+    except BaseException:
         drain(works)
+        raise
 
 
 def drain(works: list[Work]) -> None:
