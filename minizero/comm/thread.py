@@ -3,7 +3,8 @@
 Every rank issues its collectives in the same order, and one thread per
 :class:`~minizero.comm.base.Comm` runs them in that order -- so the messages
 of two collectives never interleave, and a bucket's all-reduce can overlap
-backward on the main thread.
+backward on the main thread.  What a function running there issues -- a collective, ``async_op`` or not, or
+another submitted function -- runs inline, at once: queued, it would wait behind the function that waits for it.
 
 The thread is a *daemon*: a rank whose main thread raised while a collective
 is blocked waiting for a peer must be able to exit at once.  (A
@@ -98,7 +99,10 @@ class CommThread:
 
     def submit(self, fn: Callable, *args) -> Work:
         future: Future = Future()
-        self._queue.put((future, fn, args))
+        if self.here:  # from a function this thread runs: queued, it would wait behind its caller -- forever, if the
+            self._run([future, fn, args])  # caller waits for it -- so it runs now, as a blocking collective called here does
+        else:
+            self._queue.put([future, fn, args])
         return Work(future, self._waits)
 
     def _serve(self) -> None:
@@ -109,25 +113,29 @@ class CommThread:
         if self._device is not None:
             torch.cuda.set_device(self._device)
         while True:
-            item = self._queue.get()
-            if item is None:
+            task = self._queue.get()
+            if task is None:
                 return
-            future, fn, args = item
-            del item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                outcome, failed = fn(*args), False
-            except BaseException as error:  # noqa: BLE001 -- delivered to whoever waits
-                outcome, failed = error, True
-            # Let go of the task before anyone hears it is done, not when the next one arrives: its closure may
-            # hold a bucket's packed full gradients (ZeRO-2), which must not outlive their reduce-scatter.
-            del fn, args
-            if failed:
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
-            del future, outcome
+            self._run(task)
+
+    @staticmethod
+    def _run(task: list) -> None:
+        """Run ``[future, fn, args]``, emptying the list: nothing here keeps the function once it has run."""
+        future, fn, args = task
+        task.clear()
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            outcome, failed = fn(*args), False
+        except BaseException as error:  # noqa: BLE001 -- delivered to whoever waits
+            outcome, failed = error, True
+        # Let go of the task before anyone hears it is done, not when the next one arrives: its closure may
+        # hold a bucket's packed full gradients (ZeRO-2), which must not outlive their reduce-scatter.
+        del fn, args
+        if failed:
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
     def stop(self) -> None:
         """Stop once what was submitted is done; do not wait for it."""
