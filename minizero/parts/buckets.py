@@ -19,8 +19,8 @@ from ..comm import Comm
 from ..comm.thread import drain
 
 MiB = 1 << 20
-#: ZeRO-2's and -3's bound on packed buckets whose reduce-scatter has not finished: FSDP2 waits for the previous
-#: reduce-scatter before it packs the next (``FSDPParamGroup.post_backward``), so one is in flight at a time.
+#: ZeRO-2's and -3's default ``reduce_scatter_buffers``: FSDP2 packs a bucket once the reduce-scatter before it finished
+#: (``FSDPParamGroup.post_backward``; ``set_reduce_scatter_max_input_buffers`` raises it), so one is in flight at a time.
 MAX_IN_FLIGHT = 1
 
 
@@ -82,20 +82,19 @@ class BucketPipeline:
     A round is one backward's worth: inside ``with pipeline.round():``, whatever happens -- an error in a
     hook, a check that refuses, a collective that fails -- nothing is left running and nothing marked.
 
-    ``max_in_flight``: for stages whose ``start`` packs a bucket into a new buffer (ZeRO-2 and -3), the most
-    buckets launched and not yet done.  Before starting another, the pipeline waits for the oldest -- FSDP2's
-    rule, one reduce-scatter in flight while the next bucket is packed -- so however slow the network, backward
-    holds at most ``max_in_flight`` packed buckets and the one being packed (whose gradients it frees once
-    copied): a bound :mod:`minizero.course.harness.step_memory` can predict.  ``None``: no bound (``ddp-bucketed``'s buckets
-    are reduced in place; waiting would save nothing).
+    ``max_in_flight``: for stages whose ``start`` packs a bucket into a new buffer (ZeRO-2 and -3: their
+    ``reduce_scatter_buffers``), the most buckets launched and not yet done.  Before starting another, the pipeline
+    waits for the oldest (FSDP2's rule), so however slow the network, backward holds at most that many packed buckets
+    and the one being packed, whose gradients it frees once copied (:mod:`minizero.course.harness.backward_memory`).
+    ``None``: no bound (``ddp-bucketed``'s buckets are reduced in place; waiting would save nothing).
     """
 
     def __init__(self, comm: Comm, buckets: list[list[nn.Parameter]], start: Callable[[int], Callable[[], object]],
                  max_in_flight: int | None = None):
-        if max_in_flight is not None and not (isinstance(max_in_flight, int) and max_in_flight >= 1):
-            raise ValueError(f"max_in_flight must be a whole number >= 1 (or None: no bound), got {max_in_flight!r}")
-        self.comm = comm
-        self._start = start
+        if max_in_flight is not None and not (type(max_in_flight) is int and max_in_flight >= 1):
+            raise ValueError(f"max_in_flight (ZeRO's reduce_scatter_buffers) must be a whole number >= 1 (or None: no "
+                             f"bound), got {max_in_flight!r}; FSDP2's default is {MAX_IN_FLIGHT}, one bucket in flight")
+        self.comm, self._start = comm, start
         self._order = ReadyOrder(buckets, self._launch)
         self._works: dict[int, object] = {}
         self.max_in_flight = max_in_flight

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
 from ..compress import WirePolicy
+from ..parts.buckets import MAX_IN_FLIGHT
 from ..parts.offload import OffloadPolicy
 
 #: The constructors' policy keywords, and the class each one takes.
@@ -164,6 +165,13 @@ PRECISION = Option("precision", "fp32", "fp32, or bf16/fp16 compute with fp32 ma
 #: post_backward is the paper's, after backward): tests/test_zero1_overlap.py draws it.
 OVERLAP = Option("overlap", False, "reduce-scatter each bucket during backward, the full gradients kept "
                  "(DeepSpeed stage 1's overlap_comm); off: after backward, as the paper", None)
+
+#: ZeRO-2's and -3's bound on packed buckets in flight during backward (FSDP2's
+#: ``set_reduce_scatter_max_input_buffers``).  Not drawn by the whole suite, whose draws it would shift:
+#: tests/test_reduce_scatter_buffers.py draws it.
+REDUCE_SCATTER_BUFFERS = Option("reduce_scatter_buffers", MAX_IN_FLIGHT, "packed buckets whose reduce-scatter may be in flight "
+                                "before backward packs the next (FSDP2's set_reduce_scatter_max_input_buffers: 1; "
+                                "2 hides a slow wire's wait behind one more bucket of memory)", positive_int)
 
 #: What a stage that averages gradients takes, in its constructor's order after bucket_mb.
 WIRE_AND_USE = (COMPRESS, ERROR_FEEDBACK, FIND_UNUSED_PARAMETERS, PRECISION)

@@ -9,7 +9,8 @@ its shard of each bucket's averaged gradient -- the pieces' ``.grad``.
    together are its 1/N of the gradients;
 2. a post-accumulate-grad hook marks each parameter ready; a complete bucket is packed, its full gradients freed, and
    its reduce-scatter started on the communication thread while backward goes on (``parts.buckets.BucketPipeline``,
-   as in ``ddp-bucketed``) -- once the one before has finished, so a slow wire cannot pile packed copies up;
+   as in ``ddp-bucketed``) -- once the one before has finished, so a slow wire cannot pile packed copies up
+   (``reduce_scatter_buffers=2``, FSDP2's ``set_reduce_scatter_max_input_buffers``: once the one before *that*);
 3. the optimizer steps the owned pieces, and the updated shards are all-gathered, as in ZeRO-1.
 
 Bytes: the same reduce-scatter + all-gather, 2(N-1)/N * Psi * b per step.  Memory (fp32 Adam): 4Psi + (4 + 8)Psi/N;
@@ -31,7 +32,7 @@ from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline, check_bucket_mb
 from ..parts.layout import build_groups
 from .facts import GradientMemory, Shards, bucket_numel
-from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, WIRE_AND_USE
+from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, REDUCE_SCATTER_BUFFERS, WIRE_AND_USE
 from .zero import ZeRO
 
 
@@ -39,17 +40,17 @@ class ZeRO2(ZeRO):
     name = "zero2"
     shards = Shards(optimizer_states=True, gradients=True)
     gradient_memory = GradientMemory(buckets="bucket_mb")
-    options = (BUCKET_MB, *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
+    options = (BUCKET_MB, REDUCE_SCATTER_BUFFERS, *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 bucket_mb: float = 25.0, **common):
+                 bucket_mb: float = 25.0, reduce_scatter_buffers: int = MAX_IN_FLIGHT, **common):
         check_bucket_mb(bucket_mb)
         super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision, offload
-        self.bucket_mb = bucket_mb
+        self.bucket_mb, self.reduce_scatter_buffers = bucket_mb, reduce_scatter_buffers
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names(),
                                 max_numel=bucket_numel(bucket_mb, self.param_groups(), self.precision)))
         self.pipeline = BucketPipeline(comm, [[s.param for s in b.segments] for b in self.buckets],
-                                       self.deferred_reduce_scatter, max_in_flight=MAX_IN_FLIGHT)
+                                       self.deferred_reduce_scatter, max_in_flight=reduce_scatter_buffers)
         self.zero_grad()
         self.hook_grouped_parameters()
 

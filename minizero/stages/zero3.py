@@ -39,7 +39,7 @@ from ..parts.unit_plan import ReplicatedGroup, plan_units
 from ..parts.units import Unit, replayed_by_backward
 from . import zero3_facts, zero_state
 from .facts import GradientMemory, Shards
-from .options import OFFLOAD_OPTIMIZER, WIRE_AND_USE, Option, natural_int
+from .options import OFFLOAD_OPTIMIZER, REDUCE_SCATTER_BUFFERS, WIRE_AND_USE, Option, natural_int
 from .sharded_gradient import ShardedParameter
 from .zero import ZeRO
 
@@ -56,11 +56,12 @@ class ZeRO3(ZeRO):
                Option("prefetch", 1, "units whose all-gather starts ahead of use", natural_int, draw=lambda d: (0, 1, 2)),
                Option("replicate", None, "submodules (or their names) kept whole on every rank and all-reduced, not "
                       "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: d.replicable),
-               *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
+               REDUCE_SCATTER_BUFFERS, *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
     unit_class = Unit  # what gathers and frees a unit's parameters (lesson 9's lab writes its own)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
-                 units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None, **common):
+                 units=None, reshard_after_forward: bool = True, prefetch: int = 1, replicate=None,
+                 reduce_scatter_buffers: int = MAX_IN_FLIGHT, **common):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
         super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision, offload
@@ -79,7 +80,7 @@ class ZeRO3(ZeRO):
                       for u, m in enumerate([module] + unit_modules)]
         self._unit_of = [self.units[owner] for owner, _, _ in plan] + [None] * len(replicated)  # group -> unit
         self.pipeline = BucketPipeline(comm, [[s.param for s in g.segments] for g in self.groups],
-                                       self.deferred_reduction, max_in_flight=MAX_IN_FLIGHT)
+                                       self.deferred_reduction, max_in_flight=reduce_scatter_buffers)
         self._order: list[int] = []  # units in the order the last forward called them
         self._recording: list[int] = []
         self._called: set[int] = set()  # units called with autograd on since the last synchronisation

@@ -13,9 +13,11 @@ The gradients, by what the stage states (:class:`~minizero.stages.facts.Gradient
   kept    -- in buffers that outlive ``zero_grad()``: nothing on top of the model states;
   born    -- each ``.grad`` is made as backward reaches its parameter, and stays (DDP then copies them all into one
              flat buffer after backward: the stage's ``after_backward_elements``, another moment);
-  buckets -- ZeRO-2 and -3: a bucket whose gradients are all born waits for the reduce-scatter before it
-             (:data:`~minizero.parts.buckets.MAX_IN_FLIGHT`), is packed into a new buffer -- its gradients and their copy
-             both alive for that moment -- and its gradients freed; each reduce-scatter leaves this rank its 1/N.
+  buckets -- ZeRO-2 and -3: a bucket whose gradients are all born waits until fewer than ``reduce_scatter_buffers``
+             (default :data:`~minizero.parts.buckets.MAX_IN_FLIGHT`, FSDP2's 1) packed buckets are in flight, is
+             packed into a new buffer -- its gradients and their copy both alive for that moment -- and its gradients
+             freed; each reduce-scatter leaves this rank its 1/N.  A slow wire is assumed: every packed bucket is
+             held until the bound makes backward wait for it (the most the timing can keep).
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def buckets_of(order: list[tuple[int | None, int, float]], memory: GradientMemor
 
 
 def backward_peak(memory: GradientMemory, shape, per_block: float, kept_per_block: float, micro_batch: int,
-                  working: int, world_size: int, bucket_mb: float = 25.0) -> dict:
+                  working: int, world_size: int, bucket_mb: float = 25.0, reduce_scatter_buffers: int = 1) -> dict:
     """The most a rank holds during backward beyond its model states less the gradients ``zero_grad()`` freed, as
     ``{"total", "activations", "gradients", "buckets"}`` at that moment, for a GPT of ``shape``
     (:class:`~.step_memory.Shape`).  ``per_block``: a block's activations (replayed, when checkpointed);
@@ -77,7 +79,8 @@ def backward_peak(memory: GradientMemory, shape, per_block: float, kept_per_bloc
     last_of = {b: i for i, b in enumerate(bucket)}  # the parameter completing each bucket
     flowing = 2 * shape.seq * micro_batch * 4 * shape.hidden * working  # the gradient into and out of GeLU
     head = shape.vocab * shape.hidden * working  # the head's gradient, held until the tied embedding's joins it
-    born = unpacked = in_flight = reduced = 0.0
+    born = unpacked = reduced = 0.0
+    in_flight: list[float] = []  # packed buckets, oldest first, whose reduce-scatter may not have finished
     peak = {"total": 0.0}
     for i, (block, n, freed) in enumerate(order):
         if block is not None:  # blocks below this one keep theirs; this one what its backward has not freed yet
@@ -88,12 +91,15 @@ def backward_peak(memory: GradientMemory, shape, per_block: float, kept_per_bloc
         born += n * working
         unpacked += n * working
         complete = memory.buckets is not None and last_of[bucket[i]] == i
-        # A complete bucket waits for the one in flight, then is copied: its gradients beside either in turn.
-        buckets = max(in_flight, unpacked) if complete else in_flight
+        # A complete bucket waits for the oldest in flight until fewer than the bound are, then is copied: its
+        # gradients beside the waited-for ones, then beside their copy; the newest (bound - 1) stay throughout.
+        staying = sum(in_flight[max(0, len(in_flight) - reduce_scatter_buffers + 1):])
+        buckets = staying + max(sum(in_flight) - staying, unpacked) if complete else sum(in_flight)
         gradients = 0.0 if memory.kept else reduced + unpacked if memory.buckets else born
         total = activations + waiting + gradients + buckets
         if total > peak["total"]:
             peak = {"total": total, "activations": activations + waiting, "gradients": gradients, "buckets": buckets}
         if complete:  # packed and launched, its gradients freed; its output, this rank's 1/N, made as it starts
-            in_flight, reduced, unpacked = unpacked, reduced + unpacked / world_size, 0.0
+            in_flight = (in_flight + [unpacked])[-reduce_scatter_buffers:]
+            reduced, unpacked = reduced + unpacked / world_size, 0.0
     return peak

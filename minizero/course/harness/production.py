@@ -182,6 +182,11 @@ ROWS: tuple[Row, ...] = (
         "which units' all-gathers to issue ahead of use (implicit prefetch otherwise)",
         "zero3(prefetch=1): how many units ahead", (Torch(f"{_FSDP}.FSDPModule.set_modules_to_forward_prefetch"),),
         (Ours(ZeRO3, "prefetch", 1),)),
+    Row("FSDPModule.set_reduce_scatter_max_input_buffers", "packed gradient buffers whose reduce-scatter may be in "
+        "flight before backward packs the next (1: it waits; more: one more bucket of memory each)",
+        "zero2/zero3(reduce_scatter_buffers=1)", (Torch(f"{_FSDP}.FSDPModule.set_reduce_scatter_max_input_buffers",
+                                                         "max_input_buffers"),),
+        (Ours(ZeRO2, "reduce_scatter_buffers", 1), Ours(ZeRO3, "reduce_scatter_buffers", 1))),
     Row("ZeroRedundancyOptimizer",
         "ZeRO-1 with whole parameters given to ranks; all-reduce, then each rank broadcasts its updated "
         "parameters: about 3Ψ", "zero1: flat shards, reduce-scatter + all-gather: 2Ψ",

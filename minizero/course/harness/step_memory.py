@@ -129,7 +129,7 @@ def step_temporary_bytes(stage: str, psi: float, world_size: int, optimizer: str
 
 def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batch: int, precision: str = "bf16",
                optimizer: str = "adam", checkpointed: bool = False, offloaded: bool = False,
-               foreach: bool = True, bucket_mb: float = 25.0) -> dict:
+               foreach: bool = True, bucket_mb: float = 25.0, reduce_scatter_buffers: int = 1) -> dict:
     """One rank's peak on the device, by component: the model states (the stage's formula), and on top of them the
     most of four moments --
       the start of backward: every block's activations (checkpointed: inputs), the head's, and the loss's gradient
@@ -152,7 +152,7 @@ def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batc
     acts = activation_bytes(shape, micro_batch, working, checkpointed)
     start = acts["blocks"] + acts["head"] + loss_gradient_bytes(shape, micro_batch)
     walk = backward_peak(memory, shape, acts["per_block"], acts["blocks"] / shape.layers, micro_batch, working, shards,
-                         bucket_mb)
+                         bucket_mb, reduce_scatter_buffers)
     gathered = gathered_unit_bytes(stage, shape, working)
     after = cls.after_backward_elements(psi, world_size) * working
     gradients = step_gradient_bytes(stage, psi, world_size, precision, offloaded)
