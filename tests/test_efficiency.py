@@ -25,10 +25,11 @@ def rows():
 def test_every_stage_has_a_row_with_one_measurement_per_round(rows):
     assert [r["name"] for r in rows] == ["ddp", "ddp-bucketed", "zero1", "zero2", "zero3", "zeropp", "hsdp"]
     assert all(len(r["measured_ms"]) == 2 and r["preset"].startswith("lesson (alpha=2ms") for r in rows)
+    ahead = {"prefetch": 1, "reduce_scatter_buffers": 2}
     assert {r["name"]: r["options"] for r in rows} == {"ddp": {}, "ddp-bucketed": {"bucket_mb": 0.5},
                                                        "zero1": {"bucket_mb": 0.5, "overlap": True},
-                                                       "zero2": {"bucket_mb": 0.5}, "zero3": {"prefetch": 1},
-                                                       "zeropp": {"prefetch": 1}, "hsdp": {"prefetch": 1}}
+                                                       "zero2": {"bucket_mb": 0.5, "reduce_scatter_buffers": 2},
+                                                       "zero3": ahead, "zeropp": ahead, "hsdp": ahead}
     # N=2: ddp's one all-reduce is 2 ring messages, zero1's reduce-scatter and all-gather 1 each
     assert {r["name"]: r["messages"] for r in rows if r["name"] in ("ddp", "zero1")} == {"ddp": 2, "zero1": 2}
 

@@ -49,8 +49,10 @@ from .scale import measured_plan
 
 #: The options that let a stage overlap on the bench GPT (3 MB of gradients: the default 25 MiB bucket would be
 #: one bucket, which cannot leave before backward ends), each given to the stages that accept it -- zero1's
-#: ``overlap`` (DeepSpeed stage 1's overlap_comm) included.
-OVERLAP_OPTIONS = {"bucket_mb": 0.5, "prefetch": 1, "overlap": True}
+#: ``overlap`` (DeepSpeed stage 1's overlap_comm) included, and two reduce-scatter buffers for ZeRO-2 and -3
+#: (FSDP2's set_reduce_scatter_max_input_buffers(2)): with one, each bucket is packed only once the reduce-scatter
+#: before it has finished, so the hand-off and the packing sit between two reduce-scatters on the wire.
+OVERLAP_OPTIONS = {"bucket_mb": 0.5, "prefetch": 1, "overlap": True, "reduce_scatter_buffers": 2}
 
 
 def stage_options() -> dict[str, dict]:
