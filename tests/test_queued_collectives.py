@@ -85,3 +85,48 @@ def test_waiting_for_all_waits_for_every_one_and_raises_the_first_error():
     with pytest.raises(ValueError, match="the first"):
         wait_all(works)
     assert [w.waited > 0 for w in works] == [True, True, True, True]
+
+
+def _gathers_in_order(me, exp):
+    """ZeRO-3's all-gathers as its main thread issues them and waits for them, in order, over the steps of ``exp``."""
+    from minizero.course.harness.experiment import build
+    from minizero.course.harness.tasks import TASKS
+    from minizero.run.train import shard_step, train_step
+    from minizero.stages.zero3 import ZeRO3
+    log, original = [], ZeRO3.all_gather
+
+    def all_gather(self, unit, why):
+        log.append(f"issue {unit.index}")
+        work = original(self, unit, why)
+        result = work.result
+        work.result = lambda: log.append(f"wait {unit.index}") or result()
+        return work
+    ZeRO3.all_gather = all_gather  # (before the stage is built: its units hold the bound method)
+    try:
+        stage, _, comm, _ = build(me, exp)
+        try:
+            for s in range(exp.steps):
+                x, y = TASKS[exp.task].make_batch(exp.global_batch(me.world_size), exp.seed, s, torch.float32,
+                                                  **exp.model)
+                train_step(stage, shard_step(x, y, me.rank, me.world_size, exp.accum))
+                log.append("step")
+        finally:
+            comm.close()
+    finally:
+        ZeRO3.all_gather = original
+    return log
+
+
+def test_zero3_queues_the_prefetch_before_it_waits_for_a_prefetched_unit(pools):
+    """The root (unit 0) and four blocks, prefetch 1.  A unit whose all-gather is already on its way when its moment
+    comes has the next unit's queued *before* this rank waits, so the two run back to back on the wire (FSDP2's host
+    never waits for a gather; here the wait is the host's).  A unit gathered on the spot (the first of each pass) is
+    waited for first: its prefetch would otherwise take the wire ahead of nothing.  Only speed depends on this order
+    (the efficiency bench: zero3 0.86 against 0.93), so it is held here, call by call, on every rank and step."""
+    from minizero.course.harness.experiment import Experiment
+    exp = Experiment(stage="zero3", task="gpt", model={"n_layer": 4}, steps=2, dtype="float32", optimizer="sgd",
+                     check=False, options={"prefetch": 1})
+    forward = ["issue 0", "wait 0", "issue 1", "issue 2", "wait 1", "issue 3", "wait 2", "issue 4", "wait 3", "wait 4"]
+    backward = ["issue 0", "wait 0", "issue 4", "wait 4", "issue 3", "issue 2", "wait 3", "issue 1", "wait 2", "wait 1"]
+    for rank, log in enumerate(pools.run(2, _gathers_in_order, exp)):
+        assert log == (forward + backward + ["step"]) * exp.steps, (rank, log)
