@@ -18,7 +18,7 @@ TORCH = os.path.join(HERE, "..", "minizero", "course", "verify", "torch_wrappers
 OURS = os.path.join(HERE, "verify_wrappers.py")
 
 
-@pytest.mark.parametrize("factory", ["ddp", "fsdp2_clipping_local_shards", "zero_redundancy"])
+@pytest.mark.parametrize("factory", ["ddp", "fsdp2_clipping_local_shards", "fsdp2_per_block_two_buffers", "zero_redundancy"])
 def test_torchs_own_wrappers_are_single_device_training(pools, factory):
     verdict = verify(f"{TORCH}:{factory}", examples=8, pools=pools)
     assert verdict.ok, verdict

@@ -151,3 +151,19 @@ def fsdp2_bf16_reduced_in_bf16_local_clip(module, group):
     """``MixedPrecisionPolicy(param_dtype=bf16)`` as it comes -- the gradients reduced in bf16 too -- clipped from
     each rank's local shards."""
     return fsdp2_bf16(module, group, reduce_dtype=None, local_clip=True)
+
+
+def fsdp2_per_block_two_buffers(module, group):
+    """FSDP2 as a transformer is wrapped -- ``fully_shard`` on each element of every ``nn.ModuleList`` (a block), then
+    on the root -- with ``set_reduce_scatter_max_input_buffers(2)``: a block's gradients are packed while the
+    reduce-scatter before is in flight (minizero's ``reduce_scatter_buffers=2``); clipped from local shards."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = DeviceMesh.from_group(group, _device(module))
+    module = _from_rank_0(module, group)
+    for blocks in [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+    wrapped = fully_shard(module, mesh=mesh)
+    wrapped.set_reduce_scatter_max_input_buffers(2)
+    return Wrapped(wrapped, clip_grad_norm=clipping_local_shards(wrapped, group))
