@@ -105,6 +105,8 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     memory.add_argument("--bucket-mb", type=positive_float, default=25.0,
                         help="the bucket cap of ddp-bucketed and ZeRO-2 in MiB (torch DDP's 25): ZeRO-2 holds two at a "
                              "time as it packs them")
+    memory.add_argument("--reduce-scatter-buffers", type=positive_int, default=1,
+                        help="ZeRO-2's and -3's packed buckets in flight (FSDP2's set_reduce_scatter_max_input_buffers: 1)")
     memory.add_argument("--stages", type=stage_list, default=None,
                         help="these stages only, comma-separated (default: every distributed stage)")
     memory.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

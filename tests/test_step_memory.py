@@ -207,7 +207,7 @@ def test_the_gpu_table_sets_what_cudas_libraries_keep_apart_from_the_step():
     from minizero.course.commands.memory_table import measured_step_lines
 
     args = SimpleNamespace(model="gpt", precision="bf16", checkpoint_activations=False, micro_batch=8,
-                           optimizer="adam", offload_optimizer=False, bucket_mb=25.0)
+                           optimizer="adam", offload_optimizer=False, bucket_mb=25.0, reduce_scatter_buffers=1)
     psi, n = 27_584, 4
     predicted = step_bytes("zero2", psi, gpt_shape("gpt"), n, 8, "bf16", "adam")
     held, libraries = int(predicted["model_states"]), 70_000_000
@@ -266,7 +266,7 @@ def test_the_measured_step_rows_are_what_the_table_prints():
     from minizero.course.commands.memory_table import measured_step_lines, measured_step_rows
 
     args = SimpleNamespace(model="gpt", precision="bf16", checkpoint_activations=False, micro_batch=8,
-                           optimizer="adam", offload_optimizer=False, bucket_mb=25.0)
+                           optimizer="adam", offload_optimizer=False, bucket_mb=25.0, reduce_scatter_buffers=1)
     psi, n = 27_584, 4
     predicted = step_bytes("zero3", psi, gpt_shape("gpt"), n, 8, "bf16", "adam")
     held = int(predicted["model_states"])

@@ -34,7 +34,8 @@ class GradientMemory:
     ``gradient_as_bucket_view``), ZeRO-1's flat buffers -- so it is there when backward starts.  Otherwise
     ``zero_grad()`` frees them and each is born as backward reaches its parameter.
     ``buckets``: gradients packed bucket by bucket during backward, freed, and reduce-scattered to this rank's
-    1/N, at most :data:`~minizero.parts.buckets.MAX_IN_FLIGHT` in flight -- ``"bucket_mb"`` (ZeRO-2) or ``"unit"``
+    1/N, at most ``reduce_scatter_buffers`` in flight (:data:`~minizero.parts.buckets.MAX_IN_FLIGHT` unless set) --
+    ``"bucket_mb"`` (ZeRO-2) or ``"unit"``
     (ZeRO-3: a unit's gradients are its bucket)."""
 
     kept: bool = False

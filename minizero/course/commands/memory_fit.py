@@ -24,7 +24,7 @@ def predicted_step_rows(args, psi: float) -> list[dict]:
         plan = Plan(stage, args.world_size, args.micro_batch, args.checkpoint_activations,
                     args.offload_optimizer and offloads(stage))
         here, fitting = fits(psi, shape, plan, args.gpu or float("inf"), args.precision, args.optimizer,
-                             args.bucket_mb)
+                             args.bucket_mb, args.reduce_scatter_buffers)
         row = {"stage": stage, **here, "at_step": here["step_gradients"] + here["optimizer_temporaries"]}
         if args.gpu:
             row.update(gpu_bytes=args.gpu, fits=fitting == plan,
@@ -56,7 +56,8 @@ def predicted_step_lines(args, psi: float) -> list[str]:
     lines.append("peak: model states + the most of four moments (minizero.course.harness.step_memory): backward's start (every "
                  "activation, the loss's gradient), backward itself (activations freed block by block as gradients are "
                  "born -- each counted without the gradients zero_grad() freed -- ZeRO-2's and -3's packed buckets, "
-                 f"{args.bucket_mb:g} MiB, at most one in flight: 'buckets'), after backward (DDP's flat copy of the "
+                 f"{args.bucket_mb:g} MiB, at most {args.reduce_scatter_buffers} in flight: 'buckets'), after backward "
+                 "(DDP's flat copy of the "
                  "gradients: 'after bw') and the step ('at step': mixed precision's fp32 gradients and the foreach "
                  "optimizer's intermediates -- Adam's sqrt(v)). activations: Korthikanti et al. 2022, eq. 1 (16-bit: "
                  "s*b*h*(34 + 5*a*s/h) per layer; checkpointed, 2sbh per layer and one layer replayed) plus the head's "

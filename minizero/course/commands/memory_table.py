@@ -57,7 +57,8 @@ def formula_rows(psi: float, world_size: int, precision: str, optimizer: str, of
 
 def measured_rows(model: str, world_size: int, precision: str, optimizer: str, timeout_s: float,
                   offload: bool = False, stages: list[str] | None = None, steps: int = STEPS, device: str = "cpu",
-                  micro_batch: int = 4, checkpointed: bool = False, bucket_mb: float = 25.0) -> list[dict]:
+                  micro_batch: int = 4, checkpointed: bool = False, bucket_mb: float = 25.0,
+                  reduce_scatter_buffers: int = 1) -> list[dict]:
     """Every stage trained for a few steps on ``world_size`` ranks: the most model-state bytes any rank held.
     (Adam creates its states at its first step, and fp16's first steps may be skipped while the loss scale
     comes down from 2^16: a run with no step taken would show no optimizer states.)  ``stages``: these only.
@@ -72,7 +73,7 @@ def measured_rows(model: str, world_size: int, precision: str, optimizer: str, t
     # parent's made one memory command take minutes.  (CUDA needs spawned ranks anyway.)
     with RankPool(world_size, timeout_s=timeout_s, start_method="spawn") as pool:
         for name in stages or distributed():
-            taken = {**options, "bucket_mb": bucket_mb,
+            taken = {**options, "bucket_mb": bucket_mb, "reduce_scatter_buffers": reduce_scatter_buffers,
                      **({"offload_optimizer": True} if offload and offloads(name) else {})}
             exp = Experiment(stage=name, task="gpt", model=MODELS[model], optimizer=optimizer, steps=steps,
                              dtype="float32", options={k: v for k, v in taken.items() if k in STAGES[name].option_names()},
@@ -160,7 +161,8 @@ def main(args) -> tuple[int, str]:
                              f"(torch.cuda.is_available() is False); leave --device out to measure on the CPU")
         measured = measured_rows(args.model, live_n, precision, args.optimizer, args.timeout, args.offload_optimizer,
                                  stages=args.stages, device=args.device, micro_batch=args.micro_batch,
-                                 checkpointed=args.checkpoint_activations, bucket_mb=args.bucket_mb)
+                                 checkpointed=args.checkpoint_activations, bucket_mb=args.bucket_mb,
+                                 reduce_scatter_buffers=args.reduce_scatter_buffers)
         psi = measured[0]["psi"]
     else:
         psi = args.params
@@ -276,7 +278,7 @@ def predicted_step(args, stage: str, psi: float, world_size: int, foreach: bool)
     it, for ``stage``."""
     return step_bytes(stage, psi, gpt_shape(args.model), world_size, args.micro_batch, args.precision, args.optimizer,
                       args.checkpoint_activations, args.offload_optimizer and offloads(stage), foreach=foreach,
-                      bucket_mb=args.bucket_mb)
+                      bucket_mb=args.bucket_mb, reduce_scatter_buffers=args.reduce_scatter_buffers)
 
 
 def pair(predicted: float, measured: float | None, width: int = 11) -> str:

@@ -240,12 +240,12 @@ def smallest_change(plan: Plan, fits_with) -> Plan | None:
 
 
 def fits(psi: float, shape: Shape, plan: Plan, gpu_bytes: float, precision: str = "bf16",
-         optimizer: str = "adam", bucket_mb: float = 25.0) -> tuple[dict, Plan | None]:
+         optimizer: str = "adam", bucket_mb: float = 25.0, reduce_scatter_buffers: int = 1) -> tuple[dict, Plan | None]:
     """``(the peak by component, the smallest change that fits -- the plan itself if it fits, None if nothing
     tried fits)``."""
     def peak(p: Plan) -> dict:
         return step_bytes(p.stage, psi, shape, p.world_size, p.micro_batch, precision, optimizer, p.checkpointed,
-                          p.offloaded, bucket_mb=bucket_mb)
+                          p.offloaded, bucket_mb=bucket_mb, reduce_scatter_buffers=reduce_scatter_buffers)
 
     here = peak(plan)
     if here["total"] <= gpu_bytes:
