@@ -172,7 +172,8 @@ def _train(me, stage_name, options, on_stream, steps=3):
 
 
 OVERLAPPED = [("ddp-bucketed", {"bucket_mb": 1e-9}), ("ddp-bucketed", {"bucket_mb": 1e-9, "compress": "fp16"}),
-              ("zero2", {"bucket_mb": 1e-9}), ("zero3", {"prefetch": 1}), ("zero3", {"prefetch": 0})]
+              ("zero2", {"bucket_mb": 1e-9}), ("zero3", {"prefetch": 1}), ("zero3", {"prefetch": 0}),
+              ("zero2", {"bucket_mb": 1e-9, "reduce_scatter_buffers": 2}), ("zero3", {"prefetch": 1, "reduce_scatter_buffers": 2})]
 
 
 @pytest.mark.parametrize("stage, options", OVERLAPPED)
