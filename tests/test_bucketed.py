@@ -287,7 +287,7 @@ def test_zero_stages_hold_at_most_their_bound_of_buckets_in_flight(bound):
     assert max(seen[bound]) <= bound - 1, seen  # at most `bound` once this one is launched
     assert seen[None] == [0, 1, 2, 3, 4], seen  # without a bound: every one launched before it
     for bad in (0, 1.5, "1", True):
-        with pytest.raises(ValueError, match=r"max_in_flight \(ZeRO.s reduce_scatter_buffers\) must be a whole number >= 1"):
+        with pytest.raises(ValueError, match="max_in_flight must be a whole number >= 1"):
             BucketPipeline(comm, [[p] for p in params], start, max_in_flight=bad)
 
 

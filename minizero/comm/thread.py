@@ -101,8 +101,8 @@ class CommThread:
         future: Future = Future()
         if self.here:  # from a function this thread runs: queued, it would wait behind its caller -- forever, if the
             self._run([future, fn, args])  # caller waits for it -- so it runs now, as a blocking collective called here does
-        else:
-            self._queue.put([future, fn, args])
+            return Work(future)  # (a wait for it is this thread's, not the host's: no exposed wait to observe)
+        self._queue.put([future, fn, args])
         return Work(future, self._waits)
 
     def _serve(self) -> None:
@@ -120,7 +120,8 @@ class CommThread:
 
     @staticmethod
     def _run(task: list) -> None:
-        """Run ``[future, fn, args]``, emptying the list: nothing here keeps the function once it has run."""
+        """Run ``[future, fn, args]``, emptying the list: nothing the thread's loop holds keeps the function once it has
+        run (a caller on this thread, :meth:`submit`'s inline path, still holds its own references)."""
         future, fn, args = task
         task.clear()
         if not future.set_running_or_notify_cancel():

@@ -92,8 +92,7 @@ class BucketPipeline:
     def __init__(self, comm: Comm, buckets: list[list[nn.Parameter]], start: Callable[[int], Callable[[], object]],
                  max_in_flight: int | None = None):
         if max_in_flight is not None and not (type(max_in_flight) is int and max_in_flight >= 1):
-            raise ValueError(f"max_in_flight (ZeRO's reduce_scatter_buffers) must be a whole number >= 1 (or None: no "
-                             f"bound), got {max_in_flight!r}; FSDP2's default is {MAX_IN_FLIGHT}, one bucket in flight")
+            raise ValueError(f"max_in_flight must be a whole number >= 1 (or None: no bound), got {max_in_flight!r}")
         self.comm, self._start = comm, start
         self._order = ReadyOrder(buckets, self._launch)
         self._works: dict[int, object] = {}

@@ -166,12 +166,25 @@ PRECISION = Option("precision", "fp32", "fp32, or bf16/fp16 compute with fp32 ma
 OVERLAP = Option("overlap", False, "reduce-scatter each bucket during backward, the full gradients kept "
                  "(DeepSpeed stage 1's overlap_comm); off: after backward, as the paper", None)
 
+#: ZeRO-3's (and its kin's) units gathered ahead of use.
+PREFETCH = Option("prefetch", 1, "units whose all-gather starts ahead of use", natural_int, draw=lambda d: (0, 1, 2))
+
 #: ZeRO-2's and -3's bound on packed buckets in flight during backward (FSDP2's
 #: ``set_reduce_scatter_max_input_buffers``).  Not drawn by the whole suite, whose draws it would shift:
 #: tests/test_reduce_scatter_buffers.py draws it.
 REDUCE_SCATTER_BUFFERS = Option("reduce_scatter_buffers", MAX_IN_FLIGHT, "packed buckets whose reduce-scatter may be in flight "
                                 "before backward packs the next (FSDP2's set_reduce_scatter_max_input_buffers: 1; "
                                 "2 hides a slow wire's wait behind one more bucket of memory)", positive_int)
+
+
+def check_reduce_scatter_buffers(buffers) -> None:
+    """Before anything is sharded: a count of buffers, as FSDP2's setter takes (a type error, then a value error)."""
+    if type(buffers) is not int:
+        raise TypeError(f"reduce_scatter_buffers must be a whole number (an int), got {buffers!r} of type "
+                        f"{type(buffers).__name__} (FSDP2's default is {MAX_IN_FLIGHT})")
+    if buffers < 1:
+        raise ValueError(f"reduce_scatter_buffers must be >= 1 packed bucket in flight, got {buffers} (FSDP2's "
+                         f"default is {MAX_IN_FLIGHT}: backward waits for the one before)")
 
 #: What a stage that averages gradients takes, in its constructor's order after bucket_mb.
 WIRE_AND_USE = (COMPRESS, ERROR_FEEDBACK, FIND_UNUSED_PARAMETERS, PRECISION)

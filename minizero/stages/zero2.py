@@ -32,7 +32,7 @@ from ..costs.formulas import all_gather_bytes, reduce_scatter_bytes
 from ..parts.buckets import MAX_IN_FLIGHT, BucketPipeline, check_bucket_mb
 from ..parts.layout import build_groups
 from .facts import GradientMemory, Shards, bucket_numel
-from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, REDUCE_SCATTER_BUFFERS, WIRE_AND_USE
+from .options import BUCKET_MB, OFFLOAD_OPTIMIZER, REDUCE_SCATTER_BUFFERS, WIRE_AND_USE, check_reduce_scatter_buffers
 from .zero import ZeRO
 
 
@@ -45,6 +45,7 @@ class ZeRO2(ZeRO):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, comm: Comm | None = None,
                  bucket_mb: float = 25.0, reduce_scatter_buffers: int = MAX_IN_FLIGHT, **common):
         check_bucket_mb(bucket_mb)
+        check_reduce_scatter_buffers(reduce_scatter_buffers)
         super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision, offload
         self.bucket_mb, self.reduce_scatter_buffers = bucket_mb, reduce_scatter_buffers
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names(),

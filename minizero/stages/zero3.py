@@ -39,7 +39,7 @@ from ..parts.unit_plan import ReplicatedGroup, plan_units
 from ..parts.units import Unit, replayed_by_backward
 from . import zero3_facts, zero_state
 from .facts import GradientMemory, Shards
-from .options import OFFLOAD_OPTIMIZER, REDUCE_SCATTER_BUFFERS, WIRE_AND_USE, Option, natural_int
+from .options import OFFLOAD_OPTIMIZER, PREFETCH, REDUCE_SCATTER_BUFFERS, WIRE_AND_USE, Option, check_reduce_scatter_buffers
 from .sharded_gradient import ShardedParameter
 from .zero import ZeRO
 
@@ -52,8 +52,7 @@ class ZeRO3(ZeRO):
                          "nn.ModuleList, as FSDP2 wraps each transformer block)", None),
                Option("reshard_after_forward", True, "free a unit's gathered parameters after its forward and "
                       "gather them again for backward (FSDP2's default; off: 2Ψ instead of 3Ψ, more memory)", None,
-                      draw=lambda d: (True, False)),
-               Option("prefetch", 1, "units whose all-gather starts ahead of use", natural_int, draw=lambda d: (0, 1, 2)),
+                      draw=lambda d: (True, False)), PREFETCH,
                Option("replicate", None, "submodules (or their names) kept whole on every rank and all-reduced, not "
                       "sharded, as DDP does (torch's composable replicate)", None, draw=lambda d: d.replicable),
                REDUCE_SCATTER_BUFFERS, *WIRE_AND_USE, OFFLOAD_OPTIMIZER)
@@ -64,6 +63,7 @@ class ZeRO3(ZeRO):
                  reduce_scatter_buffers: int = MAX_IN_FLIGHT, **common):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a whole number of units >= 0, got {prefetch!r}")
+        check_reduce_scatter_buffers(reduce_scatter_buffers)  # (before anything is sharded)
         super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision, offload
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._observers: list = []

@@ -278,7 +278,8 @@ def predicted_step(args, stage: str, psi: float, world_size: int, foreach: bool)
     it, for ``stage``."""
     return step_bytes(stage, psi, gpt_shape(args.model), world_size, args.micro_batch, args.precision, args.optimizer,
                       args.checkpoint_activations, args.offload_optimizer and offloads(stage), foreach=foreach,
-                      bucket_mb=args.bucket_mb, reduce_scatter_buffers=args.reduce_scatter_buffers)
+                      bucket_mb=args.bucket_mb, reduce_scatter_buffers=getattr(args, "reduce_scatter_buffers", 1))
+    # (a namespace built by hand, as lesson 18's, may leave the buffers out: FSDP2's default, one)
 
 
 def pair(predicted: float, measured: float | None, width: int = 11) -> str:

@@ -74,6 +74,8 @@ def backward_peak(memory: GradientMemory, shape, per_block: float, kept_per_bloc
     (:class:`~.step_memory.Shape`).  ``per_block``: a block's activations (replayed, when checkpointed);
     ``kept_per_block``: what each block keeps until its backward (all of them, or its input); ``working``: bytes per
     element of the model's working copy."""
+    if type(reduce_scatter_buffers) is not int or reduce_scatter_buffers < 1:
+        raise ValueError(f"reduce_scatter_buffers must be a whole number >= 1, got {reduce_scatter_buffers!r}")
     order = gradient_order(shape)
     bucket = buckets_of(order, memory, bucket_mb * 2 ** 20 / working)
     last_of = {b: i for i, b in enumerate(bucket)}  # the parameter completing each bucket

@@ -183,7 +183,7 @@ ROWS: tuple[Row, ...] = (
         "zero3(prefetch=1): how many units ahead", (Torch(f"{_FSDP}.FSDPModule.set_modules_to_forward_prefetch"),),
         (Ours(ZeRO3, "prefetch", 1),)),
     Row("FSDPModule.set_reduce_scatter_max_input_buffers", "packed gradient buffers whose reduce-scatter may be in "
-        "flight before backward packs the next (1: it waits; more: one more bucket of memory each)",
+        "flight before backward packs the next (1: it waits; more: one more bucket each; experimental in 2.13)",
         "zero2/zero3(reduce_scatter_buffers=1)", (Torch(f"{_FSDP}.FSDPModule.set_reduce_scatter_max_input_buffers",
                                                          "max_input_buffers"),),
         (Ours(ZeRO2, "reduce_scatter_buffers", 1), Ours(ZeRO3, "reduce_scatter_buffers", 1))),
