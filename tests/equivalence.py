@@ -103,3 +103,21 @@ def run_and_check(pools, exp: Experiment, world_size: int, rtol: float | None = 
 __all__ = ["BUCKET_MB", "PRECISION_POLICIES", "stage_options", "experiments",
            "assert_equivalent", "run_and_check", "bit_identical", "replace", "examples", "covering",
            "covering_every_world_size", "WORLD_SIZES"]
+
+
+def train_here(me, exp, after_step=lambda: None) -> None:
+    """Train ``exp`` on this rank (from a pool), float32, then close its Comm: for a test that watches a stage from
+    inside, having patched what it watches before the stage is built (its parts hold bound methods)."""
+    import torch
+
+    from minizero.course.harness.experiment import build
+    from minizero.course.harness.tasks import TASKS
+    from minizero.run.train import shard_step, train_step
+    stage, _, comm, _ = build(me, exp)
+    try:
+        for s in range(exp.steps):
+            x, y = TASKS[exp.task].make_batch(exp.global_batch(me.world_size), exp.seed, s, torch.float32, **exp.model)
+            train_step(stage, shard_step(x, y, me.rank, me.world_size, exp.accum))
+            after_step()
+    finally:
+        comm.close()

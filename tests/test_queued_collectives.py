@@ -10,6 +10,7 @@ import torch
 
 from minizero.comm import make_comm
 from minizero.run.launch import RankPool
+from tests.equivalence import train_here
 
 WIRE = "alpha=30ms,bandwidth=1GB/s"  # each message 30 ms on the wire, far above loopback's own time however busy
 QUEUED = 3
@@ -89,9 +90,6 @@ def test_waiting_for_all_waits_for_every_one_and_raises_the_first_error():
 
 def _gathers_in_order(me, exp):
     """ZeRO-3's all-gathers as its main thread issues them and waits for them, in order, over the steps of ``exp``."""
-    from minizero.course.harness.experiment import build
-    from minizero.course.harness.tasks import TASKS
-    from minizero.run.train import shard_step, train_step
     from minizero.stages.zero3 import ZeRO3
     log, original = [], ZeRO3.all_gather
 
@@ -103,15 +101,7 @@ def _gathers_in_order(me, exp):
         return work
     ZeRO3.all_gather = all_gather  # (before the stage is built: its units hold the bound method)
     try:
-        stage, _, comm, _ = build(me, exp)
-        try:
-            for s in range(exp.steps):
-                x, y = TASKS[exp.task].make_batch(exp.global_batch(me.world_size), exp.seed, s, torch.float32,
-                                                  **exp.model)
-                train_step(stage, shard_step(x, y, me.rank, me.world_size, exp.accum))
-                log.append("step")
-        finally:
-            comm.close()
+        train_here(me, exp, after_step=lambda: log.append("step"))
     finally:
         ZeRO3.all_gather = original
     return log

@@ -11,12 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.course.harness.experiment import Experiment, build
-from minizero.course.harness.tasks import TASKS
+from minizero.course.harness.experiment import Experiment
 from minizero.parts.layout import FlatGroup
-from minizero.run.train import shard_step, train_step
 from minizero.stages import STAGES
-from tests.equivalence import covering, examples, experiments, run_and_check
+from tests.equivalence import covering, examples, experiments, run_and_check, train_here
 
 
 def with_buffers(drawn, buffers):
@@ -45,14 +43,7 @@ def packed_alive_on_rank(me, exp) -> int:
         return full
     FlatGroup.take_gradients = counted
     try:
-        stage, _, comm, _ = build(me, exp)
-        try:
-            for s in range(exp.steps):
-                x, y = TASKS[exp.task].make_batch(exp.global_batch(me.world_size), exp.seed, s, torch.float32,
-                                                     **exp.model)
-                train_step(stage, shard_step(x, y, me.rank, me.world_size, exp.accum))
-        finally:
-            comm.close()
+        train_here(me, exp)
     finally:
         FlatGroup.take_gradients = take
     return most[0]
