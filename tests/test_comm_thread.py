@@ -33,25 +33,29 @@ def test_a_function_the_thread_runs_may_wait_for_what_it_submits():
 
 def _waits_inside_the_thread(me, network):
     from minizero.comm import make_comm
-    comm = make_comm("ring", network=network)
+    comm, waits = make_comm("ring", network=network), []
+    comm.add_span_observer(lambda call, start, end, thread: call is None and waits.append(thread))
     try:
         tensor = torch.full((6,), float(me.rank + 1))
 
         def reduce_and_wait():  # an async_op collective issued and waited for where the thread runs it
             comm.all_reduce(tensor, async_op=True).wait()
             return tensor.clone()
-        return comm.submit(reduce_and_wait).result()
+        return comm.submit(reduce_and_wait).result(), waits
     finally:
         comm.close()
 
 
 @pytest.mark.parametrize("network", [None, "alpha=1ms,bandwidth=1GB/s"])
 def test_an_async_collective_waited_for_on_the_thread_completes(network):
-    """The same through a Comm, undialled and dialled (where ``async_op`` returns a wait until the wire is done)."""
+    """The same through a Comm, undialled and dialled (where ``async_op`` returns a wait until the wire is done).  A
+    wait there is the thread's, not the host's: a timeline that drew it would take it off the main thread's compute,
+    so only the main thread's own wait is observed."""
     with RankPool(3, timeout_s=8) as pool:
         results = pool.run_within(20, _waits_inside_the_thread, network)  # a hang ends as a failure
-    for rank, result in enumerate(results):
+    for rank, (result, waits) in enumerate(results):
         assert torch.equal(result, torch.full((6,), 6.0)), (rank, result)
+        assert set(waits) <= {"MainThread"}, (rank, waits)
 
 
 def test_a_function_is_let_go_before_its_work_is_done():
