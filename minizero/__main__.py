@@ -30,7 +30,7 @@ from .course.labs.cli import add_commands as add_lab_commands
 from .parts.precision import PRECISIONS, REDUCE_DTYPES
 from .run.launch import RankError
 from .stages import DEFAULT_STAGE, STAGES, distributed
-from .stages.options import WIRE_AND_USE, natural_int, positive_float, positive_int
+from .stages.options import REDUCE_SCATTER_BUFFERS, WIRE_AND_USE, natural_int, positive_float, positive_int
 
 
 def _training_options(p: argparse.ArgumentParser, steps: int, dtype: str, stages: dict) -> None:
@@ -105,8 +105,8 @@ def parser(stages: dict | None = None) -> argparse.ArgumentParser:
     memory.add_argument("--bucket-mb", type=positive_float, default=25.0,
                         help="the bucket cap of ddp-bucketed and ZeRO-2 in MiB (torch DDP's 25): ZeRO-2 holds two at a "
                              "time as it packs them")
-    memory.add_argument("--reduce-scatter-buffers", type=positive_int, default=1,
-                        help="ZeRO-2's and -3's packed buckets in flight (FSDP2's set_reduce_scatter_max_input_buffers: 1)")
+    memory.add_argument("--reduce-scatter-buffers", type=REDUCE_SCATTER_BUFFERS.parse, default=REDUCE_SCATTER_BUFFERS.default,
+                        help=f"ZeRO-2's and -3's {REDUCE_SCATTER_BUFFERS.help}")
     memory.add_argument("--stages", type=stage_list, default=None,
                         help="these stages only, comma-separated (default: every distributed stage)")
     memory.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

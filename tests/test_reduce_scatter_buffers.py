@@ -115,5 +115,5 @@ def test_the_memory_walk_counts_the_bound_of_packed_buckets():
             assert all(0 <= step <= 1.05 * held[0] for step in steps) and held[1] > held[0], (stage, bucket_mb, held)
             assert held[2] <= held[3] == held[4], (stage, bucket_mb, held)
     for bad in (0, True, None):
-        with pytest.raises(ValueError, match="reduce_scatter_buffers must be a whole number >= 1"):
+        with pytest.raises((TypeError, ValueError), match="reduce_scatter_buffers must be"):  # the stages' own check
             buckets("zero2", 1.0, bad)

@@ -47,7 +47,7 @@ class ZeRO2(ZeRO):
         check_bucket_mb(bucket_mb)
         check_reduce_scatter_buffers(reduce_scatter_buffers)
         super().__init__(module, optimizer, comm, **common)  # wire, find_unused_parameters, precision, offload
-        self.bucket_mb, self.reduce_scatter_buffers = bucket_mb, reduce_scatter_buffers
+        self.bucket_mb = bucket_mb
         self.shard(build_groups(self.param_groups(), self.rank, self.world_size, self.names(),
                                 max_numel=bucket_numel(bucket_mb, self.param_groups(), self.precision)))
         self.pipeline = BucketPipeline(comm, [[s.param for s in b.segments] for b in self.buckets],

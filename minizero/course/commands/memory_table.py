@@ -24,6 +24,7 @@ import torch
 
 from ...observe.memory import profiled_step
 from ...parts.activations import checkpoint_blocks
+from ...parts.buckets import MAX_IN_FLIGHT
 from ...parts.precision import Precision
 from ...run.launch import RankPool
 from ...stages import REFERENCE, STAGES, distributed, make_stage
@@ -58,7 +59,7 @@ def formula_rows(psi: float, world_size: int, precision: str, optimizer: str, of
 def measured_rows(model: str, world_size: int, precision: str, optimizer: str, timeout_s: float,
                   offload: bool = False, stages: list[str] | None = None, steps: int = STEPS, device: str = "cpu",
                   micro_batch: int = 4, checkpointed: bool = False, bucket_mb: float = 25.0,
-                  reduce_scatter_buffers: int = 1) -> list[dict]:
+                  reduce_scatter_buffers: int = MAX_IN_FLIGHT) -> list[dict]:
     """Every stage trained for a few steps on ``world_size`` ranks: the most model-state bytes any rank held.
     (Adam creates its states at its first step, and fp16's first steps may be skipped while the loss scale
     comes down from 2^16: a run with no step taken would show no optimizer states.)  ``stages``: these only.
@@ -278,8 +279,7 @@ def predicted_step(args, stage: str, psi: float, world_size: int, foreach: bool)
     it, for ``stage``."""
     return step_bytes(stage, psi, gpt_shape(args.model), world_size, args.micro_batch, args.precision, args.optimizer,
                       args.checkpoint_activations, args.offload_optimizer and offloads(stage), foreach=foreach,
-                      bucket_mb=args.bucket_mb, reduce_scatter_buffers=getattr(args, "reduce_scatter_buffers", 1))
-    # (a namespace built by hand, as lesson 18's, may leave the buffers out: FSDP2's default, one)
+                      bucket_mb=args.bucket_mb, reduce_scatter_buffers=args.reduce_scatter_buffers)
 
 
 def pair(predicted: float, measured: float | None, width: int = 11) -> str:

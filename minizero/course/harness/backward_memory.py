@@ -21,7 +21,9 @@ The gradients, by what the stage states (:class:`~minizero.stages.facts.Gradient
 """
 from __future__ import annotations
 
+from ...parts.buckets import MAX_IN_FLIGHT
 from ...stages.facts import GradientMemory
+from ...stages.options import check_reduce_scatter_buffers
 
 
 def block_gradients(shape) -> list[tuple[list[int], float]]:
@@ -68,14 +70,14 @@ def buckets_of(order: list[tuple[int | None, int, float]], memory: GradientMemor
 
 
 def backward_peak(memory: GradientMemory, shape, per_block: float, kept_per_block: float, micro_batch: int,
-                  working: int, world_size: int, bucket_mb: float = 25.0, reduce_scatter_buffers: int = 1) -> dict:
+                  working: int, world_size: int, bucket_mb: float = 25.0,
+                  reduce_scatter_buffers: int = MAX_IN_FLIGHT) -> dict:
     """The most a rank holds during backward beyond its model states less the gradients ``zero_grad()`` freed, as
     ``{"total", "activations", "gradients", "buckets"}`` at that moment, for a GPT of ``shape``
     (:class:`~.step_memory.Shape`).  ``per_block``: a block's activations (replayed, when checkpointed);
     ``kept_per_block``: what each block keeps until its backward (all of them, or its input); ``working``: bytes per
     element of the model's working copy."""
-    if type(reduce_scatter_buffers) is not int or reduce_scatter_buffers < 1:
-        raise ValueError(f"reduce_scatter_buffers must be a whole number >= 1, got {reduce_scatter_buffers!r}")
+    check_reduce_scatter_buffers(reduce_scatter_buffers)
     order = gradient_order(shape)
     bucket = buckets_of(order, memory, bucket_mb * 2 ** 20 / working)
     last_of = {b: i for i, b in enumerate(bucket)}  # the parameter completing each bucket

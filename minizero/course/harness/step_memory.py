@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ...parts.buckets import MAX_IN_FLIGHT
 from ...parts.precision import Precision
 from ...stages import STAGES, distributed
 from ...stages.facts import GradientMemory
@@ -129,7 +130,7 @@ def step_temporary_bytes(stage: str, psi: float, world_size: int, optimizer: str
 
 def step_bytes(stage: str, psi: float, shape: Shape, world_size: int, micro_batch: int, precision: str = "bf16",
                optimizer: str = "adam", checkpointed: bool = False, offloaded: bool = False,
-               foreach: bool = True, bucket_mb: float = 25.0, reduce_scatter_buffers: int = 1) -> dict:
+               foreach: bool = True, bucket_mb: float = 25.0, reduce_scatter_buffers: int = MAX_IN_FLIGHT) -> dict:
     """One rank's peak on the device, by component: the model states (the stage's formula), and on top of them the
     most of four moments --
       the start of backward: every block's activations (checkpointed: inputs), the head's, and the loss's gradient
@@ -240,7 +241,8 @@ def smallest_change(plan: Plan, fits_with) -> Plan | None:
 
 
 def fits(psi: float, shape: Shape, plan: Plan, gpu_bytes: float, precision: str = "bf16",
-         optimizer: str = "adam", bucket_mb: float = 25.0, reduce_scatter_buffers: int = 1) -> tuple[dict, Plan | None]:
+         optimizer: str = "adam", bucket_mb: float = 25.0,
+         reduce_scatter_buffers: int = MAX_IN_FLIGHT) -> tuple[dict, Plan | None]:
     """``(the peak by component, the smallest change that fits -- the plan itself if it fits, None if nothing
     tried fits)``."""
     def peak(p: Plan) -> dict:
